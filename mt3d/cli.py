@@ -1,0 +1,143 @@
+"""The ``mt3d`` command (also ``python -m mt3d``): one sub-command per task, each with --help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from .model.config import ModelConfigError
+    from .parallel.topology import TopologyError
+
+    return (UsageError, TopologyError, ModelConfigError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+# --- topo ----------------------------------------------------------------------------------
+TOPO_EXAMPLES = """examples:
+  mt3d topo --world-size 16 --gpus-per-node 8 --tp 2 --pp 2
+  mt3d topo --world-size 2240 --gpus-per-node 8 --tp 8 --pp 35 --model mtnlg-530b --json
+  mt3d topo --hostfile launch/hostfile.example --tp 2 --pp 2
+  mt3d topo --world-size 8 --tp 2 --islands '0,2;1,3;4,6;5,7'
+  nvidia-smi topo -m > topo.txt; mt3d topo --world-size 8 --tp 2 --nvidia-smi-topo topo.txt
+"""
+
+
+def _add_topo(sub) -> None:
+    p = sub.add_parser(
+        "topo",
+        help="show the rank mapping, every group, and which groups cross hosts",
+        description="Show how ranks map to (tp, dp, pp) coordinates and hosts, every process group, "
+        "and how many groups cross host boundaries.",
+        epilog=TOPO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--world-size", type=int, help="total ranks (default: the hostfile's slots)")
+    p.add_argument("--gpus-per-node", type=int, help="ranks per host for uniform hosts (default: one host)")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N' per line); hosts may be uneven")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--order", default="tp-dp-pp", help="axis nesting, innermost first (default tp-dp-pp)")
+    p.add_argument("--islands", help="NVLink islands as local ranks, e.g. '0,1;2,3;4,5;6,7'")
+    p.add_argument("--nvidia-smi-topo", metavar="FILE", help="file with 'nvidia-smi topo -m' output to find islands")
+    p.add_argument("--allow-crossing", action="store_true", help="warn instead of failing when TP must cross hosts")
+    p.add_argument("--model", help="preset name, for the cross-host traffic estimate (e.g. gpt3-1.3b)")
+    p.add_argument("--seq-len", type=int, help="sequence length for the estimate (default: the model's)")
+    p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for the estimate (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step for the estimate (default 1)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (see DESIGN.md)")
+    p.set_defaults(func=cmd_topo)
+
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    """``mt3d topo``."""
+    from pathlib import Path
+
+    from .parallel import topology as T
+    from .presets import get_preset
+
+    hosts = T.read_hostfile(args.hostfile) if args.hostfile else None
+    world = args.world_size or (sum(h.slots for h in hosts) if hosts else None)
+    if world is None:
+        raise UsageError("give --world-size or --hostfile")
+    islands = None
+    if args.islands and args.nvidia_smi_topo:
+        raise UsageError("give --islands or --nvidia-smi-topo, not both")
+    if args.islands:
+        islands = T.parse_islands(args.islands)
+    elif args.nvidia_smi_topo:
+        path = Path(args.nvidia_smi_topo)
+        if not path.is_file():
+            raise FileNotFoundError(f"nvidia-smi topo file not found: {path}")
+        islands = T.parse_nvidia_smi_topo(path.read_text())
+    topo = T.map_ranks(
+        world,
+        args.tp,
+        args.pp,
+        gpus_per_node=args.gpus_per_node,
+        hosts=hosts,
+        order=args.order,
+        islands=islands,
+        allow_crossing=args.allow_crossing,
+    )
+    traffic = None
+    if args.model:
+        cfg = get_preset(args.model)
+        cfg.check_parallel(args.tp, args.pp)
+        traffic = T.TrafficModel(
+            layers=cfg.layers,
+            hidden=cfg.hidden,
+            seq_len=args.seq_len or cfg.max_seq_len,
+            micro_batch=args.micro_batch,
+            micro_batches=args.grad_accum,
+            params=cfg.num_params(),
+        )
+    report = T.describe(topo, traffic)
+    print(json.dumps(report) if args.json else T.format_report(report))
+    return 0
+
+
+COMMANDS: list[Callable] = [_add_topo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (sub-commands registered by COMMANDS)."""
+    parser = argparse.ArgumentParser(
+        prog="mt3d",
+        description="3D-parallel (tensor x pipeline x ZeRO data) LLM training on DeepSpeed.",
+        epilog="Run 'mt3d <command> --help' for a command's options and examples.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse, run, and turn known bad-input errors into one line + exit code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    import warnings
+
+    # Layout notes are part of every report; no need to repeat them as Python warnings.
+    warnings.filterwarnings("ignore", message="mt3d topology")
+    try:
+        return int(args.func(args) or 0)
+    except _known_errors() as e:
+        print(f"mt3d {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""Transformer math: norms, RoPE, attention, MLP, blocks, embeddings and the LM head.
+
+Written once for GPT-2 and Llama (chosen by ModelConfig) with tensor parallelism injected through
+a ``BuildContext``: with a one-rank TP group every layer is the plain single-process model, which
+is the reference the parallel runs are compared against. Activations are ``[batch, seq, hidden]``;
+with sequence parallelism the residual stream between blocks is a sequence shard
+``[batch, seq/tp, hidden]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.layers import (
+    ColumnParallelLinear,
+    NormalInit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark_sequence_parallel,
+    mark_tp,
+    pad_vocab,
+)
+from ..parallel.mappings import copy_to_tp, gather_from_sequence
+from ..parallel.random import RNGTracker
+from ..parallel.state import AxisGroup
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a layer needs to know about parallelism and initialisation; passed explicitly.
+
+    Attributes:
+        tp: the tensor-parallel group (``AxisGroup.alone`` for the single-process model).
+        seed: base seed of the weight init; every parameter's stream is derived from
+            (seed, layer index, parameter name), so any layout starts from the same weights.
+        sequence_parallel: shard the residual stream over the sequence between TP regions.
+        tracker: TP-aware RNG for dropout inside TP regions (None: dropout uses default RNG).
+        vocab_multiple: pad the vocabulary to a multiple of this times tp.
+        dtype, device: of the parameters.
+    """
+
+    tp: AxisGroup
+    seed: int = 1234
+    sequence_parallel: bool = False
+    tracker: RNGTracker | None = field(default=None, compare=False)
+    vocab_multiple: int = 128
+    dtype: torch.dtype = torch.float32
+    device: str | None = None
+
+    def init(self, layer: int, name: str, std: float) -> NormalInit:
+        """The init of one parameter, independent of the layout."""
+        return NormalInit(std, (self.seed * 1_000_003 + layer * 7919 + zlib.crc32(name.encode())) % 2**61)
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism actually in effect (needs tp > 1)."""
+        return self.sequence_parallel and self.tp.size > 1
+
+    def tp_region_rng(self):
+        """Context for random ops whose result must differ per TP rank."""
+        return self.tracker.fork() if self.tracker is not None else contextlib.nullcontext()
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich 2019)."""
+
+    def __init__(self, hidden: int, eps: float, dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dimension, computing in fp32."""
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
+    """The configured norm; its parameters are marked sequence-parallel when SP is on."""
+    if cfg.norm == "rmsnorm":
+        norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=ctx.dtype, device=ctx.device)
+    else:
+        norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=ctx.dtype, device=ctx.device)
+    if ctx.sp:
+        for p in norm.parameters():
+            mark_sequence_parallel(p, ctx.tp)
+    return norm
+
+
+def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
+    """RoPE inverse frequencies, with HF-compatible 'linear', 'dynamic' and 'llama3' scaling."""
+    d = cfg.head_dim
+    base = cfg.rope_theta
+    sc = dict(cfg.rope_scaling or {})
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "dynamic" and seq_len > cfg.max_seq_len:
+        f = sc["factor"]
+        base = base * ((f * seq_len / cfg.max_seq_len) - (f - 1)) ** (d / (d - 2))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        f, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / f + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind not in ("default", "dynamic"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, dynamic, llama3)")
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension (the HF/Llama RoPE convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype) -> tuple:
+    """cos/sin tables [s, head_dim] for the given positions."""
+    inv = rope_inv_freq(cfg, seq_len).to(positions.device)
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; heads and KV groups split over TP (QKV column-, output row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
+        super().__init__()
+        tp = ctx.tp.size
+        self.cfg, self.ctx = cfg, ctx
+        self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden,
+            cfg.q_size + 2 * cfg.kv_size,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=ctx.sp,
+            init=ctx.init(layer, "attn.qkv", cfg.init_std),
+            parts=(cfg.q_size, cfg.kv_size, cfg.kv_size),
+            dtype=ctx.dtype,
+            device=ctx.device,
+        )
+        self.out = RowParallelLinear(
+            cfg.q_size,
+            cfg.hidden,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=ctx.sp,
+            init=ctx.init(layer, "attn.out", out_std),
+            dtype=ctx.dtype,
+            device=ctx.device,
+        )
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        kv = self.kv_heads * self.head_dim
+        q, k, v = qkv.split([self.heads * self.head_dim, kv, kv], dim=-1)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        past = cache.length if cache is not None else 0
+        if self.cfg.position == "rope":
+            pos = torch.arange(past, past + s, device=x.device)
+            cos, sin = rope_cos_sin(self.cfg, pos, past + s, q.dtype)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self, k, v)
+        drop = self.cfg.attention_dropout if self.training else 0.0
+        rng = self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext()
+        with rng:
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=drop,
+                is_causal=past == 0 and s > 1,
+                attn_mask=_offset_causal_mask(s, k.shape[2], x.device) if past and s > 1 else None,
+                enable_gqa=self.kv_heads != self.heads,
+            )
+        o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.out(o)
+
+
+def _offset_causal_mask(s: int, total: int, device) -> torch.Tensor:
+    """Boolean mask for s new queries at the end of a total-long key sequence."""
+    q = torch.arange(total - s, total, device=device)[:, None]
+    return torch.arange(total, device=device)[None, :] <= q
+
+
+class MLP(nn.Module):
+    """GELU (tanh) 2-layer MLP or SwiGLU; inner dimension split over TP."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        parts = (cfg.ffn, cfg.ffn) if self.swiglu else (cfg.ffn,)
+        self.up = ColumnParallelLinear(
+            cfg.hidden,
+            sum(parts),
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=ctx.sp,
+            init=ctx.init(layer, "mlp.up", cfg.init_std),
+            parts=parts,
+            dtype=ctx.dtype,
+            device=ctx.device,
+        )
+        self.down = RowParallelLinear(
+            cfg.ffn,
+            cfg.hidden,
+            tp=ctx.tp,
+            bias=cfg.bias,
+            sequence_parallel=ctx.sp,
+            init=ctx.init(layer, "mlp.down", cfg.init_std / math.sqrt(2 * cfg.layers)),
+            dtype=ctx.dtype,
+            device=ctx.device,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, h] -> [b, s, h] (sequence shards with SP)."""
+        y = self.up(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return self.down(y)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x)))."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
+        super().__init__()
+        self.ctx, self.layer = ctx, layer
+        self.p = cfg.hidden_dropout
+        self.norm1 = make_norm(cfg, ctx)
+        self.attn = Attention(cfg, ctx, layer)
+        self.norm2 = make_norm(cfg, ctx)
+        self.mlp = MLP(cfg, ctx, layer)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        # Replicated stream: same mask on every TP rank (default RNG). With SP each rank holds
+        # different positions, so it draws from its own TP-rank stream instead.
+        with self.ctx.tp_region_rng() if self.ctx.sp else contextlib.nullcontext():
+            return F.dropout(x, self.p, True)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """[b, s, h] -> [b, s, h] (sequence shards with SP)."""
+        x = x + self._drop(self.attn(self.norm1(x), cache))
+        return x + self._drop(self.mlp(self.norm2(x)))
+
+
+class WordEmbedding(nn.Module):
+    """Vocab-parallel token embedding; also the tied LM head (``logits``)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.embed = VocabParallelEmbedding(
+            vocab_size,
+            cfg.hidden,
+            tp=ctx.tp,
+            padded_vocab_size=pad_vocab(vocab_size, ctx.tp.size, ctx.vocab_multiple),
+            sequence_parallel=ctx.sp,
+            init=ctx.init(-1, "embed.word", cfg.init_std),
+            dtype=ctx.dtype,
+            device=ctx.device,
+        )
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The [V_pad/tp, h] shard."""
+        return self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] ids -> [b, s, h] ([b, s/tp, h] with SP)."""
+        return self.embed(ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states -> this rank's vocabulary slice of the logits [b, s, V_pad/tp]."""
+        return lm_logits(x, self.weight, self.ctx)
+
+
+def lm_logits(x: torch.Tensor, weight: torch.Tensor, ctx: BuildContext) -> torch.Tensor:
+    """Vocab-parallel output projection: the input gradient is summed over TP."""
+    x = gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp)
+    return F.linear(x, weight)
+
+
+class PositionsAndDropout(nn.Module):
+    """Adds learned positions (GPT-2) and applies embedding dropout, after the word embedding."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
+        super().__init__()
+        self.ctx, self.p = ctx, cfg.hidden_dropout
+        self.pos = None
+        if cfg.position == "learned":
+            w = ctx.init(-1, "embed.pos", cfg.init_std).rows(0, cfg.max_seq_len, cfg.hidden, ctx.dtype)
+            self.pos = nn.Parameter(w.to(ctx.device))
+            if ctx.sp:  # each rank adds the rows of its own positions: partial gradients
+                mark_sequence_parallel(self.pos, ctx.tp)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Hidden [b, s', h] (s' = s/tp with SP) -> same shape."""
+        if self.pos is not None:
+            s = x.shape[1]
+            start = offset + (self.ctx.tp.rank * s if self.ctx.sp else 0)
+            if start + s > self.pos.shape[0]:
+                raise ValueError(f"sequence of {start + s} tokens exceeds max_seq_len {self.pos.shape[0]}")
+            x = x + self.pos[start : start + s]
+        if self.training and self.p > 0:
+            with self.ctx.tp_region_rng() if self.ctx.sp else contextlib.nullcontext():
+                x = F.dropout(x, self.p, True)
+        return x
+
+
+class LMHead(nn.Module):
+    """Untied output projection, vocabulary split over TP (padded rows zero)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int) -> None:
+        super().__init__()
+        self.ctx = ctx
+        padded = pad_vocab(vocab_size, ctx.tp.size, ctx.vocab_multiple)
+        w = ctx.init(-1, "lm_head", cfg.init_std).shard(
+            (padded, cfg.hidden), 0, ctx.tp.rank, ctx.tp.size, ctx.dtype, valid_rows=vocab_size
+        )
+        self.weight = mark_tp(nn.Parameter(w.to(ctx.device)), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden -> local logits [b, s, V_pad/tp]."""
+        return lm_logits(x, self.weight, self.ctx)
+
+
+class FinalNorm(nn.Module):
+    """The norm after the last block."""
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
+        super().__init__()
+        self.norm = make_norm(cfg, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the residual stream."""
+        return self.norm(x)
+
+
+__all__ = [
+    "Attention",
+    "BuildContext",
+    "FinalNorm",
+    "LMHead",
+    "MLP",
+    "PositionsAndDropout",
+    "RMSNorm",
+    "TransformerBlock",
+    "WordEmbedding",
+    "lm_logits",
+    "make_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+]

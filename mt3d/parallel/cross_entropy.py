@@ -1,0 +1,78 @@
+"""Vocab-parallel cross entropy: the loss over logits split by vocabulary across TP ranks.
+
+No rank ever holds the full-vocabulary logits: each reduces its own slice and three small
+all-reduces over TP (max, sum of exponentials, target logit) give the exact loss. Logit columns
+at or beyond ``vocab_size`` (vocabulary padding) are excluded. Targets equal to ``ignore_index``
+get zero loss and zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mappings import all_reduce
+from .state import AxisGroup
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss over a vocab-split logits tensor; backward is softmax minus one-hot."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp, vocab_size, ignore_index):
+        per = logits.shape[-1]
+        start = tp.rank * per
+        logits = logits.float()
+        padded = torch.arange(start, start + per, device=logits.device) >= vocab_size
+        if padded.any():
+            logits = logits.masked_fill(padded, float("-inf"))
+        # The max is only a shift for stability; any value common to all ranks is exact.
+        shift = logits.max(dim=-1).values
+        if tp.size > 1:
+            torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=tp.group)
+        exp = torch.exp(logits - shift.unsqueeze(-1))
+        sum_exp = all_reduce(exp.sum(dim=-1), tp)
+
+        ignored = target == ignore_index
+        local_t = target - start
+        mine = (local_t >= 0) & (local_t < per) & ~ignored
+        idx = local_t.clamp(0, per - 1).unsqueeze(-1)
+        target_logit = torch.where(mine, torch.gather(logits, -1, idx).squeeze(-1) - shift, 0.0)
+        target_logit = all_reduce(target_logit, tp)
+
+        loss = torch.log(sum_exp) - target_logit
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, idx, mine, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, mine, ignored = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, idx, -mine.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * ~ignored).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp: AxisGroup,
+    vocab_size: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Per-token cross entropy (fp32) of ``logits`` [..., V_pad/tp] (this rank's slice) vs ``target`` [...].
+
+    ``vocab_size`` is the real vocabulary: padded columns never count. Ignored targets give 0.
+    The gradient returned to ``logits`` has the logits' dtype.
+    """
+    loss = _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
+    return loss
+
+
+def mean_loss(per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean over the tokens that are not ignored (0 when all are)."""
+    count = (target != ignore_index).sum().clamp(min=1)
+    return per_token.sum() / count

@@ -1,0 +1,274 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Weights are initialised so that a shard equals the same slice of the unsharded weight drawn with
+the same seed: the full tensor is defined block by block (``BLOCK_ROWS`` rows per block, each from
+its own seeded generator), and a rank draws only the blocks its shard touches. So tp = 1 and
+tp = N start from the same model, and no rank ever holds more than one block beyond its shard.
+
+Split parameters carry ``tensor_model_parallel = True`` (with ``partition_dim``) so DeepSpeed's
+gradient-norm code counts them on every TP rank; replicated ones are counted on TP rank 0 only.
+With sequence parallelism, replicated parameters whose gradients come from a sequence shard are
+marked ``sequence_parallel = True``; their gradients are summed over TP by a hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mappings import (
+    all_reduce,
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_tp,
+)
+from .state import AxisGroup
+
+BLOCK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class NormalInit:
+    """N(0, std) initialisation, reproducible per ``seed`` whatever the sharding."""
+
+    std: float
+    seed: int
+
+    def part(self, index: int) -> NormalInit:
+        """The init of part ``index`` of a fused weight (an independent stream per part)."""
+        return NormalInit(self.std, _mix(self.seed, 1_000_003 + index))
+
+    def rows(self, start: int, stop: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the full weight (``cols`` wide), drawn block by block."""
+        parts = []
+        first, last = start // BLOCK_ROWS, (stop - 1) // BLOCK_ROWS
+        for b in range(first, last + 1):
+            gen = torch.Generator().manual_seed(_mix(self.seed, b))
+            block = torch.empty(BLOCK_ROWS, cols, dtype=torch.float32).normal_(0.0, self.std, generator=gen)
+            lo, hi = max(start, b * BLOCK_ROWS) - b * BLOCK_ROWS, min(stop, (b + 1) * BLOCK_ROWS) - b * BLOCK_ROWS
+            parts.append(block[lo:hi])
+        return torch.cat(parts).to(dtype)
+
+    def shard(
+        self, full_shape: tuple[int, int], dim: int, rank: int, world: int, dtype: torch.dtype, valid_rows=None
+    ) -> torch.Tensor:
+        """This rank's shard (along ``dim``) of the full ``full_shape`` weight.
+
+        ``valid_rows`` (for padded vocabularies) zeroes rows at or beyond that index.
+        """
+        rows, cols = full_shape
+        if dim == 0:
+            per = rows // world
+            lo, hi = rank * per, (rank + 1) * per
+            out = self.rows(lo, hi, cols, dtype)
+            if valid_rows is not None:
+                out[max(0, valid_rows - lo) :] = 0
+            return out
+        per = cols // world
+        out = torch.empty(rows, per, dtype=dtype)
+        for start in range(0, rows, BLOCK_ROWS):
+            stop = min(rows, start + BLOCK_ROWS)
+            out[start:stop] = self.rows(start, stop, cols, dtype)[:, rank * per : (rank + 1) * per]
+        return out
+
+
+def _mix(seed: int, block: int) -> int:
+    """A 63-bit seed for one block, decorrelated from neighbouring (seed, block) pairs."""
+    x = (seed * 0x9E3779B97F4A7C15 + block * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    return (x ^ (x >> 32)) & (2**63 - 1)
+
+
+def _divide(n: int, world: int, what: str) -> int:
+    if n % world:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor-parallel size {world}")
+    return n // world
+
+
+def mark_tp(p: nn.Parameter, dim: int) -> nn.Parameter:
+    """Mark a parameter as split over TP along ``dim`` (DeepSpeed counts it on every TP rank)."""
+    p.tensor_model_parallel = True
+    p.partition_dim = dim
+    return p
+
+
+def mark_sequence_parallel(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
+    """Sum this replicated parameter's gradient over TP (it was computed on a sequence shard)."""
+    p.sequence_parallel = True
+    if tp.size > 1:
+        p.register_hook(lambda grad: all_reduce(grad.clone(), tp))
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) over TP: Y_i = X A_i + b_i.
+
+    Args:
+        in_features, out_features: sizes of the unsharded layer.
+        tp: the tensor-parallel group.
+        bias: add a bias (split like the output).
+        gather_output: all-gather Y so every rank holds all output features.
+        sequence_parallel: the input is sharded over the sequence; all-gather it (reduce-scatter
+            its gradient) instead of the f identity/all-reduce.
+        init: weight initialisation (the unsharded tensor is [out_features, in_features]).
+        parts: sizes of fused outputs that are split over TP independently (e.g. (q, k, v) or
+            (gate, up)); the local weight is the concatenation of each part's shard, so every
+            rank holds matching slices of every part. Default: one part.
+        dtype, device: of the local parameters.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: AxisGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        init: NormalInit,
+        parts: tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.parts = tuple(parts or (out_features,))
+        if sum(self.parts) != out_features:
+            raise ValueError(f"parts {self.parts} do not add up to out_features {out_features}")
+        if gather_output and len(self.parts) > 1:
+            raise ValueError("gather_output is not supported for fused parts")
+        self.out_per_rank = sum(_divide(p, tp.size, "output features") for p in self.parts)
+        inits = [init] if len(self.parts) == 1 else [init.part(i) for i in range(len(self.parts))]
+        w = torch.cat(
+            [ini.shard((p, in_features), 0, tp.rank, tp.size, dtype) for ini, p in zip(inits, self.parts)]
+        )
+        self.weight = mark_tp(nn.Parameter(w.to(device)), 0)
+        self.bias = mark_tp(nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device)), 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
+        x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features) over TP: Y = sum_i X_i A_i + b.
+
+    Args:
+        in_features, out_features: sizes of the unsharded layer.
+        tp: the tensor-parallel group.
+        bias: add a bias after the reduction (replicated, not split).
+        input_is_parallel: the input is already split over its last dimension (the usual case,
+            after a ColumnParallelLinear); otherwise it is split here.
+        sequence_parallel: reduce-scatter over the sequence instead of all-reducing.
+        init: weight initialisation (the unsharded tensor is [out_features, in_features]).
+        dtype, device: of the local parameters.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: AxisGroup,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        init: NormalInit,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp, self.input_is_parallel, self.sequence_parallel = tp, input_is_parallel, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        _divide(in_features, tp.size, "input features")
+        w = init.shard((out_features, in_features), 1, tp.rank, tp.size, dtype)
+        self.weight = mark_tp(nn.Parameter(w.to(device)), 1)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, in/tp] -> [b, s, out] (or [b, s/tp, out] with SP)."""
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
+
+
+def pad_vocab(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Vocabulary padded to a multiple of ``multiple * tp_size`` (Megatron's make-vocab-divisible-by)."""
+    unit = multiple * tp_size
+    return -(-vocab_size // unit) * unit
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split over TP.
+
+    Each rank looks up the ids in its vocabulary range, zeroes the others, and the partial
+    embeddings are summed over TP (reduce-scattered over the sequence with SP). Padded rows are
+    zero and are never looked up.
+
+    Args:
+        vocab_size: real vocabulary size.
+        hidden: embedding width.
+        tp: the tensor-parallel group.
+        padded_vocab_size: total rows; default ``pad_vocab(vocab_size, tp.size)``.
+        sequence_parallel: return a sequence shard (reduce-scatter) instead of the full sequence.
+        init: initialisation of the real rows ([vocab, hidden] unsharded).
+        dtype, device: of the local parameters.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        *,
+        tp: AxisGroup,
+        padded_vocab_size: int | None = None,
+        sequence_parallel: bool = False,
+        init: NormalInit,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.vocab_size, self.hidden = vocab_size, hidden
+        self.padded_vocab_size = padded_vocab_size or pad_vocab(vocab_size, tp.size)
+        if self.padded_vocab_size < vocab_size:
+            raise ValueError(f"padded vocab {self.padded_vocab_size} is smaller than the vocab {vocab_size}")
+        per = _divide(self.padded_vocab_size, tp.size, "padded vocabulary")
+        self.vocab_start, self.vocab_end = tp.rank * per, (tp.rank + 1) * per
+        w = init.shard((self.padded_vocab_size, hidden), 0, tp.rank, tp.size, dtype, valid_rows=vocab_size)
+        self.weight = mark_tp(nn.Parameter(w.to(device)), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [b, s, hidden] (or [b, s/tp, hidden] with SP)."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sequence(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size} (padded {self.padded_vocab_size}), hidden={self.hidden}, tp={self.tp.size}"

@@ -1,0 +1,215 @@
+"""Megatron's tensor-parallel collectives as autograd functions (Shoeybi et al. 2019, Fig. 3).
+
+Every function takes the TP ``AxisGroup`` explicitly; a group of size 1 makes each of them the
+identity, so the same model code is the single-process reference. Activations are batch-first,
+``[batch, seq, hidden]``: the sequence-parallel functions split and gather dimension 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import AxisGroup
+
+SEQ_DIM = 1
+
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives (older names deprecated); older torch,
+# as on GPU images, has only the old ones. Looked up per call so CollectiveLog can observe them.
+def _all_gather_single(out, inp, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out, inp, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group)
+
+
+def all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Sum ``x`` over the group in place (no-op for one rank)."""
+    if g.size > 1:
+        dist.all_reduce(x, group=g.group)
+    return x
+
+
+def _split(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    if x.shape[dim] % g.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by tp={g.size}")
+    return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+def _gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((g.size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, front, group=g.group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()
+    if front.shape[0] % g.size:
+        raise ValueError(f"dimension {dim} of size {front.shape[0]} is not divisible by tp={g.size}")
+    out = torch.empty((front.shape[0] // g.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, front, group=g.group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward (entry of a TP region)."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.g), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (exit of a TP region)."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        return all_reduce(x.contiguous().clone() if g.size > 1 else x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Split the last dimension forward, all-gather it backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split(x, g, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.g, -1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather the last dimension forward, split it backward."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _gather(x, g, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.g, -1), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Split the sequence forward, all-gather it backward (enter the sequence-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split(x, g, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.g, SEQ_DIM), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """SP g-bar: all-gather the sequence forward, reduce-scatter the gradient backward.
+
+    Used in front of a column-parallel linear: each TP rank's input gradient is a partial sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _gather(x, g, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.g, SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """SP g: reduce-scatter over the sequence forward, all-gather backward (after a row-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _reduce_scatter(x, g, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.g, SEQ_DIM), None
+
+
+class _GatherFromSequenceReplicated(torch.autograd.Function):
+    """All-gather the sequence forward, keep this rank's slice of the gradient backward.
+
+    For leaving the SP region when every TP rank then computes the same thing on the full
+    sequence (e.g. the final norm output feeding a replicated consumer).
+    """
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _gather(x, g, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.g, SEQ_DIM), None
+
+
+def copy_to_tp(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """f: identity forward, all-reduce backward."""
+    return _CopyToTP.apply(x, g) if g.size > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return _ReduceFromTP.apply(x, g) if g.size > 1 else x
+
+
+def scatter_to_tp(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; gradient all-gathered."""
+    return _ScatterToTP.apply(x, g) if g.size > 1 else x
+
+
+def gather_from_tp(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """All-gather the last dimension; gradient split."""
+    return _GatherFromTP.apply(x, g) if g.size > 1 else x
+
+
+def scatter_to_sequence(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Keep this rank's slice of the sequence; gradient all-gathered."""
+    return _ScatterToSequence.apply(x, g) if g.size > 1 else x
+
+
+def gather_from_sequence(x: torch.Tensor, g: AxisGroup, *, grad_is_partial: bool = True) -> torch.Tensor:
+    """All-gather the sequence.
+
+    With ``grad_is_partial`` (the consumer is tensor-parallel) the gradient is reduce-scattered;
+    otherwise each rank keeps its slice of an identical gradient.
+    """
+    if g.size == 1:
+        return x
+    fn = _GatherFromSequence if grad_is_partial else _GatherFromSequenceReplicated
+    return fn.apply(x, g)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Reduce-scatter over the sequence; gradient all-gathered."""
+    return _ReduceScatterToSequence.apply(x, g) if g.size > 1 else x
