@@ -18,7 +18,14 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .model.config import ModelConfigError
     from .parallel.topology import TopologyError
 
-    return (UsageError, TopologyError, ModelConfigError, FileNotFoundError, NotADirectoryError, PermissionError)
+    return (
+        UsageError,
+        TopologyError,
+        ModelConfigError,
+        FileNotFoundError,
+        NotADirectoryError,
+        PermissionError,
+    )
 
 
 # --- topo ----------------------------------------------------------------------------------
@@ -47,12 +54,18 @@ def _add_topo(sub) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--order", default="tp-dp-pp", help="axis nesting, innermost first (default tp-dp-pp)")
     p.add_argument("--islands", help="NVLink islands as local ranks, e.g. '0,1;2,3;4,5;6,7'")
-    p.add_argument("--nvidia-smi-topo", metavar="FILE", help="file with 'nvidia-smi topo -m' output to find islands")
-    p.add_argument("--allow-crossing", action="store_true", help="warn instead of failing when TP must cross hosts")
+    p.add_argument(
+        "--nvidia-smi-topo", metavar="FILE", help="file with 'nvidia-smi topo -m' output to find islands"
+    )
+    p.add_argument(
+        "--allow-crossing", action="store_true", help="warn instead of failing when TP must cross hosts"
+    )
     p.add_argument("--model", help="preset name, for the cross-host traffic estimate (e.g. gpt3-1.3b)")
     p.add_argument("--seq-len", type=int, help="sequence length for the estimate (default: the model's)")
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for the estimate (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step for the estimate (default 1)")
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per step for the estimate (default 1)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output (see DESIGN.md)")
     p.set_defaults(func=cmd_topo)
 

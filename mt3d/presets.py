@@ -13,7 +13,13 @@ from .model.config import ModelConfig, ModelConfigError
 
 _GPT = dict(position="learned", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
 _LLAMA = dict(
-    position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0
+    position="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    tie_embeddings=False,
+    norm_eps=1e-5,
+    rope_theta=10000.0,
 )
 
 PRESETS: dict[str, dict] = {
@@ -27,9 +33,15 @@ PRESETS: dict[str, dict] = {
     "megatron-8.3b": dict(hidden=3072, layers=72, heads=32, vocab_size=50257, max_seq_len=1024, **_GPT),
     "gpt3-175b": dict(hidden=12288, layers=96, heads=96, vocab_size=50257, max_seq_len=2048, **_GPT),
     "mtnlg-530b": dict(hidden=20480, layers=105, heads=128, vocab_size=50257, max_seq_len=2048, **_GPT),
-    "llama-1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab_size=32000, max_seq_len=2048, **_LLAMA),
-    "llama-7b": dict(hidden=4096, layers=32, heads=32, ffn=11008, vocab_size=32000, max_seq_len=4096, **_LLAMA),
-    "llama-13b": dict(hidden=5120, layers=40, heads=40, ffn=13824, vocab_size=32000, max_seq_len=4096, **_LLAMA),
+    "llama-1b": dict(
+        hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab_size=32000, max_seq_len=2048, **_LLAMA
+    ),
+    "llama-7b": dict(
+        hidden=4096, layers=32, heads=32, ffn=11008, vocab_size=32000, max_seq_len=4096, **_LLAMA
+    ),
+    "llama-13b": dict(
+        hidden=5120, layers=40, heads=40, ffn=13824, vocab_size=32000, max_seq_len=4096, **_LLAMA
+    ),
     "llama-70b": dict(
         hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab_size=32000, max_seq_len=4096, **_LLAMA
     ),

@@ -215,7 +215,9 @@ def test_hostfile_errors(tmp_path):
 
 def test_cross_host_bytes_follow_formulas():
     topo = map_ranks(16, 2, 2, gpus_per_node=8)  # tp and dp inside nodes, pp across
-    tm = TrafficModel(layers=24, hidden=1024, seq_len=1024, micro_batch=2, micro_batches=8, params=350_000_000)
+    tm = TrafficModel(
+        layers=24, hidden=1024, seq_len=1024, micro_batch=2, micro_batches=8, params=350_000_000
+    )
     b = cross_host_bytes(topo, tm)
     act = 2 * 1024 * 1024 * 2
     assert b["tp"] == 0 and b["dp"] == 0

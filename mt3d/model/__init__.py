@@ -1,0 +1,1 @@
+"""Model definitions: architecture config, transformer blocks, pipeline assembly, HF adapters."""

@@ -142,6 +142,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
         super().__init__()
         tp = ctx.tp.size
+        cfg.check_parallel(tp, 1)
         self.cfg, self.ctx = cfg, ctx
         self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)

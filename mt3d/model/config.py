@@ -77,7 +77,11 @@ class ModelConfig:
 
     def check(self) -> None:
         """Validate values that do not depend on the parallel layout."""
-        choices = {"position": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu")}
+        choices = {
+            "position": ("learned", "rope"),
+            "norm": ("layernorm", "rmsnorm"),
+            "mlp": ("gelu", "swiglu"),
+        }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ModelConfigError(f"model.{key} must be one of {allowed}, got {getattr(self, key)!r}")
@@ -104,7 +108,9 @@ class ModelConfig:
         if self.ffn % tp:
             raise ModelConfigError(f"ffn size ({self.ffn}) is not divisible by tp={tp}")
         if self.layers < pp:
-            raise ModelConfigError(f"{self.layers} layers cannot fill {pp} pipeline stages; use pp <= {self.layers}")
+            raise ModelConfigError(
+                f"{self.layers} layers cannot fill {pp} pipeline stages; use pp <= {self.layers}"
+            )
 
     # --- counting ------------------------------------------------------------------------
     @property

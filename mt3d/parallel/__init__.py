@@ -1,0 +1,1 @@
+"""Parallelism core: rank mapper, process groups, TP collectives and layers, RNG, harness."""

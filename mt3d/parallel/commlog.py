@@ -89,8 +89,10 @@ class CollectiveLog:
         @functools.wraps(orig)
         def recorded(*args, **kwargs):
             group = kwargs.get("group")
-            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-                range(dist.get_world_size())
+            ranks = (
+                tuple(dist.get_process_group_ranks(group))
+                if group is not None
+                else tuple(range(dist.get_world_size()))
             )
             numel, nbytes = _message(args, kwargs, index)
             self.calls.append(Collective(name, numel, nbytes, ranks))
@@ -100,4 +102,6 @@ class CollectiveLog:
 
     def select(self, op: str | None = None, ranks: tuple[int, ...] | None = None) -> list[Collective]:
         """Calls matching an op name (exact) and/or a group."""
-        return [c for c in self.calls if (op is None or c.op == op) and (ranks is None or c.ranks == tuple(ranks))]
+        return [
+            c for c in self.calls if (op is None or c.op == op) and (ranks is None or c.ranks == tuple(ranks))
+        ]

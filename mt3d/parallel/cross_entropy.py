@@ -23,7 +23,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, tp, vocab_size, ignore_index):
         per = logits.shape[-1]
         start = tp.rank * per
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax is computed in at least fp32
         padded = torch.arange(start, start + per, device=logits.device) >= vocab_size
         if padded.any():
             logits = logits.masked_fill(padded, float("-inf"))
@@ -63,16 +64,19 @@ def vocab_parallel_cross_entropy(
     vocab_size: int,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Per-token cross entropy (fp32) of ``logits`` [..., V_pad/tp] (this rank's slice) vs ``target`` [...].
+    """Per-token cross entropy (at least fp32) of this rank's logits slice vs ``target``.
 
-    ``vocab_size`` is the real vocabulary: padded columns never count. Ignored targets give 0.
+    ``logits`` is [..., V_pad/tp], ``target`` [...]. ``vocab_size`` is the real vocabulary:
+    padded columns never count. Ignored targets give 0.
     The gradient returned to ``logits`` has the logits' dtype.
     """
     loss = _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
     return loss
 
 
-def mean_loss(per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def mean_loss(
+    per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """Mean over the tokens that are not ignored (0 when all are)."""
     count = (target != ignore_index).sum().clamp(min=1)
     return per_token.sum() / count

@@ -51,12 +51,21 @@ class NormalInit:
         for b in range(first, last + 1):
             gen = torch.Generator().manual_seed(_mix(self.seed, b))
             block = torch.empty(BLOCK_ROWS, cols, dtype=torch.float32).normal_(0.0, self.std, generator=gen)
-            lo, hi = max(start, b * BLOCK_ROWS) - b * BLOCK_ROWS, min(stop, (b + 1) * BLOCK_ROWS) - b * BLOCK_ROWS
+            lo, hi = (
+                max(start, b * BLOCK_ROWS) - b * BLOCK_ROWS,
+                min(stop, (b + 1) * BLOCK_ROWS) - b * BLOCK_ROWS,
+            )
             parts.append(block[lo:hi])
         return torch.cat(parts).to(dtype)
 
     def shard(
-        self, full_shape: tuple[int, int], dim: int, rank: int, world: int, dtype: torch.dtype, valid_rows=None
+        self,
+        full_shape: tuple[int, int],
+        dim: int,
+        rank: int,
+        world: int,
+        dtype: torch.dtype,
+        valid_rows=None,
     ) -> torch.Tensor:
         """This rank's shard (along ``dim``) of the full ``full_shape`` weight.
 
@@ -92,11 +101,25 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
-def mark_tp(p: nn.Parameter, dim: int) -> nn.Parameter:
-    """Mark a parameter as split over TP along ``dim`` (DeepSpeed counts it on every TP rank)."""
+def mark_tp(p: nn.Parameter, dim: int, parts: tuple[int, ...] | None = None) -> nn.Parameter:
+    """Mark a parameter as split over TP along ``dim`` (DeepSpeed counts it on every TP rank).
+
+    ``parts`` records fused sub-tensors (full sizes along ``dim``) that are split independently.
+    """
     p.tensor_model_parallel = True
     p.partition_dim = dim
+    p.partition_parts = tuple(parts) if parts and len(parts) > 1 else None
     return p
+
+
+def shard_of(full: torch.Tensor, p: nn.Parameter, rank: int, world: int) -> torch.Tensor:
+    """The slice of an unsharded tensor that ``p`` holds on TP rank ``rank`` (per its marks)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return full
+    dim = p.partition_dim
+    parts = p.partition_parts or (full.shape[dim],)
+    pieces = full.split(list(parts), dim=dim)
+    return torch.cat([x.chunk(world, dim=dim)[rank] for x in pieces], dim=dim)
 
 
 def mark_sequence_parallel(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
@@ -151,8 +174,12 @@ class ColumnParallelLinear(nn.Module):
         w = torch.cat(
             [ini.shard((p, in_features), 0, tp.rank, tp.size, dtype) for ini, p in zip(inits, self.parts)]
         )
-        self.weight = mark_tp(nn.Parameter(w.to(device)), 0)
-        self.bias = mark_tp(nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device)), 0) if bias else None
+        self.weight = mark_tp(nn.Parameter(w.to(device)), 0, self.parts)
+        self.bias = None
+        if bias:
+            self.bias = mark_tp(
+                nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device)), 0, self.parts
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
@@ -160,8 +187,10 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -211,8 +240,10 @@ class RowParallelLinear(nn.Module):
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
+        )
 
 
 def pad_vocab(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
@@ -268,7 +299,12 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_to_sequence(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
+        return (
+            reduce_scatter_to_sequence(out, self.tp)
+            if self.sequence_parallel
+            else reduce_from_tp(out, self.tp)
+        )
 
-    def extra_repr(self) -> str:
-        return f"vocab={self.vocab_size} (padded {self.padded_vocab_size}), hidden={self.hidden}, tp={self.tp.size}"
+    def extra_repr(self) -> str:  # noqa: D102
+        v = f"vocab={self.vocab_size} (padded {self.padded_vocab_size})"
+        return f"{v}, hidden={self.hidden}, tp={self.tp.size}"

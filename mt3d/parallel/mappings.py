@@ -15,7 +15,6 @@ from .state import AxisGroup
 SEQ_DIM = 1
 
 
-
 # torch 2.13 renamed the tensor-in/tensor-out collectives (older names deprecated); older torch,
 # as on GPU images, has only the old ones. Looked up per call so CollectiveLog can observe them.
 def _all_gather_single(out, inp, group):

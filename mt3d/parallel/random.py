@@ -119,7 +119,9 @@ class _Checkpoint(torch.autograd.Function):
             if ctx.tracker is not None:
                 ctx.tracker.set_states(now[1])
         outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
+        pairs = [
+            (o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *([None] * len(rest)))

@@ -42,6 +42,26 @@ def pick_backend(world_size: int) -> str:
     return "gloo"
 
 
+def _pack(obj: Any) -> bytes:
+    # torch's multiprocessing pickler would pass tensors as shared-memory handles owned by the
+    # sending process, which is gone by the time the parent reads them: send plain bytes.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)  # our own children's results
+
+
 def _worker(rank, world_size, port, backend, timeout, env, fn, args, results) -> None:
     os.environ.update(
         {
@@ -65,7 +85,7 @@ def _worker(rank, world_size, port, backend, timeout, env, fn, args, results) ->
             torch.cuda.set_device(rank)
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout), verbose=False)
         out = fn(*args)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", _pack(out)))
         ok = True
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -131,7 +151,9 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
             rank, status, payload = results.get(timeout=0.2)
         except queue_mod.Empty:
             dead = [
-                i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and i not in errors
+                i
+                for i, p in enumerate(procs)
+                if not p.is_alive() and p.exitcode not in (0, None) and i not in errors
             ]
             for i in dead:
                 if i not in out:
@@ -139,12 +161,19 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
                     first_error_at = first_error_at or time.monotonic()
             continue
         if status == "ok":
-            out[rank] = payload
+            out[rank] = _unpack(payload)
         else:
             errors[rank] = payload
             first_error_at = first_error_at or time.monotonic()
     if errors:
-        rank = min(errors)
+        for i, p in enumerate(procs):
+            p.join(timeout=0.5)
+            if p.exitcode not in (0, None) and i not in out and i not in errors:
+                errors[i] = f"process exited with code {p.exitcode} without reporting"
+        # A rank that died silently is the likeliest cause; otherwise the first to report (the
+        # others typically fail in a collective with it).
+        silent = [i for i, e in errors.items() if e.startswith("process exited")]
+        rank = silent[0] if silent else next(iter(errors))
         others = f" (ranks failing: {sorted(errors)})" if len(errors) > 1 else ""
         raise WorkerError(f"rank {rank} failed{others}:\n{errors[rank]}")
     for p in procs:

@@ -64,7 +64,9 @@ class ParallelState:
     def build(cls, topology: MappedTopology) -> ParallelState:
         """Create every group of the topology (a collective: all ranks must call it, same order)."""
         if not dist.is_initialized():
-            raise RuntimeError("ParallelState.build needs torch.distributed initialised (use ParallelState.single)")
+            raise RuntimeError(
+                "ParallelState.build needs torch.distributed initialised (use ParallelState.single)"
+            )
         world, me = dist.get_world_size(), dist.get_rank()
         if world != topology.world:
             raise RuntimeError(

@@ -102,7 +102,9 @@ def parse_nvidia_smi_topo(text: str) -> tuple[tuple[int, ...], ...]:
     first GPU. A GPU without NVLink is an island of its own.
     """
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    header = next((ln for ln in lines if re.match(r"\s+GPU\d+", ln) or ln.lstrip().startswith("GPU0\t")), None)
+    header = next(
+        (ln for ln in lines if re.match(r"\s+GPU\d+", ln) or ln.lstrip().startswith("GPU0\t")), None
+    )
     if header is None:
         raise TopologyError("not 'nvidia-smi topo -m' output: no header line with GPU0 GPU1 ...")
     cols = [c for c in header.split() if re.fullmatch(r"GPU\d+", c)]
@@ -310,7 +312,9 @@ def _packed_placement(
     assignment: dict[tuple[int, int], list[int]] = {}
     deferred: list[int] = []
     for o in range(dims[outer]):
-        host = next((h for h in sorted(k for k in free_by_host if k >= 0) if len(free_by_host[h]) >= block), None)
+        host = next(
+            (h for h in sorted(k for k in free_by_host if k >= 0) if len(free_by_host[h]) >= block), None
+        )
         if host is None:
             deferred.append(o)
             continue
@@ -391,10 +395,14 @@ def map_ranks(
     if crossing and axes[0] != "tp":
         msg = f"order {order} puts {crossing} TP group(s) across hosts"
         if not allow_crossing:
-            raise TopologyError(f"{msg}; put tp innermost (e.g. 'tp-dp-pp') or allow_crossing (--allow-crossing)")
+            raise TopologyError(
+                f"{msg}; put tp innermost (e.g. 'tp-dp-pp') or allow_crossing (--allow-crossing)"
+            )
         notes.append(msg)
     if isl and axes[0] == "tp" and topo.island_crossing_tp():
-        notes.append(f"{topo.island_crossing_tp()} TP group(s) span several NVLink islands (tp={tp} > island size)")
+        notes.append(
+            f"{topo.island_crossing_tp()} TP group(s) span several NVLink islands (tp={tp} > island size)"
+        )
     topo.notes = tuple(notes)
     for n in notes:
         warnings.warn(f"mt3d topology: {n}", stacklevel=2)
@@ -497,7 +505,9 @@ def format_report(report: dict, max_rows: int = 64) -> str:
     ]
     rows = report["ranks"]
     for r in rows[:max_rows]:
-        lines.append(f"{r['rank']:>6} {r['host']:<16} {r['local_rank']:>5} {r['tp']:>4} {r['dp']:>4} {r['pp']:>4}")
+        lines.append(
+            f"{r['rank']:>6} {r['host']:<16} {r['local_rank']:>5} {r['tp']:>4} {r['dp']:>4} {r['pp']:>4}"
+        )
     if len(rows) > max_rows:
         lines.append(f"   ... {len(rows) - max_rows} more ranks (use --json for all)")
     lines.append("")

@@ -1,0 +1,98 @@
+"""A tensor-parallel transformer block: exact collectives (Megatron's 2 + 2) and parity with tp=1."""
+
+import pytest
+import torch
+
+from mt3d.model.blocks import BuildContext, TransformerBlock
+from mt3d.model.config import ModelConfig
+from mt3d.parallel.commlog import CollectiveLog
+from mt3d.parallel.layers import shard_of
+from mt3d.parallel.spawn import spawn
+from mt3d.parallel.state import AxisGroup
+
+B, S = 2, 8
+CONFIGS = {
+    "gpt": dict(hidden=32, layers=2, heads=4, ffn=64, max_seq_len=S),
+    "llama": dict(
+        hidden=32,
+        layers=2,
+        heads=8,
+        kv_heads=4,
+        ffn=48,
+        position="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+    ),
+}
+
+
+def inputs():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(B, S, 32, generator=g), torch.randn(B, S, 32, generator=g)
+
+
+def run_block(tp: AxisGroup, arch: str, sp: bool):
+    cfg = ModelConfig(**CONFIGS[arch])
+    block = TransformerBlock(cfg, BuildContext(tp=tp, seed=5, sequence_parallel=sp), layer=0)
+    x, dy = inputs()
+    if sp and tp.size > 1:
+        x, dy = x.chunk(tp.size, 1)[tp.rank], dy.chunk(tp.size, 1)[tp.rank]
+    x = x.clone().requires_grad_()
+    with CollectiveLog() as fwd:
+        y = block(x)
+    with CollectiveLog() as bwd:
+        y.backward(dy)
+    grads = {n: p.grad.detach().clone() for n, p in block.named_parameters()}
+    log = lambda lg: [(c.op, c.numel, c.ranks) for c in lg.calls]  # noqa: E731
+    return dict(y=y.detach(), dx=x.grad.detach(), grads=grads, fwd=log(fwd), bwd=log(bwd))
+
+
+def worker(arch, sp):
+    import torch.distributed as dist
+
+    from mt3d.parallel.state import ParallelState
+    from mt3d.parallel.topology import map_ranks
+
+    w = dist.get_world_size()
+    return run_block(ParallelState.build(map_ranks(w, tp=w)).tp, arch, sp)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_block_collectives_and_parity(tp, sp):
+    results = {arch: spawn(worker, tp, arch, sp, timeout=180) for arch in CONFIGS}
+    bsh = B * S * 32
+    ranks = tuple(range(tp))
+    for arch, per_rank in results.items():
+        ref = run_block(AxisGroup.alone("tp"), arch, False)
+        cfg = ModelConfig(**CONFIGS[arch])
+        block = TransformerBlock(
+            cfg, BuildContext(tp=AxisGroup("tp", ranks, 0, None), sequence_parallel=sp), 0
+        )
+        params = dict(block.named_parameters())
+        for rank, got in enumerate(per_rank):
+            big_f = [c for c in got["fwd"] if c[1] == bsh]
+            big_b = [c for c in got["bwd"] if c[1] == bsh]
+            assert all(c[2] == ranks for c in got["fwd"] + got["bwd"]), "every collective is on the TP group"
+            if not sp:
+                assert [c[0] for c in got["fwd"]] == ["all_reduce"] * 2, got["fwd"]
+                assert [c[0] for c in got["bwd"]] == ["all_reduce"] * 2, got["bwd"]
+                assert len(big_f) == len(big_b) == 2
+            else:
+                ops = lambda cs: sorted(c[0].split("_single")[0].split("_tensor")[0] for c in cs)  # noqa: E731
+                assert ops(big_f) == ["all_gather"] * 2 + ["reduce_scatter"] * 2, got["fwd"]
+                assert ops(big_b) == ["all_gather"] * 2 + ["reduce_scatter"] * 2, got["bwd"]
+                assert len(got["fwd"]) == 4
+                # the rest: one small all-reduce per sequence-parallel parameter (norms, row biases)
+                small = [c for c in got["bwd"] if c[1] != bsh]
+                n_sp = sum(getattr(p, "sequence_parallel", False) for p in params.values())
+                assert [c[0] for c in small] == ["all_reduce"] * n_sp and all(c[1] == 32 for c in small)
+            y, dx = ref["y"], ref["dx"]
+            if sp:
+                y, dx = y.chunk(tp, 1)[rank], dx.chunk(tp, 1)[rank]
+            torch.testing.assert_close(got["y"], y, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["dx"], dx, rtol=1e-5, atol=1e-6)
+            for name, g in got["grads"].items():
+                want = shard_of(ref["grads"][name], params[name], rank, tp)
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"{arch} grad {name}")
