@@ -10,3 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import tempfile  # noqa: E402
+
+# Corpora and sample indices built by the tests go to a fresh cache, set before any process is
+# forked so that every spawned rank sees it.
+os.environ.setdefault("MT3D_CACHE", tempfile.mkdtemp(prefix="mt3d-test-cache-"))

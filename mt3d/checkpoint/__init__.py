@@ -1,0 +1,1 @@
+"""Checkpoints: crash-safe saving with manifests, exact resume, resharding, safe loading."""

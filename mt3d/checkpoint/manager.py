@@ -1,0 +1,126 @@
+"""Saving checkpoints that are never half-visible, and finding the newest complete one.
+
+Layout: ``<save_dir>/checkpoints/step_XXXXXXXX/`` (DeepSpeed's files + ``manifest.json``) and
+``<save_dir>/checkpoints/latest`` (the newest complete tag, replaced atomically). Each save goes to
+``step_XXXXXXXX.tmp``; after every rank has fsynced and hashed its share of the files, rank 0
+writes the manifest, renames the directory into place, then updates ``latest``. DeepSpeed's own
+``latest`` file is not used: it is written before the other ranks finish (DEEPSPEED_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .manifest import (
+    CheckpointError,
+    check_sizes,
+    describe_files,
+    fsync_dir,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
+
+TAG_RE = re.compile(r"^step_(\d{8})$")
+LATEST = "latest"
+
+
+def tag_for(step: int) -> str:
+    """Directory name of the checkpoint of ``step``."""
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(save_dir: str | Path) -> Path:
+    """Where a run's checkpoints live."""
+    return Path(save_dir) / "checkpoints"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints under ``root`` whose manifest exists and whose files have their sizes, oldest first."""
+    found = []
+    if not root.is_dir():
+        return found
+    for d in sorted(root.iterdir()):
+        if not (d.is_dir() and TAG_RE.match(d.name)):
+            continue
+        try:
+            check_sizes(d, read_manifest(d))
+        except CheckpointError:
+            continue
+        found.append(d)
+    return found
+
+
+def newest_complete(save_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (None if there is none)."""
+    found = complete_checkpoints(checkpoints_dir(save_dir))
+    return found[-1] if found else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def rotate(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints (never the newest); returns deleted."""
+    if keep_last <= 0:
+        return []
+    complete = complete_checkpoints(root)
+    doomed = complete[: max(0, len(complete) - keep_last)]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
+class Checkpointer:
+    """Saves the engine (plus mt3d's client state) crash-safely; every rank calls ``save``.
+
+    ``client_state`` is a callable returning the extra state to store (step, data position, RNG).
+    """
+
+    def __init__(self, engine, save_dir: str | Path, *, meta, client_state, keep_last: int = 0) -> None:
+        self.engine = engine
+        self.root = checkpoints_dir(save_dir)
+        self.meta = meta
+        self.client_state = client_state
+        self.keep_last = keep_last
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint ``step``; returns its final directory."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        tag = tag_for(step)
+        final, tmp = self.root / tag, self.root / f"{tag}.tmp"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        dist.barrier()
+        self.engine.save_checkpoint(
+            str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
+        )
+        dist.barrier()  # every rank's files exist
+        names = list_files(tmp)
+        mine = describe_files(tmp, names[rank::world])  # fsync + hash this rank's share
+        shares: list = [None] * world
+        dist.all_gather_object(shares, mine)
+        if rank == 0:
+            files = {k: v for share in shares for k, v in share.items()}
+            write_manifest(tmp, files, {**self.meta(), "step": step, "tag": tag})
+            if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+            _write_atomic(self.root / LATEST, tag + "\n")
+            rotate(self.root, self.keep_last)
+        dist.barrier()
+        return final

@@ -1,0 +1,428 @@
+"""The run configuration: one JSON file holding DeepSpeed's keys plus an ``"mt3d"`` section.
+
+DeepSpeed reads the whole file and ignores ``"mt3d"``; mt3d reads its section into the typed
+dataclasses below. Every field has a docstring; unknown keys are errors with a "did you mean"
+hint; ``--set a.b.c=value`` overrides any key (DeepSpeed's too) before validation. ``validate``
+checks everything that can be checked before a process group exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from .model.config import ModelConfig, ModelConfigError
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one actionable line."""
+
+
+# --- sections ------------------------------------------------------------------------------
+@dataclass
+class RecomputeConfig:
+    """Activation checkpointing (recompute) of transformer blocks."""
+
+    interval: int = 0
+    """Checkpoint every run of this many consecutive blocks (0: off; 1: every block)."""
+    partition_activations: bool = False
+    """Keep only 1/tp of each checkpointed input (sequence slice), all-gathered for the recompute."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split: tensor x pipeline (data parallel is what remains)."""
+
+    tensor: int = 1
+    """Tensor-parallel degree tp (heads, KV groups and MLP split over tp ranks)."""
+    pipeline: int = 1
+    """Pipeline stages pp (DeepSpeed's 1F1B pipeline engine)."""
+    order: str = "tp-dp-pp"
+    """Rank nesting, innermost first; tp innermost keeps TP groups inside hosts."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside TP regions (needs tp > 1 to have an effect)."""
+    stage_layers: list[int] | None = None
+    """Transformer blocks per pipeline stage, e.g. [5, 6, 6, 5] (default: as even as possible)."""
+    hostfile: str | None = None
+    """Hostfile describing the hosts (default: discovered from the launcher's local ranks)."""
+    islands: str | None = None
+    """NVLink islands as local ranks, e.g. '0,1;2,3' (default: each host is one island)."""
+    allow_crossing: bool = False
+    """Allow TP groups across hosts when hosts cannot hold whole TP groups (slow; warns)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    corpus: str = "builtin"
+    """'builtin' (English text from the Python installation), 'synthetic' (stochastic grammar with
+    a known entropy floor), or 'indexed' (preprocessed .bin/.idx prefixes in ``prefixes``)."""
+    seq_len: int = 128
+    """Tokens per training sample (the model sees seq_len, predicts seq_len)."""
+    prefixes: list[str] = field(default_factory=list)
+    """Indexed dataset prefixes (P for P.bin + P.idx) for corpus 'indexed'."""
+    weights: list[float] | None = None
+    """Blend weights of ``prefixes`` (default: proportional to their sizes)."""
+    tokenizer: str | None = None
+    """HF tokenizer directory (required for 'indexed'; builtin/synthetic make their own)."""
+    split: list[float] = field(default_factory=lambda: [98.0, 1.0, 1.0])
+    """Train/valid/test split of the documents, as relative weights."""
+    vocab_size: int = 2048
+    """Vocabulary of the tokenizer trained for the builtin corpus."""
+    cache_dir: str | None = None
+    """Where built corpora, tokenizers and sample indices are cached (default ~/.cache/mt3d)."""
+    seed: int | None = None
+    """Seed of the sample order (default: train.seed)."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 100
+    """Optimizer steps to run (global batches)."""
+    seed: int = 1234
+    """Seed of the weight init, dropout and data order."""
+    log_interval: int = 10
+    """Print a log line (and write metrics.jsonl) every this many steps."""
+    eval_interval: int = 0
+    """Evaluate on the validation split every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Global batches per evaluation."""
+    save_interval: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    save_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics.jsonl, W&B files."""
+    save_at_end: bool = True
+    """Save a checkpoint when training ends."""
+    resume: str = "none"
+    """'none', 'auto' (newest complete checkpoint in save_dir) or a checkpoint directory."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (0: keep all); the newest complete one is never deleted."""
+    max_bad_steps: int = 5
+    """Stop (after saving the last good state) after this many consecutive non-finite steps."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation checkpointing."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per device for MFU (default: the detected GPU's dense bf16 peak; on CPU a
+    matmul measured at start-up)."""
+    run_name: str | None = None
+    """W&B run name (default: the save_dir's name)."""
+    wandb_mode: str = "offline"
+    """W&B mode when enabled: 'offline' (default, no network), 'online' or 'disabled'.
+    The WANDB_MODE environment variable wins when set."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class Mt3dConfig:
+    """The "mt3d" section of the run config."""
+
+    model: dict = field(default_factory=lambda: {"preset": "tiny"})
+    """A preset name, {"preset": name, <overrides>}, {"from_hf": dir}, or explicit dimensions."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data source."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: DeepSpeed's dict (without "mt3d") and mt3d's typed section."""
+
+    ds: dict
+    mt3d: Mt3dConfig
+    path: str | None = None
+
+    def to_dict(self) -> dict:
+        """The full JSON-able config (DeepSpeed keys + mt3d section)."""
+        return {**self.ds, "mt3d": _to_plain(self.mt3d)}
+
+
+# --- loading -------------------------------------------------------------------------------
+def _to_plain(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, list):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """Instantiate dataclass ``cls`` from a dict, checking keys and types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(names)})"
+            raise ConfigError(f"unknown key '{where}.{key}'{hint}")
+        tp = hints[key]
+        if is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{where}.{key}")
+            continue
+        if not _type_ok(value, tp):
+            raise ConfigError(
+                f"'{where}.{key}' must be {_type_name(tp)}, got {json.dumps(value)} ({type(value).__name__})"
+            )
+        kwargs[key] = float(value) if tp is float else value
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (['a', 'b', 'c'], value); the value is JSON when it parses, else a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key.path=value, got {text!r}")
+    key, value = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set has an empty key in {text!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return path, parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """A copy of ``raw`` with each ``key.path=value`` applied (intermediate objects created)."""
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, key in enumerate(path[:-1]):
+            nxt = node.get(key)
+            if nxt is None:
+                nxt = node[key] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {text}: '{'.'.join(path[: i + 1])}' is not an object")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def from_dict(raw: dict, path: str | None = None) -> RunConfig:
+    """Split a full config dict into DeepSpeed's part and the typed mt3d section."""
+    if not isinstance(raw, dict):
+        raise ConfigError("the config must be a JSON object")
+    ds = {k: v for k, v in raw.items() if k != "mt3d"}
+    section = raw.get("mt3d", {})
+    if isinstance(section, dict) and isinstance(section.get("model"), str):
+        section = {**section, "model": {"preset": section["model"]}}
+    return RunConfig(ds=ds, mt3d=_build(Mt3dConfig, section, "mt3d"), path=path)
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a JSON config file, apply ``--set`` overrides, and parse it (not yet validated)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    return from_dict(apply_overrides(raw, overrides or []), path=str(p))
+
+
+# --- validation ----------------------------------------------------------------------------
+MODEL_KEYS = {"preset", "from_hf"}
+
+
+def resolve_model(section: dict) -> ModelConfig:
+    """The ModelConfig named by the model section (preset + overrides, HF dir, or dimensions)."""
+    from .presets import get_preset
+
+    section = dict(section)
+    try:
+        if "from_hf" in section:
+            from .model.hf import config_from_hf
+
+            src = section.pop("from_hf")
+            if section:
+                raise ConfigError(f"mt3d.model.from_hf takes no other keys, got {sorted(section)}")
+            return config_from_hf(src)
+        base = section.pop("preset", None)
+        if base is not None:
+            cfg = get_preset(base).to_dict()
+            unknown = sorted(set(section) - set(cfg))
+            if unknown:
+                raise ModelConfigError(f"unknown model keys {unknown}")
+            cfg.update(section)
+            return ModelConfig.from_dict(cfg)
+        if not section:
+            raise ConfigError("mt3d.model is empty: give a preset, from_hf or dimensions")
+        return ModelConfig.from_dict({"name": "custom", **section})
+    except ModelConfigError as e:
+        raise ConfigError(f"mt3d.model: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"mt3d.model: {e}") from None
+
+
+@dataclass
+class Layout:
+    """Degrees and batch sizes after validation."""
+
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    zero_stage: int
+
+
+def _zero_stage(ds: dict) -> int:
+    z = ds.get("zero_optimization", {})
+    if not isinstance(z, dict):
+        raise ConfigError("zero_optimization must be a JSON object")
+    stage = z.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
+
+
+def _batches(ds: dict, dp: int) -> tuple[int, int, int]:
+    gb = ds.get("train_batch_size")
+    mb = ds.get("train_micro_batch_size_per_gpu")
+    ga = ds.get("gradient_accumulation_steps")
+    for name, v in (
+        ("train_batch_size", gb),
+        ("train_micro_batch_size_per_gpu", mb),
+        ("gradient_accumulation_steps", ga),
+    ):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if mb is None and gb is not None and ga is not None:
+        if gb % (ga * dp):
+            raise ConfigError(
+                f"train_batch_size {gb} is not divisible by gradient_accumulation_steps*dp = {ga}*{dp}"
+            )
+        mb = gb // (ga * dp)
+    mb = mb or 1
+    if ga is None:
+        if gb is None:
+            ga = 1
+        elif gb % (mb * dp):
+            raise ConfigError(
+                f"train_batch_size {gb} is not divisible by micro-batch*dp = {mb}*{dp}; "
+                f"use a multiple of {mb * dp}"
+            )
+        else:
+            ga = gb // (mb * dp)
+    if gb is None:
+        gb = mb * ga * dp
+    if mb * ga * dp != gb:
+        raise ConfigError(
+            f"train_batch_size {gb} != micro-batch {mb} x gradient_accumulation_steps {ga} x dp {dp}; "
+            "fix one of them (or drop gradient_accumulation_steps to derive it)"
+        )
+    return mb, ga, gb
+
+
+def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) -> Layout:
+    """Check the run against ``world_size`` ranks before any process group exists; fill batch keys."""
+    par, data, train = run.mt3d.parallel, run.mt3d.data, run.mt3d.train
+    tp, pp = par.tensor, par.pipeline
+    for name, v in (("parallel.tensor", tp), ("parallel.pipeline", pp), ("data.seq_len", data.seq_len)):
+        if v <= 0:
+            raise ConfigError(f"mt3d.{name} must be positive, got {v}")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor*pipeline = {tp}*{pp}; "
+            f"launch a multiple of {tp * pp} processes or change mt3d.parallel"
+        )
+    dp = world_size // (tp * pp)
+    stage = _zero_stage(run.ds)
+    if pp > 1 and stage >= 2:
+        raise ConfigError(
+            f"ZeRO stage {stage} cannot be used with pipeline={pp} (DeepSpeed's pipeline engine supports "
+            "stages 0-1); use zero_optimization.stage 1, or pipeline 1 for ZeRO-2/3"
+        )
+    if pp > 1 and stage == 0:
+        raise ConfigError(
+            "ZeRO stage 0 with pipeline > 1 hits DeepSpeed 0.19.8 bugs (wrong clipping norm, bf16 resume "
+            "crash); set zero_optimization.stage to 1"
+        )
+    if par.sequence_parallel and tp > 1 and data.seq_len % tp:
+        raise ConfigError(f"sequence parallelism needs seq_len ({data.seq_len}) divisible by tp ({tp})")
+    if model is not None:
+        try:
+            model.check_parallel(tp, pp)
+        except ModelConfigError as e:
+            raise ConfigError(str(e)) from None
+        if model.position == "learned" and data.seq_len > model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len {data.seq_len} exceeds the model's max_seq_len {model.max_seq_len}"
+            )
+        if par.stage_layers is not None:
+            if len(par.stage_layers) != pp or sum(par.stage_layers) != model.layers:
+                raise ConfigError(
+                    f"parallel.stage_layers {par.stage_layers} must list {pp} stages adding up to "
+                    f"{model.layers} layers"
+                )
+            if min(par.stage_layers) < 1:
+                raise ConfigError("parallel.stage_layers: every stage needs at least one block")
+    if train.steps < 0 or train.log_interval <= 0:
+        raise ConfigError("mt3d.train.steps must be >= 0 and log_interval > 0")
+    if train.resume not in ("none", "auto") and not Path(train.resume).exists():
+        raise ConfigError(f"mt3d.train.resume: checkpoint not found: {train.resume}")
+    if train.wandb_mode not in ("offline", "online", "disabled"):
+        raise ConfigError(
+            f"mt3d.train.wandb_mode must be offline, online or disabled, got {train.wandb_mode!r}"
+        )
+    if data.corpus not in ("builtin", "synthetic", "indexed"):
+        raise ConfigError(f"mt3d.data.corpus must be builtin, synthetic or indexed, got {data.corpus!r}")
+    if data.corpus == "indexed":
+        if not data.prefixes:
+            raise ConfigError("mt3d.data.prefixes is empty: corpus 'indexed' needs .bin/.idx prefixes")
+        for pre in data.prefixes:
+            for ext in (".bin", ".idx"):
+                if not Path(pre + ext).is_file():
+                    raise ConfigError(
+                        f"mt3d.data.prefixes: {pre + ext} not found (run 'mt3d preprocess' first)"
+                    )
+        if data.tokenizer is None or not Path(data.tokenizer).is_dir():
+            raise ConfigError(f"mt3d.data.tokenizer: tokenizer directory not found: {data.tokenizer}")
+        if data.weights is not None and len(data.weights) != len(data.prefixes):
+            raise ConfigError("mt3d.data.weights must have one weight per prefix")
+    mb, ga, gb = _batches(run.ds, dp)
+    run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
+    return Layout(world_size, tp, pp, dp, mb, ga, gb, stage)

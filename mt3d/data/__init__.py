@@ -1,0 +1,1 @@
+"""Data: tokenizers, indexed token files, sample packing and blending, built-in corpora."""

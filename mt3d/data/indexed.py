@@ -1,0 +1,178 @@
+"""Memory-mapped indexed token files: ``P.bin`` (token ids) + ``P.idx`` (document offsets).
+
+``P.idx`` layout (little endian)::
+
+    magic     8 bytes  b"MT3DIDX\\0"
+    version   u32      1
+    dtype     u8       1 = uint8, 2 = uint16, 4 = uint32 (bytes per token)
+    pad       3 bytes
+    docs      u64      number of documents
+    tokens    u64      number of tokens (= P.bin size / bytes per token)
+    max_id    u64      largest token id in P.bin (checked against the tokenizer's vocabulary)
+    bin_tag   16 bytes blake2b of the first and last 64 KiB of P.bin (pairs .idx with its .bin)
+    offsets   u64[docs + 1]  token offset of each document; offsets[-1] == tokens
+
+Readers memory-map both files, so a corpus larger than RAM is read without loading it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MT3DIDX\0"
+VERSION = 1
+_HEADER = struct.Struct("<8sIB3xQQQ16s")
+DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_TAG_SPAN = 64 * 1024
+
+
+class IndexedDataError(ValueError):
+    """A missing, corrupt or mismatched .bin/.idx pair; the message names the file."""
+
+
+def dtype_for_vocab(vocab_size: int) -> type:
+    """Smallest unsigned dtype that holds every id of a ``vocab_size`` vocabulary."""
+    for code in (1, 2, 4):
+        if vocab_size - 1 <= np.iinfo(DTYPES[code]).max:
+            return DTYPES[code]
+    raise IndexedDataError(f"vocabulary of {vocab_size} does not fit in 32 bits")
+
+
+def bin_tag(path: Path) -> bytes:
+    """Fingerprint of a .bin file: its size plus its first and last 64 KiB."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<Q", size))
+    with open(path, "rb") as f:
+        h.update(f.read(_TAG_SPAN))
+        if size > _TAG_SPAN:
+            f.seek(max(_TAG_SPAN, size - _TAG_SPAN))
+            h.update(f.read(_TAG_SPAN))
+    return h.digest()
+
+
+class IndexedWriter:
+    """Streams documents into ``P.bin.tmp`` / ``P.idx.tmp``; ``close()`` renames them into place.
+
+    Nothing is visible under the final names until ``close`` succeeds (the .bin first, the .idx
+    last); ``abort`` removes the temporary files.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: type) -> None:
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype.itemsize not in DTYPES:
+            raise IndexedDataError(f"unsupported token dtype {self.dtype}")
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self._bin_tmp = Path(f"{self.prefix}.bin.tmp")
+        self._idx_tmp = Path(f"{self.prefix}.idx.tmp")
+        self._bin = open(self._bin_tmp, "wb")
+        self._offsets = [0]
+        self.max_id = np.iinfo(self.dtype).max
+        self.largest = 0
+
+    def add(self, ids) -> None:
+        """Append one document (a sequence of token ids)."""
+        arr = np.asarray(ids)
+        if arr.size and (arr.min() < 0 or arr.max() > self.max_id):
+            raise IndexedDataError(
+                f"token id {int(arr.max())} does not fit in {self.dtype} (max {self.max_id}); "
+                "use a wider dtype or a smaller vocabulary"
+            )
+        if arr.size:
+            self.largest = max(self.largest, int(arr.max()))
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        self._offsets.append(self._offsets[-1] + arr.size)
+
+    @property
+    def docs(self) -> int:
+        """Documents written so far."""
+        return len(self._offsets) - 1
+
+    def close(self) -> None:
+        """Finish both files, fsync them and move them to their final names."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        offsets = np.asarray(self._offsets, dtype=np.uint64)
+        header = _HEADER.pack(
+            MAGIC,
+            VERSION,
+            self.dtype.itemsize,
+            self.docs,
+            int(offsets[-1]),
+            self.largest,
+            bin_tag(self._bin_tmp),
+        )
+        with open(self._idx_tmp, "wb") as f:
+            f.write(header)
+            f.write(offsets.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._bin_tmp, f"{self.prefix}.bin")
+        os.replace(self._idx_tmp, f"{self.prefix}.idx")
+
+    def abort(self) -> None:
+        """Drop the temporary files (nothing under the final names is touched)."""
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._bin_tmp, self._idx_tmp):
+            p.unlink(missing_ok=True)
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of one ``P.bin`` / ``P.idx`` pair."""
+
+    def __init__(self, prefix: str | Path, check_tag: bool = True) -> None:
+        self.prefix = Path(prefix)
+        idx, binf = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+        for p in (idx, binf):
+            if not p.is_file():
+                raise IndexedDataError(f"{p} not found (run 'mt3d preprocess' to create it)")
+        raw = idx.read_bytes()[: _HEADER.size]
+        if len(raw) < _HEADER.size:
+            raise IndexedDataError(f"{idx}: truncated header")
+        magic, version, code, docs, tokens, max_id, tag = _HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise IndexedDataError(f"{idx}: not an mt3d index file (bad magic)")
+        if version != VERSION:
+            raise IndexedDataError(f"{idx}: unsupported version {version} (expected {VERSION})")
+        if code not in DTYPES:
+            raise IndexedDataError(f"{idx}: unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPES[code])
+        want = tokens * self.dtype.itemsize
+        have = binf.stat().st_size
+        if have != want:
+            kind = "truncated" if have < want else "too long"
+            raise IndexedDataError(
+                f"{binf} is {kind}: {have} bytes, index expects {want}; re-run 'mt3d preprocess'"
+            )
+        if idx.stat().st_size != _HEADER.size + 8 * (docs + 1):
+            raise IndexedDataError(f"{idx}: truncated offsets table")
+        if check_tag and bin_tag(binf) != tag:
+            raise IndexedDataError(
+                f"{binf} does not belong to {idx} (contents differ); re-run 'mt3d preprocess'"
+            )
+        self.offsets = np.memmap(idx, dtype=np.uint64, mode="r", offset=_HEADER.size, shape=(docs + 1,))
+        self.tokens = np.memmap(binf, dtype=self.dtype, mode="r") if tokens else np.zeros(0, self.dtype)
+        self.num_docs, self.num_tokens, self.max_id = int(docs), int(tokens), int(max_id)
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def doc(self, i: int) -> np.ndarray:
+        """Token ids of document ``i`` (a memory-mapped view)."""
+        return self.tokens[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def doc_lengths(self) -> np.ndarray:
+        """Length of every document."""
+        return np.diff(np.asarray(self.offsets, dtype=np.int64))
+
+    def span(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the concatenated stream."""
+        return self.tokens[start:stop]

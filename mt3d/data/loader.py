@@ -1,0 +1,116 @@
+"""From a DataConfig to the micro-batches one rank reads at one step.
+
+The global batch of step ``k`` is samples ``[k*B, (k+1)*B)`` of the sample sequence, cut into
+``B / micro_batch`` micro-batches; data-parallel rank ``r`` reads micro-batches
+``r*m ... r*m + m - 1`` (``m`` = gradient accumulation steps). So step ``k`` sees the same samples
+whatever (tp, pp, dp), each DP rank reads only its own samples, and resuming at step ``k`` needs
+nothing but ``k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .corpora import builtin_corpus, cache_root, synthetic_corpus
+from .indexed import IndexedDataset
+from .samples import BlendedSamples, PackedSamples, split_documents
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class DataBundle:
+    """The train and validation sample sequences, the tokenizer and facts about the corpus."""
+
+    train: object
+    valid: object
+    tokenizer: Tokenizer
+    info: dict
+
+
+def build_data(cfg, seed: int) -> DataBundle:
+    """Build (or load from cache) the corpus and its sample sequences for a ``DataConfig``."""
+    cache = cache_root(cfg.cache_dir)
+    seed = cfg.seed if cfg.seed is not None else seed
+    if cfg.corpus == "builtin":
+        corpus = builtin_corpus(cfg.vocab_size, cfg.cache_dir)
+        prefixes, tok_dir, info = [corpus.prefix], corpus.tokenizer_dir, dict(corpus.info)
+    elif cfg.corpus == "synthetic":
+        corpus = synthetic_corpus(cfg.vocab_size, cache_dir=cfg.cache_dir)
+        prefixes, tok_dir, info = [corpus.prefix], corpus.tokenizer_dir, dict(corpus.info)
+    else:
+        prefixes, tok_dir, info = list(cfg.prefixes), cfg.tokenizer, {"name": "indexed"}
+    tokenizer = load_tokenizer(tok_dir)
+    datasets = [IndexedDataset(p) for p in prefixes]
+    too_big = [str(d.prefix) for d in datasets if d.max_id >= tokenizer.vocab_size]
+    if too_big:
+        raise ValueError(
+            f"{too_big[0]} holds ids outside the tokenizer's {tokenizer.vocab_size}-id vocabulary"
+        )
+    splits = [split_documents(len(d), cfg.split) for d in datasets]
+    index_dir = cache / "indices"
+    train = [PackedSamples(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]
+    valid = [PackedSamples(d, s[1], cfg.seq_len, seed + 1, index_dir) for d, s in zip(datasets, splits)]
+    weights = cfg.weights or [float(t.tokens_per_epoch) for t in train]
+    info.update(
+        documents=[len(d) for d in datasets],
+        tokens=[d.num_tokens for d in datasets],
+        train_samples_per_epoch=[len(t) for t in train],
+        valid_samples_per_epoch=[len(v) for v in valid],
+    )
+    if len(train) == 1:
+        return DataBundle(train[0], valid[0], tokenizer, info)
+    return DataBundle(BlendedSamples(train, weights), BlendedSamples(valid, weights), tokenizer, info)
+
+
+def micro_batch_ids(
+    step: int, micro: int, *, global_batch: int, micro_batch: int, grad_accum: int, dp_rank: int
+):
+    """Sample ids of micro-batch ``micro`` of data-parallel rank ``dp_rank`` at ``step``."""
+    first = step * global_batch + (dp_rank * grad_accum + micro) * micro_batch
+    return range(first, first + micro_batch)
+
+
+def to_batch(samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack samples of seq_len + 1 tokens into (inputs, labels), each [b, seq_len] int64."""
+    arr = torch.from_numpy(np.stack(samples))
+    return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
+
+
+class StepBatches:
+    """Iterator over one rank's micro-batches of consecutive steps, starting at ``start_step``.
+
+    Yields ``(inputs, labels)`` for DeepSpeed's ``train_batch`` / ``eval_batch``. ``step`` is the
+    step whose micro-batches come next, so the data position is saved and restored as one integer.
+    """
+
+    def __init__(
+        self,
+        samples,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        grad_accum: int,
+        dp_rank: int,
+        start_step: int = 0,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.samples = samples
+        self.kw = dict(
+            global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum, dp_rank=dp_rank
+        )
+        self.step, self.micro = start_step, 0
+        self.device = device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = micro_batch_ids(self.step, self.micro, **self.kw)
+        self.micro += 1
+        if self.micro == self.kw["grad_accum"]:
+            self.step, self.micro = self.step + 1, 0
+        x, y = to_batch([self.samples[i] for i in ids])
+        return x.to(self.device), y.to(self.device)

@@ -1,0 +1,176 @@
+"""Fixed-length training samples packed from documents; splits; weighted blending.
+
+``PackedSamples`` turns a subset of an indexed dataset's documents into an endless, deterministic
+sequence of samples of ``seq_len + 1`` tokens. Epoch ``e`` shuffles the documents with
+(seed, e), concatenates them, cuts consecutive samples, and shuffles the samples with (seed, e).
+Each epoch's index is built once and cached on disk, and depends only on (data, documents,
+seq_len, seed, epoch): never on how many steps a run asks for, so sample ``i`` is the same in every
+run and after every resume.
+
+``BlendedSamples`` interleaves several sample sources by weight with the greedy rule "give the next
+sample to the source furthest below its share", so every prefix of the sequence matches the
+weights to within one sample per source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .indexed import IndexedDataset
+
+SPLIT_SEED = 0x5EED  # the train/valid/test split depends on the data only, not on the run's seed
+
+
+def split_documents(num_docs: int, weights: list[float]) -> list[np.ndarray]:
+    """Partition document ids into len(weights) disjoint sets (a fixed shuffle, then by weight)."""
+    if num_docs == 0:
+        raise ValueError("the dataset has no documents")
+    w = np.asarray(weights, dtype=np.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"split weights must be non-negative and not all zero, got {weights}")
+    perm = np.random.default_rng(SPLIT_SEED).permutation(num_docs)
+    bounds = np.round(np.cumsum(w) / w.sum() * num_docs).astype(np.int64)
+    bounds[-1] = num_docs
+    parts, start = [], 0
+    for b in bounds:
+        parts.append(np.sort(perm[start:b]))
+        start = b
+    # a non-empty requested split gets at least one document when there are enough
+    for i, p in enumerate(parts):
+        if p.size == 0 and w[i] > 0 and num_docs >= len(weights):
+            donor = int(np.argmax([q.size for q in parts]))
+            parts[i], parts[donor] = parts[donor][-1:], parts[donor][:-1]
+    return parts
+
+
+class PackedSamples:
+    """Endless samples of ``seq_len + 1`` tokens from documents ``doc_ids`` of ``dataset``."""
+
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        doc_ids: np.ndarray,
+        seq_len: int,
+        seed: int,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        self.ds, self.doc_ids, self.seq_len, self.seed = dataset, np.asarray(doc_ids, np.int64), seq_len, seed
+        lengths = dataset.doc_lengths()[self.doc_ids]
+        self.tokens_per_epoch = int(lengths.sum())
+        self.per_epoch = (self.tokens_per_epoch - 1) // seq_len
+        if self.per_epoch <= 0:
+            raise ValueError(
+                f"{dataset.prefix}: {self.tokens_per_epoch} tokens cannot fill one sample of {seq_len + 1}; "
+                "use a shorter seq_len or more data"
+            )
+        self._lengths = lengths
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        key = hashlib.sha256()
+        key.update(str(Path(dataset.prefix).resolve()).encode())
+        key.update(np.asarray(dataset.offsets[-1:]).tobytes())
+        key.update(self.doc_ids.tobytes())
+        key.update(f"{seq_len}|{seed}".encode())
+        self.key = key.hexdigest()[:20]
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        """Samples in one epoch (the sequence itself is endless)."""
+        return self.per_epoch
+
+    def _build_epoch(self, epoch: int):
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(self.doc_ids.size)
+        docs = self.doc_ids[order]
+        cum = np.concatenate([[0], np.cumsum(self._lengths[order])])
+        starts = np.arange(self.per_epoch, dtype=np.int64) * self.seq_len
+        first = np.searchsorted(cum, starts, side="right") - 1
+        shuffle = rng.permutation(self.per_epoch)
+        return docs, cum, first, shuffle
+
+    def _epoch(self, epoch: int):
+        if epoch in self._epochs:
+            return self._epochs[epoch]
+        path = self.cache_dir / f"samples-{self.key}-e{epoch}.npz" if self.cache_dir else None
+        if path is not None and path.is_file():
+            with np.load(path) as z:
+                built = (z["docs"], z["cum"], z["first"], z["shuffle"])
+        else:
+            built = self._build_epoch(epoch)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
+                np.savez(tmp, docs=built[0], cum=built[1], first=built[2], shuffle=built[3])
+                os.replace(tmp, path)
+        if len(self._epochs) > 2:  # keep memory bounded on very long runs
+            self._epochs.pop(min(self._epochs))
+        self._epochs[epoch] = built
+        return built
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Sample ``i`` (any non-negative integer): ``seq_len + 1`` token ids as int64."""
+        epoch, j = divmod(int(i), self.per_epoch)
+        docs, cum, first, shuffle = self._epoch(epoch)
+        s = int(shuffle[j])
+        start, stop = s * self.seq_len, s * self.seq_len + self.seq_len + 1
+        out = np.empty(self.seq_len + 1, dtype=np.int64)
+        d, filled = int(first[s]), 0
+        pos = start - int(cum[d])
+        while filled < out.size:
+            doc = self.ds.doc(int(docs[d]))
+            take = min(doc.size - pos, stop - start - filled)
+            out[filled : filled + take] = doc[pos : pos + take]
+            filled += take
+            d, pos = d + 1, 0
+        return out
+
+
+class BlendedSamples:
+    """Interleave sample sources by weight (greedy: the source furthest below its share goes next)."""
+
+    BLOCK = 65536
+
+    def __init__(self, sources: list, weights: list[float]) -> None:
+        if len(sources) != len(weights) or not sources:
+            raise ValueError("blending needs one weight per source")
+        w = np.asarray(weights, dtype=np.float64)
+        if (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"blend weights must be non-negative and not all zero, got {weights}")
+        self.sources, self.weights = sources, w / w.sum()
+        self.seq_len = sources[0].seq_len
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._counts_at = {0: np.zeros(len(sources), dtype=np.int64)}
+
+    def _block(self, b: int):
+        if b in self._blocks:
+            return self._blocks[b]
+        for prev in range(max(self._counts_at), b):  # blocks are built in order: the rule is sequential
+            self._block(prev)
+        counts = self._counts_at[b].copy()
+        which = np.empty(self.BLOCK, dtype=np.int64)
+        index = np.empty(self.BLOCK, dtype=np.int64)
+        w = self.weights
+        for t in range(self.BLOCK):
+            n = b * self.BLOCK + t + 1
+            k = int(np.argmax(w * n - counts))
+            which[t], index[t] = k, counts[k]
+            counts[k] += 1
+        self._counts_at[b + 1] = counts
+        self._blocks[b] = (which, index)
+        return which, index
+
+    def source_of(self, i: int) -> tuple[int, int]:
+        """(source, index within that source) of blended sample ``i``."""
+        which, index = self._block(i // self.BLOCK)
+        return int(which[i % self.BLOCK]), int(index[i % self.BLOCK])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Blended sample ``i``."""
+        k, j = self.source_of(i)
+        return self.sources[k][j]
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)

@@ -1,0 +1,1 @@
+"""Training: process set-up, engine construction, the loop, metrics and W&B."""

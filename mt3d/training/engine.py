@@ -1,0 +1,105 @@
+"""Build the model for this rank and hand it to ``deepspeed.initialize``.
+
+With ZeRO stage 0/1 the model is an ``Mt3dPipeline`` run by DeepSpeed's pipeline engine, for any
+number of stages (pp = 1 included). ZeRO-2/3 are not supported by that engine, so at pp = 1 they
+use the same layers in a ``StackedModel`` under the regular engine, with ParallelState as mpu.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import torch
+
+from ..config import Layout, RunConfig
+from ..model.blocks import BuildContext
+from ..model.config import ModelConfig
+from ..model.pipeline import LossFn, Mt3dPipeline, StackedModel, default_stage_blocks, layer_specs
+from ..parallel.random import checkpoint
+from .runtime import Runtime
+
+log = logging.getLogger("mt3d")
+
+
+def deepspeed_config(run: RunConfig, layout: Layout, on_cpu: bool) -> dict:
+    """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained)."""
+    ds = copy.deepcopy(run.ds)
+    # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
+    ds.setdefault("steps_per_print", 10**9)
+    if run.mt3d.parallel.sequence_parallel and layout.tp > 1:
+        # DeepSpeed's pipe/grad partitioning assumes activations identical across TP ranks, which
+        # sequence shards are not (DEEPSPEED_NOTES.md).
+        pipe = ds.setdefault("pipeline", {})
+        pipe["pipe_partitioned"] = False
+        pipe["grad_partitioned"] = False
+    opt = ds.get("optimizer")
+    if on_cpu and isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in (
+            "cpu",
+            "nvme",
+        )
+        if not offload:
+            # Without it DeepSpeed JIT-compiles a fused Adam for the CPU; torch's AdamW is the same math.
+            opt.setdefault("params", {}).setdefault("torch_adam", True)
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
+    """Weight decay on matrices only: norm weights and biases are excluded (as Megatron)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if weight_decay is not None:
+        groups[0]["weight_decay"] = weight_decay
+    return [g for g in groups if g["params"]]
+
+
+def uses_pipeline_engine(layout: Layout) -> bool:
+    """DeepSpeed's pipeline engine for ZeRO 0/1; the regular engine for ZeRO-2/3 (pp must be 1)."""
+    return layout.zero_stage < 2
+
+
+def build_model(run: RunConfig, layout: Layout, rt: Runtime, cfg: ModelConfig, vocab_size: int):
+    """This rank's part of the model (pipeline stage or whole stacked model)."""
+    rec = run.mt3d.train.recompute
+    ctx = BuildContext(
+        tp=rt.state.tp,
+        seed=run.mt3d.train.seed,
+        sequence_parallel=run.mt3d.parallel.sequence_parallel,
+        tracker=rt.tracker,
+    )
+    specs = layer_specs(cfg, ctx, vocab_size)
+    loss_fn = LossFn(rt.state.tp, vocab_size)
+    ckpt = functools.partial(
+        checkpoint, tracker=rt.tracker, tp=rt.state.tp, partition=rec.partition_activations
+    )
+    if uses_pipeline_engine(layout):
+        blocks = run.mt3d.parallel.stage_layers or default_stage_blocks(cfg.layers, layout.pp)
+        return Mt3dPipeline(
+            specs,
+            topology=rt.topology,
+            loss_fn=loss_fn,
+            stage_blocks=blocks,
+            recompute_interval=rec.interval,
+            ckpt=ckpt,
+        )
+    model = StackedModel(specs, loss_fn=loss_fn, recompute_interval=rec.interval, ckpt=ckpt)
+    return model.to(rt.device)
+
+
+def initialize(run: RunConfig, layout: Layout, rt: Runtime, model: torch.nn.Module):
+    """``deepspeed.initialize`` with mt3d's parameter groups; returns the engine."""
+    import deepspeed
+
+    ds = deepspeed_config(run, layout, on_cpu=rt.device.type == "cpu")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config=ds,
+        mpu=None if uses_pipeline_engine(layout) else rt.state,
+    )
+    return engine

@@ -1,0 +1,209 @@
+"""The training loop: steps, evaluation, logging and checkpoint calls."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import Layout, RunConfig
+from ..data.loader import DataBundle, StepBatches
+from ..model.config import ModelConfig
+from ..parallel.mappings import all_reduce
+from .engine import uses_pipeline_engine
+from .metrics import MetricsLog, device_peak_tflops, peak_memory_gb, step_figures
+from .runtime import Runtime
+
+
+class Trainer:
+    """Runs ``train.steps`` optimizer steps of one run on this rank."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        layout: Layout,
+        rt: Runtime,
+        engine,
+        data: DataBundle,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        *,
+        wandb_run=None,
+        start_step: int = 0,
+        checkpointer=None,
+    ) -> None:
+        self.run, self.layout, self.rt, self.engine, self.data = run, layout, rt, engine, data
+        self.train_cfg = run.mt3d.train
+        self.pipe = uses_pipeline_engine(layout)
+        self.step = start_step
+        self.checkpointer = checkpointer
+        self.saved_step = start_step if start_step > 0 else None  # a resumed step is already on disk
+        self.save_dir = Path(self.train_cfg.save_dir)
+        self.seq_len = run.mt3d.data.seq_len
+        self.tokens_per_step = layout.global_batch * self.seq_len
+        self.flops_per_token = model_cfg.flops_per_token(self.seq_len, vocab_size)
+        self.logger = rt.rank == 0
+        self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", wandb_run) if self.logger else None
+        self.peak, self.peak_source = (
+            device_peak_tflops(self.train_cfg.peak_tflops) if self.logger else (0.0, "")
+        )
+        self.bar = None
+
+    # --- batches ---------------------------------------------------------------------------
+    def batches(self, samples, step: int) -> StepBatches:
+        """This rank's micro-batches of global step ``step`` (and onwards)."""
+        return StepBatches(
+            samples,
+            global_batch=self.layout.global_batch,
+            micro_batch=self.layout.micro_batch,
+            grad_accum=self.layout.grad_accum,
+            dp_rank=self.rt.state.dp.rank,
+            start_step=step,
+            device=self.rt.device,
+        )
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().float().clone()
+        all_reduce(value, self.rt.state.dp)
+        return value.item() / self.rt.state.dp.size
+
+    # --- one step ----------------------------------------------------------------------------
+    def train_step(self) -> float:
+        """One optimizer step on global batch ``self.step``; returns the mean loss (same on all ranks)."""
+        it = self.batches(self.data.train, self.step)
+        if self.pipe:
+            loss = self.engine.train_batch(data_iter=it)
+            return float(loss)
+        total = torch.zeros((), device=self.rt.device)
+        for _ in range(self.layout.grad_accum):
+            x, y = next(it)
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        return self._dp_mean(total / self.layout.grad_accum)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_batches`` global batches (the same ones every time)."""
+        losses = []
+        for i in range(self.train_cfg.eval_batches):
+            it = self.batches(self.data.valid, i)
+            if self.pipe:
+                losses.append(float(self.engine.eval_batch(data_iter=it)))
+                continue
+            self.engine.module.eval()
+            total = torch.zeros((), device=self.rt.device)
+            for _ in range(self.layout.grad_accum):
+                x, y = next(it)
+                total += self.engine(x, y).float()
+            self.engine.module.train()
+            losses.append(self._dp_mean(total / self.layout.grad_accum))
+        return sum(losses) / max(1, len(losses))
+
+    def save(self) -> None:
+        """Checkpoint the current step (once per step)."""
+        if self.checkpointer is not None and self.saved_step != self.step:
+            self.checkpointer.save(self.step)
+            self.saved_step = self.step
+
+    # --- the loop --------------------------------------------------------------------------
+    def _grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def _log_step(self, loss: float, seconds: float) -> None:
+        figs = step_figures(
+            tokens=self.tokens_per_step,
+            seconds=seconds,
+            flops_per_token=self.flops_per_token,
+            world=self.rt.world,
+            peak_tflops=self.peak,
+        )
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": float(self.engine.get_lr()[0]),
+            "grad_norm": self._grad_norm(),
+            **figs,
+            "skipped": int(self.engine.skipped_steps),
+            "samples": self.step * self.layout.global_batch,
+            "step_time_s": seconds,
+            "peak_mem_gb": peak_memory_gb(),
+        }
+        self.metrics.write(record, wandb_step=self.engine.global_samples)
+        gn = record["grad_norm"]
+        line = (
+            f"step {self.step:>6}/{self.train_cfg.steps} | loss {loss:.4f} | lr {record['lr']:.3e} | "
+            f"grad norm {gn if gn is None else f'{gn:.3f}'} | {figs['tokens_per_s']:.0f} tok/s | "
+            f"{figs['tflops_per_gpu']:.3g} TFLOP/s/dev | MFU {figs['mfu']:.1%} | "
+            f"skipped {record['skipped']} | peak mem {record['peak_mem_gb']:.2f} GB"
+        )
+        self._print(line)
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def _eval_and_log(self) -> float:
+        loss = self.evaluate()
+        if self.logger:
+            ppl = math.exp(min(loss, 50.0))
+            self.metrics.write(
+                {"step": self.step, "eval_loss": loss, "eval_ppl": ppl}, self.engine.global_samples
+            )
+            self._print(f"step {self.step:>6} | eval loss {loss:.4f} | eval perplexity {ppl:.2f}")
+        return loss
+
+    def train(self) -> dict:
+        """Run to ``train.steps``; returns a summary (last loss, last eval loss)."""
+        cfg = self.train_cfg
+        if self.logger:
+            self._print(
+                f"training {cfg.steps - self.step} steps from step {self.step}: "
+                f"{self.tokens_per_step} tokens/step, peak {self.peak:.3g} TFLOP/s/dev ({self.peak_source})"
+            )
+            if cfg.progress and sys.stderr.isatty():  # a bar in a log file is just noise
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=cfg.steps, initial=self.step, unit="step", dynamic_ncols=True)
+        last_loss = float("nan")
+        eval_loss = None
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                last_loss = self.train_step()
+                seconds = time.perf_counter() - t0
+                self.step += 1
+                if self.logger:
+                    if self.bar is not None:
+                        self.bar.update(1)
+                        self.bar.set_postfix(
+                            loss=f"{last_loss:.3f}", tok_s=f"{self.tokens_per_step / seconds:.0f}"
+                        )
+                    if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
+                        self._log_step(last_loss, seconds)
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
+                    eval_loss = self._eval_and_log()
+                if cfg.save_interval and self.step % cfg.save_interval == 0:
+                    self.save()
+            if cfg.eval_batches > 0:
+                eval_loss = self._eval_and_log()
+            if cfg.save_at_end:
+                self.save()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        if dist.is_initialized():
+            dist.barrier()
+        return {"step": self.step, "loss": last_loss, "eval_loss": eval_loss}

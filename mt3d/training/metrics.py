@@ -1,0 +1,137 @@
+"""Throughput, FLOPs, MFU, memory, and where metrics go (stdout, metrics.jsonl, W&B).
+
+MFU counts model FLOPs (no recompute) per FORMULAS.md against the device's dense peak: the
+detected GPU's dense bf16 figure, a configured number, or on CPU a matmul measured at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense (non-sparse) bf16 tensor-core peaks in TFLOP/s, by substring of the device name.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "V100": 125.0,  # fp16 tensor cores
+}
+
+
+def measure_cpu_tflops(seconds: float = 0.3, n: int = 512) -> float:
+    """fp32 matmul TFLOP/s of this process with its current thread count (a stand-in CPU peak)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    t0, reps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def device_peak_tflops(configured: float | None) -> tuple[float, str]:
+    """(peak TFLOP/s, where it came from) for MFU."""
+    if configured:
+        return float(configured), "configured"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return value, f"{name} dense bf16"
+        return float("nan"), f"{name} (unknown peak; set mt3d.train.peak_tflops)"
+    return measure_cpu_tflops(), "measured CPU fp32 matmul"
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory allocated (GPU) or peak resident set size (CPU), in GB."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def step_figures(
+    *, tokens: int, seconds: float, flops_per_token: float, world: int, peak_tflops: float
+) -> dict:
+    """tokens/s, model TFLOP/s per device and MFU of one step."""
+    tps = tokens / seconds
+    tflops = flops_per_token * tps / world / 1e12
+    mfu = tflops / peak_tflops if peak_tflops and not math.isnan(peak_tflops) else float("nan")
+    return {"tokens_per_s": tps, "tflops_per_gpu": tflops, "mfu": mfu}
+
+
+def _clean(v):
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl`` (one JSON object per line, flushed each time) plus W&B."""
+
+    def __init__(self, path: Path, wandb_run=None) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", buffering=1)
+        self.wandb = wandb_run
+
+    def write(self, record: dict, wandb_step: int | None = None) -> None:
+        """Write one record; also to W&B (prefixed ``mt3d/``) at ``wandb_step`` when a run is open."""
+        record = {k: _clean(v) for k, v in record.items()}
+        self._f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            numeric = {
+                f"mt3d/{k}": v for k, v in record.items() if isinstance(v, int | float) and v is not None
+            }
+            self.wandb.log(numeric, step=wandb_step)
+
+    def close(self) -> None:
+        """Close the file (W&B is finished by its owner)."""
+        self._f.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl (a torn last line, from a killed run, is ignored)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def start_wandb(ds_config: dict, run_name: str, mode: str, save_dir: Path, config: dict):
+    """Open the W&B run on rank 0 before deepspeed.initialize (DeepSpeed's monitor then logs into it).
+
+    Offline unless the user configured otherwise (WANDB_MODE in the environment wins).
+    Returns the run, or None when W&B is not enabled in the DeepSpeed config.
+    """
+    wb = ds_config.get("wandb") or {}
+    if not wb.get("enabled"):
+        return None
+    os.environ.setdefault("WANDB_MODE", mode)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    save_dir.mkdir(parents=True, exist_ok=True)
+    import wandb
+
+    return wandb.init(
+        project=wb.get("project", "mt3d"),
+        group=wb.get("group"),
+        entity=wb.get("team"),
+        name=run_name,
+        config=config,
+        dir=str(save_dir),
+    )

@@ -1,0 +1,123 @@
+"""Per-process set-up of a run: threads, torch.distributed, hosts, topology, ParallelState, RNG.
+
+Hosts are discovered from what the launcher did (each rank's LOCAL_RANK and host name, gathered
+once), so the deepspeed launcher, torchrun and multi-node hostfiles all give the right layout,
+uneven nodes included. A hostfile in the config overrides the discovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from ..config import RunConfig
+from ..parallel.random import RNGTracker, seed_everything
+from ..parallel.state import ParallelState
+from ..parallel.topology import Host, MappedTopology, map_ranks, parse_islands, read_hostfile
+
+log = logging.getLogger("mt3d")
+
+
+@dataclass
+class Runtime:
+    """What one rank knows about the job once process groups exist."""
+
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+    topology: MappedTopology
+    state: ParallelState
+    tracker: RNGTracker
+
+
+def set_threads() -> int:
+    """torch threads = cores / ranks on this host, unless OMP_NUM_THREADS says otherwise."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        n = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = max(1, cores // max(1, local))
+    torch.set_num_threads(n)
+    return n
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """Initialise DeepSpeed's communication (NCCL on GPU, gloo on CPU); (rank, local_rank, world)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # plain `python -m mt3d.train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(verbose=False)
+    import torch.distributed as dist
+
+    return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def discover_hosts() -> tuple[Host, ...]:
+    """Hosts in rank order, from every rank's (host name, LOCAL_RANK): a new host starts at local rank 0."""
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", 0)))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    hosts: list[list] = []
+    for name, local in everyone:
+        if local == 0 or not hosts:
+            hosts.append([name, 0])
+        hosts[-1][1] += 1
+    names = [n for n, _ in hosts]
+    if len(set(names)) != len(names):  # several launchers on one machine (simulated nodes)
+        names = [f"{n}#{i}" for i, n in enumerate(names)]
+    return tuple(Host(n, s) for n, (_, s) in zip(names, hosts))
+
+
+def setup(run: RunConfig) -> Runtime:
+    """Threads, process groups, rank mapping and RNG for this rank."""
+    set_threads()
+    rank, local_rank, world = init_distributed()
+    par = run.mt3d.parallel
+    hosts = read_hostfile(par.hostfile) if par.hostfile else discover_hosts()
+    topo = map_ranks(
+        world,
+        par.tensor,
+        par.pipeline,
+        hosts=hosts,
+        order=par.order,
+        islands=parse_islands(par.islands) if par.islands else None,
+        allow_crossing=par.allow_crossing,
+    )
+    state = ParallelState.build(topo)
+    seed = run.mt3d.train.seed
+    # Same default stream on every TP and DP rank of a stage (replicated dropout matches across TP);
+    # stages differ so they do not repeat each other's masks.
+    seed_everything(seed + 100 * state.pp.rank)
+    tracker = RNGTracker.for_tp(seed + 100 * state.pp.rank, state.tp)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if rank == 0:
+        crossing = {ax: topo.crossing(ax) for ax in ("tp", "dp", "pp")}
+        log.info(
+            "layout: world %d = tp %d x dp %d x pp %d, %d host(s), groups crossing hosts %s",
+            world,
+            topo.tp,
+            topo.dp,
+            topo.pp,
+            len(hosts),
+            crossing,
+        )
+    return Runtime(rank, local_rank, world, device, topo, state, tracker)

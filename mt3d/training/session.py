@@ -1,0 +1,106 @@
+"""One training session from a validated config: set-up, train, save, tear down."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .. import __version__
+from ..checkpoint.manager import Checkpointer
+from ..config import Layout, RunConfig
+from ..data.loader import build_data
+from ..model.config import ModelConfig
+from .engine import build_model, initialize
+from .loop import Trainer
+from .metrics import start_wandb
+from .runtime import setup
+
+log = logging.getLogger("mt3d")
+EXIT_FAILED = 1
+
+
+def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int, data_info: dict):
+    """What a checkpoint records about the run that wrote it (for resume, reshard and export)."""
+
+    def meta() -> dict:
+        return {
+            "mt3d_version": __version__,
+            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": layout.zero_stage},
+            "stage_layers": run.mt3d.parallel.stage_layers,
+            "model": cfg.to_dict(),
+            "vocab_size": vocab,
+            "seq_len": run.mt3d.data.seq_len,
+            "global_batch": layout.global_batch,
+            "micro_batch": layout.micro_batch,
+            "precision": "bf16"
+            if run.ds.get("bf16", {}).get("enabled")
+            else ("fp16" if run.ds.get("fp16", {}).get("enabled") else "fp32"),
+            "data": {"corpus": run.mt3d.data.corpus, "tokenizer": data_info.get("tokenizer_dir")},
+            "config": run.to_dict(),
+        }
+
+    return meta
+
+
+def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
+    """Train on this rank; returns the exit code."""
+    rt = setup(run)
+    try:
+        data = build_data(run.mt3d.data, run.mt3d.train.seed)
+        vocab = data.tokenizer.vocab_size
+        if cfg.vocab_size is None:
+            cfg.vocab_size = vocab
+        elif cfg.vocab_size < vocab:
+            raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab}")
+        vocab = cfg.vocab_size
+        data.info["tokenizer_dir"] = data.tokenizer.path
+        save_dir = Path(run.mt3d.train.save_dir)
+        wandb_run = None
+        if rt.rank == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            name = run.mt3d.train.run_name or save_dir.name
+            wandb_run = start_wandb(run.ds, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict())
+            log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
+            if "entropy_floor" in data.info:
+                log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])
+        model = build_model(run, layout, rt, cfg, vocab)
+        engine = initialize(run, layout, rt, model)
+        checkpointer = Checkpointer(
+            engine,
+            save_dir,
+            meta=checkpoint_meta(run, layout, cfg, vocab, data.info),
+            client_state=lambda step: {"mt3d": {"step": step}},
+            keep_last=run.mt3d.train.keep_last,
+        )
+        trainer = Trainer(
+            run, layout, rt, engine, data, cfg, vocab, wandb_run=wandb_run, checkpointer=checkpointer
+        )
+        summary = trainer.train()
+        if rt.rank == 0:
+            floor = data.info.get("entropy_floor")
+            extra = (
+                f" (entropy floor {floor:.4f})"
+                if floor is not None and summary["eval_loss"] is not None
+                else ""
+            )
+            ev = summary["eval_loss"]
+            log.info(
+                "done: step %d, train loss %.4f, eval loss %s%s",
+                summary["step"],
+                summary["loss"],
+                "n/a" if ev is None else f"{ev:.4f}",
+                extra,
+            )
+            if wandb_run is not None:
+                wandb_run.summary.update({k: v for k, v in summary.items() if v is not None})
+                wandb_run.finish()
+        dist.barrier()  # without it rank 0 can abort at exit while others still finish (DEEPSPEED_NOTES.md)
+        dist.destroy_process_group()
+        return 0
+    except Exception as e:  # one line for people, the traceback for the log
+        log.exception("training failed on rank %d", rt.rank)
+        print(f"mt3d train: error on rank {rt.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED  # the launcher stops the other ranks

@@ -1,0 +1,60 @@
+"""Helpers shared by the training tests: tiny configs and a worker that trains in spawned ranks."""
+
+import copy
+import os
+
+TINY_GPT = {"preset": "tiny", "hidden": 64, "layers": 4, "heads": 4, "max_seq_len": 64}
+TINY_LLAMA = {"preset": "tiny-llama", "hidden": 64, "layers": 4, "heads": 8, "kv_heads": 4, "ffn": 128}
+
+
+def tiny_config(save_dir, *, model=None, tp=1, pp=1, steps=5, zero=1, global_batch=8, micro=2, **mt3d_train):
+    """A complete run config for the tiny model on the synthetic corpus, fp32, no dropout."""
+    train = {
+        "steps": steps,
+        "log_interval": 1,
+        "eval_interval": 0,
+        "eval_batches": 1,
+        "save_dir": str(save_dir),
+        "save_at_end": False,
+        "seed": 1234,
+        "progress": False,
+    }
+    train.update(mt3d_train)
+    return {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": zero},
+        "mt3d": {
+            "model": copy.deepcopy(model or TINY_GPT),
+            "parallel": {"tensor": tp, "pipeline": pp},
+            "data": {"corpus": "synthetic", "vocab_size": 512, "seq_len": 32},
+            "train": train,
+        },
+    }
+
+
+def train_worker(raw):
+    """Train ``raw`` (a config dict) on the spawned ranks; rank 0 returns metrics.jsonl's records."""
+    import torch.distributed as dist
+
+    from mt3d.config import from_dict, resolve_model, validate
+    from mt3d.training.metrics import read_metrics
+    from mt3d.training.session import run_training
+
+    run = from_dict(copy.deepcopy(raw))
+    cfg = resolve_model(run.mt3d.model)
+    layout = validate(run, dist.get_world_size(), cfg)
+    rank = dist.get_rank()
+    rc = run_training(run, layout, cfg)
+    if rc != 0:
+        raise RuntimeError(f"run_training returned {rc} on rank {rank}")
+    if rank == 0:
+        return read_metrics(os.path.join(run.mt3d.train.save_dir, "metrics.jsonl"))
+    return None
+
+
+def step_records(records):
+    """The per-step training records (not the eval ones)."""
+    return [r for r in records if "loss" in r]

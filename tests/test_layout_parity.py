@@ -1,0 +1,30 @@
+"""Any (tp, pp, dp) layout trains exactly like tp = pp = dp = 1 (fp32, same seed, batch and data)."""
+
+import pytest
+
+from mt3d.parallel.spawn import spawn
+
+from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_worker
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (4, 2, 1)]
+RTOL = 1e-5
+
+
+def run_layout(tmp_path, model, tp, pp, dp):
+    raw = tiny_config(tmp_path / f"run_{tp}{pp}{dp}", model=model, tp=tp, pp=pp)
+    return step_records(spawn(train_worker, tp * pp * dp, raw, timeout=300)[0])
+
+
+@pytest.mark.parametrize("arch,model", [("gpt2", TINY_GPT), ("llama-gqa", TINY_LLAMA)])
+def test_every_layout_matches_the_single_process_run(tmp_path, arch, model):
+    ref = run_layout(tmp_path, model, 1, 1, 1)
+    assert len(ref) == 5 and ref[-1]["loss"] < ref[0]["loss"]
+    for tp, pp, dp in LAYOUTS[1:]:
+        got = run_layout(tmp_path, model, tp, pp, dp)
+        assert [r["step"] for r in got] == [r["step"] for r in ref]
+        for a, b in zip(got, ref):
+            for key in ("loss", "grad_norm"):
+                rel = abs(a[key] - b[key]) / abs(b[key])
+                assert rel <= RTOL, (
+                    f"{arch} tp={tp} pp={pp} dp={dp} step {a['step']} {key}: {a[key]} vs {b[key]}"
+                )
