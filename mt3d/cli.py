@@ -118,7 +118,71 @@ def cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable] = [_add_topo]
+# --- plot ----------------------------------------------------------------------------------
+def _add_plot(sub) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="write a PNG of a run's loss and throughput curves",
+        description="Plot train/eval loss and tokens/s (and MFU) from RUN_DIR/metrics.jsonl.",
+        epilog="example:\n  mt3d plot runs/cpu_demo_3d            # writes runs/cpu_demo_3d/curves.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", help="training run directory (the config's mt3d.train.save_dir)")
+    p.add_argument("--out", help="output PNG (default RUN_DIR/curves.png)")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """``mt3d plot``."""
+    from .training.plot import plot_run
+
+    try:
+        print(plot_run(args.run_dir, args.out))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def _add_summary(sub) -> None:
+    p = sub.add_parser(
+        "summary",
+        help="headline figures of a training run (losses, throughput, checkpoints, W&B runs)",
+        description="Summarise RUN_DIR: first/last train loss, eval loss (vs the entropy floor of the "
+        "synthetic corpus when known), tokens/s, complete checkpoints and W&B run directories.",
+        epilog="example:\n  mt3d summary runs/cpu_demo_3d --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", help="training run directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_summary)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    """``mt3d summary``."""
+    from .training.plot import summarize
+
+    s = summarize(args.run_dir)
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    fmt = lambda v: "n/a" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))  # noqa: E731
+    print(
+        f"run {s['run_dir']}: {s['steps']} steps, train loss {fmt(s['first_loss'])} -> {fmt(s['last_loss'])}"
+    )
+    line = f"eval loss {fmt(s['last_eval_loss'])} (best {fmt(s['best_eval_loss'])})"
+    if s["entropy_floor"] is not None and s["last_eval_loss"] is not None:
+        gap = s["last_eval_loss"] - s["entropy_floor"]
+        line += (
+            f"; entropy floor {s['entropy_floor']:.4f}, gap {gap:.4f} nats ({gap / s['entropy_floor']:+.1%})"
+        )
+    print(line)
+    print(f"throughput {fmt(s['tokens_per_s'])} tokens/s at the last logged step")
+    print(f"checkpoints: {', '.join(s['checkpoints']) or 'none'}")
+    print(f"W&B runs: {', '.join(s['wandb_runs']) or 'none'}")
+    return 0
+
+
+COMMANDS: list[Callable] = [_add_topo, _add_plot, _add_summary]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -357,6 +357,18 @@ def _batches(ds: dict, dp: int) -> tuple[int, int, int]:
     return mb, ga, gb
 
 
+def fp16_supported() -> bool:
+    """Whether DeepSpeed can train in fp16 here (any CUDA GPU, or a CPU with fp16 support in oneDNN)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
 def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) -> Layout:
     """Check the run against ``world_size`` ranks before any process group exists; fill batch keys."""
     par, data, train = run.mt3d.parallel, run.mt3d.data, run.mt3d.train
@@ -423,6 +435,11 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
             raise ConfigError(f"mt3d.data.tokenizer: tokenizer directory not found: {data.tokenizer}")
         if data.weights is not None and len(data.weights) != len(data.prefixes):
             raise ConfigError("mt3d.data.weights must have one weight per prefix")
+    if (run.ds.get("fp16") or {}).get("enabled") and not fp16_supported():
+        raise ConfigError(
+            "fp16 is not supported on this device (DeepSpeed's CPU accelerator needs AVX512-FP16/AMX); "
+            "use bf16.enabled or fp32, or run on a GPU"
+        )
     mb, ga, gb = _batches(run.ds, dp)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
     return Layout(world_size, tp, pp, dp, mb, ga, gb, stage)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -45,6 +47,17 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
     return meta
 
 
+def write_run_info(save_dir: Path, run: RunConfig, layout: Layout, cfg: ModelConfig, data_info: dict) -> None:
+    """``<save_dir>/run.json``: the resolved config, layout, model and corpus facts of the run."""
+    info = {
+        "config": run.to_dict(),
+        "layout": dataclasses.asdict(layout),
+        "model": cfg.to_dict(),
+        "data": data_info,
+    }
+    (save_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
+
+
 def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
     """Train on this rank; returns the exit code."""
     rt = setup(run)
@@ -63,6 +76,7 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
             save_dir.mkdir(parents=True, exist_ok=True)
             name = run.mt3d.train.run_name or save_dir.name
             wandb_run = start_wandb(run.ds, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict())
+            write_run_info(save_dir, run, layout, cfg, data.info)
             log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
             if "entropy_floor" in data.info:
                 log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])

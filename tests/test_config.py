@@ -1,0 +1,175 @@
+"""Run configs: overrides, typed parsing, and every bad config refused before process groups exist."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mt3d.config import ConfigError, apply_overrides, from_dict, load, resolve_model, validate
+
+from helpers import TINY_LLAMA, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def check(raw, world):
+    run = from_dict(raw)
+    return validate(run, world, resolve_model(run.mt3d.model))
+
+
+def test_overrides_reach_deepspeed_and_mt3d_keys(tmp_path):
+    raw = tiny_config(tmp_path)
+    raw["bf16"] = {"enabled": True}
+    out = apply_overrides(
+        raw,
+        [
+            "bf16.enabled=false",
+            "mt3d.train.steps=10",
+            "mt3d.parallel.sequence_parallel=true",
+            "zero_optimization.offload_optimizer.device=cpu",
+            "mt3d.train.run_name=demo run",
+            "mt3d.parallel.stage_layers=[1, 3]",
+        ],
+    )
+    assert out["bf16"]["enabled"] is False and raw["bf16"]["enabled"] is True  # input untouched
+    assert out["mt3d"]["train"]["steps"] == 10
+    assert out["mt3d"]["parallel"]["sequence_parallel"] is True
+    assert out["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert out["mt3d"]["train"]["run_name"] == "demo run"
+    run = from_dict(out)
+    assert run.mt3d.parallel.stage_layers == [1, 3] and run.ds["bf16"] == {"enabled": False}
+    with pytest.raises(ConfigError, match="not an object"):
+        apply_overrides(raw, ["mt3d.train.steps.x=1"])
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_overrides(raw, ["mt3d.train.steps"])
+
+
+def test_file_loading_and_batch_derivation(tmp_path):
+    f = tmp_path / "c.json"
+    raw = tiny_config(tmp_path, tp=2, pp=2)
+    del raw["train_micro_batch_size_per_gpu"]
+    raw["gradient_accumulation_steps"] = 2
+    f.write_text(json.dumps(raw))
+    run = load(f, ["mt3d.train.steps=3"])
+    layout = validate(run, 8, resolve_model(run.mt3d.model))
+    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
+    assert (layout.micro_batch, layout.grad_accum, layout.global_batch) == (2, 2, 8)
+    assert run.ds["train_micro_batch_size_per_gpu"] == 2 and run.mt3d.train.steps == 3
+    assert isinstance(from_dict({"mt3d": {"model": "gpt2-small"}}).mt3d.model, dict)
+
+
+BAD = {
+    "world not divisible": (lambda r: r, 6, "not divisible by tensor\\*pipeline"),
+    "heads vs tp": (
+        lambda r: r["mt3d"]["parallel"].update(tensor=8),
+        16,
+        "heads \\(4\\) are not divisible by tp=8",
+    ),
+    "kv heads vs tp": (
+        lambda r: (
+            r["mt3d"].update(model=dict(TINY_LLAMA, heads=8, kv_heads=2)),
+            r["mt3d"]["parallel"].update(tensor=4),
+        ),
+        8,
+        "kv_heads \\(2\\) are not divisible by tp=4",
+    ),
+    "layers < stages": (
+        lambda r: r["mt3d"]["parallel"].update(pipeline=8, tensor=1),
+        8,
+        "4 layers cannot fill 8",
+    ),
+    "zero-2 with pp": (
+        lambda r: r["zero_optimization"].update(stage=2),
+        4,
+        "ZeRO stage 2 cannot be used with pipeline",
+    ),
+    "zero-0 with pp": (lambda r: r["zero_optimization"].update(stage=0), 4, "stage to 1"),
+    "batch mismatch": (lambda r: r.update(gradient_accumulation_steps=3), 4, "!= micro-batch 2 x"),
+    "batch indivisible": (lambda r: r.update(train_batch_size=10), 8, "not divisible by micro-batch\\*dp"),
+    "unknown key": (lambda r: r["mt3d"]["train"].update(stpes=3), 4, "did you mean 'steps'"),
+    "unknown section": (lambda r: r["mt3d"].update(trian={}), 4, "did you mean 'train'"),
+    "wrong type": (lambda r: r["mt3d"]["train"].update(steps="ten"), 4, "'mt3d.train.steps' must be int"),
+    "bad preset": (lambda r: r["mt3d"].update(model={"preset": "gpt2-smal"}), 4, "did you mean gpt2-small"),
+    "bad model key": (lambda r: r["mt3d"]["model"].update(hiden=3), 4, "unknown model keys \\['hiden'\\]"),
+    "missing data": (
+        lambda r: r["mt3d"]["data"].update(corpus="indexed", prefixes=["/nonexistent/x"]),
+        4,
+        "/nonexistent/x.bin not found",
+    ),
+    "missing resume": (
+        lambda r: r["mt3d"]["train"].update(resume="/nonexistent/ckpt"),
+        4,
+        "checkpoint not found",
+    ),
+    "seq too long": (lambda r: r["mt3d"]["data"].update(seq_len=512), 4, "exceeds the model's max_seq_len"),
+    "stage layers": (lambda r: r["mt3d"]["parallel"].update(stage_layers=[1, 1]), 4, "adding up to 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_configs_are_refused_with_one_line(tmp_path, case):
+    change, world, match = BAD[case]
+    raw = tiny_config(tmp_path, tp=2, pp=2)
+    change(raw)
+    with pytest.raises(ConfigError, match=match) as info:
+        check(raw, world)
+    assert "\n" not in str(info.value)
+
+
+def run_train(args, world=8, timeout=120):
+    env = dict(os.environ, WORLD_SIZE=str(world))
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run(
+        [sys.executable, "-m", "mt3d.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_train_command_rejects_bad_input_before_process_groups(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(tiny_config(tmp_path, tp=2, pp=2)))
+    # WORLD_SIZE=6 with no rendezvous address: reaching process-group creation would hang or crash
+    out = run_train(["--config", str(f)], world=6)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "mt3d train: error: world size 6 is not divisible by tensor*pipeline = 2*2; "
+        "launch a multiple of 4 processes or change mt3d.parallel"
+    ]
+    out = run_train(["--config", str(f), "--set", "zero_optimization.stage=3"])
+    assert out.returncode == 2 and "ZeRO stage 3" in out.stderr
+    out = run_train(["--config", str(tmp_path / "missing.json")])
+    assert out.returncode == 2 and "config file not found" in out.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,\n "mt3d": {,}}')
+    out = run_train(["--config", str(bad)])
+    assert out.returncode == 2 and "bad.json:2:" in out.stderr and "invalid JSON" in out.stderr
+    ok = run_train(["--config", str(f), "--check"])
+    assert ok.returncode == 0 and "tp 2 x pp 2 x dp 2" in ok.stdout
+
+
+CONFIG_WORLDS = {
+    "cpu_demo_3d.json": [8],
+    "gpt3_1.3b_8gpu.json": [8, 64],
+    "megatron_8.3b_tp8.json": [8, 512],
+    "mtnlg_530b_tp8_pp35.json": [2240, 4480],
+}
+# templates that name the user's own preprocessed data are checked with the builtin corpus instead
+USER_DATA = {"megatron_8.3b_tp8.json"}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_WORLDS))
+def test_shipped_configs_validate(name):
+    path = ROOT / "ds_configs" / name
+    for world in CONFIG_WORLDS[name]:
+        run = load(path, ["mt3d.data.corpus=builtin"] if name in USER_DATA else [])
+        layout = validate(run, world, resolve_model(run.mt3d.model))
+        assert layout.world == world
+    assert sorted(p.name for p in (ROOT / "ds_configs").glob("*.json")) == sorted(CONFIG_WORLDS)

@@ -1,0 +1,286 @@
+"""Training features: sequence parallelism, recompute, ZeRO-2/3, precisions, launchers, outputs."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mt3d.config import ConfigError, fp16_supported, from_dict, resolve_model, validate
+from mt3d.model.blocks import BuildContext, TransformerBlock
+from mt3d.model.config import ModelConfig
+from mt3d.model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs, stage_bounds
+from mt3d.parallel.spawn import free_port, spawn
+from mt3d.parallel.state import AxisGroup
+
+from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(tmp_path, name, world, **kw):
+    raw = tiny_config(tmp_path / name, **kw)
+    return step_records(spawn(train_worker, world, raw, timeout=300)[0])
+
+
+def assert_same(got, ref, rtol=1e-5, keys=("loss", "grad_norm")):
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= rtol * abs(b[k]), f"step {a['step']} {k}: {a[k]} vs {b[k]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process fp32 runs of both architectures."""
+    tmp = tmp_path_factory.mktemp("ref")
+    return {
+        "gpt": train(tmp, "gpt", 1, model=TINY_GPT),
+        "llama": train(tmp, "llama", 1, model=TINY_LLAMA),
+    }
+
+
+def test_sequence_parallel_inside_the_pipeline(tmp_path, reference):
+    got = train(tmp_path, "sp", 4, model=TINY_GPT, tp=2, pp=2)  # warm path without SP first
+    assert_same(got, reference["gpt"])
+    raw_sp = dict(TINY_GPT)
+    got = step_records(
+        spawn(
+            train_worker,
+            8,
+            _with(
+                tiny_config(tmp_path / "sp2", model=raw_sp, tp=2, pp=2), "parallel", sequence_parallel=True
+            ),
+            timeout=300,
+        )[0]
+    )
+    assert_same(got, reference["gpt"])
+    got = step_records(
+        spawn(
+            train_worker,
+            2,
+            _with(tiny_config(tmp_path / "sp3", model=TINY_LLAMA, tp=2), "parallel", sequence_parallel=True),
+            timeout=300,
+        )[0]
+    )
+    assert_same(got, reference["llama"])
+
+
+def _with(raw, section, **values):
+    raw["mt3d"][section].update(values)
+    return raw
+
+
+def test_recompute_on_every_stage_gives_the_same_training(tmp_path, reference):
+    raw = tiny_config(tmp_path / "rc", model=TINY_GPT, tp=2, pp=2, recompute={"interval": 1})
+    assert_same(step_records(spawn(train_worker, 4, raw, timeout=300)[0]), reference["gpt"])
+    raw = tiny_config(
+        tmp_path / "rcp",
+        model=TINY_LLAMA,
+        tp=2,
+        pp=2,
+        recompute={"interval": 2, "partition_activations": True},
+    )
+    assert_same(step_records(spawn(train_worker, 8, raw, timeout=300)[0]), reference["llama"])
+
+
+def test_recompute_reruns_blocks_in_backward():
+    cfg = ModelConfig(**{k: v for k, v in TINY_GPT.items() if k != "preset"}, vocab_size=100)
+    calls = {"n": 0}
+    for interval, expected in ((0, 4), (1, 8), (3, 8)):
+        ctx = BuildContext(tp=AxisGroup.alone("tp"))
+        model = StackedModel(
+            layer_specs(cfg, ctx, 100), loss_fn=LossFn(ctx.tp, 100), recompute_interval=interval
+        )
+        for m in model.modules():
+            if isinstance(m, TransformerBlock):
+                m.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+        calls["n"] = 0
+        ids = torch.randint(0, 100, (2, 16))
+        model(ids, ids).backward()
+        assert calls["n"] == expected, (interval, calls["n"])
+
+
+def test_stage_partitioning():
+    assert default_stage_blocks(105, 35) == [3] * 35
+    assert default_stage_blocks(10, 4) == [2, 3, 3, 2]  # the remainder goes to middle stages first
+    assert default_stage_blocks(7, 2) == [3, 4]
+    assert stage_bounds([2, 3]) == [0, 4, 9]  # embedding+positions on stage 0, norm+head on the last
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_at_pipeline_1(tmp_path, reference, zero):
+    got = train(tmp_path, f"z{zero}", 4, model=TINY_GPT, tp=2, zero=zero)
+    assert_same(got, reference["gpt"])
+
+
+def test_bf16(tmp_path, reference):
+    raw = tiny_config(tmp_path / "bf16", model=TINY_GPT, tp=2, pp=2, steps=8)
+    raw["bf16"] = {"enabled": True}
+    got = step_records(spawn(train_worker, 8, raw, timeout=300)[0])
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in got)
+    assert got[-1]["loss"] < got[0]["loss"]
+    assert abs(got[0]["loss"] - reference["gpt"][0]["loss"]) < 2e-2 * reference["gpt"][0]["loss"]
+
+
+def fp16_worker(raw):
+    return train_worker(raw)
+
+
+@pytest.mark.skipif(
+    not fp16_supported(), reason="fp16 needs a GPU or a CPU with oneDNN fp16 (checked on GPU runs)"
+)
+def test_fp16_skips_overflow_steps(tmp_path):
+    raw = tiny_config(tmp_path / "fp16", model=TINY_GPT, steps=8)
+    raw["fp16"] = {"enabled": True, "initial_scale_power": 30, "loss_scale_window": 100}
+    got = step_records(spawn(fp16_worker, 1, raw, timeout=300)[0])
+    # 2^30 overflows at first: those steps are skipped (and counted) while the scale comes down
+    assert 1 <= got[-1]["skipped"] < len(got)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in got)
+
+
+def test_fp16_is_refused_where_unsupported(tmp_path):
+    raw = tiny_config(tmp_path / "x")
+    raw["fp16"] = {"enabled": True}
+    run = from_dict(raw)
+    if fp16_supported():
+        validate(run, 1, resolve_model(run.mt3d.model))
+    else:
+        with pytest.raises(ConfigError, match="fp16 is not supported on this device"):
+            validate(run, 1, resolve_model(run.mt3d.model))
+
+
+def wandb_history_keys(run_dir: Path) -> dict:
+    """Keys logged to an offline W&B run and how often (reads the .wandb record log)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    keys: dict = {}
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            break
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            if rec.WhichOneof("record_type") == "history":
+                for item in rec.history.item:
+                    k = item.key or "/".join(item.nested_key)
+                    keys[k] = keys.get(k, 0) + 1
+    return keys
+
+
+def launcher_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_deepspeed_launcher_run_writes_metrics_checkpoint_and_wandb(tmp_path):
+    raw = tiny_config(
+        tmp_path / "run", tp=2, pp=2, steps=12, save_interval=6, save_at_end=True, eval_batches=1
+    )
+    raw["wandb"] = {"enabled": True, "project": "mt3d-test"}
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(raw))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            "4",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "mt3d.train",
+            "--config",
+            str(cfg),
+            "--set",
+            "mt3d.train.eval_interval=6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+        env=launcher_env(),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    for r in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "skipped"} <= set(
+            r
+        )
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert [r["step"] for r in evals] == [6, 12]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000006", "step_00000012"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000012"
+    keys = wandb_history_keys(run)
+    assert keys.get("Train/Samples/train_loss") == 12 and keys.get("mt3d/loss") == 12
+    assert keys.get("mt3d/eval_loss") == 2
+    assert "step" in out.stdout and "eval loss" in out.stdout
+
+
+def test_two_simulated_nodes_match_one_node(tmp_path):
+    """torchrun --nnodes 2 on loopback (2 ranks each) trains like one 4-rank run."""
+    single = train(tmp_path, "one", 4, tp=2, pp=2)
+    raw = tiny_config(tmp_path / "two", tp=2, pp=2)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(raw))
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "-m",
+                "mt3d.train",
+                "--config",
+                str(cfg),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=launcher_env(),
+        )
+        for node in (0, 1)
+    ]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two = [r for r in two if "loss" in r]
+    assert [r["loss"] for r in two] == [r["loss"] for r in single]
+    assert [r["grad_norm"] for r in two] == [r["grad_norm"] for r in single]
+    info = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert info["layout"]["world"] == 4
