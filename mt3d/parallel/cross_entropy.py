@@ -9,6 +9,7 @@ get zero loss and zero gradient.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .mappings import all_reduce
 from .state import AxisGroup
@@ -70,8 +71,15 @@ def vocab_parallel_cross_entropy(
     padded columns never count. Ignored targets give 0.
     The gradient returned to ``logits`` has the logits' dtype.
     """
-    loss = _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
-    return loss
+    if tp.size == 1:  # the whole vocabulary is here: torch's fused kernel, padded columns sliced off
+        logits = logits[..., :vocab_size]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        flat = F.cross_entropy(
+            logits.reshape(-1, vocab_size), target.reshape(-1), ignore_index=ignore_index, reduction="none"
+        )
+        return flat.view(target.shape)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
 
 
 def mean_loss(

@@ -1,0 +1,1 @@
+"""Benchmarks: python -m mt3d.bench <name> (see __main__.py)."""

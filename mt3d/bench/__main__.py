@@ -1,0 +1,60 @@
+"""``python -m mt3d.bench <name>``: benchmarks that print measured figures beside the theory.
+
+Each prints a table for people and one ``BENCH {json}`` line for programs (launch/bench.sh
+collects them into a Markdown table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+BENCHES = {
+    "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
+    "bubble": "measured pipeline idle fraction per stage vs (p-1)/(m+p-1)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of every benchmark."""
+    p = argparse.ArgumentParser(prog="python -m mt3d.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="name", metavar="<benchmark>")
+    o = sub.add_parser("overhead", help=BENCHES["overhead"])
+    o.add_argument("--sizes", default="tiny,small", help="comma-separated model sizes (tiny, small)")
+    o.add_argument("--reps", type=int, default=15)
+    o.add_argument(
+        "--zero", default="0,1", help="ZeRO stages of the mt3d engine to measure (dp=1: 0 is the fit)"
+    )
+    o.add_argument("--seq-len", type=int, default=64)
+    o.add_argument("--micro", type=int, default=4)
+    o.add_argument("--global-batch", type=int, default=16)
+    b = sub.add_parser("bubble", help=BENCHES["bubble"])
+    b.add_argument("--stages", default="2,4")
+    b.add_argument("--micro-batches", default="4,8")
+    b.add_argument("--steps", type=int, default=5)
+    b.add_argument("--hidden", type=int, default=256)
+    b.add_argument("--layers-per-stage", type=int, default=2)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = build_parser().parse_args(argv)
+    if not args.name:
+        build_parser().print_help()
+        return 2
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
+    )
+    module = importlib.import_module(f"mt3d.bench.{args.name}")
+    module.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Shared pieces of the benchmarks: building a tiny engine in-process, reporting results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def machine() -> dict:
+    """Where the figures were measured."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def emit(name: str, result: dict) -> dict:
+    """Print the benchmark's one-line JSON record (``BENCH {...}``) and return it."""
+    record = {"bench": name, **result, "machine": machine()}
+    print("BENCH " + json.dumps(record, default=float), flush=True)
+    return record
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A fixed-width text table of ``rows`` (dicts) over ``columns``."""
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    for r in rows:
+        lines.append("  ".join(cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+    return "\n".join(lines)
+
+
+def median_time(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_run_config(
+    *,
+    model: dict,
+    tp: int = 1,
+    pp: int = 1,
+    global_batch: int = 8,
+    micro: int = 2,
+    seq_len: int = 64,
+    zero: int = 1,
+    save_dir: str = "/tmp/mt3d-bench",
+    bf16: bool = False,
+    corpus: str = "synthetic",
+    vocab: int = 512,
+    recompute: int = 0,
+    sequence_parallel: bool = False,
+    torch_adam_fused: bool = False,
+) -> dict:
+    """A run config dict for benchmark engines (synthetic data, no eval, no saving)."""
+    params = {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}
+    if torch_adam_fused:
+        params.update(torch_adam=True, fused=True)
+    raw = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": params},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": zero},
+        "mt3d": {
+            "model": model,
+            "parallel": {"tensor": tp, "pipeline": pp, "sequence_parallel": sequence_parallel},
+            "data": {"corpus": corpus, "vocab_size": vocab, "seq_len": seq_len},
+            "train": {
+                "steps": 0,
+                "save_dir": save_dir,
+                "save_at_end": False,
+                "eval_batches": 0,
+                "progress": False,
+                "recompute": {"interval": recompute},
+            },
+        },
+    }
+    if bf16:
+        raw["bf16"] = {"enabled": True}
+    return raw
+
+
+def build_engine(raw: dict):
+    """Inside an initialised process group: (run, layout, runtime, engine, data, model config)."""
+    import torch.distributed as dist
+
+    from ..config import from_dict, resolve_model, validate
+    from ..data.loader import build_data
+    from ..training.engine import build_model, initialize
+    from ..training.runtime import setup
+
+    run = from_dict(raw)
+    cfg = resolve_model(run.mt3d.model)
+    layout = validate(run, dist.get_world_size(), cfg)
+    rt = setup(run)
+    data = build_data(run.mt3d.data, run.mt3d.train.seed)
+    if cfg.vocab_size is None:
+        cfg.vocab_size = data.tokenizer.vocab_size
+    model = build_model(run, layout, rt, cfg, cfg.vocab_size)
+    engine = initialize(run, layout, rt, model)
+    return run, layout, rt, engine, data, cfg
