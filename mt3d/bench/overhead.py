@@ -144,9 +144,7 @@ def run(args) -> dict:
         }
         rows.append(r)
         out[f"{size}/zero{zero}"] = r
-    print(
-        f"step-time overhead at tp=pp=dp=1 (median of {args.reps} interleaved steps; target mt3d/plain <= 1.10)"
-    )
+    print(f"step-time overhead at tp=pp=dp=1, median of {args.reps} steps (target mt3d/plain <= 1.10)")
     print(
         table(rows, ["model", "zero", "params", "mt3d_s", "plain_s", "hf_ds_s", "mt3d/plain", "mt3d/hf_ds"])
     )
