@@ -17,10 +17,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
 from .model.config import ModelConfig, ModelConfigError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration that cannot run; the message is one actionable line."""
 
 

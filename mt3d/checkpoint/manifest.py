@@ -12,11 +12,13 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import UserError
+
 MANIFEST = "manifest.json"
 FORMAT = "mt3d-checkpoint-1"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint that must not be used; the message names the file and what to do."""
 
 

@@ -12,7 +12,8 @@
     bin_tag   16 bytes blake2b of the first and last 64 KiB of P.bin (pairs .idx with its .bin)
     offsets   u64[docs + 1]  token offset of each document; offsets[-1] == tokens
 
-Readers memory-map both files, so a corpus larger than RAM is read without loading it.
+Readers memory-map the offsets and read tokens with ``pread``: a sample costs one small read, and a
+corpus larger than RAM (or than the process's address-space limit) is never mapped or loaded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
+
 MAGIC = b"MT3DIDX\0"
 VERSION = 1
 _HEADER = struct.Struct("<8sIB3xQQQ16s")
@@ -31,7 +34,7 @@ DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _TAG_SPAN = 64 * 1024
 
 
-class IndexedDataError(ValueError):
+class IndexedDataError(UserError):
     """A missing, corrupt or mismatched .bin/.idx pair; the message names the file."""
 
 
@@ -159,20 +162,50 @@ class IndexedDataset:
                 f"{binf} does not belong to {idx} (contents differ); re-run 'mt3d preprocess'"
             )
         self.offsets = np.memmap(idx, dtype=np.uint64, mode="r", offset=_HEADER.size, shape=(docs + 1,))
-        self.tokens = np.memmap(binf, dtype=self.dtype, mode="r") if tokens else np.zeros(0, self.dtype)
+        self._bin_path = binf
+        self._fd = os.open(binf, os.O_RDONLY)
         self.num_docs, self.num_tokens, self.max_id = int(docs), int(tokens), int(max_id)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fd", None)
+        state.pop("offsets", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fd = os.open(self._bin_path, os.O_RDONLY)
+        size = self.num_docs + 1
+        self.offsets = np.memmap(
+            f"{self.prefix}.idx", dtype=np.uint64, mode="r", offset=_HEADER.size, shape=(size,)
+        )
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the concatenated stream (one ``pread``)."""
+        item = self.dtype.itemsize
+        n = max(0, stop - start)
+        raw = os.pread(self._fd, n * item, start * item)
+        if len(raw) != n * item:
+            raise IndexedDataError(
+                f"{self._bin_path}: short read at token {start} (file changed while in use?)"
+            )
+        return np.frombuffer(raw, dtype=self.dtype)
 
     def __len__(self) -> int:
         return self.num_docs
 
     def doc(self, i: int) -> np.ndarray:
-        """Token ids of document ``i`` (a memory-mapped view)."""
-        return self.tokens[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        """Token ids of document ``i``."""
+        return self.read(int(self.offsets[i]), int(self.offsets[i + 1]))
 
     def doc_lengths(self) -> np.ndarray:
         """Length of every document."""
         return np.diff(np.asarray(self.offsets, dtype=np.int64))
-
-    def span(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the concatenated stream."""
-        return self.tokens[start:stop]

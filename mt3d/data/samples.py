@@ -119,10 +119,12 @@ class PackedSamples:
         out = np.empty(self.seq_len + 1, dtype=np.int64)
         d, filled = int(first[s]), 0
         pos = start - int(cum[d])
+        offsets = self.ds.offsets
         while filled < out.size:
-            doc = self.ds.doc(int(docs[d]))
-            take = min(doc.size - pos, stop - start - filled)
-            out[filled : filled + take] = doc[pos : pos + take]
+            doc = int(docs[d])
+            begin, end = int(offsets[doc]), int(offsets[doc + 1])
+            take = min(end - begin - pos, stop - start - filled)
+            out[filled : filled + take] = self.ds.read(begin + pos, begin + pos + take)
             filled += take
             d, pos = d + 1, 0
         return out

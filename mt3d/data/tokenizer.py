@@ -11,10 +11,12 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..errors import UserError
+
 EOS = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer directory that cannot be used; the message names the file."""
 
 

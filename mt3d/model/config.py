@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..errors import UserError
 
-class ModelConfigError(ValueError):
+
+class ModelConfigError(UserError):
     """An architecture that cannot be built (or cannot be split as asked)."""
 
 

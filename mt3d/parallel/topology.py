@@ -23,13 +23,15 @@ from pathlib import Path
 
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
+from ..errors import UserError
+
 AXES = ("tp", "dp", "pp")
 # mt3d axis name -> DeepSpeed axis name. DeepSpeed's "model" axis is tensor slicing.
 DS_AXIS = {"tp": "model", "dp": "data", "pp": "pipe"}
 DEFAULT_ORDER = "tp-dp-pp"
 
 
-class TopologyError(ValueError):
+class TopologyError(UserError):
     """A layout that cannot be built as asked; the message names the fix."""
 
 

@@ -1,0 +1,223 @@
+"""``mt3d preprocess``: text / jsonl files -> an indexed token dataset (P.bin + P.idx).
+
+Input is streamed (a corpus larger than RAM works): documents are read one at a time, tokenized in
+batches (in this process, or in ``workers`` processes with a bounded number of batches in flight),
+and appended to ``P.bin.tmp`` / ``P.idx.tmp``, which are renamed into place only when everything
+succeeded. No torch import: the command runs in a small memory budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .indexed import DTYPES, IndexedWriter, dtype_for_vocab
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+class PreprocessError(UserError):
+    """Bad input to preprocessing; the message names the file (and line)."""
+
+
+@dataclass
+class Stats:
+    """What a preprocessing run did."""
+
+    documents: int = 0
+    tokens: int = 0
+    bytes_in: int = 0
+    skipped_lines: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        """JSON-able summary with throughput."""
+        s = max(self.seconds, 1e-9)
+        return {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "mb": self.bytes_in / 1e6,
+            "seconds": self.seconds,
+            "mb_per_s": self.bytes_in / 1e6 / s,
+            "tokens_per_s": self.tokens / s,
+            "skipped_lines": len(self.skipped_lines),
+        }
+
+
+def check_inputs(paths: list[str]) -> list[Path]:
+    """Every input exists, is a .txt or .jsonl file, and is not empty."""
+    if not paths:
+        raise PreprocessError("no input files given (--input FILE ...)")
+    out = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise PreprocessError(f"input not found: {p}")
+        if p.suffix not in (".txt", ".jsonl"):
+            raise PreprocessError(f"{p}: unsupported input type {p.suffix!r} (use .txt or .jsonl)")
+        if p.stat().st_size == 0:
+            raise PreprocessError(f"{p} is empty")
+        out.append(p)
+    return out
+
+
+def read_documents(
+    paths: list[Path],
+    *,
+    txt_mode: str = "blocks",
+    jsonl_key: str = "text",
+    on_bad_line: str = "fail",
+    stats: Stats,
+) -> Iterator[str]:
+    """Documents of every input, in order: .txt as one document per file or per blank-line-separated
+    block; .jsonl as one document per line (``jsonl_key``)."""
+    for path in paths:
+        stats.bytes_in += path.stat().st_size
+        if path.suffix == ".txt" and txt_mode == "file":
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield text
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if path.suffix == ".txt":
+                block: list[str] = []
+                for line in f:
+                    if line.strip():
+                        block.append(line)
+                    elif block:
+                        yield "".join(block).rstrip("\n")
+                        block = []
+                if block:
+                    yield "".join(block).rstrip("\n")
+                continue
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    text = obj[jsonl_key]
+                    if not isinstance(text, str):
+                        raise TypeError(f"'{jsonl_key}' is {type(text).__name__}, not a string")
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    why = f"missing key '{jsonl_key}'" if isinstance(e, KeyError) else str(e).split(":")[0]
+                    msg = f"{path}:{lineno}: invalid jsonl line ({why})"
+                    if on_bad_line == "fail":
+                        raise PreprocessError(msg + "; fix it or pass --on-bad-line skip") from None
+                    stats.skipped_lines.append(msg)
+                    continue
+                if text:
+                    yield text
+
+
+def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tok: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tok
+
+
+def _encode(batch: list[str]) -> list[np.ndarray]:
+    return [np.asarray(ids, dtype=np.uint32) for ids in _WORKER_TOKENIZER.encode_batch(batch)]
+
+
+def _encoded_batches(
+    batches: Iterator[list[str]], tok: Tokenizer, workers: int
+) -> Iterator[list[np.ndarray]]:
+    if workers <= 1:
+        for b in batches:
+            yield [np.asarray(ids, dtype=np.uint32) for ids in tok.encode_batch(b)]
+        return
+    import multiprocessing as mp
+
+    # Workers tokenize single-threaded; the parallelism is the processes.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tok,)) as pool:
+        pending: collections.deque = collections.deque()
+        for b in batches:  # at most 2 batches per worker in flight: memory stays bounded
+            pending.append(pool.apply_async(_encode, (b,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def preprocess(
+    inputs: list[str],
+    tokenizer_dir: str,
+    output_prefix: str,
+    *,
+    workers: int = 1,
+    txt_mode: str = "blocks",
+    jsonl_key: str = "text",
+    on_bad_line: str = "fail",
+    dtype: str = "auto",
+    batch_docs: int = 256,
+    progress: bool = True,
+) -> Stats:
+    """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns what was done."""
+    if txt_mode not in ("blocks", "file"):
+        raise PreprocessError(f"--txt-mode must be blocks or file, got {txt_mode!r}")
+    if on_bad_line not in ("fail", "skip"):
+        raise PreprocessError(f"--on-bad-line must be fail or skip, got {on_bad_line!r}")
+    paths = check_inputs(inputs)
+    tok = load_tokenizer(tokenizer_dir)
+    if dtype == "auto":
+        np_dtype = dtype_for_vocab(tok.vocab_size)
+    else:
+        by_name = {np.dtype(t).name: t for t in DTYPES.values()}
+        if dtype not in by_name:
+            raise PreprocessError(f"--dtype must be auto, uint8, uint16 or uint32, got {dtype!r}")
+        np_dtype = by_name[dtype]
+        if tok.vocab_size - 1 > np.iinfo(np_dtype).max:
+            raise PreprocessError(
+                f"the tokenizer has {tok.vocab_size} ids but {dtype} holds at most "
+                f"{np.iinfo(np_dtype).max + 1}; use --dtype uint32 or auto"
+            )
+    stats = Stats()
+    t0 = time.perf_counter()
+    docs = read_documents(paths, txt_mode=txt_mode, jsonl_key=jsonl_key, on_bad_line=on_bad_line, stats=stats)
+    writer = IndexedWriter(output_prefix, np_dtype)
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(unit="doc", desc="preprocess", dynamic_ncols=True)
+    try:
+        for encoded in _encoded_batches(_batches(docs, batch_docs), tok, workers):
+            for ids in encoded:
+                writer.add(ids)
+                stats.tokens += ids.size
+            stats.documents += len(encoded)
+            if bar is not None:
+                bar.update(len(encoded))
+        if stats.documents == 0:
+            raise PreprocessError("no documents found in the inputs (all empty or skipped)")
+        writer.close()
+    except BaseException:
+        writer.abort()  # never leave a half-written pair behind
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    stats.seconds = time.perf_counter() - t0
+    return stats

@@ -1,0 +1,294 @@
+"""Data path: preprocessing round trips, bad input, sample index, splits, blending, DP order, corpora."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mt3d.data.corpora import MarkovGrammar, builtin_corpus, stdlib_documents, synthetic_corpus
+from mt3d.data.indexed import IndexedDataError, IndexedDataset, IndexedWriter
+from mt3d.data.loader import StepBatches, micro_batch_ids
+from mt3d.data.preprocess import PreprocessError, preprocess
+from mt3d.data.samples import BlendedSamples, PackedSamples, split_documents
+from mt3d.data.tokenizer import load_tokenizer, train_bpe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    docs = [d for _, d in zip(range(400), stdlib_documents())]
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    train_bpe(docs, 400, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def texts():
+    docs = [d for _, d in zip(range(300), stdlib_documents())]
+    # no blank (or whitespace-only) lines inside, so .txt blocks are exactly these documents
+    return ["\n".join(line for line in d.splitlines() if line.strip()) for d in docs]
+
+
+def write_inputs(tmp, texts):
+    txt = tmp / "a.txt"
+    txt.write_text("\n\n".join(texts[:150]) + "\n")
+    jl = tmp / "b.jsonl"
+    jl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts[150:])))
+    return txt, jl
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_preprocess_round_trip(tmp_path, tok_dir, texts, workers):
+    txt, jl = write_inputs(tmp_path, texts)
+    stats = preprocess(
+        [str(txt), str(jl)], str(tok_dir), str(tmp_path / "out"), workers=workers, batch_docs=16
+    )
+    tok = load_tokenizer(tok_dir)
+    ds = IndexedDataset(tmp_path / "out")
+    assert ds.num_docs == len(texts) == stats.documents
+    assert ds.dtype == np.uint16 and ds.max_id < tok.vocab_size
+    for i, text in enumerate(texts):
+        assert ds.doc(i).tolist() == tok.encode(text) and ds.doc(i)[-1] == tok.eos_id
+    assert ds.num_tokens == stats.tokens
+    one = preprocess([str(txt)], str(tok_dir), str(tmp_path / "file"), txt_mode="file")
+    assert one.documents == 1
+    assert IndexedDataset(tmp_path / "file").doc(0).tolist() == tok.encode(txt.read_text())
+    # the tokenizer directory is a regular HF tokenizer
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    assert hf(texts[0], add_special_tokens=False)["input_ids"] + [tok.eos_id] == tok.encode(texts[0])
+
+
+def test_preprocess_bad_input(tmp_path, tok_dir, texts):
+    txt, jl = write_inputs(tmp_path, texts)
+    out = str(tmp_path / "o")
+    with pytest.raises(PreprocessError, match="input not found"):
+        preprocess([str(tmp_path / "nope.txt")], str(tok_dir), out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(PreprocessError, match="empty.txt is empty"):
+        preprocess([str(empty)], str(tok_dir), out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n{"other": 1}\n{"text": "also fine"}\n')
+    with pytest.raises(PreprocessError, match="bad.jsonl:2: invalid jsonl line"):
+        preprocess([str(txt), str(bad)], str(tok_dir), out)
+    assert not list(tmp_path.glob("o.*")), "a failed run leaves nothing behind"
+    stats = preprocess([str(bad)], str(tok_dir), out, on_bad_line="skip")
+    assert stats.documents == 2 and [s.split(": ")[0] for s in stats.skipped_lines] == [
+        f"{bad}:2",
+        f"{bad}:3",
+    ]
+    assert "missing key 'text'" in stats.skipped_lines[1]
+    with pytest.raises(PreprocessError, match="holds at most 256; use --dtype uint32"):
+        preprocess([str(txt)], str(tok_dir), out, dtype="uint8")
+
+
+def test_failed_run_keeps_the_previous_output(tmp_path, tok_dir, texts):
+    txt, _ = write_inputs(tmp_path, texts)
+    preprocess([str(txt)], str(tok_dir), str(tmp_path / "p"))
+    before = (tmp_path / "p.bin").read_bytes()
+    bad = tmp_path / "x.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(PreprocessError):
+        preprocess([str(txt), str(bad)], str(tok_dir), str(tmp_path / "p"))
+    assert (tmp_path / "p.bin").read_bytes() == before
+    assert IndexedDataset(tmp_path / "p").num_docs == 150
+    assert sorted(p.name for p in tmp_path.glob("p.*")) == ["p.bin", "p.idx"]
+
+
+def test_corrupt_and_mismatched_files_are_detected(tmp_path):
+    for name, docs in (("a", [[1, 2, 3], [4, 5]]), ("b", [[9, 9, 9], [9, 9]])):
+        w = IndexedWriter(tmp_path / name, np.uint16)
+        for d in docs:
+            w.add(d)
+        w.close()
+    (tmp_path / "c.bin").write_bytes((tmp_path / "b.bin").read_bytes())
+    (tmp_path / "c.idx").write_bytes((tmp_path / "a.idx").read_bytes())
+    with pytest.raises(IndexedDataError, match="c.bin does not belong to .*c.idx"):
+        IndexedDataset(tmp_path / "c")
+    (tmp_path / "a.bin").write_bytes((tmp_path / "a.bin").read_bytes()[:-2])
+    with pytest.raises(IndexedDataError, match="a.bin is truncated: 8 bytes, index expects 10"):
+        IndexedDataset(tmp_path / "a")
+    (tmp_path / "d.idx").write_bytes(b"garbage" * 10)
+    (tmp_path / "d.bin").write_bytes(b"")
+    with pytest.raises(IndexedDataError, match="bad magic"):
+        IndexedDataset(tmp_path / "d")
+    with pytest.raises(IndexedDataError, match="does not fit in uint8"):
+        IndexedWriter(tmp_path / "e", np.uint8).add([300])
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d", "preprocess", "--input", str(tmp_path / "none.txt"), "--tokenizer", "x",
+         "--output-prefix", str(tmp_path / "z")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (
+        out.returncode == 2
+        and out.stderr.strip() == f"mt3d preprocess: error: input not found: {tmp_path}/none.txt"
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return synthetic_corpus(256, seed=3, tokens=60_000)
+
+
+def test_packed_samples_follow_the_shuffled_document_stream(tmp_path, corpus):
+    ds = IndexedDataset(corpus.prefix)
+    docs = np.arange(ds.num_docs)
+    s = PackedSamples(ds, docs, seq_len=32, seed=7, cache_dir=tmp_path)
+    order_docs, _, _, shuffle = s._epoch(0)
+    stream = np.concatenate([ds.doc(int(d)) for d in order_docs])
+    for i in range(0, len(s), 37):
+        j = int(shuffle[i])
+        assert np.array_equal(s[i], stream[j * 32 : j * 32 + 33])
+    assert len(s) == (ds.num_tokens - 1) // 32
+    assert not np.array_equal(s[len(s)], s[0])  # epoch 1 is a different order
+    # the index is cached on disk and identical when rebuilt elsewhere
+    assert len(list(tmp_path.glob("samples-*-e0.npz"))) == 1
+    again = PackedSamples(ds, docs, seq_len=32, seed=7, cache_dir=tmp_path / "other")
+    assert all(np.array_equal(again[i], s[i]) for i in range(0, 2 * len(s), 53))
+
+
+def _digest_worker(prefix, n):
+    ds = IndexedDataset(prefix)
+    s = PackedSamples(ds, np.arange(ds.num_docs), seq_len=16, seed=11)
+    return hashlib.sha256(np.stack([s[i] for i in range(n)]).tobytes()).hexdigest()
+
+
+def test_sample_order_is_the_same_in_every_process(corpus):
+    from mt3d.parallel.spawn import spawn
+
+    digests = spawn(_digest_worker, 2, str(corpus.prefix), 500)
+    assert digests[0] == digests[1] == _digest_worker(str(corpus.prefix), 500)
+
+
+def test_splits_are_disjoint_and_complete():
+    parts = split_documents(1000, [98, 1, 1])
+    assert [len(p) for p in parts] == [980, 10, 10]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    tiny = split_documents(5, [98, 1, 1])
+    assert all(len(p) >= 1 for p in tiny) and sum(len(p) for p in tiny) == 5
+
+
+class Counting:
+    def __init__(self, k, seq_len=4):
+        self.k, self.seq_len = k, seq_len
+
+    def __getitem__(self, i):
+        return np.array([self.k, i])
+
+    def __len__(self):
+        return 10**6
+
+
+def test_blending_matches_the_weights():
+    weights = [0.7, 0.2, 0.1]
+    blend = BlendedSamples([Counting(k) for k in range(3)], weights)
+    for n in (100, 10_000, 70_000):
+        counts = np.bincount([blend.source_of(i)[0] for i in range(n)], minlength=3)
+        assert np.all(np.abs(counts / n - weights) <= 0.01), (n, counts)
+    # every source's samples are used in order, each once
+    seen = [blend[i] for i in range(5000)]
+    for k in range(3):
+        idx = [int(s[1]) for s in seen if s[0] == k]
+        assert idx == list(range(len(idx)))
+    fresh = BlendedSamples([Counting(k) for k in range(3)], weights)
+    assert [blend.source_of(i) for i in range(100)] == [fresh.source_of(i) for i in range(100)]
+
+
+def test_dp_ranks_read_disjoint_samples_covering_each_batch():
+    gb, mb = 24, 2
+    for dp in (1, 2, 3, 6):
+        ga = gb // (mb * dp)
+        for step in (0, 5):
+            ids = [
+                i
+                for r in range(dp)
+                for m in range(ga)
+                for i in micro_batch_ids(step, m, global_batch=gb, micro_batch=mb, grad_accum=ga, dp_rank=r)
+            ]
+            assert sorted(ids) == list(range(step * gb, (step + 1) * gb))
+
+
+def test_resumed_iterator_continues_exactly(corpus):
+    ds = IndexedDataset(corpus.prefix)
+    s = PackedSamples(ds, np.arange(ds.num_docs), seq_len=16, seed=1)
+    kw = dict(global_batch=8, micro_batch=2, grad_accum=2, dp_rank=1)
+    full = StepBatches(s, **kw)
+    for _ in range(3 * 2):
+        next(full)
+    resumed = StepBatches(s, start_step=3, **kw)
+    for _ in range(4):
+        a, b = next(full), next(resumed)
+        assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b))
+
+
+def test_synthetic_grammar_entropy_is_exact():
+    g = MarkovGrammar.random(64, seed=5)
+    pi = g.stationary()
+    assert abs(pi.sum() - 1) < 1e-12
+    nxt = np.zeros_like(pi)
+    np.add.at(nxt, g.successors, pi[:, None] * g.probs)
+    assert np.abs(nxt - pi).max() < 1e-12
+    # empirical conditional entropy of a long sample approaches the computed rate
+    stream = np.concatenate(list(g.sample(400_000, seed=1, chains=64)))
+    pairs = np.bincount(stream[:-1] * 64 + stream[1:], minlength=64 * 64).reshape(64, 64).astype(float)
+    cond = pairs / pairs.sum(1, keepdims=True)
+    h = -(pairs / pairs.sum() * np.log(np.where(cond > 0, cond, 1))).sum()
+    assert abs(h - g.entropy_rate()) / g.entropy_rate() < 0.01
+
+
+def test_builtin_corpus_is_deterministic_english(tmp_path):
+    a = builtin_corpus(512, cache_dir=str(tmp_path / "a"))
+    b = builtin_corpus(512, cache_dir=str(tmp_path / "b"))
+    assert (a.prefix.with_suffix(".bin")).read_bytes() == (b.prefix.with_suffix(".bin")).read_bytes()
+    tok = load_tokenizer(a.tokenizer_dir)
+    ds = IndexedDataset(a.prefix)
+    text = tok.decode(ds.read(0, 5000))
+    assert a.info["documents"] > 1000 and text.count(" the ") > 20
+    assert builtin_corpus(512, cache_dir=str(tmp_path / "a")).info == a.info  # cached
+
+
+def _big_jsonl(path: Path, words: list[str], mbytes: int) -> None:
+    rng = np.random.default_rng(0)
+    vocab = np.array(words)
+    with open(path, "w") as f:
+        written = 0
+        while written < mbytes * 1_000_000:
+            line = json.dumps({"text": " ".join(vocab[rng.integers(0, len(vocab), 2000)])}) + "\n"
+            f.write(line * 50)
+            written += len(line) * 50
+
+
+def test_corpus_larger_than_the_memory_cap_preprocesses(tmp_path, corpus):
+    """500 MB of jsonl through `mt3d preprocess` with a 200 MB address-space limit."""
+    words = [w for w in json.loads((corpus.tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]]
+    words = [w for w in words if w.isalpha()]
+    src = tmp_path / "big.jsonl"
+    _big_jsonl(src, words, 500)
+    assert src.stat().st_size > 500e6
+    limit = 200 * 2**20
+
+    def cap():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", RAYON_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d", "preprocess", "--input", str(src), "--tokenizer", str(corpus.tokenizer_dir),
+         "--output-prefix", str(tmp_path / "big"), "--json"],
+        capture_output=True, text=True, timeout=900, preexec_fn=cap, env=env, cwd=ROOT,
+    )  # fmt: skip
+    src.unlink()
+    assert out.returncode == 0, out.stderr[-2000:]
+    stats = json.loads(out.stdout)
+    ds = IndexedDataset(tmp_path / "big")
+    assert ds.num_tokens == stats["tokens"] > 60_000_000
+    assert ds.doc(ds.num_docs - 1)[-1] == load_tokenizer(corpus.tokenizer_dir).eos_id
