@@ -122,11 +122,8 @@ def test_corrupt_and_mismatched_files_are_detected(tmp_path):
         IndexedDataset(tmp_path / "d")
     with pytest.raises(IndexedDataError, match="does not fit in uint8"):
         IndexedWriter(tmp_path / "e", np.uint8).add([300])
-    out = subprocess.run(
-        [sys.executable, "-m", "mt3d", "preprocess", "--input", str(tmp_path / "none.txt"), "--tokenizer", "x",
-         "--output-prefix", str(tmp_path / "z")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    cmd = ["preprocess", "--input", str(tmp_path / "none.txt"), "--tokenizer", "x", "--output-prefix", "z"]
+    out = subprocess.run([sys.executable, "-m", "mt3d", *cmd], capture_output=True, text=True, timeout=60)
     assert (
         out.returncode == 2
         and out.stderr.strip() == f"mt3d preprocess: error: input not found: {tmp_path}/none.txt"
@@ -281,11 +278,17 @@ def test_corpus_larger_than_the_memory_cap_preprocesses(tmp_path, corpus):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", RAYON_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
+    cmd = ["preprocess", "--input", str(src), "--tokenizer", str(corpus.tokenizer_dir)]
+    cmd += ["--output-prefix", str(tmp_path / "big"), "--json"]
     out = subprocess.run(
-        [sys.executable, "-m", "mt3d", "preprocess", "--input", str(src), "--tokenizer", str(corpus.tokenizer_dir),
-         "--output-prefix", str(tmp_path / "big"), "--json"],
-        capture_output=True, text=True, timeout=900, preexec_fn=cap, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [sys.executable, "-m", "mt3d", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        preexec_fn=cap,
+        env=env,
+        cwd=ROOT,
+    )
     src.unlink()
     assert out.returncode == 0, out.stderr[-2000:]
     stats = json.loads(out.stdout)
