@@ -295,3 +295,49 @@ def test_corpus_larger_than_the_memory_cap_preprocesses(tmp_path, corpus):
     ds = IndexedDataset(tmp_path / "big")
     assert ds.num_tokens == stats["tokens"] > 60_000_000
     assert ds.doc(ds.num_docs - 1)[-1] == load_tokenizer(corpus.tokenizer_dir).eos_id
+
+
+def _capped_training_worker(prefix, save_dir, headroom_mb):
+    """Build an engine, cap the address space at what is mapped now + headroom, then open the big
+    corpus and train on it: opening or reading it must fit in the headroom."""
+    import resource
+
+    from mt3d.bench.common import bench_run_config, build_engine
+    from mt3d.data.loader import StepBatches
+
+    raw = bench_run_config(
+        model=dict(preset="tiny", max_seq_len=512), seq_len=512, micro=1, global_batch=2, zero=0
+    )
+    raw["mt3d"]["train"]["save_dir"] = save_dir
+    _, layout, _, engine, data, _ = build_engine(raw)
+
+    def step(samples, k):
+        it = StepBatches(samples, global_batch=2, micro_batch=1, grad_accum=layout.grad_accum, dp_rank=0,
+                         start_step=k)  # fmt: skip
+        return float(engine.train_batch(data_iter=it))
+
+    losses = [step(data.train, 0)]  # warm-up: the engine's first-step allocations happen before the cap
+    vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize"))
+    limit = (vm + headroom_mb * 1024) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    ds = IndexedDataset(prefix)
+    big = PackedSamples(ds, np.arange(ds.num_docs), seq_len=512, seed=1)
+    losses += [step(big, 0), step(big, 1), step(big, 600_000)]  # the last is in epoch 1
+    return losses, vm
+
+
+def test_training_reads_a_corpus_larger_than_its_memory_headroom(tmp_path, corpus):
+    """A 600 MB token file trains with 200 MB of address space left: nothing maps or loads it."""
+    from mt3d.parallel.spawn import spawn
+
+    rng = np.random.default_rng(0)
+    w = IndexedWriter(tmp_path / "big", np.uint16)
+    for _ in range(300):  # 300 documents of 1M tokens
+        w.add(rng.integers(0, 255, 1_000_000, dtype=np.uint16))
+    w.close()
+    assert (tmp_path / "big.bin").stat().st_size == 600_000_000
+    env = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1"}
+    losses, vm_kb = spawn(
+        _capped_training_worker, 1, str(tmp_path / "big"), str(tmp_path / "run"), 200, env=env, timeout=600
+    )[0]
+    assert len(losses) == 4 and all(np.isfinite(losses))

@@ -87,8 +87,10 @@ class PackedSamples:
         docs = self.doc_ids[order]
         cum = np.concatenate([[0], np.cumsum(self._lengths[order])])
         starts = np.arange(self.per_epoch, dtype=np.int64) * self.seq_len
-        first = np.searchsorted(cum, starts, side="right") - 1
-        shuffle = rng.permutation(self.per_epoch)
+        small = np.int32 if max(self.per_epoch, docs.size) < 2**31 else np.int64  # halves the index
+        first = (np.searchsorted(cum, starts, side="right") - 1).astype(small)
+        del starts
+        shuffle = rng.permutation(self.per_epoch).astype(small)
         return docs, cum, first, shuffle
 
     def _epoch(self, epoch: int):
