@@ -275,7 +275,173 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable] = [_add_topo, _add_plot, _add_summary, _add_preprocess, _add_train_tokenizer]
+# --- models: eval, generate, export-hf ------------------------------------------------------------
+def _add_model_args(p) -> None:
+    p.add_argument(
+        "--model", required=True, help="HF model directory, mt3d checkpoint dir, or run dir (newest)"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (launch tp*pp processes)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _load(args, pp: int = 1):
+    import torch
+
+    from .model.loading import from_pretrained
+
+    device = None
+    if torch.cuda.is_available():
+        import os
+
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return from_pretrained(
+        args.model, tp=args.tp, pp=pp, dtype=getattr(torch, args.dtype), device=device
+    ), device
+
+
+def _tokenizer_for(model):
+    from .data.tokenizer import load_tokenizer
+
+    if not model.tokenizer_dir:
+        raise UsageError(
+            "the model has no tokenizer (an HF dir needs tokenizer.json; a checkpoint records its own)"
+        )
+    return load_tokenizer(model.tokenizer_dir)
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="loss and perplexity of an HF dir or mt3d checkpoint on a text file",
+        description="Token-weighted loss / perplexity over a text file with non-overlapping windows "
+        "(stride = seq-len) or sliding windows (smaller stride: each token scored once, with context).",
+        epilog="examples:\n  mt3d eval --model runs/x --text wiki.txt --seq-len 512 --stride 256 --json\n"
+        "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text wiki.txt --seq-len 1024 \\\n"
+        "      --tp 2 --pp 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(p)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--seq-len", type=int, required=True, help="window length in tokens")
+    p.add_argument("--stride", type=int, help="window step (default seq-len: non-overlapping)")
+    p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens"}')
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``mt3d eval``."""
+    from pathlib import Path
+
+    import torch
+
+    from .model.inference import evaluate_tokens
+
+    text_path = Path(args.text)
+    if not text_path.is_file():
+        raise FileNotFoundError(f"text file not found: {text_path}")
+    model, device = _load(args, args.pp)
+    tok = _tokenizer_for(model)
+    ids = torch.tensor(
+        tok.encode(text_path.read_text(encoding="utf-8"), eos=False), dtype=torch.long, device=device
+    )
+    if ids.numel() < 2:
+        raise UsageError(f"{text_path} has fewer than 2 tokens")
+    res = evaluate_tokens(model, ids, model.state, args.seq_len, args.stride or args.seq_len)
+    if model.state.global_rank == 0:
+        if args.json:
+            print(json.dumps(res))
+        else:
+            print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  tokens {res['tokens']}")
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="text generation (greedy or sampled) with a KV cache, any tp",
+        description="Continue a prompt. Greedy by default; --temperature > 0 samples (with --top-k, "
+        "--top-p, --seed). Under a launcher with --tp T, every rank holds 1/T of the model.",
+        epilog="examples:\n  mt3d generate --model hf/gpt2 --prompt 'Return the' --max-new-tokens 20\n"
+        "  torchrun --nproc_per_node 2 -m mt3d generate --model runs/x --prompt 'Hello' --tp 2 \\\n"
+        "      --temperature 0.8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help='one line: {"text", "ids"}')
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``mt3d generate``."""
+    import torch
+
+    from .model.inference import generate
+
+    model, device = _load(args)
+    tok = _tokenizer_for(model)
+    prompt = torch.tensor([tok.encode(args.prompt, eos=False)], dtype=torch.long, device=device)
+    if prompt.numel() == 0:
+        raise UsageError("the prompt is empty")
+    out = generate(
+        model,
+        prompt,
+        model.state,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=tok.eos_id,
+    )
+    if model.state.global_rank == 0:
+        ids = out[0].tolist()
+        text = tok.decode(ids)
+        print(json.dumps({"text": text, "ids": ids}) if args.json else text)
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export-hf",
+        help="write an HF transformers directory from an mt3d checkpoint of any layout",
+        description="Gather the shards of a checkpoint (any tp x pp) into config.json + model.safetensors "
+        "(sharded with an index above --max-shard-size) + the tokenizer. The checkpoint is verified first.",
+        epilog="example:\n  mt3d export-hf --checkpoint runs/x/checkpoints/step_00001000 --out hf/x",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint dir (step_XXXXXXXX) or run dir (its newest)"
+    )
+    p.add_argument("--out", required=True, help="new (or empty) output directory")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``mt3d export-hf``."""
+    from .model.hf import export_hf
+
+    print(export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size))
+    return 0
+
+
+COMMANDS: list[Callable] = [
+    _add_topo,
+    _add_plot,
+    _add_summary,
+    _add_preprocess,
+    _add_train_tokenizer,
+    _add_eval,
+    _add_generate,
+    _add_export,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,14 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         tokens = sum(len(e.ids) for e in tok.backend.encode_batch(all_docs, add_special_tokens=False))
         raw_s = time.perf_counter() - t0
-        rows = [{"pipeline": "raw encode_batch", "mb_per_s": mb / raw_s, "tokens_per_s": tokens / raw_s, "ratio": 1.0}]
+        rows = [
+            {
+                "pipeline": "raw encode_batch",
+                "mb_per_s": mb / raw_s,
+                "tokens_per_s": tokens / raw_s,
+                "ratio": 1.0,
+            }
+        ]
         del all_docs
         for workers in (1, 2):
             stats = preprocess([str(src)], str(corpus.tokenizer_dir), f"{tmp}/out{workers}", workers=workers)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .indexed import IndexedWriter, dtype_for_vocab
-from .tokenizer import EOS, train_bpe, word_level
+from .tokenizer import EOS, load_tokenizer, train_bpe, word_level
 
 CORPUS_VERSION = 1
 SKIP_DIRS = {
@@ -117,16 +117,30 @@ def _topics(tree: ast.AST) -> Iterator[str]:
                     yield v.value
 
 
-def builtin_corpus(vocab_size: int = 2048, cache_dir: str | None = None) -> Corpus:
-    """The standard-library documentation corpus (built on first use, then cached)."""
-    key = hashlib.sha256(
-        f"{CORPUS_VERSION}|{sys.version}|{sysconfig.get_paths()['stdlib']}|{vocab_size}".encode()
-    )
-    directory = cache_root(cache_dir) / f"builtin-{key.hexdigest()[:12]}"
+def builtin_corpus(
+    vocab_size: int = 2048, cache_dir: str | None = None, tokenizer_dir: str | None = None
+) -> Corpus:
+    """The standard-library documentation corpus (built on first use, then cached).
+
+    By default it comes with its own byte-level BPE of ``vocab_size``; with ``tokenizer_dir`` (e.g.
+    the tokenizer of an HF model being fine-tuned) the text is tokenized with that one instead.
+    """
+    ident = f"{CORPUS_VERSION}|{sys.version}|{sysconfig.get_paths()['stdlib']}|{vocab_size}"
+    if tokenizer_dir is not None:
+        tj = Path(tokenizer_dir) / "tokenizer.json"
+        ident += "|" + (
+            hashlib.sha256(tj.read_bytes()).hexdigest() if tj.is_file() else str(Path(tokenizer_dir))
+        )
+    directory = cache_root(cache_dir) / f"builtin-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
     def build(out: Path) -> dict:
         docs = list(stdlib_documents())
-        tok = train_bpe(docs, vocab_size, out / "tokenizer")
+        if tokenizer_dir is not None:
+            skip = shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt")
+            shutil.copytree(tokenizer_dir, out / "tokenizer", ignore=skip)
+            tok = load_tokenizer(out / "tokenizer")
+        else:
+            tok = train_bpe(docs, vocab_size, out / "tokenizer")
         writer = IndexedWriter(out / "data", dtype_for_vocab(tok.vocab_size))
         try:
             for i in range(0, len(docs), 512):

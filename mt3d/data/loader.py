@@ -35,7 +35,7 @@ def build_data(cfg, seed: int) -> DataBundle:
     cache = cache_root(cfg.cache_dir)
     seed = cfg.seed if cfg.seed is not None else seed
     if cfg.corpus == "builtin":
-        corpus = builtin_corpus(cfg.vocab_size, cfg.cache_dir)
+        corpus = builtin_corpus(cfg.vocab_size, cfg.cache_dir, tokenizer_dir=cfg.tokenizer)
         prefixes, tok_dir, info = [corpus.prefix], corpus.tokenizer_dir, dict(corpus.info)
     elif cfg.corpus == "synthetic":
         corpus = synthetic_corpus(cfg.vocab_size, cache_dir=cfg.cache_dir)

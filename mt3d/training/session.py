@@ -62,6 +62,10 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
     """Train on this rank; returns the exit code."""
     rt = setup(run)
     try:
+        hf_path = cfg.extra.get("hf_path")
+        if hf_path and run.mt3d.data.tokenizer is None and run.mt3d.data.corpus == "builtin":
+            if (Path(hf_path) / "tokenizer.json").is_file():
+                run.mt3d.data.tokenizer = hf_path  # fine-tuning: the model's own tokenizer
         data = build_data(run.mt3d.data, run.mt3d.train.seed)
         vocab = data.tokenizer.vocab_size
         if cfg.vocab_size is None:
@@ -81,6 +85,10 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
             if "entropy_floor" in data.info:
                 log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])
         model = build_model(run, layout, rt, cfg, vocab)
+        if hf_path:
+            from ..model.loading import load_weights, open_source
+
+            load_weights(model, open_source(hf_path), rt.state.tp)
         engine = initialize(run, layout, rt, model)
         checkpointer = Checkpointer(
             engine,

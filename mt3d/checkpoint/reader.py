@@ -1,0 +1,84 @@
+"""Reading mt3d checkpoints without DeepSpeed: model weights at any TP size, for export and inference.
+
+A checkpoint written by the pipeline engine holds one file per layer and TP rank
+(``layer_XX-model_YY-model_states.pt``); the regular engine (ZeRO-2 at pp = 1) writes
+``mp_rank_YY_model_states.pt`` with the whole module. Either way ``full(name)`` returns the
+unsharded tensor and ``shard(name, rank, world)`` any TP slice of it. Files are checked against the
+manifest before they are used, and unpickled with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.sharding import param_layout, split_name, to_shard
+from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
+from .safe import safe_torch_load
+
+
+class CheckpointReader:
+    """Unsharded weights of an mt3d checkpoint directory (``.../checkpoints/step_XXXXXXXX``)."""
+
+    def __init__(self, path: str | Path, verify: bool = True) -> None:
+        self.dir = Path(path)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory not found: {self.dir}")
+        self.manifest = read_manifest(self.dir)
+        check_sizes(self.dir, self.manifest)
+        self.verified = False
+        if verify:
+            verify_files(self.dir, self.manifest, sorted(self.manifest["files"]))
+            self.verified = True
+        meta = self.manifest["meta"]
+        self.meta = meta
+        self.cfg = ModelConfig.from_dict(meta["model"])
+        self.vocab = int(meta["vocab_size"])
+        self.tp = int(meta["layout"]["tp"])
+        self.pipeline_files = any(n.startswith("layer_") for n in self.manifest["files"])
+
+    @lru_cache(maxsize=8)  # noqa: B019 - a reader lives as long as one export / load
+    def _layer(self, layer: int, tp_rank: int) -> dict:
+        name = f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+        if name not in self.manifest["files"]:
+            raise CheckpointError(f"{self.dir / name} is missing (checkpoint written with tp={self.tp}?)")
+        return safe_torch_load(self.dir / name)
+
+    @lru_cache(maxsize=8)  # noqa: B019
+    def _module(self, tp_rank: int) -> dict:
+        name = f"mp_rank_{tp_rank:02d}_model_states.pt"
+        if name not in self.manifest["files"]:
+            raise CheckpointError(f"{self.dir / name} is missing")
+        state = safe_torch_load(self.dir / name).get("module")
+        if not state:
+            raise CheckpointError(
+                f"{self.dir / name} holds no module weights (ZeRO-3 checkpoints are not readable)"
+            )
+        return state
+
+    def _local(self, name: str, tp_rank: int) -> torch.Tensor:
+        layer, local = split_name(name)
+        if self.pipeline_files:
+            state = self._layer(layer, tp_rank)
+            key = local
+        else:
+            state, key = self._module(tp_rank), name
+        if key not in state:
+            raise CheckpointError(f"{self.dir}: parameter {name!r} not found in the checkpoint")
+        return state[key]
+
+    def full(self, name: str) -> torch.Tensor:
+        """The unsharded tensor of global parameter ``name`` (vocabulary padding removed)."""
+        from ..model.sharding import from_shards
+
+        layer, local = split_name(name)
+        layout = param_layout(self.cfg, layer, local, self.vocab)
+        return from_shards([self._local(name, r) for r in range(self.tp)], layout)
+
+    def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
+        """TP rank ``rank`` of ``world``'s shard of ``name`` (any world size: resharded on the fly)."""
+        layer, local = split_name(name)
+        return to_shard(self.full(name), param_layout(self.cfg, layer, local, self.vocab), rank, world)

@@ -1,0 +1,63 @@
+"""Unpickling checkpoints safely: ``weights_only=True`` plus an explicit allow-list.
+
+Every ``.pt`` file mt3d reads, its own and DeepSpeed's, goes through ``safe_torch_load``: tensors,
+containers and primitive values load; a small list of DeepSpeed classes that its optimizer states
+contain (loss scalers) are allowed by name; anything else, in particular a payload that would run
+code on load, is refused with the file named.
+
+DeepSpeed 0.19.8's own checkpoint engine loads with ``weights_only=False`` (DEEPSPEED_NOTES.md);
+``SafeCheckpointEngine`` replaces it on the engines mt3d builds.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from .manifest import CheckpointError
+
+
+def allowed_globals() -> list:
+    """Classes a DeepSpeed checkpoint may contain besides tensors and containers."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, LossScalerBase
+
+    return [LossScalerBase, LossScaler, DynamicLossScaler]
+
+
+def safe_torch_load(path: str | Path, map_location="cpu"):
+    """``torch.load`` restricted to tensors, containers and the allow-list."""
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.findall(r"GLOBAL ([\w\.]+)", str(e)) or ["an unsupported object"]
+        raise CheckpointError(
+            f"{path} contains a pickled object outside mt3d's allow-list ({found[0]}); refusing to load it "
+            "(a tampered or foreign checkpoint: restore it from a trusted copy)"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({str(e).splitlines()[0]}); the file is corrupt"
+        ) from None
+
+
+class SafeCheckpointEngine:
+    """Wraps DeepSpeed's torch checkpoint engine so every load goes through ``safe_torch_load``."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path, map_location=None):  # noqa: D102 - DeepSpeed's CheckpointEngine API
+        return safe_torch_load(path, map_location=map_location or "cpu")
+
+
+def install(engine) -> None:
+    """Make a DeepSpeed engine load its checkpoints through the allow-list."""
+    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
+        engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)

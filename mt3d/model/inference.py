@@ -1,0 +1,171 @@
+"""Inference with a loaded model: full logits at any tp x pp, text evaluation, generation with a KV cache.
+
+Pipeline stages are run one after the other (no micro-batch overlap is needed without a
+backward pass), passing the hidden state with point-to-point sends; TP ranks gather the
+vocabulary slices of the logits. Generation runs at pp = 1 with any tp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..parallel.cross_entropy import IGNORE_INDEX
+from ..parallel.mappings import gather_from_tp
+from ..parallel.state import ParallelState
+from .blocks import Attention, PositionsAndDropout, TransformerBlock
+
+
+def _neighbour(state: ParallelState, stage: int) -> int:
+    coord = state.topology.coord(state.global_rank)
+    return state.topology.rank_of(tp=coord["tp"], dp=coord["dp"], pp=stage)
+
+
+@torch.no_grad()
+def logits(model, ids: torch.Tensor, state: ParallelState, hidden: int) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, V] on the last stage (every TP rank of it); None elsewhere."""
+    pp = state.pp
+    if pp.size == 1:
+        x = model(ids)
+    else:
+        if state.is_first_stage:
+            x = model(ids)
+        else:
+            dtype = next(model.parameters()).dtype
+            x = torch.empty(ids.shape[0], ids.shape[1], hidden, dtype=dtype, device=ids.device)
+            dist.recv(x, src=_neighbour(state, pp.rank - 1))
+            x = model(x)
+        if not state.is_last_stage:
+            dist.send(x.contiguous(), dst=_neighbour(state, pp.rank + 1))
+            return None
+    return gather_from_tp(x, state.tp)[..., : model.vocab_size]
+
+
+def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, scored) windows over n tokens: each token is scored once, with up to
+    seq_len - stride tokens of context from the previous window (HF's sliding-window perplexity)."""
+    out, prev_end = [], 0
+    for begin in range(0, max(1, n - 1), stride):
+        end = min(begin + seq_len, n)
+        out.append((begin, end, end - prev_end))
+        prev_end = end
+        if end == n:
+            break
+    return out
+
+
+@torch.no_grad()
+def evaluate_tokens(model, tokens: torch.Tensor, state: ParallelState, seq_len: int, stride: int) -> dict:
+    """Loss and perplexity of a 1-D token tensor (identical on every rank)."""
+    if stride <= 0 or stride > seq_len:
+        raise ValueError(f"stride must be in 1..seq_len ({seq_len}), got {stride}")
+    nll, count = torch.zeros((), dtype=torch.float64, device=tokens.device), 0
+    hidden = model.config.hidden
+    for begin, end, scored in windows(tokens.numel(), seq_len, stride):
+        ids = tokens[begin:end].unsqueeze(0)
+        labels = ids.clone()
+        labels[:, : ids.shape[1] - scored] = IGNORE_INDEX
+        out = logits(model, ids, state, hidden)
+        if out is not None:
+            target = labels[:, 1:]
+            loss = F.cross_entropy(
+                out[:, :-1].float().reshape(-1, out.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )  # fmt: skip
+            nll += loss.double()
+        count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+    if state.pp.size > 1:  # the last stage has the sum: share it with every stage
+        dist.broadcast(nll, src=_neighbour(state, state.pp.size - 1), group=state.pp.group)
+    loss = nll.item() / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+class KVCache:
+    """Past keys and values of every attention layer, for one generation."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+
+    def update(self, layer: Attention, k: torch.Tensor, v: torch.Tensor):
+        """Append new keys/values of ``layer`` and return the whole history."""
+        key = id(layer)
+        if key in self.kv:
+            pk, pv = self.kv[key]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        self.kv[key] = (k, v)
+        return k, v
+
+
+@torch.no_grad()
+def step_logits(model, ids: torch.Tensor, cache: KVCache, state: ParallelState) -> torch.Tensor:
+    """Logits of the last position after feeding ``ids`` (new tokens only) through a pp = 1 model."""
+    x = ids
+    *body, head = model.forward_funcs
+    for f in body:
+        if isinstance(f, TransformerBlock):
+            x = f(x, cache)
+        elif isinstance(f, PositionsAndDropout):
+            x = f(x, offset=cache.length)
+        else:
+            x = f(x)
+    cache.length += ids.shape[1]
+    return gather_from_tp(head(x[:, -1:]), state.tp)[:, -1, : model.vocab_size].float()
+
+
+def sample_next(
+    logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float, generator
+) -> torch.Tensor:
+    """Next token ids [b] from [b, V] logits: greedy when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt: torch.Tensor,
+    state: ParallelState,
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> torch.Tensor:
+    """Continue ``prompt`` [b, s]; each new token costs one position thanks to the KV cache.
+
+    Every TP rank samples with the same seeded generator from the same gathered logits, so all
+    ranks produce the same tokens.
+    """
+    if state.pp.size != 1:
+        raise ValueError("generation runs at pipeline = 1 (use tp for large models)")
+    limit = model.config.max_seq_len if model.config.position == "learned" else None
+    gen = torch.Generator(device=prompt.device).manual_seed(seed)
+    cache = KVCache()
+    out = prompt
+    next_logits = step_logits(model, prompt, cache, state)
+    for _ in range(max_new_tokens):
+        if limit is not None and cache.length >= limit:
+            break
+        tok = sample_next(next_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+        out = torch.cat([out, tok[:, None]], dim=1)
+        if eos_id is not None and bool((tok == eos_id).all()):
+            break
+        next_logits = step_logits(model, tok[:, None], cache, state)
+    return out

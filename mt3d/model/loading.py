@@ -1,0 +1,176 @@
+"""Models with weights from an HF directory or an mt3d checkpoint, at any tp x pp.
+
+``open_source(path)`` recognises either kind of directory; ``load_weights(module, source, tp)``
+fills a built module (a pipeline stage or a whole StackedModel) with this rank's shards;
+``from_pretrained`` is the HF-style one-call API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..parallel.state import AxisGroup, ParallelState
+from .blocks import BuildContext
+from .config import ModelConfig
+from .hf import HFError, HFReader, config_from_hf, read_shard
+from .pipeline import LossFn, Mt3dPipeline, StackedModel, default_stage_blocks, layer_specs
+
+
+@dataclass
+class WeightSource:
+    """Where weights come from: an HF directory or an mt3d checkpoint."""
+
+    kind: str  # "hf" or "checkpoint"
+    path: Path
+    cfg: ModelConfig
+    vocab: int
+    tokenizer_dir: str | None
+    _reader: object = None
+
+    def origin(self, name: str) -> str:
+        """Where ``name`` comes from, for error messages."""
+        if self.kind == "hf":
+            from .hf import pieces
+
+            return " + ".join(dict.fromkeys(p.name for p in pieces(self.cfg, name)))
+        return name
+
+    def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
+        """TP shard of global parameter ``name``."""
+        if self.kind == "hf":
+            if self._reader is None:
+                self._reader = HFReader(self.path)
+            return read_shard(self._reader, self.cfg, name, rank, world, self.vocab)
+        return self._reader.shard(name, rank, world)
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+
+
+def open_source(path: str | Path, verify: bool = True) -> WeightSource:
+    """An HF model directory, or an mt3d checkpoint (a ``step_XXXXXXXX`` dir, or a run dir: its newest)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"model not found: {p}")
+    if (p / "config.json").is_file():
+        cfg = config_from_hf(p)
+        return WeightSource("hf", p, cfg, cfg.vocab_size, str(p) if _has_tokenizer(p) else None)
+    from ..checkpoint.manager import newest_complete
+    from ..checkpoint.reader import CheckpointReader
+
+    if not (p / "manifest.json").is_file():
+        found = newest_complete(p)
+        if found is None:
+            raise UserError(
+                f"{p} is neither an HF model directory (config.json) nor an mt3d checkpoint or run"
+            )
+        p = found
+    reader = CheckpointReader(p, verify=verify)
+    tok = reader.meta.get("data", {}).get("tokenizer")
+    return WeightSource("checkpoint", p, reader.cfg, reader.vocab, tok, reader)
+
+
+def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup) -> None:
+    """Copy this rank's shard of every parameter of ``module`` from ``source`` (shapes checked)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            try:
+                shard = source.shard(name, tp.rank, tp.size)
+            except HFError:
+                raise
+            except KeyError as e:
+                raise UserError(f"{source.path}: no tensor for parameter {name!r} ({e})") from None
+            if tuple(shard.shape) != tuple(param.shape):
+                raise UserError(
+                    f"{source.path}: {name} (from {source.origin(name)}) has shape {tuple(shard.shape)} "
+                    f"for tp rank {tp.rank}/{tp.size}, the model expects {tuple(param.shape)}"
+                )
+            param.copy_(shard.to(param.dtype))
+
+
+def build_model(
+    cfg: ModelConfig,
+    vocab: int,
+    state: ParallelState,
+    *,
+    seed: int = 1234,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    stage_blocks: list[int] | None = None,
+) -> nn.Module:
+    """An inference/fine-tuning model for this rank: StackedModel at pp = 1, else a pipeline stage."""
+    ctx = BuildContext(tp=state.tp, seed=seed)
+    specs = layer_specs(cfg, ctx, vocab)
+    loss = LossFn(state.tp, vocab)
+    if state.pp.size == 1:
+        model = StackedModel(specs, loss_fn=loss)
+    else:
+        blocks = stage_blocks or default_stage_blocks(cfg.layers, state.pp.size)
+        model = Mt3dPipeline(specs, topology=state.topology, loss_fn=loss, stage_blocks=blocks)
+    return model.to(device=device, dtype=dtype)
+
+
+def inference_state(tp: int, pp: int) -> ParallelState:
+    """Process groups for a tp x pp model: none for one rank, else from the launcher's ranks."""
+    import os
+
+    import torch.distributed as dist
+
+    from ..parallel.topology import map_ranks
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp * pp == 1 and world == 1 and not dist.is_initialized():
+        return ParallelState.single()
+    if world != tp * pp:
+        raise UserError(f"tp={tp} x pp={pp} needs exactly {tp * pp} ranks; the launcher started {world}")
+    if not dist.is_initialized():
+        import deepspeed
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed(verbose=False)
+    return ParallelState.build(map_ranks(tp * pp, tp, pp))
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    state: ParallelState | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+) -> nn.Module:
+    """Load an HF directory or mt3d checkpoint for the calling rank, ready to run.
+
+    Without torch.distributed (or with tp = pp = 1) this is a single-process model. Under a
+    launcher with ``tp * pp`` ranks, each rank gets its TP shard of its pipeline stage (pass
+    ``state`` to reuse existing process groups). The model carries ``.config`` (ModelConfig),
+    ``.state`` (ParallelState) and ``.tokenizer_dir``.
+    """
+    source = open_source(path)
+    source.cfg.check_parallel(tp, pp)
+    if state is None:
+        if tp * pp == 1:
+            state = ParallelState.single()
+        else:
+            import torch.distributed as dist
+
+            from ..parallel.topology import map_ranks
+
+            if not dist.is_initialized() or dist.get_world_size() != tp * pp:
+                raise UserError(
+                    f"tp={tp} x pp={pp} needs {tp * pp} ranks under a launcher (torchrun/deepspeed)"
+                )
+            state = ParallelState.build(map_ranks(tp * pp, tp, pp))
+    model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device)
+    load_weights(model, source, state.tp)
+    model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir
+    model.vocab_size = source.vocab
+    return model.eval()
