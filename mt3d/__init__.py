@@ -10,3 +10,14 @@ if "DS_ACCELERATOR" not in _os.environ:
     _hidden = _os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
     _gpu = _os.path.exists("/dev/nvidiactl") or _os.path.exists("/dev/dxg")
     _os.environ["DS_ACCELERATOR"] = "cuda" if _gpu and not _hidden else "cpu"
+
+
+def from_pretrained(path, **kwargs):
+    """Load an HF directory or mt3d checkpoint for the calling rank (see ``mt3d.model.loading``).
+
+    ``mt3d.from_pretrained("hf/llama", tp=2, pp=2)`` under a launcher with 4 ranks returns this
+    rank's TP shard of its pipeline stage; with no launcher, ``tp = pp = 1``, the whole model.
+    """
+    from .model.loading import from_pretrained as _from_pretrained
+
+    return _from_pretrained(path, **kwargs)

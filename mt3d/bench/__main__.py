@@ -15,6 +15,7 @@ BENCHES = {
     "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
     "bubble": "measured pipeline idle fraction per stage vs (p-1)/(m+p-1)",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
+    "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
 }
 
 
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layers-per-stage", type=int, default=2)
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
     pr.add_argument("--mb", type=float, default=50.0, help="size of the generated jsonl input")
+    h = sub.add_parser("hfload", help=BENCHES["hfload"])
+    h.add_argument("--hidden", type=int, default=2048)
+    h.add_argument("--layers", type=int, default=18)
+    h.add_argument("--tmp", default=None, help="directory for the 4 GB model (default: system temp)")
     return p
 
 

@@ -25,6 +25,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
+from .rng import save_rng
 
 TAG_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
@@ -89,12 +90,24 @@ class Checkpointer:
     ``client_state`` is a callable returning the extra state to store (step, data position, RNG).
     """
 
-    def __init__(self, engine, save_dir: str | Path, *, meta, client_state, keep_last: int = 0) -> None:
+    def __init__(
+        self,
+        engine,
+        save_dir: str | Path,
+        *,
+        meta,
+        client_state,
+        keep_last: int = 0,
+        tracker=None,
+        faults=None,
+    ) -> None:
         self.engine = engine
         self.root = checkpoints_dir(save_dir)
         self.meta = meta
         self.client_state = client_state
         self.keep_last = keep_last
+        self.tracker = tracker
+        self.faults = faults
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step``; returns its final directory."""
@@ -108,6 +121,9 @@ class Checkpointer:
         self.engine.save_checkpoint(
             str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
         )
+        save_rng(tmp, rank, self.tracker)
+        if self.faults:
+            self.faults.in_save(step)
         dist.barrier()  # every rank's files exist
         names = list_files(tmp)
         mine = describe_files(tmp, names[rank::world])  # fsync + hash this rank's share

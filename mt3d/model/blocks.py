@@ -20,6 +20,7 @@ from torch import nn
 
 from ..parallel.layers import (
     ColumnParallelLinear,
+    NoInit,
     NormalInit,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -45,6 +46,7 @@ class BuildContext:
         tracker: TP-aware RNG for dropout inside TP regions (None: dropout uses default RNG).
         vocab_multiple: pad the vocabulary to a multiple of this times tp.
         dtype, device: of the parameters.
+        skip_init: leave weights uninitialised (they are about to be loaded from a checkpoint).
     """
 
     tp: AxisGroup
@@ -54,9 +56,12 @@ class BuildContext:
     vocab_multiple: int = 128
     dtype: torch.dtype = torch.float32
     device: str | None = None
+    skip_init: bool = False
 
-    def init(self, layer: int, name: str, std: float) -> NormalInit:
+    def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
+        if self.skip_init:
+            return NoInit()
         return NormalInit(std, (self.seed * 1_000_003 + layer * 7919 + zlib.crc32(name.encode())) % 2**61)
 
     @property

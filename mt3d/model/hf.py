@@ -240,8 +240,64 @@ def pieces(cfg: ModelConfig, name: str) -> list[Piece]:
 
 
 # --- reading --------------------------------------------------------------------------------------
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """A safetensors file read with ``pread``: only the requested rows are read, nothing is mapped.
+
+    (safetensors' own reader memory-maps the file, so every page a rank touches counts in its
+    resident memory; plain reads keep a rank's footprint to what it keeps.)
+    """
+
+    def __init__(self, path: Path) -> None:
+        import os
+        import struct
+
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        header = json.loads(os.pread(self.fd, n, 8))
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.entries = header
+
+    def shape(self, name: str) -> list[int]:
+        """Shape of a tensor."""
+        return list(self.entries[name]["shape"])
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` along dimension 0 (one contiguous read)."""
+        import os
+
+        e = self.entries[name]
+        dtype = _ST_DTYPES[e["dtype"]]
+        shape = e["shape"] or [1]
+        row = int(
+            torch.tensor([], dtype=dtype).element_size()
+            * (torch.Size(shape[1:]).numel() if len(shape) > 1 else 1)
+        )
+        begin = self.base + e["data_offsets"][0] + start * row
+        raw = bytearray(os.pread(self.fd, (stop - start) * row, begin))
+        out = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return out.view(stop - start, *shape[1:]) if e["shape"] else out.view(())
+
+
 class HFReader:
-    """Lazy, slice-wise access to the safetensors files of an HF directory."""
+    """Slice-wise access to the safetensors files of an HF directory (rows read with pread)."""
+
+    ROW_CHUNK_BYTES = 64 << 20  # column slices are cut from blocks of rows of at most this size
 
     def __init__(self, path: str | Path) -> None:
         self.dir = Path(path)
@@ -249,52 +305,56 @@ class HFReader:
         if index.is_file():
             self.where = {k: self.dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
         elif (self.dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
             f = self.dir / "model.safetensors"
-            with safe_open(str(f), framework="pt") as h:
-                self.where = {k: f for k in h.keys()}
+            self.where = dict.fromkeys(SafetensorsFile(f).entries, f)
         else:
             raise HFError(
                 f"{self.dir}: no model.safetensors(.index.json); save the model with safe_serialization"
             )
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, SafetensorsFile] = {}
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
+    def _file(self, name: str) -> SafetensorsFile:
         if name not in self.where:
             raise HFError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         f = self.where[name]
         if f not in self._open:
             if not f.is_file():
                 raise HFError(f"{f} is listed in the index but missing")
-            self._open[f] = safe_open(str(f), framework="pt")
+            self._open[f] = SafetensorsFile(f)
         return self._open[f]
 
     def shape(self, piece: Piece) -> list[int]:
         """Shape of a piece in mt3d orientation."""
-        shape = list(self._handle(piece.name).get_slice(piece.name).get_shape())
+        shape = self._file(piece.name).shape(piece.name)
         if piece.transpose:
             shape = shape[::-1]
         if piece.size is not None:
             shape[0] = piece.size
         return shape
 
+    def _region(self, f: SafetensorsFile, name: str, rows: tuple[int, int], cols: tuple[int, int]):
+        """Stored rows x columns of a 2-D tensor, read in blocks of rows (bounded memory)."""
+        ncols = f.shape(name)[1]
+        if cols == (0, ncols):
+            return f.rows(name, *rows).clone()
+        step = max(1, self.ROW_CHUNK_BYTES // max(1, ncols * 4))
+        out = [
+            f.rows(name, r, min(rows[1], r + step))[:, cols[0] : cols[1]].clone() for r in range(*rows, step)
+        ]
+        return torch.cat(out) if out else torch.empty(0, cols[1] - cols[0])
+
     def read(self, piece: Piece, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
-        """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only that slice."""
-        sl = self._handle(piece.name).get_slice(piece.name)
-        full = sl.get_shape()
-        nrows = piece.size if piece.size is not None else (full[1] if piece.transpose else full[0])
+        """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only those rows."""
+        f = self._file(piece.name)
+        stored = f.shape(piece.name)
+        nrows = piece.size if piece.size is not None else (stored[1] if piece.transpose else stored[0])
         r0, r1 = rows or (0, nrows)
-        r0, r1 = r0 + piece.start, r1 + piece.start
-        if len(full) == 1:
-            return sl[r0:r1]
-        ncols = full[0] if piece.transpose else full[1]
-        c0, c1 = cols or (0, ncols)
-        if piece.transpose:
-            return sl[c0:c1, r0:r1].t().contiguous()
-        return sl[r0:r1, c0:c1]
+        rows = (r0 + piece.start, r1 + piece.start)
+        if len(stored) == 1:
+            return f.rows(piece.name, *rows).clone()
+        if piece.transpose:  # mt3d rows are the stored columns
+            return self._region(f, piece.name, cols or (0, stored[0]), rows).t().contiguous()
+        return self._region(f, piece.name, rows, cols or (0, stored[1]))
 
 
 def read_shard(
@@ -314,7 +374,7 @@ def read_shard(
             raise HFError(f"{ps[0].name}: {shape[0]} vocabulary rows, config says {layout.vocab}")
         per = pad_vocab(layout.vocab, world) // world
         lo, hi = rank * per, min((rank + 1) * per, layout.vocab)
-        out = torch.zeros((per, *shape[1:]), dtype=reader.read(ps[0], rows=(0, 0)).dtype)
+        out = torch.zeros((per, *shape[1:]), dtype=reader.read(ps[0], rows=(0, 1)).dtype)
         if hi > lo:
             out[: hi - lo] = reader.read(ps[0], rows=(lo, hi))
         return out

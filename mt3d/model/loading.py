@@ -103,9 +103,10 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     stage_blocks: list[int] | None = None,
+    skip_init: bool = False,
 ) -> nn.Module:
     """An inference/fine-tuning model for this rank: StackedModel at pp = 1, else a pipeline stage."""
-    ctx = BuildContext(tp=state.tp, seed=seed)
+    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init)
     specs = layer_specs(cfg, ctx, vocab)
     loss = LossFn(state.tp, vocab)
     if state.pp.size == 1:
@@ -169,7 +170,7 @@ def from_pretrained(
                     f"tp={tp} x pp={pp} needs {tp * pp} ranks under a launcher (torchrun/deepspeed)"
                 )
             state = ParallelState.build(map_ranks(tp * pp, tp, pp))
-    model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device)
+    model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
     load_weights(model, source, state.tp)
     model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir
     model.vocab_size = source.vocab

@@ -87,6 +87,31 @@ class NormalInit:
         return out
 
 
+@dataclass(frozen=True)
+class NoInit:
+    """Uninitialised weights (padded vocabulary rows still zero): for models about to be loaded."""
+
+    std: float = 0.0
+    seed: int = 0
+
+    def part(self, index: int) -> NoInit:
+        """Same for every fused part."""
+        return self
+
+    def rows(self, start: int, stop: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """Empty rows."""
+        return torch.empty(stop - start, cols, dtype=dtype)
+
+    def shard(self, full_shape, dim, rank, world, dtype, valid_rows=None) -> torch.Tensor:
+        """An empty shard (zero beyond ``valid_rows``)."""
+        rows, cols = full_shape
+        shape = (rows // world, cols) if dim == 0 else (rows, cols // world)
+        out = torch.empty(shape, dtype=dtype)
+        if valid_rows is not None:
+            out[max(0, valid_rows - rank * shape[0]) :] = 0
+        return out
+
+
 def _mix(seed: int, block: int) -> int:
     """A 63-bit seed for one block, decorrelated from neighbouring (seed, block) pairs."""
     x = (seed * 0x9E3779B97F4A7C15 + block * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)

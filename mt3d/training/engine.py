@@ -63,14 +63,20 @@ def uses_pipeline_engine(layout: Layout) -> bool:
     return layout.zero_stage < 2
 
 
-def build_model(run: RunConfig, layout: Layout, rt: Runtime, cfg: ModelConfig, vocab_size: int):
-    """This rank's part of the model (pipeline stage or whole stacked model)."""
+def build_model(
+    run: RunConfig, layout: Layout, rt: Runtime, cfg: ModelConfig, vocab_size: int, skip_init: bool = False
+):
+    """This rank's part of the model (pipeline stage or whole stacked model).
+
+    ``skip_init`` leaves the weights uninitialised because they are loaded right after.
+    """
     rec = run.mt3d.train.recompute
     ctx = BuildContext(
         tp=rt.state.tp,
         seed=run.mt3d.train.seed,
         sequence_parallel=run.mt3d.parallel.sequence_parallel,
         tracker=rt.tracker,
+        skip_init=skip_init,
     )
     specs = layer_specs(cfg, ctx, vocab_size)
     loss_fn = LossFn(rt.state.tp, vocab_size)

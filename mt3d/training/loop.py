@@ -35,12 +35,19 @@ class Trainer:
         wandb_run=None,
         start_step: int = 0,
         checkpointer=None,
+        preemption=None,
+        faults=None,
     ) -> None:
         self.run, self.layout, self.rt, self.engine, self.data = run, layout, rt, engine, data
         self.train_cfg = run.mt3d.train
         self.pipe = uses_pipeline_engine(layout)
         self.step = start_step
         self.checkpointer = checkpointer
+        self.preemption = preemption
+        self.faults = faults
+        self.fp16 = bool((run.ds.get("fp16") or {}).get("enabled"))
+        self.bad_streak = 0
+        self.status = "done"
         self.saved_step = start_step if start_step > 0 else None  # a resumed step is already on disk
         self.save_dir = Path(self.train_cfg.save_dir)
         self.seq_len = run.mt3d.data.seq_len
@@ -105,6 +112,13 @@ class Trainer:
             losses.append(self._dp_mean(total / self.layout.grad_accum))
         return sum(losses) / max(1, len(losses))
 
+    def _track_bad(self, loss: float, skipped: bool) -> None:
+        # Every rank sees the same loss (broadcast by the engine) and the same skip decision (the
+        # overflow check is all-reduced), so the streak and the decision to stop agree everywhere.
+        # fp16 skips steps by design while the loss scale settles; only a non-finite loss counts there.
+        bad = not math.isfinite(loss) or (skipped and not self.fp16)
+        self.bad_streak = self.bad_streak + 1 if bad else 0
+
     def save(self) -> None:
         """Checkpoint the current step (once per step)."""
         if self.checkpointer is not None and self.saved_step != self.step:
@@ -133,6 +147,7 @@ class Trainer:
             "grad_norm": self._grad_norm(),
             **figs,
             "skipped": int(self.engine.skipped_steps),
+            "bad_streak": self.bad_streak,
             "samples": self.step * self.layout.global_batch,
             "step_time_s": seconds,
             "peak_mem_gb": peak_memory_gb(),
@@ -179,10 +194,14 @@ class Trainer:
         eval_loss = None
         try:
             while self.step < cfg.steps:
+                if self.faults:
+                    self.faults.before_step(self.step + 1, self.engine.module)
+                skipped_before = self.engine.skipped_steps
                 t0 = time.perf_counter()
                 last_loss = self.train_step()
                 seconds = time.perf_counter() - t0
                 self.step += 1
+                self._track_bad(last_loss, self.engine.skipped_steps > skipped_before)
                 if self.logger:
                     if self.bar is not None:
                         self.bar.update(1)
@@ -191,14 +210,32 @@ class Trainer:
                         )
                     if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
                         self._log_step(last_loss, seconds)
+                if self.faults:
+                    self.faults.after_step(self.step)
+                if self.bad_streak >= cfg.max_bad_steps:
+                    self._print(
+                        f"stopping: {self.bad_streak} consecutive steps with non-finite loss or gradients "
+                        f"(train.max_bad_steps = {cfg.max_bad_steps}); saving the last good state"
+                    )
+                    self.status = "diverged"
+                    self.save()
+                    break
+                if self.preemption is not None and self.preemption.agreed(self.rt.device):
+                    self._print(
+                        f"stop requested (signal) at step {self.step}: saving a checkpoint and exiting"
+                    )
+                    self.status = "preempted"
+                    self.save()
+                    break
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
                     eval_loss = self._eval_and_log()
                 if cfg.save_interval and self.step % cfg.save_interval == 0:
                     self.save()
-            if cfg.eval_batches > 0:
-                eval_loss = self._eval_and_log()
-            if cfg.save_at_end:
-                self.save()
+            if self.status == "done":
+                if cfg.eval_batches > 0:
+                    eval_loss = self._eval_and_log()
+                if cfg.save_at_end:
+                    self.save()
         finally:
             if self.bar is not None:
                 self.bar.close()
@@ -206,4 +243,4 @@ class Trainer:
                 self.metrics.close()
         if dist.is_initialized():
             dist.barrier()
-        return {"step": self.step, "loss": last_loss, "eval_loss": eval_loss}
+        return {"step": self.step, "loss": last_loss, "eval_loss": eval_loss, "status": self.status}

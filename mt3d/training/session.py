@@ -11,17 +11,24 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import __version__
+from ..checkpoint import reshard, resume, safe
 from ..checkpoint.manager import Checkpointer
 from ..config import Layout, RunConfig
 from ..data.loader import build_data
+from ..errors import UserError
 from ..model.config import ModelConfig
 from .engine import build_model, initialize
+from .faults import FaultInjector
 from .loop import Trainer
 from .metrics import start_wandb
 from .runtime import setup
+from .signals import Preemption
 
 log = logging.getLogger("mt3d")
 EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after saving a checkpoint: resume to continue
+EXIT_DIVERGED = 76  # stopped after train.max_bad_steps non-finite steps, last good state saved
 
 
 def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int, data_info: dict):
@@ -58,23 +65,55 @@ def write_run_info(save_dir: Path, run: RunConfig, layout: Layout, cfg: ModelCon
     (save_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
 
 
+def prepare_data(run: RunConfig, cfg: ModelConfig):
+    """Build the corpus and fix the vocabulary size; returns (data bundle, vocab size)."""
+    hf_path = cfg.extra.get("hf_path")
+    if hf_path and run.mt3d.data.tokenizer is None and run.mt3d.data.corpus == "builtin":
+        if (Path(hf_path) / "tokenizer.json").is_file():
+            run.mt3d.data.tokenizer = hf_path  # fine-tuning: the model's own tokenizer
+    data = build_data(run.mt3d.data, run.mt3d.train.seed)
+    vocab = data.tokenizer.vocab_size
+    if cfg.vocab_size is None:
+        cfg.vocab_size = vocab
+    elif cfg.vocab_size < vocab:
+        raise UserError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab}")
+    data.info["tokenizer_dir"] = data.tokenizer.path
+    return data, cfg.vocab_size
+
+
+def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: int, plan):
+    """Model (HF weights when fine-tuning), DeepSpeed engine, and the resumed state when resuming."""
+    hf_path = cfg.extra.get("hf_path")
+    load_dir, tag = None, None
+    if plan is not None:
+        load_dir, tag = plan.path.parent, plan.path.name
+        if plan.layout_changed(layout):
+            load_dir, tag = reshard.prepare(plan, run, rt.rank)
+    model = build_model(run, layout, rt, cfg, vocab, skip_init=bool(hf_path) or plan is not None)
+    if hf_path and plan is None:
+        from ..model.loading import load_weights, open_source
+
+        load_weights(model, open_source(hf_path), rt.state.tp)
+    engine = initialize(run, layout, rt, model)
+    safe.install(engine)
+    start = 0
+    if plan is not None:
+        resume.verify_everywhere(plan)
+        resume.restore(engine, plan, load_dir, tag, rt.tracker)
+        start = plan.step
+        if rt.rank == 0:
+            log.info("resumed from %s at step %d", plan.path, start)
+    return engine, start
+
+
 def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
-    """Train on this rank; returns the exit code."""
+    """Train on this rank; returns the exit code (0, or EXIT_PREEMPTED / EXIT_DIVERGED after saving)."""
     rt = setup(run)
+    preemption = Preemption().install()
     try:
-        hf_path = cfg.extra.get("hf_path")
-        if hf_path and run.mt3d.data.tokenizer is None and run.mt3d.data.corpus == "builtin":
-            if (Path(hf_path) / "tokenizer.json").is_file():
-                run.mt3d.data.tokenizer = hf_path  # fine-tuning: the model's own tokenizer
-        data = build_data(run.mt3d.data, run.mt3d.train.seed)
-        vocab = data.tokenizer.vocab_size
-        if cfg.vocab_size is None:
-            cfg.vocab_size = vocab
-        elif cfg.vocab_size < vocab:
-            raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab}")
-        vocab = cfg.vocab_size
-        data.info["tokenizer_dir"] = data.tokenizer.path
+        data, vocab = prepare_data(run, cfg)
         save_dir = Path(run.mt3d.train.save_dir)
+        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg)
         wandb_run = None
         if rt.rank == 0:
             save_dir.mkdir(parents=True, exist_ok=True)
@@ -84,45 +123,61 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
             log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
             if "entropy_floor" in data.info:
                 log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])
-        model = build_model(run, layout, rt, cfg, vocab)
-        if hf_path:
-            from ..model.loading import load_weights, open_source
-
-            load_weights(model, open_source(hf_path), rt.state.tp)
-        engine = initialize(run, layout, rt, model)
+        engine, start = build_engine(run, layout, rt, cfg, vocab, plan)
+        faults = FaultInjector(rt.rank)
         checkpointer = Checkpointer(
             engine,
             save_dir,
             meta=checkpoint_meta(run, layout, cfg, vocab, data.info),
             client_state=lambda step: {"mt3d": {"step": step}},
             keep_last=run.mt3d.train.keep_last,
+            tracker=rt.tracker,
+            faults=faults,
         )
         trainer = Trainer(
-            run, layout, rt, engine, data, cfg, vocab, wandb_run=wandb_run, checkpointer=checkpointer
+            run,
+            layout,
+            rt,
+            engine,
+            data,
+            cfg,
+            vocab,
+            wandb_run=wandb_run,
+            start_step=start,
+            checkpointer=checkpointer,
+            preemption=preemption,
+            faults=faults,
         )
         summary = trainer.train()
         if rt.rank == 0:
-            floor = data.info.get("entropy_floor")
-            extra = (
-                f" (entropy floor {floor:.4f})"
-                if floor is not None and summary["eval_loss"] is not None
-                else ""
-            )
-            ev = summary["eval_loss"]
-            log.info(
-                "done: step %d, train loss %.4f, eval loss %s%s",
-                summary["step"],
-                summary["loss"],
-                "n/a" if ev is None else f"{ev:.4f}",
-                extra,
-            )
-            if wandb_run is not None:
-                wandb_run.summary.update({k: v for k, v in summary.items() if v is not None})
-                wandb_run.finish()
+            report(summary, data.info, wandb_run)
         dist.barrier()  # without it rank 0 can abort at exit while others still finish (DEEPSPEED_NOTES.md)
         dist.destroy_process_group()
-        return 0
+        return {"done": 0, "preempted": EXIT_PREEMPTED, "diverged": EXIT_DIVERGED}[summary["status"]]
+    except UserError as e:  # bad input (config, data, checkpoint): one line, no traceback
+        print(f"mt3d train: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except Exception as e:  # one line for people, the traceback for the log
         log.exception("training failed on rank %d", rt.rank)
         print(f"mt3d train: error on rank {rt.rank}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED  # the launcher stops the other ranks
+    finally:
+        preemption.uninstall()
+
+
+def report(summary: dict, data_info: dict, wandb_run) -> None:
+    """Rank 0's closing line (and W&B summary)."""
+    floor = data_info.get("entropy_floor")
+    ev = summary["eval_loss"]
+    extra = f" (entropy floor {floor:.4f})" if floor is not None and ev is not None else ""
+    log.info(
+        "%s: step %d, train loss %.4f, eval loss %s%s",
+        summary["status"],
+        summary["step"],
+        summary["loss"],
+        "n/a" if ev is None else f"{ev:.4f}",
+        extra,
+    )
+    if wandb_run is not None:
+        wandb_run.summary.update({k: v for k, v in summary.items() if v is not None})
+        wandb_run.finish()
