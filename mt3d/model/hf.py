@@ -277,27 +277,37 @@ class SafetensorsFile:
         """Shape of a tensor."""
         return list(self.entries[name]["shape"])
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` along dimension 0 (one contiguous read)."""
+    def region(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows x columns of a 1-D or 2-D tensor, read straight into the result (no extra copy).
+
+        Full-width rows are one read; a column range is one read per row (its part of the row).
+        """
         import os
 
         e = self.entries[name]
         dtype = _ST_DTYPES[e["dtype"]]
-        shape = e["shape"] or [1]
-        row = int(
-            torch.tensor([], dtype=dtype).element_size()
-            * (torch.Size(shape[1:]).numel() if len(shape) > 1 else 1)
-        )
-        begin = self.base + e["data_offsets"][0] + start * row
-        raw = bytearray(os.pread(self.fd, (stop - start) * row, begin))
-        out = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        return out.view(stop - start, *shape[1:]) if e["shape"] else out.view(())
+        shape = e["shape"]
+        item = torch.tensor([], dtype=dtype).element_size()
+        width = shape[1] if len(shape) == 2 else 1
+        c0, c1 = cols or (0, width)
+        nrows = rows[1] - rows[0]
+        out = torch.empty((nrows, c1 - c0) if len(shape) == 2 else (nrows,), dtype=dtype)
+        raw = out.view(torch.uint8).view(nrows, -1) if nrows else None
+        begin = self.base + e["data_offsets"][0]
+        if nrows and (c0, c1) == (0, width):
+            got = os.preadv(self.fd, [raw.numpy()], begin + rows[0] * width * item)
+            if got != raw.numel():
+                raise HFError(f"{self.path}: short read in {name} (truncated file?)")
+        else:
+            for i in range(nrows):
+                off = begin + ((rows[0] + i) * width + c0) * item
+                if os.preadv(self.fd, [raw[i].numpy()], off) != raw.shape[1]:
+                    raise HFError(f"{self.path}: short read in {name} (truncated file?)")
+        return out
 
 
 class HFReader:
     """Slice-wise access to the safetensors files of an HF directory (rows read with pread)."""
-
-    ROW_CHUNK_BYTES = 64 << 20  # column slices are cut from blocks of rows of at most this size
 
     def __init__(self, path: str | Path) -> None:
         self.dir = Path(path)
@@ -332,29 +342,18 @@ class HFReader:
             shape[0] = piece.size
         return shape
 
-    def _region(self, f: SafetensorsFile, name: str, rows: tuple[int, int], cols: tuple[int, int]):
-        """Stored rows x columns of a 2-D tensor, read in blocks of rows (bounded memory)."""
-        ncols = f.shape(name)[1]
-        if cols == (0, ncols):
-            return f.rows(name, *rows).clone()
-        step = max(1, self.ROW_CHUNK_BYTES // max(1, ncols * 4))
-        out = [
-            f.rows(name, r, min(rows[1], r + step))[:, cols[0] : cols[1]].clone() for r in range(*rows, step)
-        ]
-        return torch.cat(out) if out else torch.empty(0, cols[1] - cols[0])
-
     def read(self, piece: Piece, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
-        """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only those rows."""
+        """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only those bytes."""
         f = self._file(piece.name)
         stored = f.shape(piece.name)
         nrows = piece.size if piece.size is not None else (stored[1] if piece.transpose else stored[0])
         r0, r1 = rows or (0, nrows)
         rows = (r0 + piece.start, r1 + piece.start)
         if len(stored) == 1:
-            return f.rows(piece.name, *rows).clone()
+            return f.region(piece.name, rows)
         if piece.transpose:  # mt3d rows are the stored columns
-            return self._region(f, piece.name, cols or (0, stored[0]), rows).t().contiguous()
-        return self._region(f, piece.name, rows, cols or (0, stored[1]))
+            return f.region(piece.name, cols or (0, stored[0]), rows).t()  # copied into place by the caller
+        return f.region(piece.name, rows, cols)
 
 
 def read_shard(
