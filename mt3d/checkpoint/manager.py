@@ -81,6 +81,7 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
     doomed = complete[: max(0, len(complete) - keep_last)]
     for d in doomed:
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(root / "universal" / d.name, ignore_errors=True)  # its resharding cache
     return doomed
 
 

@@ -1,15 +1,91 @@
-"""Loading a checkpoint into a different (tp, pp, dp) layout through DeepSpeed's universal format."""
+"""Loading a checkpoint into a different (tp, pp, dp) layout, through DeepSpeed's universal format.
+
+The checkpoint carries ``universal_checkpoint_info`` (``mt3d.model.sharding.universal_info``): the
+patterns DeepSpeed's ``ds_to_universal`` needs to merge TP shards of every parameter, its fp32
+master copy and Adam moments. The conversion runs once, on rank 0, into
+``<checkpoints>/universal/<tag>/`` beside the source and is reused afterwards (a marker file
+written last says it is complete). DeepSpeed then loads it with ``checkpoint.load_universal``.
+
+DeepSpeed's converter and universal loader unpickle with ``weights_only=False``; every ``.pt`` file
+they read (the source checkpoint's and the converted ones) is first opened with mt3d's allow-list
+loader, so a file carrying anything but tensors and plain data is refused before DeepSpeed sees it.
+"""
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import logging
+import shutil
 from pathlib import Path
 
+import torch.distributed as dist
+
 from .manifest import CheckpointError
+from .safe import safe_torch_load
+
+log = logging.getLogger("mt3d")
+DONE = "mt3d-universal.json"
+
+
+def scan(root: Path) -> int:
+    """Open every .pt file under ``root`` with the allow-list loader; returns how many."""
+    files = sorted(root.rglob("*.pt"))
+    for f in files:
+        safe_torch_load(f)
+    return len(files)
+
+
+def universal_dir(plan, save_dir: str | Path) -> Path:
+    """Where the universal form of ``plan``'s checkpoint is cached: beside it when that directory is
+    writable (every later reshard of it reuses the conversion), else in this run's save_dir."""
+    import os
+
+    beside = plan.path.parent / "universal"
+    if os.access(plan.path.parent, os.W_OK):
+        return beside / plan.path.name
+    source = hashlib.sha1(str(plan.path.resolve()).encode()).hexdigest()[:8]
+    return Path(save_dir) / "checkpoints" / "universal" / f"{plan.path.name}-{source}"
+
+
+def convert(source: Path, out: Path, workers: int = 1) -> None:
+    """Run DeepSpeed's ds_to_universal in-process (no process group needed)."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(tmp),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    try:
+        ds_to_universal(args)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"converting {source} to DeepSpeed's universal format failed: {e}") from e
+    (tmp.parent / "latest_universal").unlink(missing_ok=True)  # pointer the converter writes; not used
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
 
 
 def prepare(plan, run, rank: int) -> tuple[Path, str]:
-    """Convert (once, cached) and point DeepSpeed at the universal checkpoint; (load_dir, tag)."""
-    raise CheckpointError(
-        f"{plan.path} was written with layout {plan.meta['layout']}; loading it into another layout is not "
-        "implemented yet"
-    )
+    """Make sure the universal form exists (rank 0 converts), enable universal loading; (load_dir, tag)."""
+    out = universal_dir(plan, run.mt3d.train.save_dir)
+    if rank == 0 and not (out / DONE).is_file():
+        log.info("layout changed since %s: converting it to DeepSpeed's universal format", plan.path)
+        scan(plan.path)
+        convert(plan.path, out)
+        scanned = scan(out)
+        (out / DONE).write_text(json.dumps({"source": str(plan.path), "files": scanned}))
+    dist.barrier()
+    if not (out / DONE).is_file():
+        raise CheckpointError(f"universal checkpoint {out} is missing (conversion on rank 0 failed)")
+    run.ds.setdefault("checkpoint", {})["load_universal"] = True
+    return out.parent, out.name

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..config import Layout
 from ..model.config import ModelConfig
-from .manager import checkpoints_dir, complete_checkpoints, newest_complete
+from .manager import checkpoints_dir, complete_checkpoints
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
 from .rng import load_rng
 
@@ -58,13 +58,17 @@ class ResumePlan:
         return any(saved[k] != now[k] for k in now)
 
 
-def find_checkpoint(resume: str, save_dir: str | Path) -> Path | None:
-    """The checkpoint named by a ``train.resume`` value (None: start from scratch)."""
+def candidates(resume: str, save_dir: str | Path) -> list[Path]:
+    """Checkpoints a ``train.resume`` value allows, best first ([] : start from scratch).
+
+    ``auto``: every complete checkpoint of save_dir, newest first. A path: that checkpoint, or the
+    newest complete one of that run directory.
+    """
     if resume == "none":
-        return None
+        return []
     if resume == "auto":
-        found = newest_complete(save_dir)
-        if found is None:
+        found = complete_checkpoints(checkpoints_dir(save_dir))[::-1]
+        if not found:
             root = checkpoints_dir(save_dir)
             bad = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
             if bad:
@@ -75,27 +79,40 @@ def find_checkpoint(resume: str, save_dir: str | Path) -> Path | None:
     p = Path(resume)
     if (p / "manifest.json").is_file() or p.name.startswith("step_"):
         check_sizes(p, read_manifest(p))
-        return p
+        return [p]
     found = complete_checkpoints(checkpoints_dir(p))
     if not found:
         raise CheckpointError(f"resume: no complete checkpoint in {p}")
-    return found[-1]
+    return [found[-1]]
 
 
-def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> ResumePlan | None:
-    """Pick the checkpoint to resume from and check it is for this model."""
-    path = find_checkpoint(resume, save_dir)
-    if path is None:
-        return None
-    manifest = read_manifest(path)
-    meta = manifest["meta"]
-    saved = meta["model"]
-    now = model.to_dict()
+def _check_model(path: Path, meta: dict, model: ModelConfig) -> None:
+    saved, now = meta["model"], model.to_dict()
     diff = [k for k in ARCH_KEYS if saved.get(k) != now.get(k)]
     if diff:
         detail = ", ".join(f"{k}: checkpoint {saved.get(k)} vs config {now.get(k)}" for k in diff)
         raise CheckpointError(f"{path} is for a different model ({detail})")
-    return ResumePlan(path, meta, manifest)
+
+
+def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> ResumePlan | None:
+    """The verified checkpoint to resume from (collective: every rank hashes a share of the files).
+
+    With ``auto`` a checkpoint whose files do not match their manifest (bit flip, truncation) is
+    reported and skipped in favour of the next older complete one; an explicit path must verify.
+    """
+    for path in candidates(resume, save_dir):
+        manifest = read_manifest(path)
+        _check_model(path, manifest["meta"], model)
+        plan = ResumePlan(path, manifest["meta"], manifest)
+        try:
+            verify_everywhere(plan)
+        except CheckpointError as e:
+            if resume != "auto":
+                raise
+            log.error("resume auto: skipping %s: %s", path, e)
+            continue
+        return plan
+    return None
 
 
 def verify_everywhere(plan: ResumePlan) -> None:
@@ -114,15 +131,17 @@ def verify_everywhere(plan: ResumePlan) -> None:
         raise CheckpointError(first)
 
 
-def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, tracker) -> dict:
-    """Load engine state from ``load_dir/tag`` and this rank's RNG; returns DeepSpeed's client state."""
+def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, tracker, same_layout: bool) -> dict:
+    """Load engine state from ``load_dir/tag`` and this rank's RNG; returns DeepSpeed's client state.
+
+    Random state is per rank, so it is restored only when the layout is unchanged; after a
+    reshard every rank keeps its freshly seeded streams.
+    """
     path, client = engine.load_checkpoint(
         str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
-    if not load_rng(plan.path, dist.get_rank(), tracker):
-        log.info(
-            "no saved random state for rank %d (layout changed?): keeping the seeded one", dist.get_rank()
-        )
+    if same_layout and not load_rng(plan.path, dist.get_rank(), tracker):
+        log.warning("%s has no random state for rank %d: keeping the seeded one", plan.path, dist.get_rank())
     return client or {}

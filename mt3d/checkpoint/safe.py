@@ -21,10 +21,15 @@ from .manifest import CheckpointError
 
 
 def allowed_globals() -> list:
-    """Classes a DeepSpeed checkpoint may contain besides tensors and containers."""
+    """Classes a DeepSpeed checkpoint may contain besides tensors and containers (plain data
+    holders: loss-scaler settings, the ZeRO stage enum, a parameter fragment's address, the
+    shape of a fused tensor's parts in universal checkpoints)."""
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, LossScalerBase
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScalerBase, LossScaler, DynamicLossScaler]
+    return [LossScalerBase, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, SubparamShape]
 
 
 def safe_torch_load(path: str | Path, map_location="cpu"):

@@ -131,3 +131,50 @@ def global_names(cfg: ModelConfig) -> list[str]:
     if not cfg.tie_embeddings:
         names.append(f"{cfg.layers + 3}.weight")
     return names
+
+
+def universal_info(cfg: ModelConfig, tp: int, vocab: int) -> dict:
+    """DeepSpeed universal-checkpoint patterns for this model saved at tensor-parallel size ``tp``.
+
+    Stored with every checkpoint so ``ds_to_universal`` can merge TP shards: vocabulary tensors
+    (padding stripped, re-added on load), replicated tensors, row-parallel tensors (dim 1), fused
+    QKV / gate-up tensors whose shards are per-part slices of unequal parts (GQA), and the tied
+    embedding shared by the first and last pipeline stage. Unlisted tensors are column-parallel.
+    Every pattern listed matches some parameter (DeepSpeed's strict mode requires it).
+    """
+    L = cfg.layers
+    head = rf"{L + 3}\.weight$"
+    embed = r"tied_modules\.embed\.embed\.weight$" if cfg.tie_embeddings else r"0\.embed\.weight$"
+    replicated = [r"\d+\.norm1\.weight$", r"\d+\.norm2\.weight$", r"\d+\.norm\.weight$"]
+    if cfg.norm == "layernorm":
+        replicated += [r"\d+\.norm1\.bias$", r"\d+\.norm2\.bias$", r"\d+\.norm\.bias$"]
+    if cfg.bias:
+        replicated += [r"\d+\.attn\.out\.bias$", r"\d+\.mlp\.down\.bias$"]
+    if cfg.position == "learned":
+        replicated.append(r"1\.pos$")
+
+    def widths(sizes):
+        return [[s // tp] * tp for s in sizes]
+
+    qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+    fused = [(r"\d+\.attn\.qkv\.weight$", qkv, True), (r"\d+\.attn\.qkv\.bias$", qkv, False)]
+    if cfg.mlp == "swiglu":
+        fused += [
+            (r"\d+\.mlp\.up\.weight$", (cfg.ffn, cfg.ffn), True),
+            (r"\d+\.mlp\.up\.bias$", (cfg.ffn, cfg.ffn), False),
+        ]
+    if not cfg.bias:
+        fused = [f for f in fused if f[2]]
+    return {
+        "universal_checkpoint_version": 0.4,
+        "original_vocab_size": vocab,
+        "vocabulary_parameter_patterns": [embed] + ([] if cfg.tie_embeddings else [head]),
+        "pipeline_replicated_parameter_patterns": [r"tied_modules\."] if cfg.tie_embeddings else [],
+        "tp_replicated_parameter_patterns": replicated,
+        "parameter_with_row_parallelism_patterns": [r"\d+\.attn\.out\.weight$", r"\d+\.mlp\.down\.weight$"],
+        "parameter_with_sub_params": [
+            {"patterns": [p], "shape": (sizes, -1) if matrix else (sizes,), "partition_dim": 0}
+            for p, sizes, matrix in fused
+        ],
+        "sub_param_shard_widths": {p: widths(sizes) for p, sizes, _ in fused},
+    }

@@ -17,6 +17,7 @@ from ..config import Layout, RunConfig
 from ..model.blocks import BuildContext
 from ..model.config import ModelConfig
 from ..model.pipeline import LossFn, Mt3dPipeline, StackedModel, default_stage_blocks, layer_specs
+from ..model.sharding import universal_info
 from ..parallel.random import checkpoint
 from .runtime import Runtime
 
@@ -85,7 +86,7 @@ def build_model(
     )
     if uses_pipeline_engine(layout):
         blocks = run.mt3d.parallel.stage_layers or default_stage_blocks(cfg.layers, layout.pp)
-        return Mt3dPipeline(
+        model = Mt3dPipeline(
             specs,
             topology=rt.topology,
             loss_fn=loss_fn,
@@ -93,8 +94,11 @@ def build_model(
             recompute_interval=rec.interval,
             ckpt=ckpt,
         )
-    model = StackedModel(specs, loss_fn=loss_fn, recompute_interval=rec.interval, ckpt=ckpt)
-    return model.to(rt.device)
+    else:
+        model = StackedModel(specs, loss_fn=loss_fn, recompute_interval=rec.interval, ckpt=ckpt).to(rt.device)
+    # saved with every checkpoint: lets DeepSpeed's universal format reshard it later
+    model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size)
+    return model
 
 
 def initialize(run: RunConfig, layout: Layout, rt: Runtime, model: torch.nn.Module):

@@ -85,9 +85,10 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     """Model (HF weights when fine-tuning), DeepSpeed engine, and the resumed state when resuming."""
     hf_path = cfg.extra.get("hf_path")
     load_dir, tag = None, None
+    same_layout = plan is None or not plan.layout_changed(layout)
     if plan is not None:
         load_dir, tag = plan.path.parent, plan.path.name
-        if plan.layout_changed(layout):
+        if not same_layout:
             load_dir, tag = reshard.prepare(plan, run, rt.rank)
     model = build_model(run, layout, rt, cfg, vocab, skip_init=bool(hf_path) or plan is not None)
     if hf_path and plan is None:
@@ -98,8 +99,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     safe.install(engine)
     start = 0
     if plan is not None:
-        resume.verify_everywhere(plan)
-        resume.restore(engine, plan, load_dir, tag, rt.tracker)
+        resume.restore(engine, plan, load_dir, tag, rt.tracker, same_layout)
         start = plan.step
         if rt.rank == 0:
             log.info("resumed from %s at step %d", plan.path, start)
