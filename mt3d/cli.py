@@ -432,7 +432,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_checkpoint(sub) -> None:
+    p = sub.add_parser(
+        "checkpoint",
+        help="inspect checkpoints: layout, step, model, size and validity",
+        description="'mt3d checkpoint info DIR' describes one checkpoint (step_XXXXXXXX) or every checkpoint "
+        "of a run: complete (manifest present, every file's size and sha256 match), incomplete (no "
+        "manifest: interrupted while saving) or corrupt (names the file).",
+        epilog="examples:\n  mt3d checkpoint info runs/x\n"
+        "  mt3d checkpoint info runs/x/checkpoints/step_00000500 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    csub = p.add_subparsers(dest="action", metavar="<action>", required=True)
+    info = csub.add_parser("info", help="describe checkpoints")
+    info.add_argument("path", help="checkpoint dir, run dir or checkpoints dir")
+    info.add_argument("--fast", action="store_true", help="check sizes only, skip hashing")
+    info.add_argument("--json", action="store_true", help="one JSON object per checkpoint, one per line")
+    p.set_defaults(func=cmd_checkpoint)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """``mt3d checkpoint info``."""
+    from .checkpoint.info import describe, format_rows
+
+    rows = describe(args.path, verify=not args.fast)
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_rows(rows))
+    return 0 if all(r["status"].startswith("complete") for r in rows[-1:]) else 1
+
+
 COMMANDS: list[Callable] = [
+    _add_checkpoint,
     _add_topo,
     _add_plot,
     _add_summary,
