@@ -58,3 +58,20 @@ def train_worker(raw):
 def step_records(records):
     """The per-step training records (not the eval ones)."""
     return [r for r in records if "loss" in r]
+
+
+def train_rc_worker(raw):
+    """Like train_worker but returns (exit code, rank 0's records or None) instead of raising."""
+    import torch.distributed as dist
+
+    from mt3d.config import from_dict, resolve_model, validate
+    from mt3d.training.metrics import read_metrics
+    from mt3d.training.session import run_training
+
+    run = from_dict(copy.deepcopy(raw))
+    cfg = resolve_model(run.mt3d.model)
+    layout = validate(run, dist.get_world_size(), cfg)
+    rank = dist.get_rank()
+    rc = run_training(run, layout, cfg)
+    path = os.path.join(run.mt3d.train.save_dir, "metrics.jsonl")
+    return rc, (read_metrics(path) if rank == 0 and os.path.exists(path) else None)

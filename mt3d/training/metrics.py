@@ -33,7 +33,8 @@ GPU_PEAK_TFLOPS = {
 
 def measure_cpu_tflops(seconds: float = 0.3, n: int = 512) -> float:
     """fp32 matmul TFLOP/s of this process with its current thread count (a stand-in CPU peak)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # never touch the training RNG streams
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b  # warm-up
     t0, reps = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:

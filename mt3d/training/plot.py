@@ -8,6 +8,13 @@ from pathlib import Path
 from .metrics import read_metrics
 
 
+def split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(train, eval) records, one per step: after a resume the re-run steps replace the earlier ones."""
+    train = {r["step"]: r for r in records if r.get("loss") is not None}
+    evals = {r["step"]: r for r in records if r.get("eval_loss") is not None}
+    return [train[k] for k in sorted(train)], [evals[k] for k in sorted(evals)]
+
+
 def run_facts(run_dir: Path) -> dict:
     """``run.json`` of a run directory ({} when absent)."""
     p = Path(run_dir) / "run.json"
@@ -20,9 +27,7 @@ def summarize(run_dir: str | Path) -> dict:
     src = run_dir / "metrics.jsonl"
     if not src.is_file():
         raise FileNotFoundError(f"{src} not found (is {run_dir} a training run directory?)")
-    records = read_metrics(src)
-    train = [r for r in records if r.get("loss") is not None]
-    evals = [r for r in records if r.get("eval_loss") is not None]
+    train, evals = split_records(read_metrics(src))
     facts = run_facts(run_dir)
     out = {
         "run_dir": str(run_dir),
@@ -49,9 +54,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     src = run_dir / "metrics.jsonl"
     if not src.is_file():
         raise FileNotFoundError(f"{src} not found (is {run_dir} a training run directory?)")
-    records = read_metrics(src)
-    train = [r for r in records if r.get("loss") is not None]
-    evals = [r for r in records if r.get("eval_loss") is not None]
+    train, evals = split_records(read_metrics(src))
     if not train and not evals:
         raise ValueError(f"{src} has no training or eval records yet")
     import matplotlib

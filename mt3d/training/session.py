@@ -155,7 +155,8 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
         dist.destroy_process_group()
         return {"done": 0, "preempted": EXIT_PREEMPTED, "diverged": EXIT_DIVERGED}[summary["status"]]
     except UserError as e:  # bad input (config, data, checkpoint): one line, no traceback
-        print(f"mt3d train: error: {e}", file=sys.stderr)
+        if rt.local_rank == 0:  # every rank hits the same input: one line per host is enough
+            print(f"mt3d train: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:  # one line for people, the traceback for the log
         log.exception("training failed on rank %d", rt.rank)
