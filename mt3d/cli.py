@@ -460,7 +460,107 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0 if all(r["status"].startswith("complete") for r in rows[-1:]) else 1
 
 
+# --- plan ----------------------------------------------------------------------------------
+PLAN_EXAMPLES = """examples:
+  mt3d plan --model gpt3-1.3b --gpus 8 --gpus-per-node 8 --gpu h100
+  mt3d plan --model mtnlg-530b --gpus 2240 --gpu a100-80gb --global-batch 1920 --seq-len 2048
+  mt3d plan --model ds_configs/megatron_8.3b_tp8.json --gpus 64 --gpus-per-node 8 --gpu h200 --json
+  mt3d plan --model hf/llama --gpus 16 --gpus-per-node 8 --gpu h100 --write-config ds_configs/my_llama.json
+"""
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="rank (tp, pp, dp, micro-batch, ZeRO, recompute, SP) layouts by predicted memory and time",
+        description="Enumerate every layout of a model on a cluster, reject impossible ones with a reason, "
+        "predict memory per GPU and step time for the rest (FORMULAS.md), and rank them.",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="preset name, run config JSON, or HF model directory")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100", help="a100-80gb, h100, h200 or cpu")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 512)")
+    p.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (default: the config's, else the model's max)"
+    )
+    p.add_argument("--vocab", type=int, help="vocabulary size when the model does not fix it")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument(
+        "--efficiency", type=float, default=0.5, help="achieved fraction of peak in compute (default 0.5)"
+    )
+    p.add_argument("--peak-tflops", type=float, help="override the device's dense peak")
+    p.add_argument("--memory-gb", type=float, help="override the device's memory")
+    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--json", action="store_true", help="machine-readable output (see DESIGN.md)")
+    p.add_argument("--write-config", metavar="PATH", help="write the best layout as a ds_configs-style JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+def _plan_model(spec: str):
+    """(ModelConfig, mt3d model section, config-file defaults) from a preset, config JSON or HF dir."""
+    from pathlib import Path
+
+    from .config import load, resolve_model
+
+    path = Path(spec)
+    if path.is_file():
+        run = load(path)
+        d = run.mt3d.data
+        return (
+            resolve_model(run.mt3d.model),
+            run.mt3d.model,
+            {
+                "global_batch": run.ds.get("train_batch_size"),
+                "seq_len": d.seq_len,
+                "vocab": d.vocab_size if d.corpus != "indexed" else None,
+            },
+        )
+    if path.is_dir():
+        return resolve_model({"from_hf": str(path)}), {"from_hf": str(path)}, {}
+    return resolve_model({"preset": spec}), {"preset": spec}, {}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``mt3d plan``."""
+    from .planner.hardware import get_device
+    from .planner.search import Cluster, explain_infeasible, format_plan, plan, write_config
+
+    cfg, section, defaults = _plan_model(args.model)
+    device = get_device(args.gpu, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb)
+    seq = args.seq_len or defaults.get("seq_len") or cfg.max_seq_len
+    result = plan(
+        cfg,
+        Cluster(args.gpus, args.gpus_per_node, device),
+        global_batch=args.global_batch or defaults.get("global_batch") or 512,
+        seq_len=seq,
+        vocab=args.vocab or cfg.vocab_size or defaults.get("vocab"),
+        precision=args.precision,
+        efficiency=args.efficiency,
+    )
+    if args.write_config:
+        write_config(result, args.write_config, section)
+    if args.json:
+        slim = {
+            **result,
+            "feasible": [{k: v for k, v in r.items() if k != "memory"} for r in result["feasible"]],
+        }
+        print(json.dumps(slim))
+    else:
+        print(format_plan(result, args.top))
+        if args.write_config:
+            print(f"wrote {args.write_config}")
+    if not result["feasible"]:
+        if not args.json:
+            print(explain_infeasible(result), file=sys.stderr)
+        return 1
+    return 0
+
+
 COMMANDS: list[Callable] = [
+    _add_plan,
     _add_checkpoint,
     _add_topo,
     _add_plot,

@@ -1,0 +1,188 @@
+"""Closed-form memory and time of one training layout (FORMULAS.md).
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020): with mixed-precision Adam a
+parameter costs 2 (bf16 weight) + 2 (bf16 gradient) + 12 (fp32 master + two moments) bytes,
+partitioned over data parallel by stage. Activations are either the Korthikanti et al. (2022)
+table (``korthikanti_layer_bytes``) or the tensors mt3d's own blocks keep for backward
+(``mt3d_layer_bytes``; attention through scaled_dot_product_attention keeps no score matrix).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..model.config import ModelConfig
+from ..parallel.layers import pad_vocab
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per activation element."""
+
+    name: str
+    param: int
+    grad: int
+    master: int
+    optim: int
+    activation: int
+
+    @classmethod
+    def of(cls, name: str, zero_stage: int) -> Precision:
+        """bf16 (mixed precision, fp32 master) or fp32 (DeepSpeed keeps an fp32 partition copy under ZeRO)."""
+        if name in ("bf16", "fp16"):
+            return cls(name, 2, 2, 4, 8, 2)
+        if name == "fp32":
+            return cls(name, 4, 4, 4 if zero_stage >= 1 else 0, 8, 4)
+        raise ValueError(f"precision must be bf16, fp16 or fp32, got {name!r}")
+
+
+def model_state_bytes(params: float, dp: int, zero_stage: int, prec: Precision) -> float:
+    """Parameters + gradients + optimizer states per GPU for ``params`` parameters on this GPU's
+    model slice (Psi' = Psi / (tp * pp)): plain DP 16 Psi', ZeRO-1 4 Psi' + 12 Psi'/d,
+    ZeRO-2 2 Psi' + 14 Psi'/d, ZeRO-3 16 Psi'/d for bf16."""
+    p, g, o = prec.param, prec.grad, prec.master + prec.optim
+    if zero_stage == 0:
+        return (p + g + o) * params
+    if zero_stage == 1:
+        return (p + g) * params + o * params / dp
+    if zero_stage == 2:
+        return p * params + (g + o) * params / dp
+    if zero_stage == 3:
+        return (p + g + o) * params / dp
+    raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: bool) -> float:
+    """Activation bytes of one transformer layer (16-bit), Korthikanti et al. 2022, Table 2."""
+    sbh = s * b * h
+    if recompute:
+        return 2 * sbh / (t if sp else 1)
+    if t == 1:
+        return sbh * (34 + 5 * a * s / h)
+    if sp:
+        return sbh * (34 + 5 * a * s / h) / t
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: bool, elem: int) -> float:
+    """Activation bytes one of mt3d's blocks keeps for backward (no dropout masks; SDPA attention).
+
+    Per token: the two norm inputs (sequence shards with SP), the inputs of the QKV and MLP-in
+    linears (full sequence: SP all-gathers them), q/k/v and the attention output for the local
+    heads, and the MLP's local inner activations (2 x ffn/t for GELU, 4 x ffn/t for SwiGLU).
+    With full recompute only the block input stays.
+    """
+    tokens = s * b
+    h = cfg.hidden
+    if recompute:
+        return tokens * h * elem / (t if sp else 1)
+    norms = 2 * h / (t if sp else 1)
+    linear_inputs = 2 * h
+    attn = (2 * cfg.q_size + 2 * cfg.kv_size) / t
+    mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.ffn / t
+    return tokens * (norms + linear_inputs + attn + mlp) * elem
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: degrees, batch split, ZeRO stage, recompute, sequence parallelism."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    grad_accum: int
+    zero_stage: int
+    recompute: bool
+    sequence_parallel: bool
+
+
+def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int) -> float:
+    """Parameters held by one GPU of the heaviest pipeline stage."""
+    blocks = math.ceil(cfg.layers / pp)
+    per_block = cfg.block_params() / tp  # norms are replicated: a negligible overcount
+    padded = pad_vocab(vocab, tp)
+    embed = padded * cfg.hidden / tp + (cfg.max_seq_len * cfg.hidden if cfg.position == "learned" else 0)
+    head = padded * cfg.hidden / tp
+    first = blocks * per_block + embed + (head if pp == 1 and not cfg.tie_embeddings else 0)
+    last = blocks * per_block + cfg.hidden * 2 + (head if (not cfg.tie_embeddings or pp > 1) else 0)
+    return max(first, last)
+
+
+def memory_bytes(
+    cfg: ModelConfig,
+    vocab: int,
+    seq_len: int,
+    lay: Layout,
+    prec: Precision,
+    *,
+    activation_model: str = "mt3d",
+    bucket_elems: float = 5e8,
+) -> dict[str, float]:
+    """Peak bytes per GPU of the heaviest stage, by component."""
+    t, p = lay.tp, lay.pp
+    params = stage_params(cfg, vocab, t, p)
+    states = model_state_bytes(params, lay.dp, lay.zero_stage, prec)
+    sp = lay.sequence_parallel and t > 1
+    if activation_model == "korthikanti":
+        heads = cfg.heads
+        per_layer = korthikanti_layer_bytes(seq_len, lay.micro_batch, cfg.hidden, heads, t, sp, lay.recompute)
+        full_layer = korthikanti_layer_bytes(seq_len, lay.micro_batch, cfg.hidden, heads, t, sp, False)
+    else:
+        e = prec.activation
+        per_layer = mt3d_layer_bytes(cfg, seq_len, lay.micro_batch, t, sp, lay.recompute, e)
+        full_layer = mt3d_layer_bytes(cfg, seq_len, lay.micro_batch, t, sp, False, e)
+    blocks = math.ceil(cfg.layers / p)
+    working = full_layer if lay.recompute else 0.0  # one block recomputed at a time
+    logits = seq_len * lay.micro_batch * pad_vocab(vocab, t) / t * (prec.activation + 4)  # + fp32 loss copy
+    # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
+    first = blocks * per_layer * min(p, lay.grad_accum) + working
+    last = blocks * per_layer + working + logits
+    acts = max(first, last) if p > 1 else last
+    buckets = min(bucket_elems, params) * 4 if lay.zero_stage >= 1 else 0.0  # ZeRO's fp32 reduce bucket
+    total = states + acts + buckets
+    return {"model_states": states, "activations": acts, "buckets": buckets, "total": total}
+
+
+def step_time(
+    cfg: ModelConfig,
+    vocab: int,
+    seq_len: int,
+    global_batch: int,
+    lay: Layout,
+    *,
+    peak_tflops: float,
+    efficiency: float,
+    bw: dict[str, float],
+    comm_bytes: int = 2,
+) -> dict[str, float]:
+    """Seconds per step by component (compute, bubble, TP/PP/DP communication) and throughput."""
+    gpus = lay.tp * lay.pp * lay.dp
+    flops = cfg.flops_per_token(seq_len, vocab) * global_batch * seq_len
+    executed = flops * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
+    compute = executed / gpus / (peak_tflops * 1e12 * efficiency)
+    bubble = compute * (lay.pp - 1) / lay.grad_accum
+    sbh = seq_len * lay.micro_batch * cfg.hidden
+    blocks = math.ceil(cfg.layers / lay.pp)
+    t = lay.tp
+    tp = blocks * lay.grad_accum * 8 * sbh * (t - 1) / t * comm_bytes / (bw["tp"] * 1e9) if t > 1 else 0.0
+    pp = 2 * lay.grad_accum * sbh * comm_bytes / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
+    d = lay.dp
+    grads = stage_params(cfg, vocab, t, lay.pp)
+    # all-reduce (ZeRO 0) = reduce-scatter + all-gather (ZeRO 1/2): 2(d-1)/d of the slice; ZeRO-3
+    # also all-gathers the parameters again for the backward pass: 3(d-1)/d.
+    volume = 3 if lay.zero_stage == 3 else 2
+    dp = volume * (d - 1) / d * grads * comm_bytes / (bw["dp"] * 1e9) if d > 1 else 0.0
+    total = compute + bubble + tp + pp + dp
+    tflops = flops / gpus / total / 1e12
+    return {
+        "compute_s": compute,
+        "bubble_s": bubble,
+        "tp_comm_s": tp,
+        "pp_comm_s": pp,
+        "dp_comm_s": dp,
+        "step_time_s": total,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak_tflops,
+    }

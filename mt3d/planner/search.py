@@ -1,0 +1,231 @@
+"""``mt3d plan``: enumerate layouts, predict memory and step time, rank the feasible ones.
+
+For a model, a global batch and sequence length, and a cluster, every (tp, pp, dp, micro-batch,
+ZeRO stage, recompute, sequence parallel) is either rejected with a reason (divisibility, TP
+outside a node, DeepSpeed's engine limits, memory) or predicted: memory per GPU
+(``costs.memory_bytes``) and step time (``costs.step_time``, with each axis's bandwidth chosen by
+where the rank mapper puts its groups). Feasible layouts are ranked by step time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from ..errors import UserError
+from ..model.config import ModelConfig
+from ..parallel.topology import map_ranks
+from .costs import Layout, Precision, memory_bytes, step_time
+from .hardware import Device
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs, their grouping into nodes, and the device type."""
+
+    gpus: int
+    gpus_per_node: int
+    device: Device
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@lru_cache(maxsize=4096)
+def _crossing(gpus: int, gpn: int, tp: int, pp: int) -> tuple[bool, bool, bool]:
+    topo = map_ranks(gpus, tp, pp, gpus_per_node=gpn)
+    return topo.crossing("tp") > 0, topo.crossing("pp") > 0, topo.crossing("dp") > 0
+
+
+def bandwidths(cluster: Cluster, tp: int, pp: int) -> dict[str, float]:
+    """GB/s of each axis: NVLink when the mapper keeps its groups inside nodes, else the network."""
+    dev = cluster.device
+    cross = _crossing(cluster.gpus, min(cluster.gpus_per_node, cluster.gpus), tp, pp)
+    return {ax: dev.inter_gbps if c else dev.intra_gbps for ax, c in zip(("tp", "pp", "dp"), cross)}
+
+
+def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> str | None:
+    """Why (tp, pp) cannot work at all, or None."""
+    if tp > cluster.gpus_per_node:
+        return f"tp {tp} > {cluster.gpus_per_node} GPUs per node: TP groups would cross nodes"
+    if cfg.heads % tp:
+        return f"{cfg.heads} heads not divisible by tp {tp}"
+    if cfg.kv_heads % tp:
+        return f"{cfg.kv_heads} kv heads not divisible by tp {tp}"
+    if cfg.ffn % tp:
+        return f"ffn {cfg.ffn} not divisible by tp {tp}"
+    if pp > cfg.layers:
+        return f"{cfg.layers} layers cannot fill {pp} stages"
+    return None
+
+
+def plan(
+    cfg: ModelConfig,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    vocab: int | None = None,
+    precision: str = "bf16",
+    efficiency: float = 0.5,
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+    activation_model: str = "mt3d",
+    max_rejected: int = 500,
+) -> dict:
+    """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring."""
+    vocab = vocab or cfg.vocab_size
+    if not vocab:
+        raise UserError("the model has no vocabulary size; give --vocab")
+    if cluster.gpus <= 0 or cluster.gpus_per_node <= 0:
+        raise UserError("--gpus and --gpus-per-node must be positive")
+    if cluster.gpus % min(cluster.gpus_per_node, cluster.gpus):
+        raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
+    dev = cluster.device
+    budget = (dev.memory_gb - dev.reserved_gb) * 1e9
+    feasible, rejected = [], []
+    rejected_total = 0
+
+    def reject(row: dict, reason: str) -> None:
+        nonlocal rejected_total
+        rejected_total += 1
+        if len(rejected) < max_rejected:
+            rejected.append({**row, "reason": reason})
+
+    for tp in divisors(cluster.gpus):
+        for pp in divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            base = {"tp": tp, "pp": pp, "dp": dp}
+            why = structural_reason(cfg, cluster, tp, pp)
+            if why:
+                reject(base, why)
+                continue
+            bw = bandwidths(cluster, tp, pp)
+            for b in micro_batches:
+                if global_batch % (b * dp):
+                    reject(
+                        {**base, "micro_batch": b},
+                        f"global batch {global_batch} not divisible by micro {b} x dp {dp}",
+                    )
+                    continue
+                m = global_batch // (b * dp)
+                for zero in zero_stages:
+                    if pp > 1 and zero >= 2:
+                        reject({**base, "micro_batch": b, "zero_stage": zero},
+                               "ZeRO-2/3 unsupported by DeepSpeed's pipeline engine (pp > 1)")  # fmt: skip
+                        continue
+                    if pp > 1 and zero == 0:
+                        reject({**base, "micro_batch": b, "zero_stage": 0},
+                               "ZeRO-0 with pp > 1 hits DeepSpeed 0.19.8 bugs; mt3d uses ZeRO-1")  # fmt: skip
+                        continue
+                    for recompute in (False, True):
+                        for sp in (False, True) if tp > 1 else (False,):
+                            lay = Layout(tp, pp, dp, b, m, zero, recompute, sp)
+                            row = {**asdict(lay)}
+                            mem = memory_bytes(cfg, vocab, seq_len, lay, Precision.of(precision, zero),
+                                               activation_model=activation_model)  # fmt: skip
+                            row["memory_gb"] = mem["total"] / 1e9
+                            if mem["total"] > budget:
+                                reject(
+                                    row, f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB usable"
+                                )
+                                continue
+                            t = step_time(cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops,
+                                          efficiency=efficiency, bw=bw)  # fmt: skip
+                            feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
+    feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
+    return {
+        "model": cfg.name,
+        "params": cfg.num_params(vocab),
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "device": dev.name,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "precision": precision,
+        "efficiency": efficiency,
+        "feasible": feasible,
+        "rejected": rejected,
+        "rejected_total": rejected_total,
+    }
+
+
+def explain_infeasible(result: dict) -> str:
+    """One line on why nothing fits."""
+    mem = [r for r in result["rejected"] if "memory_gb" in r]
+    if mem:
+        best = min(mem, key=lambda r: r["memory_gb"])
+        return (
+            f"no feasible layout: the smallest needs {best['memory_gb']:.1f} GB per GPU "
+            f"(tp {best['tp']} pp {best['pp']} dp {best['dp']}, ZeRO {best['zero_stage']}, "
+            f"recompute {best['recompute']}); use more GPUs, a larger device, or a smaller model/batch"
+        )
+    reasons = sorted({r["reason"] for r in result["rejected"]})[:3]
+    return "no feasible layout: " + "; ".join(reasons)
+
+
+def format_plan(result: dict, top: int = 10) -> str:
+    """Human-readable table of the best layouts and a summary of the rejections."""
+    lines = [
+        f"{result['model']} ({result['params'] / 1e9:.2f}B params) on {result['gpus']} x {result['device']} "
+        f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
+        f"tokens, {result['precision']}, compute efficiency {result['efficiency']:.0%}",
+        "",
+        f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'rc':>3} {'sp':>3} "
+        f"{'mem GB':>8} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  bubble/tp/pp/dp share",
+    ]
+    for r in result["feasible"][:top]:
+        parts = [r[k] / r["step_time_s"] for k in ("bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s")]
+        lines.append(
+            f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch']:>3} {r['grad_accum']:>5} "
+            f"{r['zero_stage']:>4} {'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
+            f"{r['memory_gb']:>8.1f} {r['step_time_s']:>9.3f} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%}  "
+            + "/".join(f"{x:.0%}" for x in parts)
+        )
+    if not result["feasible"]:
+        lines.append(explain_infeasible(result))
+    lines.append("")
+    counts: dict[str, int] = {}
+    for r in result["rejected"]:
+        key = "exceeds the device memory" if r["reason"].startswith("needs ") else r["reason"]
+        counts[key] = counts.get(key, 0) + 1
+    lines.append(f"rejected: {result['rejected_total']} candidates; most common reasons:")
+    for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])[:8]:
+        lines.append(f"  {n:>6}  {reason}")
+    return "\n".join(lines)
+
+
+def write_config(result: dict, path: str, cfg_section: dict) -> dict:
+    """A ds_configs-style JSON for the best layout (DeepSpeed keys + mt3d section)."""
+    if not result["feasible"]:
+        raise UserError(explain_infeasible(result))
+    best = result["feasible"][0]
+    conf = {
+        "train_batch_size": result["global_batch"],
+        "train_micro_batch_size_per_gpu": best["micro_batch"],
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": result["precision"] == "bf16"},
+        "zero_optimization": {"stage": best["zero_stage"]},
+        "wandb": {"enabled": True, "project": "mt3d"},
+        "mt3d": {
+            "model": cfg_section,
+            "parallel": {
+                "tensor": best["tp"],
+                "pipeline": best["pp"],
+                "sequence_parallel": best["sequence_parallel"],
+            },
+            "data": {"corpus": "builtin", "seq_len": result["seq_len"]},
+            "train": {
+                "steps": 1000,
+                "recompute": {"interval": 1 if best["recompute"] else 0},
+                "resume": "auto",
+            },
+        },
+    }
+    with open(path, "w") as f:
+        json.dump(conf, f, indent=2)
+    return conf
