@@ -90,9 +90,11 @@ def plan(
     rejected_total = 0
 
     def reject(row: dict, reason: str) -> None:
+        # Whole (tp, pp) rejections are always kept (few, and the most telling); per-configuration
+        # ones are capped at max_rejected.
         nonlocal rejected_total
         rejected_total += 1
-        if len(rejected) < max_rejected:
+        if len(row) == 3 or len(rejected) < max_rejected:
             rejected.append({**row, "reason": reason})
 
     for tp in divisors(cluster.gpus):

@@ -1,0 +1,106 @@
+"""Planner: closed forms, the MT-NLG plan, impossible requests, the command and its JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mt3d.config import load, resolve_model, validate
+from mt3d.errors import UserError
+from mt3d.planner.costs import Layout, Precision, korthikanti_layer_bytes, memory_bytes, model_state_bytes
+from mt3d.planner.hardware import get_device
+from mt3d.planner.search import Cluster, plan
+from mt3d.presets import get_preset
+
+
+def test_zero_paper_worked_example():
+    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64-way data parallelism
+    bf16 = [Precision.of("bf16", z) for z in range(4)]
+    got = [round(model_state_bytes(7.5e9, 64, z, bf16[z]) / 1e9, 1) for z in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_korthikanti_activation_table():
+    # GPT-3 175B layer, s 2048, b 1, h 12288, a 96, t 8: Korthikanti et al. 2022, Table 2 terms
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    assert korthikanti_layer_bytes(s, b, h, a, 1, False, False) == sbh * (34 + 5 * a * s / h)  # 114 sbh
+    assert korthikanti_layer_bytes(s, b, h, a, t, False, False) == pytest.approx(23 * sbh)  # 10 + 3 + 10
+    assert korthikanti_layer_bytes(s, b, h, a, t, True, False) == pytest.approx(114 / 8 * sbh)
+    assert korthikanti_layer_bytes(s, b, h, a, t, False, True) == 2 * sbh
+    assert korthikanti_layer_bytes(s, b, h, a, t, True, True) == 2 * sbh / t
+
+
+def test_first_stage_holds_p_micro_batches_in_flight():
+    cfg = get_preset("gpt3-175b")
+    prec = Precision.of("bf16", 1)
+    one = memory_bytes(
+        cfg, 50257, 2048, Layout(8, 1, 1, 1, 8, 1, False, True), prec, activation_model="korthikanti"
+    )
+    eight = memory_bytes(
+        cfg, 50257, 2048, Layout(8, 8, 1, 1, 8, 1, False, True), prec, activation_model="korthikanti"
+    )
+    per_layer = korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, False)
+    assert eight["activations"] == pytest.approx(12 * per_layer * 8)  # 96/8 layers x 8 in flight
+    assert one["activations"] > 96 * per_layer  # one micro-batch of all 96 layers, plus the logits
+
+
+def test_mtnlg_530b_plan():
+    result = plan(
+        get_preset("mtnlg-530b"), Cluster(2240, 8, get_device("a100-80gb")), global_batch=1920, seq_len=2048
+    )
+    assert any(r["tp"] == 8 and r["pp"] == 35 for r in result["feasible"])
+    tp16 = [r for r in result["rejected"] if r["tp"] == 16]
+    assert tp16 and all("TP groups would cross nodes" in r["reason"] for r in tp16)
+    best = result["feasible"][0]
+    assert best["tp"] == 8 and 0.2 < best["mfu"] < 0.5
+    assert {"tp", "pp", "dp", "micro_batch", "grad_accum", "zero_stage", "recompute", "sequence_parallel",
+            "memory_gb", "step_time_s", "tflops_per_gpu", "mfu"} <= set(best)  # fmt: skip
+
+
+def test_impossible_requests_say_why():
+    with pytest.raises(UserError, match="not a whole number of 8-GPU nodes"):
+        plan(get_preset("gpt2-small"), Cluster(12, 8, get_device("h100")), global_batch=96, seq_len=1024)
+    result = plan(
+        get_preset("gpt3-175b"), Cluster(8, 8, get_device("a100-80gb")), global_batch=8, seq_len=2048
+    )
+    assert result["feasible"] == []
+    from mt3d.planner.search import explain_infeasible
+
+    assert "no feasible layout: the smallest needs" in explain_infeasible(result)
+    with pytest.raises(UserError, match="unknown GPU type 'v99'"):
+        get_device("v99")
+
+
+def run_plan(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "mt3d", "plan", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_plan_command_json_and_written_config(tmp_path):
+    args = ["--model", "gpt2-small", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h100"]
+    out = run_plan(
+        *args,
+        "--global-batch",
+        "64",
+        "--seq-len",
+        "1024",
+        "--json",
+        "--write-config",
+        str(tmp_path / "c.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["feasible"] and isinstance(res["rejected"], list)
+    times = [r["step_time_s"] for r in res["feasible"]]
+    assert times == sorted(times)
+    run = load(tmp_path / "c.json")
+    layout = validate(run, 16, resolve_model(run.mt3d.model))
+    best = res["feasible"][0]
+    assert (layout.tp, layout.pp, layout.micro_batch) == (best["tp"], best["pp"], best["micro_batch"])
+    bad = run_plan("--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8")
+    assert bad.returncode == 1 and "no feasible layout" in bad.stderr
+    worse = run_plan("--model", "gpt2-smol", "--gpus", "8")
+    assert worse.returncode == 2 and "did you mean gpt2-small" in worse.stderr
