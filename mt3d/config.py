@@ -281,11 +281,12 @@ def resolve_model(section: dict) -> ModelConfig:
             return config_from_hf(src)
         base = section.pop("preset", None)
         if base is not None:
-            cfg = get_preset(base).to_dict()
-            unknown = sorted(set(section) - set(cfg))
-            if unknown:
-                raise ModelConfigError(f"unknown model keys {unknown}")
-            cfg.update(section)
+            from .presets import PRESETS
+
+            get_preset(base)  # a clear error for unknown names
+            # Start from the preset's own fields, not its derived ones: an overridden hidden size
+            # must re-derive ffn / head_dim / kv_heads unless those are given too.
+            cfg = {"name": base, **PRESETS[base], **section}
             return ModelConfig.from_dict(cfg)
         if not section:
             raise ConfigError("mt3d.model is empty: give a preset, from_hf or dimensions")

@@ -173,3 +173,10 @@ def test_shipped_configs_validate(name):
         layout = validate(run, world, resolve_model(run.mt3d.model))
         assert layout.world == world
     assert sorted(p.name for p in (ROOT / "ds_configs").glob("*.json")) == sorted(CONFIG_WORLDS)
+
+
+def test_preset_overrides_rederive_dependent_sizes():
+    cfg = resolve_model({"preset": "tiny", "hidden": 512, "heads": 8})
+    assert (cfg.ffn, cfg.head_dim, cfg.kv_heads) == (2048, 64, 8)
+    llama = resolve_model({"preset": "llama-7b", "hidden": 2048, "heads": 16, "ffn": 5504})
+    assert (llama.ffn, llama.head_dim, llama.name) == (5504, 128, "llama-7b")

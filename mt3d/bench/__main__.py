@@ -15,6 +15,8 @@ BENCHES = {
     "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
     "bubble": "measured pipeline idle fraction per stage vs (p-1)/(m+p-1)",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
+    "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP)",
+    "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute; CPU)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
 }
 
@@ -40,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layers-per-stage", type=int, default=2)
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
     pr.add_argument("--mb", type=float, default=50.0, help="size of the generated jsonl input")
+    c = sub.add_parser("comm", help=BENCHES["comm"])
+    c.add_argument("--tp", default="2,4")
+    c.add_argument("--layers", type=int, default=2)
+    c.add_argument("--hidden", type=int, default=64)
+    c.add_argument("--seq-len", type=int, default=32)
+    c.add_argument("--micro", type=int, default=2)
+    c.add_argument("--accum", type=int, default=2)
+    mem = sub.add_parser("memory", help=BENCHES["memory"])
+    mem.add_argument("--seq-len", type=int, default=256)
+    mem.add_argument("--micro", type=int, default=4)
+    mem.add_argument("--accum", type=int, default=2)
+    mem.add_argument("--layouts", type=int, default=99, help="run only the first N layouts")
     h = sub.add_parser("hfload", help=BENCHES["hfload"])
     h.add_argument("--hidden", type=int, default=2048)
     h.add_argument("--layers", type=int, default=18)

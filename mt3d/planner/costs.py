@@ -134,7 +134,9 @@ def memory_bytes(
         per_layer = mt3d_layer_bytes(cfg, seq_len, lay.micro_batch, t, sp, lay.recompute, e)
         full_layer = mt3d_layer_bytes(cfg, seq_len, lay.micro_batch, t, sp, False, e)
     blocks = math.ceil(cfg.layers / p)
-    working = full_layer if lay.recompute else 0.0  # one block recomputed at a time
+    # recompute: one block's activations are rebuilt at a time, and its backward briefly holds
+    # gradients of the same size (measured on CPU, mt3d.bench memory)
+    working = 2 * full_layer if lay.recompute else 0.0
     logits = seq_len * lay.micro_batch * pad_vocab(vocab, t) / t * (prec.activation + 4)  # + fp32 loss copy
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
     first = blocks * per_layer * min(p, lay.grad_accum) + working

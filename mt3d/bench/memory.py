@@ -1,0 +1,108 @@
+"""``memory``: measured peak memory per rank against the planner's prediction, on CPU.
+
+Each layout trains two steps (fp32, dropout off) of the benchmark model and of a "null" model with
+the same structure but hidden size 16, in separate processes. Memory is resident set size: the
+worker sets glibc's mmap threshold to 64 KiB (freed tensors go back to the OS at once) and reports
+the peak RSS (``ru_maxrss``) above the RSS before the model was built. The null model's peak is
+what the layout costs whatever the model (process groups, DeepSpeed set-up, the CPU backend's
+first-step buffers: about 0.1-0.2 GB here); the difference is what the model costs, and is compared
+with the planner's ``memory_bytes`` for the same difference. Target: within 15 %.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+
+from .common import bench_run_config, build_engine, emit, table
+
+MODEL = dict(preset="tiny", hidden=512, layers=8, heads=8, max_seq_len=256)
+NULL = dict(preset="tiny", hidden=16, layers=8, heads=4, max_seq_len=256)
+BUCKET = 1_000_000  # ZeRO bucket elements, set in both the run and the prediction
+LAYOUTS = [  # tp, pp, dp, zero, recompute, sequence parallel
+    (1, 1, 1, 0, False, False),
+    (1, 1, 2, 1, False, False),
+    (1, 1, 2, 2, False, False),
+    (1, 1, 2, 3, False, False),
+    (2, 1, 1, 0, False, False),
+    (2, 1, 1, 0, False, True),
+    (1, 2, 1, 1, False, False),
+    (2, 2, 1, 1, True, False),
+    (1, 1, 1, 0, True, False),
+]
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum) -> dict:
+    """Train two steps; return peak RSS above the pre-model baseline (bytes)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
+    from ..data.loader import StepBatches
+
+    raw = bench_run_config(model=model, tp=tp, pp=pp, seq_len=seq, micro=micro, global_batch=0, zero=zero,
+                           recompute=1 if recompute else 0, sequence_parallel=sp, vocab=512)  # fmt: skip
+    import torch.distributed as dist
+
+    dp = dist.get_world_size() // (tp * pp)
+    raw["train_batch_size"] = micro * accum * dp
+    buckets = dict(
+        reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET, stage3_prefetch_bucket_size=BUCKET
+    )
+    raw["zero_optimization"].update(buckets, stage3_param_persistence_threshold=0)
+    from ..config import DataConfig
+    from ..data.loader import build_data
+
+    build_data(
+        DataConfig(corpus="synthetic", vocab_size=512, seq_len=seq), 1234
+    )  # corpus cached before baseline
+    base = _rss_kb()
+    _, layout, rt, engine, data, _ = build_engine(raw)
+    for k in range(2):
+        it = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=micro,
+                         grad_accum=layout.grad_accum, dp_rank=rt.state.dp.rank, start_step=k)  # fmt: skip
+        if layout.zero_stage >= 2:  # the regular engine: micro-batches by hand
+            for _ in range(layout.grad_accum):
+                x, y = next(it)
+                engine.backward(engine(x, y))
+                engine.step()
+        else:
+            engine.train_batch(data_iter=it)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"measured": (peak - base) * 1024, "stage": rt.state.pp.rank}
+
+
+def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum) -> dict:
+    """The planner's bytes (by component) for the heaviest stage of this layout."""
+    from ..model.config import ModelConfig
+    from ..planner.costs import Layout, Precision, memory_bytes
+
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k != "preset"}, vocab_size=512)
+    lay = Layout(tp, pp, dp, micro, accum, zero, recompute, sp)
+    return memory_bytes(cfg, 512, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET)
+
+
+def run(args) -> dict:
+    """Entry from ``python -m mt3d.bench memory``."""
+    from ..parallel.spawn import spawn
+
+    rows = []
+    for tp, pp, dp, zero, rc, sp in LAYOUTS[: args.layouts]:
+        common = (tp, pp, zero, rc, sp, args.seq_len, args.micro, args.accum)
+        full = max(r["measured"] for r in spawn(worker, tp * pp * dp, MODEL, *common, timeout=900))
+        null = max(r["measured"] for r in spawn(worker, tp * pp * dp, NULL, *common, timeout=900))
+        shape = (tp, pp, dp, zero, rc, sp, args.seq_len, args.micro, args.accum)
+        pred = predict(MODEL, *shape)["total"] - predict(NULL, *shape)["total"]
+        rows.append({"tp": tp, "pp": pp, "dp": dp, "zero": zero, "recompute": rc, "sp": sp,
+                     "peak_mb": full / 1e6, "fixed_mb": null / 1e6, "measured_mb": (full - null) / 1e6,
+                     "predicted_mb": pred / 1e6, "ratio": (full - null) / pred})  # fmt: skip
+    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
+    print(
+        f"peak memory of the heaviest rank, fp32, CPU: {within}/{len(rows)} layouts within 15% of the planner"
+    )
+    print(table(rows, ["tp", "pp", "dp", "zero", "recompute", "sp", "peak_mb", "fixed_mb", "measured_mb",
+                       "predicted_mb", "ratio"]))  # fmt: skip
+    return emit("memory", {"rows": rows, "within_15pct": within, "model": MODEL, "seq_len": args.seq_len})
