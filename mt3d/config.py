@@ -121,6 +121,8 @@ class TrainConfig:
     The WANDB_MODE environment variable wins when set."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    compile: bool = False
+    """torch.compile each transformer block (fuses elementwise work on GPUs; first steps are slower)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ BENCHES = {
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
     "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP)",
     "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute; CPU)",
+    "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
 }
 
@@ -54,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--micro", type=int, default=4)
     mem.add_argument("--accum", type=int, default=2)
     mem.add_argument("--layouts", type=int, default=99, help="run only the first N layouts")
+    gp = sub.add_parser("gpu", help=BENCHES["gpu"])
+    gp.add_argument("--seq-len", type=int, default=2048)
+    gp.add_argument("--micro", type=int, default=8)
+    gp.add_argument("--accum", type=int, default=1)
+    gp.add_argument("--steps", type=int, default=10)
+    gp.add_argument("--warmup", type=int, default=3)
+    gp.add_argument("--compile", action="store_true", help="also measure mt3d with compiled blocks")
+    gp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of the code path)")
     h = sub.add_parser("hfload", help=BENCHES["hfload"])
     h.add_argument("--hidden", type=int, default=2048)
     h.add_argument("--layers", type=int, default=18)

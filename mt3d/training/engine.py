@@ -96,6 +96,12 @@ def build_model(
         )
     else:
         model = StackedModel(specs, loss_fn=loss_fn, recompute_interval=rec.interval, ckpt=ckpt).to(rt.device)
+    if run.mt3d.train.compile:
+        from ..model.blocks import TransformerBlock
+
+        for m in model.modules():
+            if isinstance(m, TransformerBlock):
+                m.compile()
     # saved with every checkpoint: lets DeepSpeed's universal format reshard it later
     model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size)
     return model

@@ -1,0 +1,285 @@
+"""``gpu``: single-GPU training throughput and MFU, beside transformers + DeepSpeed and the matmul peak.
+
+For gpt3-1.3b and llama-1b in bf16 at sequence 2048 on one GPU: mt3d (the pipeline engine at
+tp = pp = dp = 1, optionally with compiled blocks) and ``transformers`` (GPT2LMHeadModel /
+LlamaForCausalLM of the same shape, SDPA attention) under ``deepspeed.initialize``, both with
+DeepSpeed bf16, ZeRO-1 and torch's fused AdamW, the same micro-batch and random tokens. Reported:
+tokens/s, model TFLOP/s (FORMULAS.md, identical counting for both), MFU against the dense bf16
+peak of the device (989 TFLOP/s on H100/H200) and against the bf16 matmul peak measured in the
+same run. ``--smoke`` runs the same code on the CPU with tiny shapes (tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .common import emit, table
+
+MODELS = {
+    "gpt3-1.3b": {"preset": "gpt3-1.3b"},
+    "llama-1b": {"preset": "llama-1b"},
+}
+SMOKE = {
+    "gpt3-1.3b": {"preset": "gpt3-1.3b", "hidden": 64, "layers": 2, "heads": 4, "vocab_size": 512},
+    "llama-1b": {
+        "preset": "llama-1b",
+        "hidden": 64,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "ffn": 128,
+        "vocab_size": 512,
+    },
+}
+
+
+def matmul_peak(device: str, n: int, reps: int) -> float:
+    """Measured TFLOP/s of an n x n x n matmul (bf16 on GPU, fp32 on CPU), mean of ``reps`` after warm-up."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class RandomTokens:
+    """Uniform random samples of seq_len + 1 tokens (throughput does not depend on the text)."""
+
+    def __init__(self, vocab: int, seq_len: int) -> None:
+        self.vocab, self.seq_len = vocab, seq_len
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(int(i))
+        return torch.randint(0, self.vocab, (self.seq_len + 1,), generator=g).numpy()
+
+
+def _ds_config(micro: int, accum: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-4,
+                "betas": [0.9, 0.95],
+                "weight_decay": 0.1,
+                "torch_adam": True,
+                "fused": torch.cuda.is_available(),
+            },
+        },
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
+
+
+def _time_steps(step, steps: int, warmup: int, device: str) -> float:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int, compile_blocks: bool):
+    """Seconds per step of mt3d at tp = pp = dp = 1 (inside a one-rank process group)."""
+    from ..config import from_dict, resolve_model, validate
+    from ..data.loader import StepBatches
+    from ..training.engine import build_model, initialize
+    from ..training.runtime import setup
+
+    raw = {
+        **_ds_config(micro, accum),
+        "mt3d": {
+            "model": model,
+            "data": {"seq_len": seq, "corpus": "synthetic"},
+            "train": {"compile": compile_blocks},
+        },
+    }
+    run = from_dict(raw)
+    cfg = resolve_model(run.mt3d.model)
+    layout = validate(run, 1, cfg)
+    rt = setup(run)
+    engine = initialize(run, layout, rt, build_model(run, layout, rt, cfg, cfg.vocab_size))
+    data = RandomTokens(cfg.vocab_size, seq)
+    k = iter(range(10**9))
+
+    def step():
+        it = StepBatches(
+            data,
+            global_batch=micro * accum,
+            micro_batch=micro,
+            grad_accum=accum,
+            dp_rank=0,
+            start_step=next(k),
+            device=rt.device,
+        )
+        engine.train_batch(data_iter=it)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    seconds = _time_steps(step, steps, warmup, dev)
+    mem = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
+    return {
+        "seconds": seconds,
+        "flops_per_token": cfg.flops_per_token(seq, cfg.vocab_size),
+        "peak_mem_gb": mem,
+        "params": cfg.num_params(),
+    }
+
+
+def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int):
+    """Seconds per step of the same architecture in transformers under deepspeed.initialize."""
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from ..config import resolve_model
+
+    cfg = resolve_model(model)
+    if cfg.mlp == "gelu":
+        hf = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=cfg.vocab_size,
+                n_positions=cfg.max_seq_len,
+                n_embd=cfg.hidden,
+                n_layer=cfg.layers,
+                n_head=cfg.heads,
+                n_inner=cfg.ffn,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                attn_implementation="sdpa",
+            )
+        )
+    else:
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.hidden,
+                intermediate_size=cfg.ffn,
+                num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.heads,
+                num_key_value_heads=cfg.kv_heads,
+                max_position_embeddings=cfg.max_seq_len,
+                tie_word_embeddings=False,
+                attn_implementation="sdpa",
+            )
+        )
+    engine, _, _, _ = deepspeed.initialize(
+        model=hf, model_parameters=hf.parameters(), config=_ds_config(micro, accum)
+    )
+    data = RandomTokens(cfg.vocab_size, seq)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    k = iter(range(10**9))
+
+    def step():
+        for _ in range(accum):
+            i = next(k)
+            x = torch.stack([torch.from_numpy(data[i * micro + j][:-1]) for j in range(micro)]).to(
+                engine.device
+            )
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+
+    seconds = _time_steps(step, steps, warmup, dev)
+    mem = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
+    return {"seconds": seconds, "peak_mem_gb": mem}
+
+
+def run(args) -> dict:
+    """Entry from ``python -m mt3d.bench gpu``."""
+    from ..parallel.spawn import spawn
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("no GPU here: run with --smoke for the CPU check of this benchmark")
+        return emit("gpu", {"skipped": "no GPU"})
+    smoke = args.smoke or not cuda
+    device = "cuda" if cuda else "cpu"
+    models = SMOKE if smoke else MODELS
+    seq = 32 if smoke else args.seq_len
+    micro, accum = (2, 1) if smoke else (args.micro, args.accum)
+    steps, warmup = (2, 1) if smoke else (args.steps, args.warmup)
+    measured_peak = matmul_peak(device, 256 if smoke else 8192, 3 if smoke else 10)
+    from ..training.metrics import device_peak_tflops
+
+    dense_peak, source = device_peak_tflops(None) if cuda else (measured_peak, "measured CPU fp32 matmul")
+    rows = []
+    for name, model in models.items():
+        variants = [("mt3d", False)] + ([("mt3d+compile", True)] if args.compile and not smoke else [])
+        results = {}
+        for label, comp in variants:
+            results[label] = spawn(
+                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, timeout=1500
+            )[0]
+        results["transformers+deepspeed"] = spawn(
+            hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
+        )[0]
+        fpt = results["mt3d"]["flops_per_token"]
+        tokens = micro * accum * seq
+        hf_tps = tokens / results["transformers+deepspeed"]["seconds"]
+        for label, res in results.items():
+            tps = tokens / res["seconds"]
+            tflops = fpt * tps / 1e12
+            rows.append(
+                {
+                    "model": name,
+                    "framework": label,
+                    "tokens_per_s": tps,
+                    "tflops": tflops,
+                    "mfu_dense": tflops / dense_peak,
+                    "of_measured_peak": tflops / measured_peak,
+                    "vs_transformers": tps / hf_tps,
+                    "peak_mem_gb": res.get("peak_mem_gb"),
+                }
+            )
+    gpu = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
+    print(
+        f"{gpu}: dense peak {dense_peak:.0f} TFLOP/s ({source}), measured matmul peak "
+        f"{measured_peak:.0f} TFLOP/s; seq {seq}, micro {micro} x accum {accum}"
+    )
+    print(
+        table(
+            rows,
+            [
+                "model",
+                "framework",
+                "tokens_per_s",
+                "tflops",
+                "mfu_dense",
+                "of_measured_peak",
+                "vs_transformers",
+                "peak_mem_gb",
+            ],
+        )
+    )
+    return emit(
+        "gpu",
+        {
+            "device": gpu,
+            "dense_peak": dense_peak,
+            "measured_peak": measured_peak,
+            "seq_len": seq,
+            "micro": micro,
+            "accum": accum,
+            "rows": rows,
+            "smoke": smoke,
+        },
+    )
