@@ -118,7 +118,11 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
     cfg = resolve_model(run.mt3d.model)
     layout = validate(run, 1, cfg)
     rt = setup(run)
-    engine = initialize(run, layout, rt, build_model(run, layout, rt, cfg, cfg.vocab_size))
+    model = build_model(run, layout, rt, cfg, cfg.vocab_size, skip_init=True)
+    with torch.no_grad():  # random weights drawn on the device: the CPU init of 1B weights takes minutes
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    engine = initialize(run, layout, rt, model)
     data = RandomTokens(cfg.vocab_size, seq)
     k = iter(range(10**9))
 
@@ -153,6 +157,8 @@ def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: i
     from ..config import resolve_model
 
     cfg = resolve_model(model)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_default_device(dev)  # built (and initialised) on the device
     if cfg.mlp == "gelu":
         hf = GPT2LMHeadModel(
             GPT2Config(
