@@ -188,11 +188,11 @@ def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: i
                 attn_implementation="sdpa",
             )
         )
+    torch.set_default_device("cpu")
     engine, _, _, _ = deepspeed.initialize(
         model=hf, model_parameters=hf.parameters(), config=_ds_config(micro, accum)
     )
     data = RandomTokens(cfg.vocab_size, seq)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     k = iter(range(10**9))
 
     def step():
