@@ -13,6 +13,7 @@ import pytest
 
 from mt3d.checkpoint.manager import complete_checkpoints, rotate
 from mt3d.checkpoint.manifest import CheckpointError, describe_files, write_manifest
+from mt3d.config import from_dict, resolve_model, validate
 from mt3d.parallel.spawn import WorkerError, free_port, spawn
 
 from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_rc_worker, train_worker
@@ -278,3 +279,17 @@ def test_deepspeed_workarounds_are_still_needed():
     assert "weights_only=False" in src, "DeepSpeed loads safely now: mt3d.checkpoint.safe may be simplified"
     save = inspect.getsource(DeepSpeedEngine.save_checkpoint)
     assert "_create_checkpoint_file" in save or "latest" in save, "re-check mt3d's own 'latest' handling"
+
+
+def test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes(monkeypatch):
+    """mt3d defaults Adam/AdamW to torch's implementation because of this; see training/engine.py."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        FusedAdamBuilder().compute_capability_args()
+    from mt3d.training.engine import deepspeed_config
+
+    run = from_dict(tiny_config("/tmp/x"))
+    ds = deepspeed_config(run, validate(run, 1, resolve_model(run.mt3d.model)), on_cpu=False)
+    assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True

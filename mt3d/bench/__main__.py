@@ -18,6 +18,7 @@ BENCHES = {
     "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP)",
     "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute; CPU)",
     "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
+    "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
 }
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("--warmup", type=int, default=3)
     gp.add_argument("--compile", action="store_true", help="also measure mt3d with compiled blocks")
     gp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of the code path)")
+    ck = sub.add_parser("checkpoint", help=BENCHES["checkpoint"])
+    ck.add_argument("--sizes", default="tiny,100m", help="tiny, 100m, 1b (1b needs ~20 GB of memory)")
+    ck.add_argument("--dir", default="/tmp", help="where to write (the disk being measured)")
     h = sub.add_parser("hfload", help=BENCHES["hfload"])
     h.add_argument("--hidden", type=int, default=2048)
     h.add_argument("--layers", type=int, default=18)

@@ -102,8 +102,12 @@ def bench_run_config(
     return raw
 
 
-def build_engine(raw: dict):
-    """Inside an initialised process group: (run, layout, runtime, engine, data, model config)."""
+def build_engine(raw: dict, fast_init: bool = False):
+    """Inside an initialised process group: (run, layout, runtime, engine, data, model config).
+
+    ``fast_init`` draws the weights with one ``normal_`` per tensor on the model's device instead of
+    mt3d's layout-independent CPU init (minutes for 1B parameters; benchmarks do not need it).
+    """
     import torch.distributed as dist
 
     from ..config import from_dict, resolve_model, validate
@@ -118,6 +122,12 @@ def build_engine(raw: dict):
     data = build_data(run.mt3d.data, run.mt3d.train.seed)
     if cfg.vocab_size is None:
         cfg.vocab_size = data.tokenizer.vocab_size
-    model = build_model(run, layout, rt, cfg, cfg.vocab_size)
+    model = build_model(run, layout, rt, cfg, cfg.vocab_size, skip_init=fast_init)
+    if fast_init:
+        import torch
+
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
     engine = initialize(run, layout, rt, model)
     return run, layout, rt, engine, data, cfg

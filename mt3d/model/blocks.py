@@ -173,6 +173,16 @@ class Attention(nn.Module):
             device=ctx.device,
         )
 
+    def _rope(self, past: int, s: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Training sees the same (length, device, dtype) every step: build the tables once rather
+        # than on the host in every layer of every micro-batch (a host-device copy each time).
+        key = (past, s, like.device, like.dtype)
+        if getattr(self, "_rope_key", None) != key:
+            pos = torch.arange(past, past + s, device=like.device)
+            self._rope_tables = rope_cos_sin(self.cfg, pos, past + s, like.dtype)
+            self._rope_key = key
+        return self._rope_tables
+
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
         qkv = self.qkv(x)
@@ -184,8 +194,7 @@ class Attention(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         past = cache.length if cache is not None else 0
         if self.cfg.position == "rope":
-            pos = torch.arange(past, past + s, device=x.device)
-            cos, sin = rope_cos_sin(self.cfg, pos, past + s, q.dtype)
+            cos, sin = self._rope(past, s, q)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         if cache is not None:

@@ -36,14 +36,20 @@ def deepspeed_config(run: RunConfig, layout: Layout, on_cpu: bool) -> dict:
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
     opt = ds.get("optimizer")
-    if on_cpu and isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
         offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in (
             "cpu",
             "nvme",
         )
-        if not offload:
-            # Without it DeepSpeed JIT-compiles a fused Adam for the CPU; torch's AdamW is the same math.
-            opt.setdefault("params", {}).setdefault("torch_adam", True)
+        params = opt.setdefault("params", {})
+        if not offload and "torch_adam" not in params:
+            # DeepSpeed's FusedAdam is JIT-compiled on first use: ~30 s on a CPU, and on GPUs whose
+            # TORCH_CUDA_ARCH_LIST names an arch-specific target such as "9.0a" (Hopper images) the
+            # 0.19.8 builder fails parsing it (ValueError: invalid literal for int(): '0a'). torch's
+            # AdamW is the same update, and its fused CUDA kernel is as fast.
+            params["torch_adam"] = True
+            if not on_cpu:
+                params.setdefault("fused", True)
     return ds
 
 
