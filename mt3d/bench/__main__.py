@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("--steps", type=int, default=10)
     gp.add_argument("--warmup", type=int, default=3)
     gp.add_argument("--compile", action="store_true", help="also measure mt3d with compiled blocks")
+    gp.add_argument("--compile-only", action="store_true", help="measure mt3d only with compiled blocks")
     gp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of the code path)")
     ck = sub.add_parser("checkpoint", help=BENCHES["checkpoint"])
     ck.add_argument("--sizes", default="tiny,100m", help="tiny, 100m, 1b (1b needs ~20 GB of memory)")

@@ -238,7 +238,7 @@ def run(args) -> dict:
         results["transformers+deepspeed"] = spawn(
             hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
         )[0]
-        fpt = results["mt3d"]["flops_per_token"]
+        fpt = next(iter(results.values()))["flops_per_token"]
         tokens = micro * accum * seq
         hf_tps = tokens / results["transformers+deepspeed"]["seconds"]
         for label, res in results.items():
