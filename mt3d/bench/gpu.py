@@ -230,6 +230,8 @@ def run(args) -> dict:
     rows = []
     for name, model in models.items():
         variants = [("mt3d", False)] + ([("mt3d+compile", True)] if args.compile and not smoke else [])
+        if getattr(args, "compile_only", False) and not smoke:
+            variants = [("mt3d+compile", True)]
         results = {}
         for label, comp in variants:
             results[label] = spawn(
