@@ -143,8 +143,21 @@ def _encoded_batches(
     batches: Iterator[list[str]], tok: Tokenizer, workers: int
 ) -> Iterator[list[np.ndarray]]:
     if workers <= 1:
-        for b in batches:
-            yield [np.asarray(ids, dtype=np.uint32) for ids in tok.encode_batch(b)]
+        # One encoding thread: the Rust tokenizer releases the GIL, so reading and parsing the
+        # next batch here overlaps with encoding the current one (a bounded window of 2 batches).
+        from concurrent.futures import ThreadPoolExecutor
+
+        def encode(b: list[str]) -> list[np.ndarray]:
+            return [np.asarray(ids, dtype=np.uint32) for ids in tok.encode_batch(b)]
+
+        with ThreadPoolExecutor(1) as pool:
+            pending: collections.deque = collections.deque()
+            for b in batches:
+                pending.append(pool.submit(encode, b))
+                if len(pending) >= 2:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
         return
     import multiprocessing as mp
 
@@ -171,7 +184,7 @@ def preprocess(
     jsonl_key: str = "text",
     on_bad_line: str = "fail",
     dtype: str = "auto",
-    batch_docs: int = 256,
+    batch_docs: int = 1024,
     progress: bool = True,
 ) -> Stats:
     """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns what was done."""

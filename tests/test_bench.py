@@ -1,0 +1,44 @@
+"""Benchmarks that run in the suite: the GPU benchmark's CPU smoke mode and the collective count."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mt3d.bench.report import render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args, timeout=600):
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d.bench", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [json.loads(line[6:]) for line in out.stdout.splitlines() if line.startswith("BENCH ")]
+    assert len(lines) == 1
+    return lines[0], out.stdout
+
+
+def test_gpu_benchmark_smoke_mode_on_cpu():
+    rec, text = bench("gpu", "--smoke")
+    frameworks = sorted((r["model"], r["framework"]) for r in rec["rows"])
+    assert frameworks == sorted(
+        (m, f) for m in ("gpt3-1.3b", "llama-1b") for f in ("mt3d", "transformers+deepspeed")
+    )
+    assert all(r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in rec["rows"])
+    assert rec["smoke"] is True and "vs_transformers" in text
+    assert "| gpt3-1.3b | mt3d |" in render([rec])
+
+
+def test_comm_benchmark_matches_megatron_theory():
+    rec, _ = bench("comm", "--tp", "2")
+    assert [(r["tp"], r["sp"]) for r in rec["rows"]] == [(2, False), (2, True)]
+    for r in rec["rows"]:
+        assert r["ratio"] == 1.0, r  # no collective beyond 8*b*s*h*(t-1)/t per layer
+    plain, sp = rec["rows"]
+    assert plain["per_layer"] == {"all_reducex4096": 4.0}  # 2 forward + 2 backward
+    calls = lambda prefix: sum(
+        n for k, n in sp["per_layer"].items() if k.startswith(prefix) and k.endswith("x4096")
+    )  # noqa: E731
+    assert calls("all_gather") == 4.0 and calls("reduce_scatter") == 4.0
