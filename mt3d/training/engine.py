@@ -124,4 +124,8 @@ def initialize(run: RunConfig, layout: Layout, rt: Runtime, model: torch.nn.Modu
         config=ds,
         mpu=None if uses_pipeline_engine(layout) else rt.state,
     )
+    if uses_pipeline_engine(layout) and layout.dp == 1 and layout.zero_stage == 0:
+        # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
+        # gradient each step even over a one-rank data-parallel group: exact no-op work, skipped.
+        engine.pipeline_enable_backward_allreduce = False
     return engine
