@@ -293,3 +293,14 @@ def test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes(monkeypatch)
     run = from_dict(tiny_config("/tmp/x"))
     ds = deepspeed_config(run, validate(run, 1, resolve_model(run.mt3d.model)), on_cpu=False)
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True
+
+
+def test_nan_steps_are_skipped_without_zero_too(tmp_path):
+    """fp32 without ZeRO: DeepSpeed would apply NaN gradients; mt3d's guard skips the step."""
+    raw = tiny_config(tmp_path / "z0", tp=2, steps=4, zero=0)
+    results = spawn(train_rc_worker, 2, raw, env={"MT3D_FAULTS": "nan_grad@2:1"})
+    assert [rc for rc, _ in results] == [0, 0]
+    records = step_records(results[0][1])
+    assert [r["skipped"] for r in records] == [0, 1, 1, 1] and records[1]["grad_norm"] is None
+    assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in records if r["step"] != 2)
+    assert records[-1]["loss"] < records[0]["loss"] * 1.01  # the weights were not poisoned

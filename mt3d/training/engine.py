@@ -113,6 +113,37 @@ def build_model(
     return model
 
 
+def guard_fp32_without_zero(engine) -> None:
+    """Give DeepSpeed's fp32 path without ZeRO what its ZeRO optimizers already do.
+
+    There DeepSpeed clips with a norm it does not keep (``get_global_grad_norm()`` is None) and
+    applies non-finite gradients. mt3d computes the same TP/pipeline-aware norm with DeepSpeed's own
+    ``clip_grad_norm_`` before the optimizer step, records it, and on a non-finite norm skips the
+    step by setting the ``overflow`` flag DeepSpeed's engine already honours (counted in
+    ``skipped_steps``, no scheduler step). Only used with pipeline = 1 (ZeRO-0 with pp > 1 is refused).
+    """
+    import math
+
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    opt = engine.optimizer
+    inner_step = opt.step
+    engine.clip_fp32_gradients = lambda: None  # replaced by the clipping below
+
+    def step(*args, **kwargs):
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        max_norm = engine.gradient_clipping() or float("inf")
+        norm = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
+        engine._global_grad_norm = norm
+        opt.overflow = not math.isfinite(norm)
+        if opt.overflow:
+            opt.zero_grad(set_to_none=True)
+            return None
+        return inner_step(*args, **kwargs)
+
+    opt.step = step
+
+
 def initialize(run: RunConfig, layout: Layout, rt: Runtime, model: torch.nn.Module):
     """``deepspeed.initialize`` with mt3d's parameter groups; returns the engine."""
     import deepspeed
@@ -124,6 +155,9 @@ def initialize(run: RunConfig, layout: Layout, rt: Runtime, model: torch.nn.Modu
         config=ds,
         mpu=None if uses_pipeline_engine(layout) else rt.state,
     )
+    precision16 = (ds.get("bf16") or {}).get("enabled") or (ds.get("fp16") or {}).get("enabled")
+    if layout.zero_stage == 0 and not precision16:
+        guard_fp32_without_zero(engine)
     if uses_pipeline_engine(layout) and layout.dp == 1 and layout.zero_stage == 0:
         # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
         # gradient each step even over a one-rank data-parallel group: exact no-op work, skipped.
