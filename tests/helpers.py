@@ -39,20 +39,11 @@ def train_worker(raw):
     """Train ``raw`` (a config dict) on the spawned ranks; rank 0 returns metrics.jsonl's records."""
     import torch.distributed as dist
 
-    from mt3d.config import from_dict, resolve_model, validate
-    from mt3d.training.metrics import read_metrics
-    from mt3d.training.session import run_training
-
-    run = from_dict(copy.deepcopy(raw))
-    cfg = resolve_model(run.mt3d.model)
-    layout = validate(run, dist.get_world_size(), cfg)
     rank = dist.get_rank()
-    rc = run_training(run, layout, cfg)
+    rc, records = train_rc_worker(raw)
     if rc != 0:
         raise RuntimeError(f"run_training returned {rc} on rank {rank}")
-    if rank == 0:
-        return read_metrics(os.path.join(run.mt3d.train.save_dir, "metrics.jsonl"))
-    return None
+    return records
 
 
 def step_records(records):

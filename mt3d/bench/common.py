@@ -131,3 +131,17 @@ def build_engine(raw: dict, fast_init: bool = False):
                 p.normal_(0.0, 0.02)
     engine = initialize(run, layout, rt, model)
     return run, layout, rt, engine, data, cfg
+
+
+def hf_twin(cfg, vocab: int | None = None):
+    """The transformers model (GPT2LMHeadModel / LlamaForCausalLM, SDPA attention) with the same shape
+    as ``cfg``, from the same config mapping ``mt3d export-hf`` writes; built on the default device."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..model.hf import hf_config_dict
+
+    d = hf_config_dict(replace(cfg, extra={}), vocab or cfg.vocab_size, None)
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

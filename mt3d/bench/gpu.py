@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .common import emit, table
+from .common import emit, hf_twin, table
 
 MODELS = {
     "gpt3-1.3b": {"preset": "gpt3-1.3b"},
@@ -152,42 +152,13 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
 def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int):
     """Seconds per step of the same architecture in transformers under deepspeed.initialize."""
     import deepspeed
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from ..config import resolve_model
 
     cfg = resolve_model(model)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_default_device(dev)  # built (and initialised) on the device
-    if cfg.mlp == "gelu":
-        hf = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=cfg.vocab_size,
-                n_positions=cfg.max_seq_len,
-                n_embd=cfg.hidden,
-                n_layer=cfg.layers,
-                n_head=cfg.heads,
-                n_inner=cfg.ffn,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                attn_implementation="sdpa",
-            )
-        )
-    else:
-        hf = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=cfg.vocab_size,
-                hidden_size=cfg.hidden,
-                intermediate_size=cfg.ffn,
-                num_hidden_layers=cfg.layers,
-                num_attention_heads=cfg.heads,
-                num_key_value_heads=cfg.kv_heads,
-                max_position_embeddings=cfg.max_seq_len,
-                tie_word_embeddings=False,
-                attn_implementation="sdpa",
-            )
-        )
+    hf = hf_twin(cfg)
     torch.set_default_device("cpu")
     engine, _, _, _ = deepspeed.initialize(
         model=hf, model_parameters=hf.parameters(), config=_ds_config(micro, accum)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .common import bench_run_config, build_engine, emit, table
+from .common import bench_run_config, build_engine, emit, hf_twin, table
 
 SIZES = {
     "tiny": dict(preset="tiny", hidden=64, layers=4, heads=4, max_seq_len=128),
@@ -51,22 +51,8 @@ def _plain_loop(cfg, vocab, batches, grad_accum):
 
 def _hf_deepspeed(cfg, vocab, batches, grad_accum, micro, seq_len):
     import deepspeed
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=vocab,
-            n_positions=cfg.max_seq_len,
-            n_embd=cfg.hidden,
-            n_layer=cfg.layers,
-            n_head=cfg.heads,
-            n_inner=cfg.ffn,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            attn_implementation="sdpa",
-        )
-    )
+    hf = hf_twin(cfg, vocab)
     ds = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": grad_accum,
