@@ -58,7 +58,8 @@ class SafeCheckpointEngine:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def load(self, path, map_location=None):  # noqa: D102 - DeepSpeed's CheckpointEngine API
+    def load(self, path, map_location=None):
+        """DeepSpeed's CheckpointEngine.load, through the allow-list."""
         return safe_torch_load(path, map_location=map_location or "cpu")
 
 

@@ -212,7 +212,8 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
-    def extra_repr(self) -> str:  # noqa: D102
+    def extra_repr(self) -> str:
+        """Sizes and split shown by print(module)."""
         return (
             f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
         )
@@ -265,7 +266,8 @@ class RowParallelLinear(nn.Module):
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 
-    def extra_repr(self) -> str:  # noqa: D102
+    def extra_repr(self) -> str:
+        """Sizes and split shown by print(module)."""
         return (
             f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
         )
@@ -330,6 +332,7 @@ class VocabParallelEmbedding(nn.Module):
             else reduce_from_tp(out, self.tp)
         )
 
-    def extra_repr(self) -> str:  # noqa: D102
+    def extra_repr(self) -> str:
+        """Sizes and split shown by print(module)."""
         v = f"vocab={self.vocab_size} (padded {self.padded_vocab_size})"
         return f"{v}, hidden={self.hidden}, tp={self.tp.size}"

@@ -117,53 +117,68 @@ class ParallelState:
         )
 
     # --- DeepSpeed mpu contract ------------------------------------------------------------
-    def get_global_rank(self) -> int:  # noqa: D102
+    def get_global_rank(self) -> int:
+        """This process's global rank."""
         return self.global_rank
 
-    def get_data_parallel_rank(self) -> int:  # noqa: D102
+    def get_data_parallel_rank(self) -> int:
+        """Position in the data-parallel group."""
         return self.dp.rank
 
-    def get_data_parallel_world_size(self) -> int:  # noqa: D102
+    def get_data_parallel_world_size(self) -> int:
+        """Data-parallel degree dp."""
         return self.dp.size
 
-    def get_data_parallel_group(self):  # noqa: D102
+    def get_data_parallel_group(self):
+        """The data-parallel process group."""
         return self.dp.group
 
-    def get_data_parallel_group_ranks(self) -> list[int]:  # noqa: D102
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        """Global ranks of the data-parallel group."""
         return list(self.dp.ranks)
 
-    def get_model_parallel_rank(self) -> int:  # noqa: D102
+    def get_model_parallel_rank(self) -> int:
+        """Position in the pipe x tensor group (one model replica; DeepSpeed's meaning)."""
         return self.model.rank
 
-    def get_model_parallel_world_size(self) -> int:  # noqa: D102
+    def get_model_parallel_world_size(self) -> int:
+        """Ranks holding one model replica (pp * tp)."""
         return self.model.size
 
-    def get_model_parallel_group(self):  # noqa: D102
+    def get_model_parallel_group(self):
+        """The pipe x tensor group DeepSpeed sums gradient norms over."""
         return self.model.group
 
-    def get_tensor_model_parallel_rank(self) -> int:  # noqa: D102
+    def get_tensor_model_parallel_rank(self) -> int:
+        """Position in the tensor-parallel group."""
         return self.tp.rank
 
-    def get_tensor_model_parallel_world_size(self) -> int:  # noqa: D102
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """Tensor-parallel degree tp."""
         return self.tp.size
 
-    def get_tensor_model_parallel_group(self):  # noqa: D102
+    def get_tensor_model_parallel_group(self):
+        """The tensor-parallel process group (missing from DeepSpeed's own grid)."""
         return self.tp.group
 
-    def get_tensor_model_parallel_src_rank(self) -> int:  # noqa: D102
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 of this group."""
         return self.tp.ranks[0]
 
     get_slice_parallel_rank = get_tensor_model_parallel_rank
     get_slice_parallel_world_size = get_tensor_model_parallel_world_size
     get_slice_parallel_group = get_tensor_model_parallel_group
 
-    def get_pipe_parallel_rank(self) -> int:  # noqa: D102
+    def get_pipe_parallel_rank(self) -> int:
+        """Pipeline stage of this rank."""
         return self.pp.rank
 
-    def get_pipe_parallel_world_size(self) -> int:  # noqa: D102
+    def get_pipe_parallel_world_size(self) -> int:
+        """Pipeline stages pp."""
         return self.pp.size
 
-    def get_pipe_parallel_group(self):  # noqa: D102
+    def get_pipe_parallel_group(self):
+        """The pipeline process group (one rank per stage)."""
         return self.pp.group
 
     get_pipeline_model_parallel_rank = get_pipe_parallel_rank

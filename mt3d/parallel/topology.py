@@ -179,7 +179,8 @@ class MappedTopology(ProcessTopology):
             self._host_of.extend([hi] * h.slots)
 
     # DeepSpeed's get_coord scans the whole mapping per call; this is the same answer in O(1).
-    def get_coord(self, rank):  # noqa: D102 - DeepSpeed API
+    def get_coord(self, rank):
+        """The ProcessCoord of ``rank`` (DeepSpeed's API, by dictionary lookup)."""
         try:
             return self._coord_of[rank]
         except KeyError:
