@@ -7,9 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from .errors import UserError
-
-EXIT_BAD_INPUT = 2
+from .errors import EXIT_BAD_INPUT, UserError
 
 
 class UsageError(UserError):
@@ -602,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
     except KNOWN_ERRORS as e:
         print(f"mt3d {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `mt3d topo ... | head`: the reader left, nothing is wrong
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ class TrainConfig:
     eval_interval: int = 0
     """Evaluate on the validation split every this many steps (0: only at the end)."""
     eval_batches: int = 4
-    """Global batches per evaluation."""
+    """Global batches per evaluation (0: no evaluation)."""
     save_interval: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     save_dir: str = "runs/default"
@@ -373,6 +373,64 @@ def fp16_supported() -> bool:
         return False
 
 
+def _check_mapping(par: ParallelConfig, world_size: int) -> None:
+    """The rank-mapping keys (order, islands, hostfile) parse, and a hostfile's hosts fit the world."""
+    from .parallel.topology import TopologyError, map_ranks, parse_islands, parse_order, read_hostfile
+
+    try:
+        parse_order(par.order)
+        islands = parse_islands(par.islands) if par.islands else None
+        if par.hostfile:
+            map_ranks(
+                world_size,
+                par.tensor,
+                par.pipeline,
+                hosts=read_hostfile(par.hostfile),
+                order=par.order,
+                islands=islands,
+                allow_crossing=par.allow_crossing,
+            )
+    except TopologyError as e:
+        raise ConfigError(f"mt3d.parallel: {e}") from None
+
+
+def _check_train(train: TrainConfig) -> None:
+    bounds = {
+        "steps": 0,
+        "log_interval": 1,
+        "eval_interval": 0,
+        "eval_batches": 0,
+        "save_interval": 0,
+        "keep_last": 0,
+        "max_bad_steps": 1,
+    }
+    for key, low in bounds.items():
+        if getattr(train, key) < low:
+            raise ConfigError(f"mt3d.train.{key} must be >= {low}, got {getattr(train, key)}")
+    if train.eval_interval > 0 and train.eval_batches == 0:
+        raise ConfigError("mt3d.train.eval_interval > 0 needs eval_batches >= 1 (or set eval_interval 0)")
+    if train.peak_tflops is not None and train.peak_tflops <= 0:
+        raise ConfigError(f"mt3d.train.peak_tflops must be positive, got {train.peak_tflops}")
+
+
+def _check_data(data: DataConfig) -> None:
+    if len(data.split) != 3 or min(data.split) < 0 or data.split[0] <= 0 or data.split[1] <= 0:
+        raise ConfigError(
+            f"mt3d.data.split must be 3 non-negative weights (train, valid, test) with train and valid "
+            f"> 0, got {data.split}"
+        )
+    if data.weights is not None and (min(data.weights, default=0) < 0 or sum(data.weights) <= 0):
+        raise ConfigError(f"mt3d.data.weights must be non-negative and not all zero, got {data.weights}")
+    if data.corpus == "builtin" and data.tokenizer is None and data.vocab_size < 257:
+        raise ConfigError(
+            f"mt3d.data.vocab_size must be > 256 for the builtin corpus's BPE, got {data.vocab_size}"
+        )
+    if data.corpus == "synthetic" and data.vocab_size < 8:
+        raise ConfigError(
+            f"mt3d.data.vocab_size must be >= 8 for the synthetic corpus, got {data.vocab_size}"
+        )
+
+
 def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) -> Layout:
     """Check the run against ``world_size`` ranks before any process group exists; fill batch keys."""
     par, data, train = run.mt3d.parallel, run.mt3d.data, run.mt3d.train
@@ -386,6 +444,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
             f"launch a multiple of {tp * pp} processes or change mt3d.parallel"
         )
     dp = world_size // (tp * pp)
+    _check_mapping(par, world_size)
     stage = _zero_stage(run.ds)
     if pp > 1 and stage >= 2:
         raise ConfigError(
@@ -416,8 +475,8 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
                 )
             if min(par.stage_layers) < 1:
                 raise ConfigError("parallel.stage_layers: every stage needs at least one block")
-    if train.steps < 0 or train.log_interval <= 0:
-        raise ConfigError("mt3d.train.steps must be >= 0 and log_interval > 0")
+    _check_train(train)
+    _check_data(data)
     if train.resume not in ("none", "auto") and not Path(train.resume).exists():
         raise ConfigError(f"mt3d.train.resume: checkpoint not found: {train.resume}")
     if train.wandb_mode not in ("offline", "online", "disabled"):

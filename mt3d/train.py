@@ -13,8 +13,6 @@ import logging
 import os
 import sys
 
-EXIT_BAD_CONFIG = 2
-
 EXAMPLES = """examples:
   deepspeed --num_gpus 8 --module mt3d.train --config ds_configs/cpu_demo_3d.json
   torchrun --nproc_per_node 4 -m mt3d.train --config ds_configs/cpu_demo_3d.json --set mt3d.parallel.tensor=1
@@ -68,13 +66,13 @@ def quiet_known_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Validate, then train; returns the process exit code."""
     args = parse_args(argv)
-    from .config import ConfigError
+    from .errors import EXIT_BAD_INPUT, UserError
 
     try:
         run, layout, model_cfg = prepare(args)
-    except ConfigError as e:
+    except UserError as e:  # ConfigError, and any other bad input found before process groups exist
         print(f"mt3d train: error: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return EXIT_BAD_INPUT
     if args.check:
         print(
             f"config OK: world {layout.world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "

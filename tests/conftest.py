@@ -15,4 +15,15 @@ import tempfile  # noqa: E402
 
 # Corpora and sample indices built by the tests go to a fresh cache, set before any process is
 # forked so that every spawned rank sees it.
-os.environ.setdefault("MT3D_CACHE", tempfile.mkdtemp(prefix="mt3d-test-cache-"))
+if "MT3D_CACHE" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="mt3d-test-cache-")
+    os.environ["MT3D_CACHE"] = _CACHE
+
+    def pytest_unconfigure(config):
+        """Remove the session's corpus cache (only the controlling process made it)."""
+        import shutil
+
+        if os.getpid() == _OWNER:
+            shutil.rmtree(_CACHE, ignore_errors=True)
+
+    _OWNER = os.getpid()

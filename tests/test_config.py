@@ -106,6 +106,27 @@ BAD = {
     ),
     "seq too long": (lambda r: r["mt3d"]["data"].update(seq_len=512), 4, "exceeds the model's max_seq_len"),
     "stage layers": (lambda r: r["mt3d"]["parallel"].update(stage_layers=[1, 1]), 4, "adding up to 4"),
+    "zero heads": (lambda r: r["mt3d"]["model"].update(heads=0), 4, "model.heads must be a positive integer"),
+    "rank order": (lambda r: r["mt3d"]["parallel"].update(order="tp-pp"), 4, "permutation of tp-dp-pp"),
+    "islands": (lambda r: r["mt3d"]["parallel"].update(islands="0,1;x"), 4, "islands must look like"),
+    "missing hostfile": (
+        lambda r: r["mt3d"]["parallel"].update(hostfile="/nonexistent/hosts"),
+        4,
+        "hostfile not found",
+    ),
+    "hostfile vs world": (
+        lambda r: r["mt3d"]["parallel"].update(hostfile=str(ROOT / "launch/hostfile.example")),
+        8,
+        "hosts provide 32 slots but world size is 8",
+    ),
+    "max bad steps": (lambda r: r["mt3d"]["train"].update(max_bad_steps=0), 4, "max_bad_steps must be >= 1"),
+    "eval batches": (
+        lambda r: r["mt3d"]["train"].update(eval_batches=0, eval_interval=2),
+        4,
+        "eval_interval > 0 needs eval_batches >= 1",
+    ),
+    "data split": (lambda r: r["mt3d"]["data"].update(split=[1.0, 0.0, 0.0]), 4, "train and valid > 0"),
+    "blend weights": (lambda r: r["mt3d"]["data"].update(weights=[-1.0]), 4, "weights must be non-negative"),
 }
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .corpora import builtin_corpus, cache_root, synthetic_corpus
 from .indexed import IndexedDataset
-from .samples import BlendedSamples, PackedSamples, split_documents
+from .samples import BlendedSamples, DataError, PackedSamples, split_documents
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -46,7 +46,7 @@ def build_data(cfg, seed: int) -> DataBundle:
     datasets = [IndexedDataset(p) for p in prefixes]
     too_big = [str(d.prefix) for d in datasets if d.max_id >= tokenizer.vocab_size]
     if too_big:
-        raise ValueError(
+        raise DataError(
             f"{too_big[0]} holds ids outside the tokenizer's {tokenizer.vocab_size}-id vocabulary"
         )
     splits = [split_documents(len(d), cfg.split) for d in datasets]

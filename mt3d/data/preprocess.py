@@ -116,13 +116,23 @@ def read_documents(
                     yield text
 
 
-def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+def _batches(docs: Iterator[str], size: int, max_chars: int) -> Iterator[list[str]]:
+    """Batches of at most ``size`` documents and (unless one document is longer) ``max_chars``.
+
+    The character bound is what keeps memory flat: the tokenizer's per-token bookkeeping costs
+    about 100 bytes per token while a batch is encoded, so 1024 long documents would need GBs.
+    """
     batch: list[str] = []
+    chars = 0
     for d in docs:
+        if batch and chars + len(d) > max_chars:
+            yield batch
+            batch, chars = [], 0
         batch.append(d)
+        chars += len(d)
         if len(batch) == size:
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
 
@@ -185,6 +195,7 @@ def preprocess(
     on_bad_line: str = "fail",
     dtype: str = "auto",
     batch_docs: int = 1024,
+    batch_chars: int = 1 << 20,
     progress: bool = True,
 ) -> Stats:
     """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns what was done."""
@@ -216,7 +227,7 @@ def preprocess(
 
         bar = tqdm(unit="doc", desc="preprocess", dynamic_ncols=True)
     try:
-        for encoded in _encoded_batches(_batches(docs, batch_docs), tok, workers):
+        for encoded in _encoded_batches(_batches(docs, batch_docs, batch_chars), tok, workers):
             for ids in encoded:
                 writer.add(ids)
                 stats.tokens += ids.size

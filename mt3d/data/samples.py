@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
 from .indexed import IndexedDataset
+
+
+class DataError(UserError):
+    """Data that cannot make the requested samples (too few tokens, bad split or blend weights)."""
+
 
 SPLIT_SEED = 0x5EED  # the train/valid/test split depends on the data only, not on the run's seed
 
@@ -28,10 +34,10 @@ SPLIT_SEED = 0x5EED  # the train/valid/test split depends on the data only, not 
 def split_documents(num_docs: int, weights: list[float]) -> list[np.ndarray]:
     """Partition document ids into len(weights) disjoint sets (a fixed shuffle, then by weight)."""
     if num_docs == 0:
-        raise ValueError("the dataset has no documents")
+        raise DataError("the dataset has no documents")
     w = np.asarray(weights, dtype=np.float64)
     if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"split weights must be non-negative and not all zero, got {weights}")
+        raise DataError(f"split weights must be non-negative and not all zero, got {weights}")
     perm = np.random.default_rng(SPLIT_SEED).permutation(num_docs)
     bounds = np.round(np.cumsum(w) / w.sum() * num_docs).astype(np.int64)
     bounds[-1] = num_docs
@@ -63,7 +69,7 @@ class PackedSamples:
         self.tokens_per_epoch = int(lengths.sum())
         self.per_epoch = (self.tokens_per_epoch - 1) // seq_len
         if self.per_epoch <= 0:
-            raise ValueError(
+            raise DataError(
                 f"{dataset.prefix}: {self.tokens_per_epoch} tokens cannot fill one sample of {seq_len + 1}; "
                 "use a shorter seq_len or more data"
             )
@@ -139,10 +145,10 @@ class BlendedSamples:
 
     def __init__(self, sources: list, weights: list[float]) -> None:
         if len(sources) != len(weights) or not sources:
-            raise ValueError("blending needs one weight per source")
+            raise DataError("blending needs one weight per source")
         w = np.asarray(weights, dtype=np.float64)
         if (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"blend weights must be non-negative and not all zero, got {weights}")
+            raise DataError(f"blend weights must be non-negative and not all zero, got {weights}")
         self.sources, self.weights = sources, w / w.sum()
         self.seq_len = sources[0].seq_len
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}

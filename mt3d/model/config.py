@@ -64,6 +64,7 @@ class ModelConfig:
     """Free-form metadata kept with the model (e.g. the HF architecture it came from)."""
 
     def __post_init__(self) -> None:
+        self._check_positive("hidden", "heads")  # used below, before check() sees the rest
         if self.kv_heads is None:
             self.kv_heads = self.heads
         if self.head_dim is None:
@@ -77,6 +78,12 @@ class ModelConfig:
                 self.ffn = 4 * self.hidden
         self.check()
 
+    def _check_positive(self, *keys: str) -> None:
+        for key in keys:
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ModelConfigError(f"model.{key} must be a positive integer, got {v!r}")
+
     def check(self) -> None:
         """Validate values that do not depend on the parallel layout."""
         choices = {
@@ -87,10 +94,7 @@ class ModelConfig:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ModelConfigError(f"model.{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("hidden", "layers", "heads", "kv_heads", "ffn", "head_dim", "max_seq_len"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or v <= 0:
-                raise ModelConfigError(f"model.{key} must be a positive integer, got {v!r}")
+        self._check_positive("hidden", "layers", "heads", "kv_heads", "ffn", "head_dim", "max_seq_len")
         if self.heads % self.kv_heads:
             raise ModelConfigError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.position == "rope" and self.head_dim % 2:

@@ -125,7 +125,7 @@ def inference_state(tp: int, pp: int) -> ParallelState:
 
     from ..parallel.topology import map_ranks
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if tp * pp == 1 and world == 1 and not dist.is_initialized():
         return ParallelState.single()
     if world != tp * pp:
@@ -158,18 +158,7 @@ def from_pretrained(
     source = open_source(path)
     source.cfg.check_parallel(tp, pp)
     if state is None:
-        if tp * pp == 1:
-            state = ParallelState.single()
-        else:
-            import torch.distributed as dist
-
-            from ..parallel.topology import map_ranks
-
-            if not dist.is_initialized() or dist.get_world_size() != tp * pp:
-                raise UserError(
-                    f"tp={tp} x pp={pp} needs {tp * pp} ranks under a launcher (torchrun/deepspeed)"
-                )
-            state = ParallelState.build(map_ranks(tp * pp, tp, pp))
+        state = ParallelState.single() if tp * pp == 1 else inference_state(tp, pp)
     model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
     load_weights(model, source, state.tp)
     model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir

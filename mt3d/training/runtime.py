@@ -16,6 +16,7 @@ import torch
 
 from ..config import RunConfig
 from ..parallel.random import RNGTracker, seed_everything
+from ..parallel.spawn import free_port
 from ..parallel.state import ParallelState
 from ..parallel.topology import Host, MappedTopology, map_ranks, parse_islands, read_hostfile
 
@@ -53,7 +54,7 @@ def init_distributed() -> tuple[int, int, int]:
 
     if "RANK" not in os.environ:  # plain `python -m mt3d.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -61,12 +62,6 @@ def init_distributed() -> tuple[int, int, int]:
     import torch.distributed as dist
 
     return dist.get_rank(), local_rank, dist.get_world_size()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def discover_hosts() -> tuple[Host, ...]:

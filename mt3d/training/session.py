@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from ..checkpoint import reshard, resume, safe
 from ..checkpoint.manager import Checkpointer
 from ..config import Layout, RunConfig
 from ..data.loader import build_data
-from ..errors import UserError
+from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED, UserError
 from ..model.config import ModelConfig
 from .engine import build_model, initialize
 from .faults import FaultInjector
@@ -25,10 +26,7 @@ from .runtime import setup
 from .signals import Preemption
 
 log = logging.getLogger("mt3d")
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after saving a checkpoint: resume to continue
-EXIT_DIVERGED = 76  # stopped after train.max_bad_steps non-finite steps, last good state saved
+__all__ = ["EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_FAILED", "EXIT_PREEMPTED", "run_training"]
 
 
 def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int, data_info: dict):
@@ -108,9 +106,11 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
 
 def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
     """Train on this rank; returns the exit code (0, or EXIT_PREEMPTED / EXIT_DIVERGED after saving)."""
-    rt = setup(run)
+    rank = int(os.environ.get("RANK", "0"))  # until process groups exist
     preemption = Preemption().install()
     try:
+        rt = setup(run)
+        rank = rt.rank
         data, vocab = prepare_data(run, cfg)
         save_dir = Path(run.mt3d.train.save_dir)
         plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg)
@@ -155,12 +155,12 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
         dist.destroy_process_group()
         return {"done": 0, "preempted": EXIT_PREEMPTED, "diverged": EXIT_DIVERGED}[summary["status"]]
     except UserError as e:  # bad input (config, data, checkpoint): one line, no traceback
-        if rt.local_rank == 0:  # every rank hits the same input: one line per host is enough
-            print(f"mt3d train: error: {e}", file=sys.stderr)
+        # Every rank says it: an input problem can be local to one host (a missing file there).
+        print(f"mt3d train: error on rank {rank}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:  # one line for people, the traceback for the log
-        log.exception("training failed on rank %d", rt.rank)
-        print(f"mt3d train: error on rank {rt.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        log.exception("training failed on rank %d", rank)
+        print(f"mt3d train: error on rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED  # the launcher stops the other ranks
     finally:
         preemption.uninstall()
