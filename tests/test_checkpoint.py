@@ -82,19 +82,51 @@ def test_reshard_to_every_layout(saved_222):
                 got,
                 reference,
             )
-    assert (src.parent / "universal" / src.name / "mt3d-universal.json").is_file()  # converted once, reused
+    assert (src.parent / "universal" / src.name / "manifest.json").is_file()  # converted once, reused
 
 
 def test_reshard_llama_with_gqa(tmp_path):
     src = tmp_path / "src"
     ref = losses(run(tiny_config(src, model=TINY_LLAMA, tp=2, pp=2, steps=6, save_interval=3), 4))[3:]
+    step3 = src / "checkpoints" / "step_00000003"
+
+    def check(got):
+        assert [s for s, _, _ in got] == [4, 5, 6]
+        for (_, a, _), (_, b, _) in zip(got, ref):
+            assert abs(a - b) <= 1e-5 * abs(b), (got, ref)
+
     for tp, pp, dp in ((1, 1, 1), (4, 1, 2), (1, 4, 1)):
         raw = tiny_config(
-            tmp_path / f"to{tp}{pp}{dp}", model=TINY_LLAMA, tp=tp, pp=pp, steps=6, resume=str(src)
+            tmp_path / f"to{tp}{pp}{dp}", model=TINY_LLAMA, tp=tp, pp=pp, steps=6, resume=str(step3)
         )
-        got = losses(run(raw, tp * pp * dp))
-        for (_, a, _), (_, b, _) in zip(got, ref):
-            assert abs(a - b) <= 1e-5 * abs(b), (tp, pp, dp)
+        check(losses(run(raw, tp * pp * dp)))
+    # A corrupted conversion cache (same size, one byte flipped) is detected and converted again.
+    cache = src / "checkpoints" / "universal" / "step_00000003"
+    victim = max((p for p in cache.rglob("*.pt")), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    check(losses(run(tiny_config(tmp_path / "again", model=TINY_LLAMA, steps=6, resume=str(step3)), 1)))
+
+
+def test_resuming_an_older_step_moves_the_abandoned_history_aside(tmp_path):
+    """Resume from step 2 of a run saved at 2, 4, 6: saving step 4 again moves the old 4 and 6 to
+    checkpoints/superseded/ (nothing deleted) so that `resume: auto` continues the new history."""
+    d = tmp_path / "run"
+    run(tiny_config(d, steps=6, save_interval=2), 1)
+    ckpts = d / "checkpoints"
+    old4 = json.loads((ckpts / "step_00000004" / "manifest.json").read_text())
+    raw = tiny_config(d, steps=4, save_interval=2, resume=str(ckpts / "step_00000002"))
+    raw["optimizer"]["params"]["lr"] *= 3  # a different history from step 3 on
+    run(raw, 1)
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (ckpts / "superseded").iterdir()) == ["step_00000004-0", "step_00000006-0"]
+    assert json.loads((ckpts / "superseded" / "step_00000004-0" / "manifest.json").read_text()) == old4
+    assert (ckpts / "latest").read_text().strip() == "step_00000004"
+    records = run(tiny_config(d, steps=5, resume="auto", save_at_end=True), 1)
+    assert [r["step"] for r in step_records(records)][-1:] == [5]
+    meta = json.loads((ckpts / "step_00000005" / "manifest.json").read_text())["meta"]
+    assert meta["step"] == 5 and not (ckpts / "superseded" / "step_00000006-1").exists()
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):

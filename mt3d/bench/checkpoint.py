@@ -44,9 +44,9 @@ def worker(size: str, root: str) -> dict:
     """One rank: a step, a timed save, a timed load, and the raw write of the same byte count."""
     import torch
 
-    from ..checkpoint import resume, safe
+    from ..checkpoint import safe
     from ..checkpoint.manager import Checkpointer
-    from ..checkpoint.manifest import read_manifest
+    from ..checkpoint.manifest import read_manifest, verify_everywhere
     from ..data.loader import StepBatches
 
     raw = bench_run_config(
@@ -84,9 +84,8 @@ def worker(size: str, root: str) -> dict:
     path = ckpt.save(1)
     save_s = time.perf_counter() - t0
     nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    plan = resume.ResumePlan(path, {"step": 1, "layout": {}}, read_manifest(path))
     t0 = time.perf_counter()
-    resume.verify_everywhere(plan)
+    verify_everywhere(path, read_manifest(path))
     verify_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.load_checkpoint(str(path.parent), tag=path.name)

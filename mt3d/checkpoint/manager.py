@@ -5,10 +5,15 @@ Layout: ``<save_dir>/checkpoints/step_XXXXXXXX/`` (DeepSpeed's files + ``manifes
 ``step_XXXXXXXX.tmp``; after every rank has fsynced and hashed its share of the files, rank 0
 writes the manifest, renames the directory into place, then updates ``latest``. DeepSpeed's own
 ``latest`` file is not used: it is written before the other ranks finish (DEEPSPEED_NOTES.md).
+
+A run resumed from an older checkpoint starts a new history: when it saves step S, complete
+checkpoints of steps >= S from the abandoned history are moved (never deleted) to
+``checkpoints/superseded/``, so ``resume: auto`` can never jump back onto the abandoned branch.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -27,8 +32,11 @@ from .manifest import (
 )
 from .rng import save_rng
 
+log = logging.getLogger("mt3d")
+
 TAG_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
+SUPERSEDED = "superseded"
 
 
 def tag_for(step: int) -> str:
@@ -71,6 +79,33 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def supersede(root: Path, step: int) -> list[Path]:
+    """Move checkpoints of steps >= ``step`` to ``root/superseded/<tag>-<n>``; returns their new paths."""
+    moved = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        m = TAG_RE.match(d.name)
+        if not (d.is_dir() and m and int(m.group(1)) >= step):
+            continue
+        dest_root = root / SUPERSEDED
+        dest_root.mkdir(exist_ok=True)
+        n = 0
+        while (dest_root / f"{d.name}-{n}").exists():
+            n += 1
+        dest = dest_root / f"{d.name}-{n}"
+        os.replace(d, dest)
+        shutil.rmtree(root / "universal" / d.name, ignore_errors=True)  # cache of the old content
+        moved.append(dest)
+    if moved:
+        fsync_dir(root)
+        log.warning(
+            "saving step %d after resuming from an older checkpoint: moved %s to %s (delete when unneeded)",
+            step,
+            ", ".join(p.name for p in moved),
+            root / SUPERSEDED,
+        )
+    return moved
 
 
 def rotate(root: Path, keep_last: int) -> list[Path]:
@@ -133,8 +168,7 @@ class Checkpointer:
         if rank == 0:
             files = {k: v for share in shares for k, v in share.items()}
             write_manifest(tmp, files, {**self.meta(), "step": step, "tag": tag})
-            if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
+            supersede(self.root, step)  # this step (re-saved) and later ones of an abandoned history
             os.replace(tmp, final)
             fsync_dir(self.root)
             _write_atomic(self.root / LATEST, tag + "\n")

@@ -102,9 +102,39 @@ def read_manifest(root: Path) -> dict:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{p} is corrupt (not valid JSON)") from None
-    if data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FORMAT
+        or not isinstance(data.get("files"), dict)
+        or not isinstance(data.get("meta"), dict)
+        or not all(isinstance(v, dict) and {"size", "sha256"} <= v.keys() for v in data["files"].values())
+    ):
         raise CheckpointError(f"{p}: not an mt3d checkpoint manifest")
     return data
+
+
+def manifest_digest(root: Path) -> str:
+    """sha256 of a checkpoint's manifest file: names the exact content the checkpoint had."""
+    return sha256_file(Path(root) / MANIFEST)
+
+
+def verify_everywhere(root: Path, manifest: dict) -> None:
+    """sha256 of every file against the manifest, each rank a share (collective); raises on every
+    rank alike, so no rank goes on to use a checkpoint another rank found corrupt."""
+    import torch.distributed as dist
+
+    names = sorted(manifest["files"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = ""
+    try:
+        verify_files(root, manifest, names[rank::world])
+    except CheckpointError as e:
+        error = str(e)
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
 
 
 def check_sizes(root: Path, manifest: dict) -> None:

@@ -3,8 +3,11 @@
 The checkpoint carries ``universal_checkpoint_info`` (``mt3d.model.sharding.universal_info``): the
 patterns DeepSpeed's ``ds_to_universal`` needs to merge TP shards of every parameter, its fp32
 master copy and Adam moments. The conversion runs once, on rank 0, into
-``<checkpoints>/universal/<tag>/`` beside the source and is reused afterwards (a marker file
-written last says it is complete). DeepSpeed then loads it with ``checkpoint.load_universal``.
+``<checkpoints>/universal/<tag>/`` beside the source and is reused afterwards. The conversion
+gets its own manifest (written last; sizes and sha256 of every file, plus the sha256 of the source
+checkpoint's manifest): a cache that is incomplete, corrupt, or was made from a since re-saved
+source is converted again, and every use verifies it like a checkpoint. DeepSpeed then loads it
+with ``checkpoint.load_universal``.
 
 DeepSpeed's converter and universal loader unpickle with ``weights_only=False``; every ``.pt`` file
 they read (the source checkpoint's and the converted ones) is first opened with mt3d's allow-list
@@ -15,18 +18,25 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
-from .manifest import CheckpointError
+from .manifest import (
+    CheckpointError,
+    check_sizes,
+    describe_files,
+    list_files,
+    manifest_digest,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from .safe import safe_torch_load
 
 log = logging.getLogger("mt3d")
-DONE = "mt3d-universal.json"
 
 
 def scan(root: Path) -> int:
@@ -75,17 +85,56 @@ def convert(source: Path, out: Path, workers: int = 1) -> None:
     tmp.rename(out)
 
 
+def _usable_cache(out: Path, source: Path, full: bool) -> bool:
+    """Whether ``out`` is a complete conversion of ``source`` as it is now (``full``: sha256 too)."""
+    try:
+        manifest = read_manifest(out)
+        check_sizes(out, manifest)
+        if manifest["meta"].get("source_manifest_sha256") != manifest_digest(source):
+            return False  # made from an older content of the same step (re-saved since)
+        if full:
+            verify_files(out, manifest, sorted(manifest["files"]))
+    except CheckpointError as e:
+        if out.exists():
+            log.warning("universal cache %s is unusable (%s): converting again", out, e)
+        return False
+    return True
+
+
+def _convert_on_rank0(plan, out: Path) -> None:
+    if _usable_cache(out, plan.path, full=True):
+        return
+    log.info("layout changed since %s: converting it to DeepSpeed's universal format", plan.path)
+    scan(plan.path)
+    convert(plan.path, out)
+    scan(out)
+    files = describe_files(out, list_files(out))
+    meta = {"universal_of": str(plan.path), "source_manifest_sha256": manifest_digest(plan.path)}
+    write_manifest(out, files, meta)
+
+
 def prepare(plan, run, rank: int) -> tuple[Path, str]:
-    """Make sure the universal form exists (rank 0 converts), enable universal loading; (load_dir, tag)."""
+    """Make sure the universal form exists (rank 0 converts), enable universal loading; (load_dir, tag).
+
+    Collective: a failure on rank 0 is raised on every rank (no rank is left waiting for it).
+    """
     out = universal_dir(plan, run.mt3d.train.save_dir)
-    if rank == 0 and not (out / DONE).is_file():
-        log.info("layout changed since %s: converting it to DeepSpeed's universal format", plan.path)
-        scan(plan.path)
-        convert(plan.path, out)
-        scanned = scan(out)
-        (out / DONE).write_text(json.dumps({"source": str(plan.path), "files": scanned}))
-    dist.barrier()
-    if not (out / DONE).is_file():
-        raise CheckpointError(f"universal checkpoint {out} is missing (conversion on rank 0 failed)")
+    error = ""
+    if rank == 0:
+        try:
+            _convert_on_rank0(plan, out)
+        except Exception as e:  # every rank must learn of it, whatever it is
+            error = str(e) if isinstance(e, CheckpointError) else f"converting {plan.path} failed: {e!r}"
+            log.exception("universal conversion failed")
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise CheckpointError(box[0])
+    # Rank 0 verified every byte (or just wrote it); the others check that they see the same files.
+    if rank != 0 and not _usable_cache(out, plan.path, full=False):
+        raise CheckpointError(
+            f"universal checkpoint {out} is missing or incomplete on this host; put save_dir (and the "
+            "source checkpoint) on a filesystem every host shares"
+        )
     run.ds.setdefault("checkpoint", {})["load_universal"] = True
     return out.parent, out.name

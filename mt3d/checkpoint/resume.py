@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..config import Layout
 from ..model.config import ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
-from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
+from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
 from .rng import load_rng
 
 log = logging.getLogger("mt3d")
@@ -105,7 +105,7 @@ def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> Resume
         _check_model(path, manifest["meta"], model)
         plan = ResumePlan(path, manifest["meta"], manifest)
         try:
-            verify_everywhere(plan)
+            verify_everywhere(plan.path, plan.manifest)
         except CheckpointError as e:
             if resume != "auto":
                 raise
@@ -113,22 +113,6 @@ def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> Resume
             continue
         return plan
     return None
-
-
-def verify_everywhere(plan: ResumePlan) -> None:
-    """sha256 of every file against the manifest (each rank a share); raises on every rank alike."""
-    names = sorted(plan.manifest["files"])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    error = ""
-    try:
-        verify_files(plan.path, plan.manifest, names[rank::world])
-    except CheckpointError as e:
-        error = str(e)
-    errors: list = [None] * world
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CheckpointError(first)
 
 
 def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, tracker, same_layout: bool) -> dict:
