@@ -135,6 +135,7 @@ class Checkpointer:
         client_state,
         keep_last: int = 0,
         tracker=None,
+        rng_key: str | None = None,
         faults=None,
     ) -> None:
         self.engine = engine
@@ -143,6 +144,7 @@ class Checkpointer:
         self.client_state = client_state
         self.keep_last = keep_last
         self.tracker = tracker
+        self.rng_key = rng_key  # default: by global rank (single-layout tools)
         self.faults = faults
 
     def save(self, step: int) -> Path:
@@ -157,7 +159,7 @@ class Checkpointer:
         self.engine.save_checkpoint(
             str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
         )
-        save_rng(tmp, rank, self.tracker)
+        save_rng(tmp, self.rng_key or f"rank_{rank:05d}", self.tracker)
         if self.faults:
             self.faults.in_save(step)
         dist.barrier()  # every rank's files exist

@@ -13,13 +13,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ..config import Layout
 from ..model.config import ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
-from .rng import load_rng
+from .rng import load_rng, rng_key
 
 log = logging.getLogger("mt3d")
 
@@ -115,17 +113,18 @@ def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> Resume
     return None
 
 
-def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, tracker, same_layout: bool) -> dict:
+def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout: bool) -> dict:
     """Load engine state from ``load_dir/tag`` and this rank's RNG; returns DeepSpeed's client state.
 
-    Random state is per rank, so it is restored only when the layout is unchanged; after a
-    reshard every rank keeps its freshly seeded streams.
+    Random state belongs to a (pp, dp, tp) coordinate, so it is restored only when the degrees are
+    unchanged (the rank order may differ); after a reshard every rank keeps its freshly seeded streams.
     """
     path, client = engine.load_checkpoint(
         str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
-    if same_layout and not load_rng(plan.path, dist.get_rank(), tracker):
-        log.warning("%s has no random state for rank %d: keeping the seeded one", plan.path, dist.get_rank())
+    key = rng_key(rt.state)
+    if same_layout and not load_rng(plan.path, key, rt.tracker):
+        log.warning("%s has no random state for %s: keeping the seeded one", plan.path, key)
     return client or {}

@@ -1,7 +1,9 @@
 """Per-rank random state in checkpoints: python, numpy, torch (CPU and CUDA) and the TP tracker.
 
-Each rank writes ``rng/rank_XXXXX.safetensors``: the torch generator states as uint8 tensors and the
-python/numpy states as JSON in the file's metadata. Nothing here is pickled.
+Each rank writes ``rng/pp<P>_dp<D>_tp<T>.safetensors``, named by its coordinates in the layout
+rather than its global rank (a different rank order or hostfile with the same degrees maps ranks to
+other coordinates, and the streams belong to the coordinates): the torch generator states as uint8
+tensors and the python/numpy states as JSON in the file's metadata. Nothing here is pickled.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import numpy as np
 import torch
 
 from ..parallel.random import RNGTracker
+from ..parallel.state import ParallelState
 
 
-def rng_path(ckpt_dir: Path, rank: int) -> Path:
-    """Where rank ``rank``'s random state lives in a checkpoint."""
-    return Path(ckpt_dir) / "rng" / f"rank_{rank:05d}.safetensors"
+def rng_key(state: ParallelState) -> str:
+    """The name of this rank's random state: its (pp, dp, tp) coordinates."""
+    return f"pp{state.pp.rank:03d}_dp{state.dp.rank:05d}_tp{state.tp.rank:03d}"
 
 
-def save_rng(ckpt_dir: Path, rank: int, tracker: RNGTracker | None) -> Path:
+def rng_path(ckpt_dir: Path, key: str) -> Path:
+    """Where the random state named ``key`` lives in a checkpoint."""
+    return Path(ckpt_dir) / "rng" / f"{key}.safetensors"
+
+
+def save_rng(ckpt_dir: Path, key: str, tracker: RNGTracker | None) -> Path:
     """Write this rank's random state into ``ckpt_dir``."""
     from safetensors.torch import save_file
 
@@ -37,17 +45,17 @@ def save_rng(ckpt_dir: Path, rank: int, tracker: RNGTracker | None) -> Path:
         "python": json.dumps([py[0], list(py[1]), py[2]]),
         "numpy": json.dumps([np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]]),
     }
-    path = rng_path(ckpt_dir, rank)
+    path = rng_path(ckpt_dir, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
     return path
 
 
-def load_rng(ckpt_dir: Path, rank: int, tracker: RNGTracker | None) -> bool:
-    """Restore this rank's random state; False when the checkpoint has none for this rank."""
+def load_rng(ckpt_dir: Path, key: str, tracker: RNGTracker | None) -> bool:
+    """Restore the random state named ``key``; False when the checkpoint has none by that name."""
     from safetensors import safe_open
 
-    path = rng_path(ckpt_dir, rank)
+    path = rng_path(ckpt_dir, key)
     if not path.is_file():
         return False
     with safe_open(str(path), framework="pt") as f:

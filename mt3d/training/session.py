@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .. import __version__
 from ..checkpoint import reshard, resume, safe
 from ..checkpoint.manager import Checkpointer
+from ..checkpoint.rng import rng_key
 from ..config import Layout, RunConfig
 from ..data.loader import build_data
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED, UserError
@@ -97,7 +98,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     safe.install(engine)
     start = 0
     if plan is not None:
-        resume.restore(engine, plan, load_dir, tag, rt.tracker, same_layout)
+        resume.restore(engine, plan, load_dir, tag, rt, same_layout)
         start = plan.step
         if rt.rank == 0:
             log.info("resumed from %s at step %d", plan.path, start)
@@ -132,6 +133,7 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
             client_state=lambda step: {"mt3d": {"step": step}},
             keep_last=run.mt3d.train.keep_last,
             tracker=rt.tracker,
+            rng_key=rng_key(rt.state),
             faults=faults,
         )
         trainer = Trainer(
