@@ -199,6 +199,26 @@ def test_blending_matches_the_weights():
     assert [blend.source_of(i) for i in range(100)] == [fresh.source_of(i) for i in range(100)]
 
 
+class SmallBlocks(BlendedSamples):
+    BLOCK = 256
+
+
+def test_blending_keeps_few_blocks_and_resumes_far_from_cached_boundaries(tmp_path):
+    weights = [0.5, 0.3, 0.15, 0.05]
+    ref = SmallBlocks([Counting(k) for k in range(4)], weights)  # no cache: replays from 0
+    first = [ref.source_of(i) for i in range(0, 200 * 256, 97)]
+    assert len(ref._blocks) <= ref.KEEP_BLOCKS  # memory stays bounded however far it goes
+    cached = SmallBlocks([Counting(k) for k in range(4)], weights, tmp_path)
+    far = 150 * 256 + 17
+    assert cached.source_of(far) == ref.source_of(far)
+    saved = np.load(next(tmp_path.glob("blend-*.npy")))
+    assert len(saved) == 152 and (saved[-1] == ref._counts[151]).all()
+    resumed = SmallBlocks([Counting(k) for k in range(4)], weights, tmp_path)  # a restarted run
+    assert len(resumed._counts) == 152  # boundaries come from disk, not from a replay
+    assert resumed.source_of(far) == ref.source_of(far)
+    assert [resumed.source_of(i) for i in range(0, 200 * 256, 97)] == first
+
+
 def test_dp_ranks_read_disjoint_samples_covering_each_batch():
     gb, mb = 24, 2
     for dp in (1, 2, 3, 6):

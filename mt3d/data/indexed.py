@@ -137,7 +137,8 @@ class IndexedDataset:
         for p in (idx, binf):
             if not p.is_file():
                 raise IndexedDataError(f"{p} not found (run 'mt3d preprocess' to create it)")
-        raw = idx.read_bytes()[: _HEADER.size]
+        with open(idx, "rb") as f:  # the header only: the offsets table can be GBs
+            raw = f.read(_HEADER.size)
         if len(raw) < _HEADER.size:
             raise IndexedDataError(f"{idx}: truncated header")
         magic, version, code, docs, tokens, max_id, tag = _HEADER.unpack(raw)
@@ -165,6 +166,7 @@ class IndexedDataset:
         self._bin_path = binf
         self._fd = os.open(binf, os.O_RDONLY)
         self.num_docs, self.num_tokens, self.max_id = int(docs), int(tokens), int(max_id)
+        self.tag = bytes(tag)  # identifies the contents (cache keys of derived indices)
 
     def __del__(self):
         fd = getattr(self, "_fd", None)

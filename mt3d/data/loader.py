@@ -62,7 +62,10 @@ def build_data(cfg, seed: int) -> DataBundle:
     )
     if len(train) == 1:
         return DataBundle(train[0], valid[0], tokenizer, info)
-    return DataBundle(BlendedSamples(train, weights), BlendedSamples(valid, weights), tokenizer, info)
+    blend_dir = index_dir / "blends"
+    return DataBundle(
+        BlendedSamples(train, weights, blend_dir), BlendedSamples(valid, weights, blend_dir), tokenizer, info
+    )
 
 
 def micro_batch_ids(

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,11 @@ from .indexed import IndexedDataset
 
 class DataError(UserError):
     """Data that cannot make the requested samples (too few tokens, bad split or blend weights)."""
+
+
+def _tmp_name(path: Path, suffix: str) -> Path:
+    """A temporary name beside ``path`` unique to this process on this host (shared filesystems)."""
+    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp{suffix}")
 
 
 SPLIT_SEED = 0x5EED  # the train/valid/test split depends on the data only, not on the run's seed
@@ -78,6 +85,7 @@ class PackedSamples:
         key = hashlib.sha256()
         key.update(str(Path(dataset.prefix).resolve()).encode())
         key.update(np.asarray(dataset.offsets[-1:]).tobytes())
+        key.update(dataset.tag)  # a re-preprocessed file with the same size gets new indices
         key.update(self.doc_ids.tobytes())
         key.update(f"{seq_len}|{seed}".encode())
         self.key = key.hexdigest()[:20]
@@ -110,7 +118,7 @@ class PackedSamples:
             built = self._build_epoch(epoch)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
+                tmp = _tmp_name(path, ".npz")
                 np.savez(tmp, docs=built[0], cum=built[1], first=built[2], shuffle=built[3])
                 os.replace(tmp, path)
         if len(self._epochs) > 2:  # keep memory bounded on very long runs
@@ -139,11 +147,18 @@ class PackedSamples:
 
 
 class BlendedSamples:
-    """Interleave sample sources by weight (greedy: the source furthest below its share goes next)."""
+    """Interleave sample sources by weight (greedy: the source furthest below its share goes next).
+
+    The assignment is computed in blocks of ``BLOCK`` samples; only the last few blocks stay in
+    memory. The rule is sequential, so block ``b`` needs the per-source counts at its start: those
+    are kept for every block boundary reached (a few bytes each) and, with ``cache_dir``, saved on
+    disk, so resuming at sample 10^9 does not replay the rule from 0.
+    """
 
     BLOCK = 65536
+    KEEP_BLOCKS = 4
 
-    def __init__(self, sources: list, weights: list[float]) -> None:
+    def __init__(self, sources: list, weights: list[float], cache_dir: str | Path | None = None) -> None:
         if len(sources) != len(weights) or not sources:
             raise DataError("blending needs one weight per source")
         w = np.asarray(weights, dtype=np.float64)
@@ -151,26 +166,70 @@ class BlendedSamples:
             raise DataError(f"blend weights must be non-negative and not all zero, got {weights}")
         self.sources, self.weights = sources, w / w.sum()
         self.seq_len = sources[0].seq_len
-        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._counts_at = {0: np.zeros(len(sources), dtype=np.int64)}
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._path = None
+        if cache_dir is not None:  # the sequence depends on the normalised weights only
+            key = hashlib.sha256(self.weights.tobytes() + str(self.BLOCK).encode()).hexdigest()[:20]
+            self._path = Path(cache_dir) / f"blend-{key}.npy"
+        self._counts = self._load_counts()  # row b: counts before block b
+        self._saved_rows = len(self._counts)
+
+    def _load_counts(self) -> np.ndarray:
+        if self._path is not None and self._path.is_file():
+            try:
+                counts = np.load(self._path)
+                if counts.ndim == 2 and counts.shape[1] == len(self.sources) and len(counts) >= 1:
+                    return counts.astype(np.int64)
+            except (OSError, ValueError):
+                pass  # unreadable cache: rebuild it
+        return np.zeros((1, len(self.sources)), dtype=np.int64)
+
+    def _save_counts(self) -> None:
+        if self._path is None or len(self._counts) < self._saved_rows + 64:  # batch small updates
+            return
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = _tmp_name(self._path, ".npy")
+            np.save(tmp, self._counts)
+            os.replace(tmp, self._path)
+            self._saved_rows = len(self._counts)
+        except OSError:
+            pass  # a cache only
+
+    def _run(self, b: int) -> tuple[list[int], list[int], list[int]]:
+        """Apply the rule over block ``b`` from its start counts: (which, index, end counts)."""
+        counts = self._counts[b].tolist()
+        w = self.weights.tolist()
+        which, index = [0] * self.BLOCK, [0] * self.BLOCK
+        rest = range(1, len(w))
+        n0 = b * self.BLOCK + 1
+        for t in range(self.BLOCK):  # plain Python: ~6x faster than numpy for a handful of sources
+            n = n0 + t
+            best, top = 0, w[0] * n - counts[0]
+            for k in rest:
+                v = w[k] * n - counts[k]
+                if v > top:  # ties go to the lowest source, like argmax
+                    best, top = k, v
+            which[t], index[t] = best, counts[best]
+            counts[best] += 1
+        return which, index, counts
 
     def _block(self, b: int):
         if b in self._blocks:
+            self._blocks.move_to_end(b)
             return self._blocks[b]
-        for prev in range(max(self._counts_at), b):  # blocks are built in order: the rule is sequential
-            self._block(prev)
-        counts = self._counts_at[b].copy()
-        which = np.empty(self.BLOCK, dtype=np.int64)
-        index = np.empty(self.BLOCK, dtype=np.int64)
-        w = self.weights
-        for t in range(self.BLOCK):
-            n = b * self.BLOCK + t + 1
-            k = int(np.argmax(w * n - counts))
-            which[t], index[t] = k, counts[k]
-            counts[k] += 1
-        self._counts_at[b + 1] = counts
-        self._blocks[b] = (which, index)
-        return which, index
+        while len(self._counts) <= b:  # boundaries not reached yet: replay the rule up to b
+            _, _, end = self._run(len(self._counts) - 1)
+            self._counts = np.vstack([self._counts, np.asarray(end, dtype=np.int64)[None]])
+        which, index, end = self._run(b)
+        if len(self._counts) == b + 1:
+            self._counts = np.vstack([self._counts, np.asarray(end, dtype=np.int64)[None]])
+        self._save_counts()
+        block = (np.asarray(which, dtype=np.int64), np.asarray(index, dtype=np.int64))
+        self._blocks[b] = block
+        if len(self._blocks) > self.KEEP_BLOCKS:
+            self._blocks.popitem(last=False)
+        return block
 
     def source_of(self, i: int) -> tuple[int, int]:
         """(source, index within that source) of blended sample ``i``."""
