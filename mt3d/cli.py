@@ -282,6 +282,12 @@ def _add_model_args(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _positive(**values: int) -> None:
+    for name, v in values.items():
+        if v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+
 def _load(args, pp: int = 1):
     import torch
 
@@ -334,10 +340,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .model.inference import evaluate_tokens
+    from .model.loading import open_source
 
+    stride = args.stride or args.seq_len
+    _positive(tp=args.tp, pp=args.pp, seq_len=args.seq_len, stride=stride)
+    if stride > args.seq_len:
+        raise UsageError(
+            f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"
+        )
     text_path = Path(args.text)
     if not text_path.is_file():
         raise FileNotFoundError(f"text file not found: {text_path}")
+    cfg = open_source(args.model, verify=False).cfg  # config only: refuse before any weight is read
+    if cfg.position == "learned" and args.seq_len > cfg.max_seq_len:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     model, device = _load(args, args.pp)
     tok = _tokenizer_for(model)
     ids = torch.tensor(
@@ -345,7 +361,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     if ids.numel() < 2:
         raise UsageError(f"{text_path} has fewer than 2 tokens")
-    res = evaluate_tokens(model, ids, model.state, args.seq_len, args.stride or args.seq_len)
+    res = evaluate_tokens(model, ids, model.state, args.seq_len, stride)
     if model.state.global_rank == 0:
         if args.json:
             print(json.dumps(res))
@@ -382,6 +398,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .model.inference import generate
 
+    _positive(tp=args.tp, max_new_tokens=args.max_new_tokens)
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise UsageError(
+            f"need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got {args.temperature}, "
+            f"{args.top_k}, {args.top_p}"
+        )
     model, device = _load(args)
     tok = _tokenizer_for(model)
     prompt = torch.tensor([tok.encode(args.prompt, eos=False)], dtype=torch.long, device=device)

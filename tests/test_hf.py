@@ -285,3 +285,28 @@ def test_bad_hf_input(hf_dirs, tmp_path):
         capture_output=True, text=True, timeout=120, env=dict(os.environ),
     )  # fmt: skip
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "unsupported architecture" in out.stderr
+    # a truncated safetensors file (header cut) and a truncated tensor region: one-line HFError
+    whole = (hf_dirs["gpt2"] / "model.safetensors").read_bytes()
+    for cut in (20, len(whole) - 100):
+        (broken / "model.safetensors").write_bytes(whole[:cut])
+        with pytest.raises(HFError, match="not a valid safetensors file|past the end of the file"):
+            from_pretrained(broken)
+    # command-line values are checked before anything is loaded
+    bad_args = {
+        ("--stride", "16"): "--stride 16 is longer than --seq-len 8",
+        ("--seq-len", "0"): "--seq-len must be >= 1",
+        ("--seq-len", "4096", "--stride", "8"): "exceeds the model's max_seq_len 128",
+    }
+    for extra, expect in bad_args.items():
+        out = subprocess.run(
+            [sys.executable, "-m", "mt3d", "eval", "--model", str(hf_dirs["gpt2"]), "--text", __file__,
+             "--seq-len", "8", *extra],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ),
+        )  # fmt: skip
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and expect in out.stderr, out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d", "generate", "--model", str(hf_dirs["gpt2"]), "--prompt", "x",
+         "--top-p", "0"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ),
+    )  # fmt: skip
+    assert out.returncode == 2 and "0 < --top-p <= 1" in out.stderr

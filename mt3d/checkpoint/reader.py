@@ -30,14 +30,21 @@ class CheckpointReader:
         self.manifest = read_manifest(self.dir)
         check_sizes(self.dir, self.manifest)
         self.verified = False
-        if verify:
-            verify_files(self.dir, self.manifest, sorted(self.manifest["files"]))
+        if verify:  # the files weights are read from (optimizer states are never opened here)
+            weights = [n for n in sorted(self.manifest["files"]) if n.startswith(("layer_", "mp_rank_"))]
+            verify_files(self.dir, self.manifest, weights)
             self.verified = True
         meta = self.manifest["meta"]
         self.meta = meta
-        self.cfg = ModelConfig.from_dict(meta["model"])
-        self.vocab = int(meta["vocab_size"])
-        self.tp = int(meta["layout"]["tp"])
+        try:
+            self.cfg = ModelConfig.from_dict(meta["model"])
+            self.vocab = int(meta["vocab_size"])
+            self.tp = int(meta["layout"]["tp"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{self.dir}/manifest.json does not describe an mt3d training checkpoint "
+                f"({e!r} missing or invalid)"
+            ) from None
         self.pipeline_files = any(n.startswith("layer_") for n in self.manifest["files"])
 
     @lru_cache(maxsize=8)  # noqa: B019 - a reader lives as long as one export / load

@@ -267,11 +267,37 @@ class SafetensorsFile:
 
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        header = json.loads(os.pread(self.fd, n, 8))
-        header.pop("__metadata__", None)
+        try:
+            size = os.fstat(self.fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a {size}-byte file")
+            header = json.loads(os.pread(self.fd, n, 8))
+            header.pop("__metadata__", None)
+            for name, e in header.items():
+                if e["dtype"] not in _ST_DTYPES:
+                    raise HFError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
+                if 8 + n + e["data_offsets"][1] > size:
+                    raise HFError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+        except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            self.close()
+            raise HFError(f"{path} is not a valid safetensors file ({e})") from None
+        except BaseException:
+            self.close()
+            raise
         self.base = 8 + n
         self.entries = header
+
+    def close(self) -> None:
+        """Release the file descriptor."""
+        import os
+
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def shape(self, name: str) -> list[int]:
         """Shape of a tensor."""
@@ -313,15 +339,27 @@ class HFReader:
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            self.where = {k: self.dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.where = {k: self.dir / v for k, v in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise HFError(f"{index} is not a valid safetensors index ({e!r})") from None
         elif (self.dir / "model.safetensors").is_file():
             f = self.dir / "model.safetensors"
-            self.where = dict.fromkeys(SafetensorsFile(f).entries, f)
+            header_only = SafetensorsFile(f)
+            self.where = dict.fromkeys(header_only.entries, f)
+            header_only.close()
         else:
             raise HFError(
                 f"{self.dir}: no model.safetensors(.index.json); save the model with safe_serialization"
             )
         self._open: dict[Path, SafetensorsFile] = {}
+
+    def close(self) -> None:
+        """Close every open file."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self.where:

@@ -92,6 +92,9 @@ def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup) -> None
                     f"for tp rank {tp.rank}/{tp.size}, the model expects {tuple(param.shape)}"
                 )
             param.copy_(shard.to(param.dtype))
+    if source.kind == "hf" and source._reader is not None:
+        source._reader.close()  # every weight is in place: release the files
+        source._reader = None
 
 
 def build_model(
