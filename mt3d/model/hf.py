@@ -178,10 +178,11 @@ def hf_config_dict(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict:
             mlp_bias=cfg.bias,
             hidden_act="silu",
             rope_parameters=rope,
+            # the same, in the keys transformers 4.x reads (5.x folds them into rope_parameters)
+            rope_theta=cfg.rope_theta,
+            rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
             attention_dropout=cfg.attention_dropout,
         )
-        base.pop("rope_scaling", None)
-        base.pop("rope_theta", None)
     out = {**base, **new}
     if eos_id is not None and not base:
         out.update(bos_token_id=eos_id, eos_token_id=eos_id)
