@@ -339,3 +339,28 @@ def test_nan_steps_are_skipped_without_zero_too(tmp_path):
     assert [r["skipped"] for r in records] == [0, 1, 1, 1] and records[1]["grad_norm"] is None
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in records if r["step"] != 2)
     assert records[-1]["loss"] < records[0]["loss"] * 1.01  # the weights were not poisoned
+
+
+def test_resume_refuses_another_model_and_warns_on_changed_hyperparameters(caplog):
+    from mt3d.checkpoint.resume import _check_model
+
+    def model(**change):
+        return resolve_model({**TINY_GPT, "vocab_size": 512, **change})
+
+    saved = model()
+    meta = {"model": saved.to_dict(), "vocab_size": 512, "global_batch": 8, "seq_len": 32}
+    _check_model(Path("step_1"), meta, model())
+    for change, expect in (
+        ({"vocab_size": 1024}, "vocab_size: checkpoint 512 vs config 1024"),
+        ({"max_seq_len": 2 * saved.max_seq_len}, "max_seq_len: checkpoint"),  # learned positions
+        ({"kv_heads": 2}, "kv_heads: checkpoint 4 vs config 2"),
+    ):
+        with pytest.raises(CheckpointError, match=expect):
+            _check_model(Path("step_1"), meta, model(**change))
+    caplog.set_level("WARNING", logger="mt3d")
+    _check_model(
+        Path("step_1"), meta, model(norm_eps=1e-6),
+        {"global_batch": 16, "seq_len": 32},
+    )  # fmt: skip
+    text = caplog.text
+    assert "norm_eps changed" in text and "global_batch changed: 8 -> 16" in text and "seq_len" not in text

@@ -84,15 +84,34 @@ def candidates(resume: str, save_dir: str | Path) -> list[Path]:
     return [found[-1]]
 
 
-def _check_model(path: Path, meta: dict, model: ModelConfig) -> None:
+SOFT_KEYS = ("rope_theta", "rope_scaling", "norm_eps", "hidden_dropout", "attention_dropout")
+
+
+def _check_model(path: Path, meta: dict, model: ModelConfig, run_facts: dict | None = None) -> None:
+    """Refuse a checkpoint of another architecture (shapes); warn about changed hyper-parameters."""
     saved, now = meta["model"], model.to_dict()
-    diff = [k for k in ARCH_KEYS if saved.get(k) != now.get(k)]
+    keys = list(ARCH_KEYS) + (["max_seq_len"] if now.get("position") == "learned" else [])
+    diff = [k for k in keys if saved.get(k) != now.get(k)]
+    if model.vocab_size is not None and meta.get("vocab_size") not in (None, model.vocab_size):
+        diff.append("vocab_size")
+        saved, now = {**saved, "vocab_size": meta["vocab_size"]}, {**now, "vocab_size": model.vocab_size}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {saved.get(k)} vs config {now.get(k)}" for k in diff)
         raise CheckpointError(f"{path} is for a different model ({detail})")
+    changed = {k: (saved.get(k), now.get(k)) for k in SOFT_KEYS if saved.get(k) != now.get(k)}
+    for k, v in (run_facts or {}).items():
+        if meta.get(k) is not None and meta[k] != v:
+            changed[k] = (meta[k], v)
+    import torch.distributed as dist
+
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    for k, (old, new) in ({} if quiet else changed).items():
+        log.warning("resuming %s with %s changed: %s -> %s", path.name, k, old, new)
 
 
-def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> ResumePlan | None:
+def plan_resume(
+    resume: str, save_dir: str | Path, model: ModelConfig, run_facts: dict | None = None
+) -> ResumePlan | None:
     """The verified checkpoint to resume from (collective: every rank hashes a share of the files).
 
     With ``auto`` a checkpoint whose files do not match their manifest (bit flip, truncation) is
@@ -100,7 +119,7 @@ def plan_resume(resume: str, save_dir: str | Path, model: ModelConfig) -> Resume
     """
     for path in candidates(resume, save_dir):
         manifest = read_manifest(path)
-        _check_model(path, manifest["meta"], model)
+        _check_model(path, manifest["meta"], model, run_facts)
         plan = ResumePlan(path, manifest["meta"], manifest)
         try:
             verify_everywhere(plan.path, plan.manifest)

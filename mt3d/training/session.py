@@ -114,7 +114,8 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
         rank = rt.rank
         data, vocab = prepare_data(run, cfg)
         save_dir = Path(run.mt3d.train.save_dir)
-        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg)
+        facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
+        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts)
         wandb_run = None
         if rt.rank == 0:
             save_dir.mkdir(parents=True, exist_ok=True)
