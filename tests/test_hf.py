@@ -195,6 +195,13 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, arch):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert (tmp_path / "export" / "tokenizer.json").is_file()
+    from mt3d.model.loading import open_source
+
+    source = open_source(tmp_path / "run")  # the tokenizer travels inside the checkpoint
+    assert Path(source.tokenizer_dir) == source.path / "tokenizer"
+    assert (source.path / "tokenizer" / "tokenizer.json").read_bytes() == (
+        hf_dirs[arch] / "tokenizer.json"
+    ).read_bytes()
     again = run_export(tmp_path / "run", tmp_path / "export")
     assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites
 

@@ -37,6 +37,7 @@ log = logging.getLogger("mt3d")
 TAG_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 SUPERSEDED = "superseded"
+TOKENIZER = "tokenizer"  # the run's tokenizer files inside each checkpoint
 
 
 def tag_for(step: int) -> str:
@@ -136,6 +137,7 @@ class Checkpointer:
         keep_last: int = 0,
         tracker=None,
         rng_key: str | None = None,
+        tokenizer_dir: str | None = None,
         faults=None,
     ) -> None:
         self.engine = engine
@@ -145,6 +147,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.tracker = tracker
         self.rng_key = rng_key  # default: by global rank (single-layout tools)
+        self.tokenizer_dir = tokenizer_dir  # copied into every checkpoint: it travels with the weights
         self.faults = faults
 
     def save(self, step: int) -> Path:
@@ -160,6 +163,10 @@ class Checkpointer:
             str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
         )
         save_rng(tmp, self.rng_key or f"rank_{rank:05d}", self.tracker)
+        if rank == 0 and self.tokenizer_dir:
+            from ..data.tokenizer import copy_tokenizer
+
+            copy_tokenizer(self.tokenizer_dir, tmp / TOKENIZER)
         if self.faults:
             self.faults.in_save(step)
         dist.barrier()  # every rank's files exist

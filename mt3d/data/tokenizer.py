@@ -63,6 +63,31 @@ def _special(value) -> str | None:
     return value
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> int:
+    """Copy the tokenizer files of HF directory ``src`` into ``dst``; returns how many."""
+    import shutil
+
+    n = 0
+    for name in TOKENIZER_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            Path(dst).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, Path(dst) / name)
+            n += 1
+    return n
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load an HF tokenizer directory (``tokenizer.json`` + config; other formats via transformers)."""
     d = Path(path)

@@ -449,17 +449,6 @@ def hf_state_dict(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, 
     return result
 
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-)
-
-
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
     """Write an HF directory (config.json, safetensors, tokenizer) from an mt3d checkpoint of any layout."""
     import shutil
@@ -498,10 +487,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
     if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
-        for name in TOKENIZER_FILES:
-            f = Path(source.tokenizer_dir) / name
-            if f.is_file():
-                shutil.copy2(f, tmp / name)
+        from ..data.tokenizer import copy_tokenizer
+
+        copy_tokenizer(source.tokenizer_dir, tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)

@@ -72,7 +72,8 @@ def open_source(path: str | Path, verify: bool = True) -> WeightSource:
             )
         p = found
     reader = CheckpointReader(p, verify=verify)
-    tok = reader.meta.get("data", {}).get("tokenizer")
+    own = p / "tokenizer"  # saved inside the checkpoint; older ones point to where the run had it
+    tok = str(own) if _has_tokenizer(own) else reader.meta.get("data", {}).get("tokenizer")
     return WeightSource("checkpoint", p, reader.cfg, reader.vocab, tok, reader)
 
 

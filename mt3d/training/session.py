@@ -135,6 +135,7 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
             keep_last=run.mt3d.train.keep_last,
             tracker=rt.tracker,
             rng_key=rng_key(rt.state),
+            tokenizer_dir=data.info.get("tokenizer_dir"),
             faults=faults,
         )
         trainer = Trainer(
