@@ -55,7 +55,11 @@ def _add_topo(sub) -> None:
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per step for the estimate (default 1)"
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output (see DESIGN.md)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (groups, crossings, bytes) instead of tables",
+    )
     p.set_defaults(func=cmd_topo)
 
 
@@ -494,7 +498,9 @@ def _add_plan(sub) -> None:
         "plan",
         help="rank (tp, pp, dp, micro-batch, ZeRO, recompute, SP) layouts by predicted memory and time",
         description="Enumerate every layout of a model on a cluster, reject impossible ones with a reason, "
-        "predict memory per GPU and step time for the rest (FORMULAS.md), and rank them.",
+        "predict memory per GPU (ZeRO model states, Korthikanti activations, 1F1B in-flight micro-batches) "
+        "and step time (compute at --efficiency of peak, TP/PP/DP communication, pipeline bubble) for the "
+        "rest, and rank them by step time.",
         epilog=PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -514,7 +520,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--peak-tflops", type=float, help="override the device's dense peak")
     p.add_argument("--memory-gb", type=float, help="override the device's memory")
     p.add_argument("--top", type=int, default=10, help="rows to show")
-    p.add_argument("--json", action="store_true", help="machine-readable output (see DESIGN.md)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (feasible and rejected layouts) instead"
+    )
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a ds_configs-style JSON")
     p.set_defaults(func=cmd_plan)
 

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from mt3d.config import load, resolve_model, validate
+from mt3d.config import ConfigError, fp16_supported, load, resolve_model, validate
 from mt3d.errors import UserError
 from mt3d.planner.costs import Layout, Precision, korthikanti_layer_bytes, memory_bytes, model_state_bytes
 from mt3d.planner.hardware import get_device
-from mt3d.planner.search import Cluster, plan
+from mt3d.planner.search import Cluster, plan, write_config
 from mt3d.presets import get_preset
 
 
@@ -100,7 +100,25 @@ def test_plan_command_json_and_written_config(tmp_path):
     layout = validate(run, 16, resolve_model(run.mt3d.model))
     best = res["feasible"][0]
     assert (layout.tp, layout.pp, layout.micro_batch) == (best["tp"], best["pp"], best["micro_batch"])
+    assert run.ds["bf16"]["enabled"] and not run.ds["fp16"]["enabled"]
     bad = run_plan("--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8")
     assert bad.returncode == 1 and "no feasible layout" in bad.stderr
     worse = run_plan("--model", "gpt2-smol", "--gpus", "8")
     assert worse.returncode == 2 and "did you mean gpt2-small" in worse.stderr
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_written_config_carries_the_planned_precision(tmp_path, precision):
+    cluster = Cluster(8, 8, get_device("h100"))
+    model = get_preset("gpt2-small")
+    result = plan(model, cluster, global_batch=32, seq_len=1024, precision=precision)
+    conf = write_config(result, str(tmp_path / "c.json"), {"preset": "gpt2-small"})
+    assert conf["fp16"]["enabled"] == (precision == "fp16") and not conf["bf16"]["enabled"]
+    if precision == "fp16":
+        assert conf["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    run = load(tmp_path / "c.json")
+    if precision == "fp16" and not fp16_supported():
+        with pytest.raises(ConfigError, match="fp16 is not supported on this device"):
+            validate(run, 8, model)
+    else:
+        assert validate(run, 8, model).tp == result["feasible"][0]["tp"]

@@ -211,6 +211,15 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
         "bf16": {"enabled": result["precision"] == "bf16"},
+        # fp16: dynamic loss scaling (loss_scale 0), DeepSpeed's defaults made explicit so users can tune them
+        "fp16": {
+            "enabled": result["precision"] == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
         "zero_optimization": {"stage": best["zero_stage"]},
         "wandb": {"enabled": True, "project": "mt3d"},
         "mt3d": {
