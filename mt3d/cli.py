@@ -558,13 +558,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg, section, defaults = _plan_model(args.model)
     device = get_device(args.gpu, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb)
-    seq = args.seq_len or defaults.get("seq_len") or cfg.max_seq_len
+
+    def given(value, fallback):
+        return value if value is not None else fallback
+
+    seq = given(args.seq_len, defaults.get("seq_len") or cfg.max_seq_len)
     result = plan(
         cfg,
         Cluster(args.gpus, args.gpus_per_node, device),
-        global_batch=args.global_batch or defaults.get("global_batch") or 512,
+        global_batch=given(args.global_batch, defaults.get("global_batch") or 512),
         seq_len=seq,
-        vocab=args.vocab or cfg.vocab_size or defaults.get("vocab"),
+        vocab=given(args.vocab, cfg.vocab_size or defaults.get("vocab")),
         precision=args.precision,
         efficiency=args.efficiency,
     )

@@ -103,6 +103,9 @@ def test_plan_command_json_and_written_config(tmp_path):
     assert run.ds["bf16"]["enabled"] and not run.ds["fp16"]["enabled"]
     bad = run_plan("--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8")
     assert bad.returncode == 1 and "no feasible layout" in bad.stderr
+    for flag, value in (("--global-batch", "-1"), ("--efficiency", "2"), ("--memory-gb", "0")):
+        odd = run_plan("--model", "gpt2-small", "--gpus", "8", flag, value)
+        assert odd.returncode == 2 and flag in odd.stderr, (flag, odd.stderr)
     worse = run_plan("--model", "gpt2-smol", "--gpus", "8")
     assert worse.returncode == 2 and "did you mean gpt2-small" in worse.stderr
 

@@ -77,11 +77,20 @@ def plan(
     max_rejected: int = 500,
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring."""
+    if vocab is not None and vocab <= 0:
+        raise UserError(f"--vocab must be positive, got {vocab}")
     vocab = vocab or cfg.vocab_size
     if not vocab:
         raise UserError("the model has no vocabulary size; give --vocab")
     if cluster.gpus <= 0 or cluster.gpus_per_node <= 0:
         raise UserError("--gpus and --gpus-per-node must be positive")
+    for name, value in (("--global-batch", global_batch), ("--seq-len", seq_len)):
+        if value <= 0:
+            raise UserError(f"{name} must be positive, got {value}")
+    if not 0 < efficiency <= 1:
+        raise UserError(f"--efficiency is a fraction of peak in (0, 1], got {efficiency}")
+    if cluster.device.peak_tflops <= 0 or cluster.device.memory_gb <= 0:
+        raise UserError("--peak-tflops and --memory-gb must be positive")
     if cluster.gpus % min(cluster.gpus_per_node, cluster.gpus):
         raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
     dev = cluster.device
