@@ -261,5 +261,7 @@ def test_cli_topo_json_and_errors(tmp_path):
     bad = run_cli("topo", "--hostfile", str(hostfile), "--tp", "4")
     assert bad.returncode == 2 and "allow-crossing" in bad.stderr
     assert run_cli("topo", "--hostfile", str(hostfile), "--tp", "4", "--allow-crossing").returncode == 0
+    bad = run_cli("topo", "--world-size", "8", "--tp", "2", "--model", "tiny", "--grad-accum", "0")
+    assert bad.returncode == 2 and "--grad-accum" in bad.stderr
     helptext = run_cli("topo", "--help")
     assert helptext.returncode == 0 and "examples:" in helptext.stdout

@@ -424,6 +424,12 @@ class TrafficModel:
     params: int
     bytes_per_element: int = 2
 
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "seq_len", "micro_batch", "micro_batches", "bytes_per_element"):
+            if getattr(self, name) <= 0:
+                label = "micro-batches per step (--grad-accum)" if name == "micro_batches" else name
+                raise TopologyError(f"{label} must be positive, got {getattr(self, name)}")
+
 
 def _ring_crossing_edges(group: list[int], topo: MappedTopology) -> int:
     """Edges of a ring over ``group`` (in group order, wrapping) that join different hosts."""
