@@ -364,3 +364,55 @@ def test_resume_refuses_another_model_and_warns_on_changed_hyperparameters(caplo
     )  # fmt: skip
     text = caplog.text
     assert "norm_eps changed" in text and "global_batch changed: 8 -> 16" in text and "seq_len" not in text
+
+
+def _unguarded_resume_worker(raw):
+    """Resume without mt3d's reshard guard, to see what DeepSpeed itself does; (exit code, records)."""
+    from mt3d.checkpoint import reshard
+
+    reshard.unsupported_reshard = lambda saved, target: None
+    try:
+        return train_rc_worker(raw)
+    except Exception:  # DeepSpeed's own failure is the point of the exercise
+        return 1, None
+
+
+def test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly(tmp_path):
+    """ZeRO-3 keeps weights only in its fp32 partitions: the reader stitches them (export, eval). Every
+    reshard of ZeRO-3 states is refused with the way out; the test also runs them past the guard and
+    fails when DeepSpeed starts getting them right."""
+    import torch
+
+    from mt3d.checkpoint.reader import CheckpointReader
+    from mt3d.checkpoint.reshard import unsupported_reshard
+
+    z3 = tiny_config(tmp_path / "z3", steps=4, zero=3, save_interval=2)
+    z2 = tiny_config(tmp_path / "z2", steps=4, zero=2, save_interval=2)
+    ref = losses(run(z3, 2))
+    flat = lambda rows: [x for row in rows for x in row]  # noqa: E731
+    assert flat(ref) == pytest.approx(flat(losses(run(z2, 2))), rel=1e-5)
+    a = CheckpointReader(tmp_path / "z3" / "checkpoints" / "step_00000004")
+    b = CheckpointReader(tmp_path / "z2" / "checkpoints" / "step_00000004")
+    names = list(b._module(0))
+    assert names and sorted(a._module(0)) == sorted(names)
+    for name in names:  # atol: Adam turns the float noise of zero-gradient key biases into ~3e-6
+        torch.testing.assert_close(a.full(name), b.full(name), rtol=1e-4, atol=1e-5, msg=name)
+
+    src = str(tmp_path / "z3" / "checkpoints" / "step_00000002")
+    z2src = str(tmp_path / "z2" / "checkpoints" / "step_00000002")
+    refused = [  # (source, world, target layout)
+        (src, 1, {"zero": 3}),  # another dp
+        (src, 2, {"zero": 3, "tp": 2}),
+        (src, 2, {"zero": 1, "pp": 2}),
+        (z2src, 2, {"zero": 3}),
+    ]
+    for i, (source, world, target) in enumerate(refused):
+        raw = tiny_config(tmp_path / f"to{i}", steps=4, resume=source, **target)
+        assert spawn(train_rc_worker, world, raw)[0][0] == 2, target  # refused up front, bad-input code
+        rc, records = spawn(_unguarded_resume_worker, world, raw, timeout=300)[0]
+        right = rc == 0 and flat(losses(records)) == pytest.approx(flat(ref[2:]), rel=1e-5)
+        assert not right, f"DeepSpeed now resumes {source} at {target}: drop it from unsupported_reshard"
+    saved = {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 3}
+    assert "tensor=1 and dp=2" in unsupported_reshard(saved, {**saved, "dp": 1})
+    assert "stage 1 or 2" in unsupported_reshard({**saved, "zero_stage": 1}, saved)
+    assert unsupported_reshard({**saved, "zero_stage": 1}, {**saved, "zero_stage": 2, "dp": 1}) is None

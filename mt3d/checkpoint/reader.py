@@ -2,9 +2,13 @@
 
 A checkpoint written by the pipeline engine holds one file per layer and TP rank
 (``layer_XX-model_YY-model_states.pt``); the regular engine (ZeRO-2 at pp = 1) writes
-``mp_rank_YY_model_states.pt`` with the whole module. Either way ``full(name)`` returns the
-unsharded tensor and ``shard(name, rank, world)`` any TP slice of it. Files are checked against the
-manifest before they are used, and unpickled with ``weights_only=True``.
+``mp_rank_YY_model_states.pt`` with the whole module. Under ZeRO-3 DeepSpeed saves empty module
+tensors: the weights exist only as the fp32 master partitions in
+``zero_pp_rank_D_mp_rank_YY_optim_states.pt``, one per data-parallel rank D, each the
+concatenation of that rank's ceil(numel / dp) slice of every parameter (in the order of
+``param_shapes`` in the model-states file); they are stitched back here. Either way ``full(name)``
+returns the unsharded tensor and ``shard(name, rank, world)`` any TP slice of it. Files are
+checked against the manifest before they are used, and unpickled with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -30,21 +34,27 @@ class CheckpointReader:
         self.manifest = read_manifest(self.dir)
         check_sizes(self.dir, self.manifest)
         self.verified = False
-        if verify:  # the files weights are read from (optimizer states are never opened here)
-            weights = [n for n in sorted(self.manifest["files"]) if n.startswith(("layer_", "mp_rank_"))]
-            verify_files(self.dir, self.manifest, weights)
-            self.verified = True
         meta = self.manifest["meta"]
         self.meta = meta
         try:
             self.cfg = ModelConfig.from_dict(meta["model"])
             self.vocab = int(meta["vocab_size"])
             self.tp = int(meta["layout"]["tp"])
+            self.dp = int(meta["layout"]["dp"])
+            self.zero3 = int(meta["layout"].get("zero_stage", 0)) == 3
+            self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                meta.get("precision"), torch.float32
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(
                 f"{self.dir}/manifest.json does not describe an mt3d training checkpoint "
                 f"({e!r} missing or invalid)"
             ) from None
+        if verify:  # only the files weights are read from (ZeRO-3: its optimizer states hold them)
+            prefixes = ("zero_pp_rank_",) if self.zero3 else ("layer_", "mp_rank_")
+            weights = [n for n in sorted(self.manifest["files"]) if n.startswith(prefixes)]
+            verify_files(self.dir, self.manifest, weights)
+            self.verified = True
         self.pipeline_files = any(n.startswith("layer_") for n in self.manifest["files"])
 
     @lru_cache(maxsize=8)  # noqa: B019 - a reader lives as long as one export / load
@@ -54,8 +64,37 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir / name} is missing (checkpoint written with tp={self.tp}?)")
         return safe_torch_load(self.dir / name)
 
+    def _load(self, name: str) -> dict:
+        if name not in self.manifest["files"]:
+            raise CheckpointError(f"{self.dir / name} is missing")
+        return safe_torch_load(self.dir / name)
+
+    def _zero3_module(self, tp_rank: int) -> dict:
+        """TP rank ``tp_rank``'s module weights stitched from every DP rank's ZeRO-3 fp32 partitions."""
+        shapes = self._load(f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt").get("param_shapes")
+        flats = []
+        for d in range(self.dp):
+            name = f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_optim_states.pt"
+            flats.append(self._load(name)["optimizer_state_dict"]["fp32_flat_groups"])
+        if not isinstance(shapes, list) or any(len(f) != len(shapes) for f in flats):
+            raise CheckpointError(f"{self.dir}: ZeRO-3 parameter groups do not match their partitions")
+        state = {}
+        for group, group_shapes in enumerate(shapes):
+            offset = 0
+            for pname, shape in group_shapes.items():
+                numel = int(torch.Size(shape).numel())
+                part = -(-numel // self.dp)
+                pieces = [f[group][offset : offset + part] for f in flats]
+                if any(p.numel() != part for p in pieces):
+                    raise CheckpointError(f"{self.dir}: ZeRO-3 partitions end before {pname!r}; truncated?")
+                state[pname] = torch.cat(pieces)[:numel].detach().view(shape).to(self.dtype)
+                offset += part
+        return state
+
     @lru_cache(maxsize=8)  # noqa: B019
     def _module(self, tp_rank: int) -> dict:
+        if self.zero3:
+            return self._zero3_module(tp_rank)
         name = f"mp_rank_{tp_rank:02d}_model_states.pt"
         if name not in self.manifest["files"]:
             raise CheckpointError(f"{self.dir / name} is missing")

@@ -113,11 +113,46 @@ def _convert_on_rank0(plan, out: Path) -> None:
     write_manifest(out, files, meta)
 
 
-def prepare(plan, run, rank: int) -> tuple[Path, str]:
+def unsupported_reshard(saved: dict, target: dict) -> str | None:
+    """Why mt3d refuses to move a checkpoint from layout ``saved`` to ``target`` (None: it does not).
+
+    Layouts are dicts with tp, pp, dp and zero_stage. Measured with DeepSpeed 0.19.8, every reshard
+    that involves ZeRO-3 goes wrong: a ZeRO-3 checkpoint has no module or layer files, so ZeRO 0-2
+    cannot load its universal form (``assert len(self.ckpt_list) > 0``); ZeRO-3's universal loader
+    looks for ZeRO-3 model files, so no ZeRO 0-2 checkpoint loads into it; it slices tensor
+    parallelism only for AutoTP modules (a size mismatch at another tp); and at another dp it loads
+    but training drifts from the second step on (grad norm 1.4066 instead of 1.3984 on the tiny
+    model; one cause is that it copies param group 0's settings, weight decay included, into every
+    group). Among ZeRO 0-2 every layout works and is tested. Refusing up front gives the way out
+    instead of an assertion or a silently different run; tests/test_checkpoint.py runs the refused
+    moves past this guard and fails when DeepSpeed starts getting them right.
+    """
+    if saved["zero_stage"] != 3 and target["zero_stage"] != 3:
+        return None
+    way = (
+        "or export it with `mt3d export-hf` and fine-tune from that directory with model.from_hf "
+        "(weights kept, optimizer state restarted)"
+    )
+    if saved["zero_stage"] == 3:
+        return (
+            f"DeepSpeed 0.19.8 cannot reshard ZeRO-3 states correctly: resume it in the layout it was saved "
+            f"in (zero_optimization.stage=3, tensor={saved['tp']} and dp={saved['dp']}, pipeline=1), {way}"
+        )
+    return (
+        f"it was saved with ZeRO-{saved['zero_stage']} and DeepSpeed 0.19.8 cannot load it into ZeRO-3: "
+        f"resume with zero_optimization.stage 1 or 2 (any tp/pp/dp), {way}"
+    )
+
+
+def prepare(plan, run, layout, rank: int) -> tuple[Path, str]:
     """Make sure the universal form exists (rank 0 converts), enable universal loading; (load_dir, tag).
 
     Collective: a failure on rank 0 is raised on every rank (no rank is left waiting for it).
     """
+    target = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": layout.zero_stage}
+    why = unsupported_reshard(plan.meta["layout"], target)
+    if why:
+        raise CheckpointError(f"cannot resume {plan.path} in this layout: {why}")
     out = universal_dir(plan, run.mt3d.train.save_dir)
     error = ""
     if rank == 0:

@@ -88,7 +88,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     if plan is not None:
         load_dir, tag = plan.path.parent, plan.path.name
         if not same_layout:
-            load_dir, tag = reshard.prepare(plan, run, rt.rank)
+            load_dir, tag = reshard.prepare(plan, run, layout, rt.rank)
     model = build_model(run, layout, rt, cfg, vocab, skip_init=bool(hf_path) or plan is not None)
     if hf_path and plan is None:
         from ..model.loading import load_weights, open_source
