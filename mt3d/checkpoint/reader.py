@@ -60,13 +60,12 @@ class CheckpointReader:
     @lru_cache(maxsize=8)  # noqa: B019 - a reader lives as long as one export / load
     def _layer(self, layer: int, tp_rank: int) -> dict:
         name = f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
-        if name not in self.manifest["files"]:
-            raise CheckpointError(f"{self.dir / name} is missing (checkpoint written with tp={self.tp}?)")
-        return safe_torch_load(self.dir / name)
+        return self._load(name, f" (checkpoint written with tp={self.tp}?)")
 
-    def _load(self, name: str) -> dict:
+    def _load(self, name: str, hint: str = "") -> dict:
+        """One file of the checkpoint, which must be listed in its manifest."""
         if name not in self.manifest["files"]:
-            raise CheckpointError(f"{self.dir / name} is missing")
+            raise CheckpointError(f"{self.dir / name} is missing{hint}")
         return safe_torch_load(self.dir / name)
 
     def _zero3_module(self, tp_rank: int) -> dict:
@@ -96,13 +95,9 @@ class CheckpointReader:
         if self.zero3:
             return self._zero3_module(tp_rank)
         name = f"mp_rank_{tp_rank:02d}_model_states.pt"
-        if name not in self.manifest["files"]:
-            raise CheckpointError(f"{self.dir / name} is missing")
-        state = safe_torch_load(self.dir / name).get("module")
+        state = self._load(name).get("module")
         if not state:
-            raise CheckpointError(
-                f"{self.dir / name} holds no module weights (ZeRO-3 checkpoints are not readable)"
-            )
+            raise CheckpointError(f"{self.dir / name} holds no module weights")
         return state
 
     def _local(self, name: str, tp_rank: int) -> torch.Tensor:
