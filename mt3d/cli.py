@@ -356,8 +356,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not text_path.is_file():
         raise FileNotFoundError(f"text file not found: {text_path}")
     cfg = open_source(args.model, verify=False).cfg  # config only: refuse before any weight is read
-    if cfg.position == "learned" and args.seq_len > cfg.max_seq_len:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
     model, device = _load(args, args.pp)
     tok = _tokenizer_for(model)
     ids = torch.tensor(
@@ -450,7 +450,7 @@ def _add_export(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``mt3d export-hf``."""
-    from .model.hf import export_hf
+    from .model.export import export_hf
 
     print(export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size))
     return 0

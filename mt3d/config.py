@@ -268,6 +268,19 @@ def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
 MODEL_KEYS = {"preset", "from_hf"}
 
 
+def _with_preset_family(cfg: dict) -> ModelConfig:
+    """A preset's family is a default: when the overrides leave it unable to express the model (a
+    GPT preset given kv_heads, say), the family is inferred from the options instead."""
+    from .model.families import get_family
+
+    try:
+        return ModelConfig.from_dict(cfg)
+    except ModelConfigError:
+        free = {**get_family(cfg["family"]).defaults, **cfg}
+        free.pop("family")
+        return ModelConfig.from_dict(free)  # raises again if the problem was not the family
+
+
 def resolve_model(section: dict) -> ModelConfig:
     """The ModelConfig named by the model section (preset + overrides, HF dir, or dimensions)."""
     from .presets import get_preset
@@ -289,7 +302,9 @@ def resolve_model(section: dict) -> ModelConfig:
             # Start from the preset's own fields, not its derived ones: an overridden hidden size
             # must re-derive ffn / head_dim / kv_heads unless those are given too.
             cfg = {"name": base, **PRESETS[base], **section}
-            return ModelConfig.from_dict(cfg)
+            if "family" in section:
+                return ModelConfig.from_dict(cfg)
+            return _with_preset_family(cfg)
         if not section:
             raise ConfigError("mt3d.model is empty: give a preset, from_hf or dimensions")
         return ModelConfig.from_dict({"name": "custom", **section})
@@ -463,9 +478,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
             model.check_parallel(tp, pp)
         except ModelConfigError as e:
             raise ConfigError(str(e)) from None
-        if model.position == "learned" and data.seq_len > model.max_seq_len:
+        if model.position_limit is not None and data.seq_len > model.position_limit:
             raise ConfigError(
-                f"data.seq_len {data.seq_len} exceeds the model's max_seq_len {model.max_seq_len}"
+                f"data.seq_len {data.seq_len} exceeds the model's max_seq_len {model.position_limit}"
             )
         if par.stage_layers is not None:
             if len(par.stage_layers) != pp or sum(par.stage_layers) != model.layers:

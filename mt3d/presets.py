@@ -2,7 +2,9 @@
 
 Sizes follow the published configurations: GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020,
 Table 2.1), Megatron-LM 8.3B (Shoeybi et al. 2019), MT-NLG 530B (Smith et al. 2022), Llama 2
-(Touvron et al. 2023). ``tiny`` is the CPU demo model.
+(Touvron et al. 2023), and the released HF configs of Mistral 7B v0.1, Qwen2.5-7B, Qwen3-8B and
+Gemma 2 9B. Each names its ``family``, whose block options fill the keys it does not give.
+``tiny`` is the CPU demo model; ``tiny-<family>`` are CPU variants of each family.
 """
 
 from __future__ import annotations
@@ -11,20 +13,27 @@ import difflib
 
 from .model.config import ModelConfig, ModelConfigError
 
-_GPT = dict(position="learned", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
-_LLAMA = dict(
-    position="rope",
-    norm="rmsnorm",
-    mlp="swiglu",
-    bias=False,
-    tie_embeddings=False,
-    norm_eps=1e-5,
-    rope_theta=10000.0,
-)
+_GPT = dict(family="gpt2")
+_LLAMA = dict(family="llama", norm_eps=1e-5, rope_theta=10000.0)
+# the CPU variants of the newer families: windows shorter than the test sequences
+_TINY = dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, max_seq_len=128)
+_SLIDING, _FULL = "sliding_attention", "full_attention"
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden=64, layers=4, heads=4, max_seq_len=128, **_GPT),
     "tiny-llama": dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, max_seq_len=128, **_LLAMA),
+    "tiny-mistral": dict(family="mistral", attention={"window": 16}, **_TINY),
+    "tiny-qwen2": dict(
+        family="qwen2", attention={"window": 16, "layer_types": [_FULL, _FULL, _SLIDING, _SLIDING]}, **_TINY
+    ),
+    "tiny-qwen3": dict(family="qwen3", head_dim=32, **_TINY),
+    "tiny-gemma2": dict(
+        family="gemma2",
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        attention={"window": 16, "global_every": 2},
+        **_TINY,
+    ),
     "gpt2-small": dict(hidden=768, layers=12, heads=12, vocab_size=50257, max_seq_len=1024, **_GPT),
     "gpt2-medium": dict(hidden=1024, layers=24, heads=16, vocab_size=50257, max_seq_len=1024, **_GPT),
     "gpt2-large": dict(hidden=1280, layers=36, heads=20, vocab_size=50257, max_seq_len=1024, **_GPT),
@@ -45,7 +54,28 @@ PRESETS: dict[str, dict] = {
     "llama-70b": dict(
         hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab_size=32000, max_seq_len=4096, **_LLAMA
     ),
-}
+    # Mistral 7B v0.1 (Jiang et al. 2023): 4096-token sliding window on every layer
+    "mistral-7b": dict(
+        family="mistral", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab_size=32000,
+        max_seq_len=32768, norm_eps=1e-5, attention={"window": 4096},
+    ),
+    # Qwen2.5-7B (Qwen team 2024): q/k/v biases, no sliding window in the released config
+    "qwen2.5-7b": dict(
+        family="qwen2", hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944, vocab_size=152064,
+        max_seq_len=32768, rope_theta=1e6,
+    ),
+    # Qwen3-8B (Qwen team 2025): q/k RMSNorm, head_dim 128
+    "qwen3-8b": dict(
+        family="qwen3", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=12288,
+        vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
+    ),
+    # Gemma 2 9B (Gemma team 2024): local (4096) and global layers alternate, soft-capping 50 / 30
+    "gemma2-9b": dict(
+        family="gemma2", hidden=3584, layers=42, heads=16, kv_heads=8, head_dim=256, ffn=14336,
+        vocab_size=256000, max_seq_len=8192, query_pre_attn_scalar=256,
+        attention={"window": 4096, "global_every": 2},
+    ),
+}  # fmt: skip
 
 
 def preset_names() -> list[str]:
@@ -59,4 +89,4 @@ def get_preset(name: str) -> ModelConfig:
         close = difflib.get_close_matches(name, PRESETS, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ModelConfigError(f"unknown model preset {name!r}{hint} (known: {', '.join(PRESETS)})")
-    return ModelConfig(name=name, **PRESETS[name])
+    return ModelConfig.from_dict({"name": name, **PRESETS[name]})

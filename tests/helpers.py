@@ -5,6 +5,14 @@ import os
 
 TINY_GPT = {"preset": "tiny", "hidden": 64, "layers": 4, "heads": 4, "max_seq_len": 64}
 TINY_LLAMA = {"preset": "tiny-llama", "hidden": 64, "layers": 4, "heads": 8, "kv_heads": 4, "ffn": 128}
+# every block option at once (no HF family has them all): each kind of parameter and TP mark
+TINY_EVERY = {
+    "hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32, "ffn": 96, "max_seq_len": 64,
+    "position": "rope", "norm": "rmsnorm", "norm_unit_offset": True, "mlp": "geglu", "bias": True,
+    "qkv_bias": True, "mlp_bias": False, "qk_norm": True, "post_norms": True, "scale_embedding": True,
+    "attn_softcap": 20.0, "logit_softcap": 15.0, "query_pre_attn_scalar": 24.0, "tie_embeddings": True,
+    "attention": {"window": 8, "global_every": 2},
+}  # fmt: skip
 
 
 def tiny_config(save_dir, *, model=None, tp=1, pp=1, steps=5, zero=1, global_batch=8, micro=2, **mt3d_train):

@@ -16,7 +16,7 @@ from mt3d.checkpoint.manifest import CheckpointError, describe_files, write_mani
 from mt3d.config import from_dict, resolve_model, validate
 from mt3d.parallel.spawn import WorkerError, free_port, spawn
 
-from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_rc_worker, train_worker
+from helpers import TINY_EVERY, TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_rc_worker, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 DROPOUT_GPT = {**TINY_GPT, "hidden_dropout": 0.1, "attention_dropout": 0.1}
@@ -88,28 +88,51 @@ def test_reshard_to_every_layout(saved_222):
     assert (src.parent / "universal" / src.name / "manifest.json").is_file()  # converted once, reused
 
 
-def test_reshard_llama_with_gqa(tmp_path):
+# the model section of a manifest written before ModelConfig had family and block options
+LEGACY_MODEL_KEYS = (
+    "hidden", "layers", "heads", "vocab_size", "kv_heads", "ffn", "head_dim", "max_seq_len", "position",
+    "norm", "mlp", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "hidden_dropout",
+    "attention_dropout", "init_std", "name", "extra",
+)  # fmt: skip
+
+
+def make_legacy(checkpoint):
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["meta"]["model"] = {k: manifest["meta"]["model"][k] for k in LEGACY_MODEL_KEYS}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "every-option"])
+def test_reshard_other_models(tmp_path, model):
+    """GQA Llama from a checkpoint written before the family field existed; and a model with every
+    block option (each kind of parameter's universal-checkpoint pattern is derived, not written)."""
+    spec = TINY_LLAMA if model == "llama-gqa" else TINY_EVERY
     src = tmp_path / "src"
-    ref = losses(run(tiny_config(src, model=TINY_LLAMA, tp=2, pp=2, steps=6, save_interval=3), 4))[3:]
+    ref = losses(run(tiny_config(src, model=spec, tp=2, pp=2, steps=6, save_interval=3), 4))[3:]
     step3 = src / "checkpoints" / "step_00000003"
+    if model == "llama-gqa":
+        make_legacy(step3)
+        from mt3d.model.loading import open_source
+
+        assert open_source(step3).cfg.family == "llama"
 
     def check(got):
         assert [s for s, _, _ in got] == [4, 5, 6]
-        for (_, a, _), (_, b, _) in zip(got, ref):
-            assert abs(a - b) <= 1e-5 * abs(b), (got, ref)
+        for (_, a, ga), (_, b, gb) in zip(got, ref):
+            assert abs(a - b) <= 1e-5 * abs(b) and abs(ga - gb) <= 1e-5 * abs(gb), (got, ref)
 
-    for tp, pp, dp in ((1, 1, 1), (4, 1, 2), (1, 4, 1)):
-        raw = tiny_config(
-            tmp_path / f"to{tp}{pp}{dp}", model=TINY_LLAMA, tp=tp, pp=pp, steps=6, resume=str(step3)
-        )
+    layouts = ((1, 1, 1), (4, 1, 2), (1, 4, 1)) if model == "llama-gqa" else ((1, 1, 1), (2, 1, 2))
+    for tp, pp, dp in layouts:
+        raw = tiny_config(tmp_path / f"to{tp}{pp}{dp}", model=spec, tp=tp, pp=pp, steps=6, resume=str(step3))
         check(losses(run(raw, tp * pp * dp)))
-    # A corrupted conversion cache (same size, one byte flipped) is detected and converted again.
-    cache = src / "checkpoints" / "universal" / "step_00000003"
-    victim = max((p for p in cache.rglob("*.pt")), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    check(losses(run(tiny_config(tmp_path / "again", model=TINY_LLAMA, steps=6, resume=str(step3)), 1)))
+    if model == "llama-gqa":
+        # A corrupted conversion cache (same size, one byte flipped) is detected and converted again.
+        cache = src / "checkpoints" / "universal" / "step_00000003"
+        victim = max((p for p in cache.rglob("*.pt")), key=lambda p: p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        check(losses(run(tiny_config(tmp_path / "again", model=spec, steps=6, resume=str(step3)), 1)))
 
 
 def test_resuming_an_older_step_moves_the_abandoned_history_aside(tmp_path):

@@ -1,117 +1,175 @@
-"""HF transformers interop: parity at every tp x pp, eval, round trip, fine-tune, generation, bad input."""
+"""HF transformers interop for every family: logits at every tp x pp, eval, round trip, fine-tuning
+parity, generation past the sliding window, and bad input.
+
+The tiny models exercise what each family adds: sliding windows (8) shorter than every test
+sequence, mixed local/global layers, q/k/v biases, q/k norms, head_dim != hidden / heads, Gemma's
+soft-caps (small enough to bite), tied and untied heads; every bias and norm weight is randomised.
+"""
 
 import json
 import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from mt3d.data.corpora import stdlib_documents
 from mt3d.data.tokenizer import load_tokenizer, train_bpe
-from mt3d.model.blocks import BuildContext
-from mt3d.model.hf import HFError, config_from_hf
+from mt3d.model.families import HFError
+from mt3d.model.hf import config_from_hf
 from mt3d.model.loading import from_pretrained
-from mt3d.model.pipeline import StackedModel, layer_specs
-from mt3d.model.sharding import global_names, param_layout, split_name
 from mt3d.parallel.spawn import spawn
-from mt3d.parallel.state import AxisGroup
 
 from helpers import step_records, tiny_config, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2"]
+WINDOWED = ["mistral", "qwen2", "gemma2"]
+WINDOW = 8
+
+
+def hf_configs(vocab, eos):
+    small = dict(
+        hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=vocab,
+        max_position_embeddings=128, bos_token_id=eos, eos_token_id=eos,
+    )  # fmt: skip
+    return {
+        "gpt2": GPT2Config(
+            n_embd=64, n_layer=4, n_head=4, vocab_size=vocab, n_positions=128, bos_token_id=eos,
+            eos_token_id=eos,
+        ),
+        "llama": LlamaConfig(
+            num_attention_heads=8, num_key_value_heads=4, **small,
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        ),
+        "mistral": MistralConfig(
+            num_attention_heads=8, num_key_value_heads=4, sliding_window=WINDOW, rope_theta=5000.0, **small
+        ),
+        "qwen2": Qwen2Config(
+            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=WINDOW,
+            max_window_layers=2, tie_word_embeddings=True, **small,
+        ),
+        "qwen3": Qwen3Config(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True, **small
+        ),
+        "gemma2": Gemma2Config(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
+            query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **small,
+        ),
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """Tiny random GPT-2 (tied) and Llama (GQA, llama3 RoPE, untied) dirs with a BPE tokenizer."""
+    """One tiny random model per family, saved with a BPE tokenizer."""
     base = tmp_path_factory.mktemp("hf")
     docs = [d for _, d in zip(range(1500), stdlib_documents())]
     tok_dir = base / "tok"
     tok = train_bpe(docs, 512, tok_dir)
-    torch.manual_seed(0)
-    models = {
-        "gpt2": GPT2LMHeadModel(
-            GPT2Config(
-                n_embd=64, n_layer=4, n_head=4, vocab_size=tok.vocab_size, n_positions=128,
-                bos_token_id=tok.eos_id, eos_token_id=tok.eos_id,
-            )
-        ),
-        "llama": LlamaForCausalLM(
-            LlamaConfig(
-                hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                intermediate_size=128, vocab_size=tok.vocab_size, max_position_embeddings=128,
-                rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                bos_token_id=tok.eos_id, eos_token_id=tok.eos_id,
-            )
-        ),
-    }  # fmt: skip
     out = {}
-    for name, m in models.items():
+    for i, (name, config) in enumerate(hf_configs(tok.vocab_size, tok.eos_id).items()):
+        torch.manual_seed(i)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:  # biases and norm weights: non-zero, not all one
+                    p.add_(torch.randn_like(p) * 0.2)
         d = base / name
-        m.save_pretrained(d)
+        model.save_pretrained(d)
         for f in tok_dir.iterdir():
             (d / f.name).write_bytes(f.read_bytes())
         out[name] = d
     return out
 
 
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
 def sample_ids(n=24, batch=2, seed=1):
     return torch.randint(0, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_model(path):
-    cls = GPT2LMHeadModel if "gpt2" in str(path) else LlamaForCausalLM
-    return cls.from_pretrained(path).eval()
-
-
-def logits_worker(path, tp, pp, ids):
+def logits_worker(dirs, tp, pp, ids):
     from mt3d.model.inference import logits
 
-    model = from_pretrained(path, tp=tp, pp=pp)
-    out = logits(model, ids, model.state, model.config.hidden)
-    return None if out is None else out
+    out = {}
+    for name, path in dirs.items():
+        model = from_pretrained(path, tp=tp, pp=pp, state=out.get("_state"))
+        out["_state"] = model.state
+        out[name] = logits(model, ids, model.state, model.config.hidden)
+    out.pop("_state")
+    return out
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_logits_match_transformers_at_every_layout(hf_dirs, arch):
+def test_logits_match_transformers_at_every_layout(hf_dirs):
     ids = sample_ids()
     with torch.no_grad():
-        ref = hf_model(hf_dirs[arch])(ids).logits
+        ref = {name: hf_model(d)(ids).logits for name, d in hf_dirs.items()}
+    dirs = {name: str(d) for name, d in hf_dirs.items()}
     for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
-        outs = [
-            o
-            for o in spawn(logits_worker, tp * pp, str(hf_dirs[arch]), tp, pp, ids, timeout=240)
-            if o is not None
-        ]
-        assert len(outs) == tp  # every TP rank of the last stage holds the full logits
-        for o in outs:
-            err = (o - ref).abs().max().item()
-            assert err <= 1e-4, f"{arch} tp={tp} pp={pp}: max |logit diff| {err}"
+        per_rank = spawn(logits_worker, tp * pp, dirs, tp, pp, ids, timeout=300)
+        last_stage = [r for r in per_rank if r["gpt2"] is not None]
+        assert len(last_stage) == tp  # every TP rank of the last stage holds the full logits
+        for got in last_stage:
+            for name in FAMILIES:
+                err = (got[name] - ref[name]).abs().max().item()
+                assert err <= 1e-4, f"{name} tp={tp} pp={pp}: max |logit diff| {err}"
 
 
-def test_sharding_table_matches_the_layers(hf_dirs):
-    for arch in ("gpt2", "llama"):
-        cfg = config_from_hf(hf_dirs[arch])
-        for tp in (1, 2, 4):
-            group = AxisGroup("tp", tuple(range(tp)), 0, None)
-            model = StackedModel(layer_specs(cfg, BuildContext(tp=group), cfg.vocab_size))
-            names = [n for n, _ in model.named_parameters()]
-            assert sorted(names) == sorted(global_names(cfg))
-            for name, p in model.named_parameters():
-                layer, local = split_name(name)
-                layout = param_layout(cfg, layer, local, cfg.vocab_size)
-                marked = getattr(p, "tensor_model_parallel", False)
-                assert marked == (layout.dim is not None), name
-                if marked:
-                    assert p.partition_dim == layout.dim and p.partition_parts == (
-                        layout.parts if layout.parts and len(layout.parts) > 1 else None
-                    ), name
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_window_blind_model_fails_the_parity_check(hf_dirs, name):
+    """The windows are shorter than the test sequences: ignoring them changes the logits."""
+    from mt3d.model.inference import logits
+    from mt3d.model.loading import build_model, load_weights, open_source
+    from mt3d.parallel.state import ParallelState
+
+    ids = sample_ids()
+    with torch.no_grad():
+        ref = hf_model(hf_dirs[name])(ids).logits
+    source = open_source(hf_dirs[name])
+    assert source.cfg.attention["window"] == WINDOW < ids.shape[1]
+    state = ParallelState.single()
+    blind = build_model(replace(source.cfg, attention=None), source.vocab, state, skip_init=True)
+    load_weights(blind, source, state.tp)
+    blind.vocab_size = source.vocab
+    assert (logits(blind.eval(), ids, state, source.cfg.hidden) - ref).abs().max() > 1e-3
+
+
+def test_families_read_what_transformers_reads(hf_dirs):
+    """Config mapping facts: family, window layout, and the HF defaults mt3d assumes for absent keys."""
+    from transformers import AutoConfig
+
+    from mt3d.model.families import get_family
+
+    cfgs = {name: config_from_hf(d) for name, d in hf_dirs.items()}
+    assert {name: c.family for name, c in cfgs.items()} == {n: n for n in FAMILIES}
+    assert cfgs["mistral"].attention == {"window": WINDOW}
+    assert cfgs["qwen2"].attention["layer_types"] == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    assert [p is None for p in cfgs["gemma2"].patterns] == [False, True, False, True]  # layer 0 is local
+    assert cfgs["qwen3"].head_dim * cfgs["qwen3"].heads != cfgs["qwen3"].hidden and cfgs["qwen3"].qk_norm
+    for name in FAMILIES:
+        fam = get_family(name)
+        hf_default = AutoConfig.for_model(fam.model_types[0]).to_dict()
+        for key, value in fam.hf_defaults.items():
+            if key in hf_default:
+                assert hf_default[key] == value, (name, key)
+            elif key == "rope_theta":
+                assert hf_default["rope_parameters"]["rope_theta"] == value, name
 
 
 def hf_window_loss(model, ids, seq_len, stride):
@@ -130,40 +188,48 @@ def hf_window_loss(model, ids, seq_len, stride):
     return nll / count, count
 
 
-def test_eval_matches_transformers_loss(hf_dirs, tmp_path):
-    text = "\n\n".join(d for _, d in zip(range(40), stdlib_documents()))
+def eval_text(tmp_path, docs=40):
+    text = "\n\n".join(d for _, d in zip(range(docs), stdlib_documents()))
     f = tmp_path / "text.txt"
     f.write_text(text)
-    for arch in ("gpt2", "llama"):
-        tok = load_tokenizer(hf_dirs[arch])
-        ids = torch.tensor(tok.encode(text, eos=False))
-        model = hf_model(hf_dirs[arch])
-        for seq_len, stride in ((64, 64), (64, 16)):
-            want, count = hf_window_loss(model, ids, seq_len, stride)
-            out = subprocess.run(
-                [sys.executable, "-m", "mt3d", "eval", "--model", str(hf_dirs[arch]), "--text", str(f),
-                 "--seq-len", str(seq_len), "--stride", str(stride), "--json"],
-                capture_output=True, text=True, timeout=300, cwd=ROOT,
-            )  # fmt: skip
-            assert out.returncode == 0, out.stderr[-2000:]
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            assert got["tokens"] == count
-            assert abs(got["loss"] - want) <= 1e-5 * want, (arch, seq_len, stride, got, want)
+    return f, text
 
 
-def eval_worker(path, tp, pp, ids):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_eval_matches_transformers_loss(hf_dirs, tmp_path, name):
+    f, text = eval_text(tmp_path)
+    ids = torch.tensor(load_tokenizer(hf_dirs[name]).encode(text, eos=False))
+    want, count = hf_window_loss(hf_model(hf_dirs[name]), ids, 64, 16)
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d", "eval", "--model", str(hf_dirs[name]), "--text", str(f),
+         "--seq-len", "64", "--stride", "16", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == count
+    assert abs(got["loss"] - want) <= 1e-5 * want, (name, got, want)
+
+
+def eval_worker(dirs, ids):
     from mt3d.model.inference import evaluate_tokens
 
-    model = from_pretrained(path, tp=tp, pp=pp)
-    return evaluate_tokens(model, ids, model.state, 64, 32)
+    out, state = {}, None
+    for name, path in dirs.items():
+        model = from_pretrained(path, tp=2, pp=2, state=state)
+        state = model.state
+        out[name] = evaluate_tokens(model, ids[name], state, 64, 64)["loss"]
+    return out
 
 
-def test_eval_under_tp_and_pp_matches(hf_dirs):
-    tok = load_tokenizer(hf_dirs["llama"])
-    ids = torch.tensor(tok.encode(" ".join(d for _, d in zip(range(20), stdlib_documents())), eos=False))
-    want, _ = hf_window_loss(hf_model(hf_dirs["llama"]), ids, 64, 32)
-    for res in spawn(eval_worker, 4, str(hf_dirs["llama"]), 2, 2, ids, timeout=240):
-        assert abs(res["loss"] - want) <= 1e-5 * want
+def test_eval_under_tp_and_pp_matches(hf_dirs, tmp_path):
+    _, text = eval_text(tmp_path, docs=20)
+    ids = {name: torch.tensor(load_tokenizer(d).encode(text, eos=False)) for name, d in hf_dirs.items()}
+    want = {name: hf_window_loss(hf_model(d), ids[name], 64, 64)[0] for name, d in hf_dirs.items()}
+    dirs = {name: str(d) for name, d in hf_dirs.items()}
+    for got in spawn(eval_worker, 4, dirs, ids, timeout=300):
+        for name in FAMILIES:
+            assert abs(got[name] - want[name]) <= 1e-5 * want[name], name
 
 
 def run_export(checkpoint, out):
@@ -173,72 +239,101 @@ def run_export(checkpoint, out):
     )  # fmt: skip
 
 
-def fine_tune_config(tmp_path, hf_dir, steps):
-    raw = tiny_config(tmp_path, tp=2, pp=2, steps=steps, save_at_end=True)
+def fine_tune_config(save_dir, hf_dir, steps, tp=2, pp=2, **train):
+    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps, **train)
     raw["mt3d"]["model"] = {"from_hf": str(hf_dir)}
     raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 64}
     raw["optimizer"]["params"]["lr"] = 3e-3
     return raw
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_round_trip_is_bit_identical(hf_dirs, tmp_path, arch):
-    raw = fine_tune_config(tmp_path / "run", hf_dirs[arch], steps=0)
+def loads_without_warnings(path, caplog):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        model = hf_model(path)
+    noisy = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not noisy, noisy
+    return model
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_round_trip_is_bit_identical(hf_dirs, tmp_path, name, caplog):
+    """HF -> an mt3d checkpoint at tp 2 x pp 2 -> export-hf -> the same tensors, loadable silently."""
+    raw = fine_tune_config(tmp_path / "run", hf_dirs[name], steps=0, save_at_end=True)
     spawn(train_worker, 4, raw, timeout=300)
     out = run_export(tmp_path / "run", tmp_path / "export")
     assert out.returncode == 0, out.stderr[-3000:]
     from safetensors.torch import load_file
 
-    a = load_file(hf_dirs[arch] / "model.safetensors")
+    a = load_file(hf_dirs[name] / "model.safetensors")
     b = load_file(tmp_path / "export" / "model.safetensors")
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    loads_without_warnings(tmp_path / "export", caplog)
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    original = json.loads((hf_dirs[name] / "config.json").read_text())
+    for key in ("model_type", "sliding_window", "layer_types", "attn_logit_softcapping", "head_dim"):
+        if key in original:
+            assert exported[key] == original[key], key
     assert (tmp_path / "export" / "tokenizer.json").is_file()
     from mt3d.model.loading import open_source
 
     source = open_source(tmp_path / "run")  # the tokenizer travels inside the checkpoint
     assert Path(source.tokenizer_dir) == source.path / "tokenizer"
-    assert (source.path / "tokenizer" / "tokenizer.json").read_bytes() == (
-        hf_dirs[arch] / "tokenizer.json"
-    ).read_bytes()
     again = run_export(tmp_path / "run", tmp_path / "export")
     assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites
 
 
-def test_fine_tune_from_hf_lowers_the_loss(hf_dirs, tmp_path, caplog):
-    raw = fine_tune_config(tmp_path / "ft", hf_dirs["gpt2"], steps=8)
-    records = step_records(spawn(train_worker, 4, raw, timeout=300)[0])
-    assert records[-1]["loss"] < records[0]["loss"]
+def assert_same_training(got, ref, what):
+    assert [r["step"] for r in got] == [r["step"] for r in ref] and len(ref) == 5
+    for a, b in zip(got, ref):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2"])
+def test_fine_tuning_at_tp2_pp2_dp2_matches_one_process(hf_dirs, tmp_path, name, caplog):
+    ref = step_records(spawn(train_worker, 1, fine_tune_config(tmp_path / "ref", hf_dirs[name], 5, 1, 1))[0])
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    raw = fine_tune_config(tmp_path / "ft", hf_dirs[name], 5, save_at_end=True)
+    assert_same_training(step_records(spawn(train_worker, 8, raw, timeout=400)[0]), ref, f"{name} (2,2,2)")
+    if name == "gemma2":  # sequence parallelism and recompute over post-norms, soft-caps, windows
+        raw = fine_tune_config(tmp_path / "sp", hf_dirs[name], 5, 2, 2, recompute={"interval": 1})
+        raw["mt3d"]["parallel"]["sequence_parallel"] = True
+        assert_same_training(step_records(spawn(train_worker, 4, raw, timeout=400)[0]), ref, f"{name} SP")
+    # the fine-tuned model exports, loads silently in transformers and scores better than before
     assert run_export(tmp_path / "ft", tmp_path / "ft_hf").returncode == 0
-    tok = load_tokenizer(hf_dirs["gpt2"])
-    text = " ".join(d for _, d in zip(range(60), stdlib_documents()))
-    ids = torch.tensor(tok.encode(text, eos=False))
-    before, _ = hf_window_loss(hf_model(hf_dirs["gpt2"]), ids, 64, 64)
-    with caplog.at_level(logging.WARNING):
-        tuned = GPT2LMHeadModel.from_pretrained(tmp_path / "ft_hf").eval()
-    assert not [
-        r for r in caplog.records if "were not" in r.getMessage() or "missing" in r.getMessage().lower()
-    ]
-    after, _ = hf_window_loss(tuned, ids, 64, 64)
+    _, text = eval_text(tmp_path, docs=60)
+    ids = torch.tensor(load_tokenizer(hf_dirs[name]).encode(text, eos=False))
+    before, _ = hf_window_loss(hf_model(hf_dirs[name]), ids, 64, 64)
+    after, _ = hf_window_loss(loads_without_warnings(tmp_path / "ft_hf", caplog), ids, 64, 64)
     assert after < before - 0.05, (before, after)
 
 
-def generate_worker(path, tp, prompt, n):
+def generate_worker(dirs, prompt, n):
     from mt3d.model.inference import generate
 
-    model = from_pretrained(path, tp=tp)
-    return generate(model, prompt, model.state, max_new_tokens=n)
+    out, state = {}, None
+    for name, path in dirs.items():
+        model = from_pretrained(path, tp=2, state=state)
+        state = model.state
+        out[name] = generate(model, prompt, state, max_new_tokens=n)
+    return out
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_greedy_generation_matches_transformers_at_tp2(hf_dirs, arch):
+def test_greedy_generation_matches_transformers_at_tp2(hf_dirs):
+    """7 prompt tokens + 20 generated: well past the window of 8."""
     prompt = sample_ids(n=7, batch=1, seed=4)
     with torch.no_grad():
-        want = hf_model(hf_dirs[arch]).generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
-    outs = spawn(generate_worker, 2, str(hf_dirs[arch]), 2, prompt, 20, timeout=240)
-    for got in outs:
-        assert got.tolist() == want.tolist()
+        want = {
+            name: hf_model(d).generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
+            for name, d in hf_dirs.items()
+        }
+    dirs = {name: str(d) for name, d in hf_dirs.items()}
+    for got in spawn(generate_worker, 2, dirs, prompt, 20, timeout=300):
+        for name in FAMILIES:
+            assert got[name].tolist() == want[name].tolist(), name
 
 
 def test_generation_with_sampling_is_seeded():
@@ -254,6 +349,36 @@ def test_generation_with_sampling_is_seeded():
     assert torch.equal(sample_next(logits, temperature=0, top_k=0, top_p=1, generator=g()), logits.argmax(-1))
 
 
+BAD_CONFIGS = [
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters.rope_type 'yarn' is not supported"),
+    ("mistral", {"num_local_experts": 8}, "num_local_experts=8 asks for mixture-of-experts layers"),
+    ("qwen3", {"num_experts": 4, "moe_intermediate_size": 32}, "asks for mixture-of-experts layers"),
+    ("qwen2", {"num_attention_sinks": 4}, "num_attention_sinks=4 asks for attention sinks"),
+    ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer or null, got 0"),
+    ("gemma2", {"sliding_window": -4}, "sliding_window must be a positive integer or null, got -4"),
+    ("qwen2", {"layer_types": ["sliding_attention"] * 3},
+     "layer_types must list num_hidden_layers=4 entries, got 3"),
+    ("gemma2", {"layer_types": ["chunked_attention"] * 4},
+     "layer_types entry 'chunked_attention' is not supported"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number or null"),
+    ("gemma2", {"final_logit_softcapping": 0}, "final_logit_softcapping must be a positive number or null"),
+    ("gemma2", {"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
+    ("gpt2", {"n_embd": None}, "config.json has no 'n_embd'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, change, message", BAD_CONFIGS)
+def test_bad_hf_configs_are_refused_by_key_before_any_weight(hf_dirs, tmp_path, family, change, message):
+    d = tmp_path / family
+    d.mkdir()
+    cfg = json.loads((hf_dirs[family] / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))  # no weights at all: the config alone is refused
+    with pytest.raises(HFError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_from_hf(d)
+
+
 def test_bad_hf_input(hf_dirs, tmp_path):
     bert = tmp_path / "bert"
     bert.mkdir()
@@ -264,6 +389,10 @@ def test_bad_hf_input(hf_dirs, tmp_path):
         HFError, match="unsupported architecture 'BertForMaskedLM'; supported: GPT2LMHeadModel"
     ):
         config_from_hf(bert)
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.json").write_text("{not json")
+    with pytest.raises(HFError, match="config.json is not valid JSON"):
+        config_from_hf(tmp_path / "garbled")
     from mt3d.model.config import ModelConfigError
 
     with pytest.raises(ModelConfigError, match="kv_heads \\(4\\) are not divisible by tp=8"):
@@ -287,11 +416,18 @@ def test_bad_hf_input(hf_dirs, tmp_path):
     save_file(sd, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(HFError, match="tensor 'transformer.h.1.mlp.c_fc.bias' is missing"):
         from_pretrained(broken)
-    out = subprocess.run(
-        [sys.executable, "-m", "mt3d", "eval", "--model", str(bert), "--text", __file__, "--seq-len", "8"],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ),
-    )  # fmt: skip
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "unsupported architecture" in out.stderr
+    yarn = tmp_path / "yarn"
+    yarn.mkdir()
+    cfg = json.loads((hf_dirs["llama"] / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
+    (yarn / "config.json").write_text(json.dumps(cfg))
+    for model, expect in ((bert, "unsupported architecture"), (yarn, "rope_type 'yarn' is not supported")):
+        out = subprocess.run(
+            [sys.executable, "-m", "mt3d", "eval", "--model", str(model), "--text", __file__,
+             "--seq-len", "8"],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ),
+        )  # fmt: skip
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and expect in out.stderr, out.stderr
     # a truncated safetensors file (header cut) and a truncated tensor region: one-line HFError
     whole = (hf_dirs["gpt2"] / "model.safetensors").read_bytes()
     for cut in (20, len(whole) - 100):

@@ -20,6 +20,7 @@ BENCHES = {
     "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
     "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
+    "attention": "fwd+bwd time and peak memory of a local-window vs a global block as n grows (n*W vs n^2)",
 }
 
 
@@ -72,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--hidden", type=int, default=2048)
     h.add_argument("--layers", type=int, default=18)
     h.add_argument("--tmp", default=None, help="directory for the 4 GB model (default: system temp)")
+    at = sub.add_parser("attention", help=BENCHES["attention"])
+    at.add_argument("--seq-lens", default="1024,4096,16384")
+    at.add_argument("--window", type=int, default=256)
+    at.add_argument("--hidden", type=int, default=512)
+    at.add_argument("--heads", type=int, default=8)
+    at.add_argument("--reps", type=int, default=3)
+    at.add_argument("--block", type=int, default=None, help="block-local tile rows (default: automatic)")
     return p
 
 

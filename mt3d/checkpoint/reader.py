@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import ModelConfig
-from ..model.sharding import param_layout, split_name, to_shard
+from ..model.sharding import from_shards, layout_of, split_name, to_shard
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
 from .safe import safe_torch_load
 
@@ -113,13 +113,9 @@ class CheckpointReader:
 
     def full(self, name: str) -> torch.Tensor:
         """The unsharded tensor of global parameter ``name`` (vocabulary padding removed)."""
-        from ..model.sharding import from_shards
-
-        layer, local = split_name(name)
-        layout = param_layout(self.cfg, layer, local, self.vocab)
+        layout = layout_of(self.cfg, self.vocab, name)
         return from_shards([self._local(name, r) for r in range(self.tp)], layout)
 
     def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
         """TP rank ``rank`` of ``world``'s shard of ``name`` (any world size: resharded on the fly)."""
-        layer, local = split_name(name)
-        return to_shard(self.full(name), param_layout(self.cfg, layer, local, self.vocab), rank, world)
+        return to_shard(self.full(name), layout_of(self.cfg, self.vocab, name), rank, world)

@@ -14,25 +14,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Layout
-from ..model.config import ModelConfig
+from ..errors import UserError
+from ..model.config import BLOCK_OPTIONS, ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
 from .rng import load_rng, rng_key
 
 log = logging.getLogger("mt3d")
 
-ARCH_KEYS = (
-    "hidden",
-    "layers",
-    "heads",
-    "kv_heads",
-    "ffn",
-    "head_dim",
-    "position",
-    "norm",
-    "mlp",
-    "bias",
-    "tie_embeddings",
+# changed on resume: a warning (the weights still fit); anything else that differs is refused
+SOFT_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "hidden_dropout",
+    "attention_dropout",
+    "attention",
+    "attn_softcap",
+    "logit_softcap",
+    "query_pre_attn_scalar",
+    "family",
+)
+ARCH_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "head_dim") + tuple(
+    k for k in BLOCK_OPTIONS if k not in SOFT_KEYS
 )
 
 
@@ -84,12 +88,13 @@ def candidates(resume: str, save_dir: str | Path) -> list[Path]:
     return [found[-1]]
 
 
-SOFT_KEYS = ("rope_theta", "rope_scaling", "norm_eps", "hidden_dropout", "attention_dropout")
-
-
 def _check_model(path: Path, meta: dict, model: ModelConfig, run_facts: dict | None = None) -> None:
     """Refuse a checkpoint of another architecture (shapes); warn about changed hyper-parameters."""
-    saved, now = meta["model"], model.to_dict()
+    try:  # through ModelConfig: checkpoints from before a field existed get its default
+        saved = ModelConfig.from_dict(meta["model"]).to_dict()
+    except (UserError, TypeError) as e:
+        raise CheckpointError(f"{path}/manifest.json: unreadable model config ({e})") from None
+    now = model.to_dict()
     keys = list(ARCH_KEYS) + (["max_seq_len"] if now.get("position") == "learned" else [])
     diff = [k for k in keys if saved.get(k) != now.get(k)]
     if model.vocab_size is not None and meta.get("vocab_size") not in (None, model.vocab_size):

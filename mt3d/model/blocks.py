@@ -1,6 +1,7 @@
 """Transformer math: norms, RoPE, attention, MLP, blocks, embeddings and the LM head.
 
-Written once for GPT-2 and Llama (chosen by ModelConfig) with tensor parallelism injected through
+Written once for every family (the options are ModelConfig fields; attention kernels and masks live
+in ``attention.py``) with tensor parallelism injected through
 a ``BuildContext``: with a one-rank TP group every layer is the plain single-process model, which
 is the reference the parallel runs are compared against. Activations are ``[batch, seq, hidden]``;
 with sequence parallelism the residual stream between blocks is a sequence shard
@@ -10,6 +11,7 @@ with sequence parallelism the residual stream between blocks is a sequence shard
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -26,12 +28,15 @@ from ..parallel.layers import (
     VocabParallelEmbedding,
     mark_sequence_parallel,
     mark_tp,
+    mark_tp_partial_grad,
+    mark_vocab,
     pad_vocab,
 )
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
 from ..parallel.random import RNGTracker
 from ..parallel.state import AxisGroup
-from .config import ModelConfig
+from .attention import attend
+from .config import GATED_MLPS, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -75,29 +80,41 @@ class BuildContext:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich 2019)."""
+    """x / rms(x) * weight (Zhang & Sennrich 2019); with ``unit_offset`` x / rms(x) * (1 + weight),
+    weights starting at 0 (Gemma, which also applies the scale before casting back)."""
 
-    def __init__(self, hidden: int, eps: float, dtype=torch.float32, device=None) -> None:
+    def __init__(self, hidden: int, eps: float, unit_offset: bool = False, dtype=torch.float32, device=None):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.eps, self.unit_offset = eps, unit_offset
+        init = torch.zeros if unit_offset else torch.ones
+        self.weight = nn.Parameter(init(hidden, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dimension, computing in fp32."""
-        xf = x.float()
+        """Normalise over the last dimension, computing in fp32 (or fp64 for fp64 inputs)."""
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
-    """The configured norm; its parameters are marked sequence-parallel when SP is on."""
+    """The configured norm over the residual stream; marked sequence-parallel when SP is on."""
     if cfg.norm == "rmsnorm":
-        norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=ctx.dtype, device=ctx.device)
+        norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
     else:
         norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=ctx.dtype, device=ctx.device)
     if ctx.sp:
         for p in norm.parameters():
             mark_sequence_parallel(p, ctx.tp)
+    return norm
+
+
+def make_head_norm(cfg: ModelConfig, ctx: BuildContext) -> RMSNorm:
+    """An RMSNorm over one attention head (Qwen3's q/k norm). Every TP rank applies the same weight
+    to its own heads, so each holds part of the gradient: summed over TP (SP or not)."""
+    norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
+    mark_tp_partial_grad(norm.weight, ctx.tp)
     return norm
 
 
@@ -142,7 +159,8 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype)
 
 
 class Attention(nn.Module):
-    """Causal self-attention; heads and KV groups split over TP (QKV column-, output row-parallel)."""
+    """Causal self-attention, global or local (``cfg.patterns[layer]``); heads and KV groups split
+    over TP (QKV column-, output row-parallel). Optional q/k head norms and score soft-capping."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
         super().__init__()
@@ -150,18 +168,23 @@ class Attention(nn.Module):
         cfg.check_parallel(tp, 1)
         self.cfg, self.ctx = cfg, ctx
         self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
+        self.pattern = cfg.patterns[layer]
+        self.block = (cfg.attention or {}).get("block")
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         self.qkv = ColumnParallelLinear(
             cfg.hidden,
             cfg.q_size + 2 * cfg.kv_size,
             tp=ctx.tp,
-            bias=cfg.bias,
+            bias=cfg.qkv_bias,
             sequence_parallel=ctx.sp,
             init=ctx.init(layer, "attn.qkv", cfg.init_std),
             parts=(cfg.q_size, cfg.kv_size, cfg.kv_size),
             dtype=ctx.dtype,
             device=ctx.device,
         )
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = make_head_norm(cfg, ctx), make_head_norm(cfg, ctx)
         self.out = RowParallelLinear(
             cfg.q_size,
             cfg.hidden,
@@ -189,50 +212,52 @@ class Attention(nn.Module):
         b, s, _ = qkv.shape
         kv = self.kv_heads * self.head_dim
         q, k, v = qkv.split([self.heads * self.head_dim, kv, kv], dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         past = cache.length if cache is not None else 0
         if self.cfg.position == "rope":
             cos, sin = self._rope(past, s, q)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        k_start = past
         if cache is not None:
-            k, v = cache.update(self, k, v)
+            k, v, k_start = cache.update(self, k, v, self.pattern)
         drop = self.cfg.attention_dropout if self.training else 0.0
-        rng = self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext()
-        with rng:
-            o = F.scaled_dot_product_attention(
+        with self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext():
+            o = attend(
                 q,
                 k,
                 v,
-                dropout_p=drop,
-                is_causal=past == 0 and s > 1,
-                attn_mask=_offset_causal_mask(s, k.shape[2], x.device) if past and s > 1 else None,
-                enable_gqa=self.kv_heads != self.heads,
+                pattern=self.pattern,
+                scale=self.scale,
+                softcap=self.cfg.attn_softcap,
+                dropout=drop,
+                q_start=past,
+                k_start=k_start,
+                block=self.block,
             )
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.out(o)
 
 
-def _offset_causal_mask(s: int, total: int, device) -> torch.Tensor:
-    """Boolean mask for s new queries at the end of a total-long key sequence."""
-    q = torch.arange(total - s, total, device=device)[:, None]
-    return torch.arange(total, device=device)[None, :] <= q
-
-
 class MLP(nn.Module):
-    """GELU (tanh) 2-layer MLP or SwiGLU; inner dimension split over TP."""
+    """GELU (tanh) 2-layer MLP, or a gated one (SwiGLU: SiLU gate; GeGLU: tanh-GELU gate) whose gate
+    and up projections are one fused column-parallel linear; inner dimension split over TP."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
-        parts = (cfg.ffn, cfg.ffn) if self.swiglu else (cfg.ffn,)
+        self.gated = cfg.mlp in GATED_MLPS
+        self.act = F.silu if cfg.mlp == "swiglu" else functools.partial(F.gelu, approximate="tanh")
+        parts = (cfg.ffn, cfg.ffn) if self.gated else (cfg.ffn,)
         self.up = ColumnParallelLinear(
             cfg.hidden,
             sum(parts),
             tp=ctx.tp,
-            bias=cfg.bias,
+            bias=cfg.mlp_bias,
             sequence_parallel=ctx.sp,
             init=ctx.init(layer, "mlp.up", cfg.init_std),
             parts=parts,
@@ -243,7 +268,7 @@ class MLP(nn.Module):
             cfg.ffn,
             cfg.hidden,
             tp=ctx.tp,
-            bias=cfg.bias,
+            bias=cfg.mlp_bias,
             sequence_parallel=ctx.sp,
             init=ctx.init(layer, "mlp.down", cfg.init_std / math.sqrt(2 * cfg.layers)),
             dtype=ctx.dtype,
@@ -253,16 +278,17 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, h] -> [b, s, h] (sequence shards with SP)."""
         y = self.up(x)
-        if self.swiglu:
+        if self.gated:
             gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = self.act(gate) * up
         else:
-            y = F.gelu(y, approximate="tanh")
+            y = self.act(y)
         return self.down(y)
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))); with ``post_norms`` each
+    branch output is normalised again before it joins the residual stream (Gemma 2)."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
         super().__init__()
@@ -272,6 +298,8 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg, ctx, layer)
         self.norm2 = make_norm(cfg, ctx)
         self.mlp = MLP(cfg, ctx, layer)
+        self.post_attn_norm = make_norm(cfg, ctx) if cfg.post_norms else None
+        self.post_mlp_norm = make_norm(cfg, ctx) if cfg.post_norms else None
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
@@ -283,8 +311,14 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """[b, s, h] -> [b, s, h] (sequence shards with SP)."""
-        x = x + self._drop(self.attn(self.norm1(x), cache))
-        return x + self._drop(self.mlp(self.norm2(x)))
+        a = self.attn(self.norm1(x), cache)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        x = x + self._drop(a)
+        m = self.mlp(self.norm2(x))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return x + self._drop(m)
 
 
 class WordEmbedding(nn.Module):
@@ -292,7 +326,7 @@ class WordEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int) -> None:
         super().__init__()
-        self.ctx = ctx
+        self.ctx, self.softcap = ctx, cfg.logit_softcap
         self.vocab_size = vocab_size
         self.embed = VocabParallelEmbedding(
             vocab_size,
@@ -316,21 +350,25 @@ class WordEmbedding(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states -> this rank's vocabulary slice of the logits [b, s, V_pad/tp]."""
-        return lm_logits(x, self.weight, self.ctx)
+        return lm_logits(x, self.weight, self.ctx, self.softcap)
 
 
-def lm_logits(x: torch.Tensor, weight: torch.Tensor, ctx: BuildContext) -> torch.Tensor:
-    """Vocab-parallel output projection: the input gradient is summed over TP."""
+def lm_logits(x: torch.Tensor, weight: torch.Tensor, ctx: BuildContext, softcap: float | None = None):
+    """Vocab-parallel output projection (the input gradient is summed over TP), optionally
+    soft-capped: cap * tanh(logits / cap), elementwise, so each rank caps its vocabulary slice."""
     x = gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp)
-    return F.linear(x, weight)
+    logits = F.linear(x, weight)
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 class PositionsAndDropout(nn.Module):
-    """Adds learned positions (GPT-2) and applies embedding dropout, after the word embedding."""
+    """After the word embedding: the sqrt(hidden) scale (Gemma), learned positions (GPT-2) and
+    embedding dropout."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
         super().__init__()
         self.ctx, self.p = ctx, cfg.hidden_dropout
+        self.scale = cfg.hidden**0.5 if cfg.scale_embedding else None
         self.pos = None
         if cfg.position == "learned":
             w = ctx.init(-1, "embed.pos", cfg.init_std).rows(0, cfg.max_seq_len, cfg.hidden, ctx.dtype)
@@ -340,6 +378,8 @@ class PositionsAndDropout(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Hidden [b, s', h] (s' = s/tp with SP) -> same shape."""
+        if self.scale is not None:  # rounded to the activation dtype first, as Gemma does
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.pos is not None:
             s = x.shape[1]
             start = offset + (self.ctx.tp.rank * s if self.ctx.sp else 0)
@@ -357,16 +397,16 @@ class LMHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, vocab_size: int) -> None:
         super().__init__()
-        self.ctx = ctx
+        self.ctx, self.softcap = ctx, cfg.logit_softcap
         padded = pad_vocab(vocab_size, ctx.tp.size, ctx.vocab_multiple)
         w = ctx.init(-1, "lm_head", cfg.init_std).shard(
             (padded, cfg.hidden), 0, ctx.tp.rank, ctx.tp.size, ctx.dtype, valid_rows=vocab_size
         )
-        self.weight = mark_tp(nn.Parameter(w.to(ctx.device)), 0)
+        self.weight = mark_vocab(mark_tp(nn.Parameter(w.to(ctx.device)), 0), vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden -> local logits [b, s, V_pad/tp]."""
-        return lm_logits(x, self.weight, self.ctx)
+        return lm_logits(x, self.weight, self.ctx, self.softcap)
 
 
 class FinalNorm(nn.Module):

@@ -1,8 +1,10 @@
-"""ModelConfig: the architecture of one decoder-only transformer (GPT-2 or Llama family).
+"""ModelConfig: the architecture of one decoder-only transformer.
 
-One implementation covers both families; the fields below choose positions, norm, MLP, biases and
-embedding tying. Counting helpers (parameters, FLOPs) live here so the planner, the metrics and
-the presets agree on them.
+One block implementation covers every family (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2); the
+fields below are its options: positions, norm, MLP, biases, q/k norms, soft-capping, local
+attention, embedding tying. Which options a family uses, and how its HF config maps onto them, is
+the family's module (``mt3d.model.families``). Counting helpers (parameters, FLOPs) live here so the
+planner, the metrics and the presets agree on them.
 """
 
 from __future__ import annotations
@@ -11,9 +13,33 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..errors import UserError
 
+GATED_MLPS = ("swiglu", "geglu")
+"""MLPs with a gate and an up projection (fused as one column-parallel linear)."""
+
 
 class ModelConfigError(UserError):
     """An architecture that cannot be built (or cannot be split as asked)."""
+
+
+# Fields that shape the block (as opposed to sizes, dropout and init): a family fixes some of them
+# and lets its HF config set others (``Family.check``).
+BLOCK_OPTIONS = (
+    "position",
+    "norm",
+    "mlp",
+    "bias",
+    "qkv_bias",
+    "mlp_bias",
+    "qk_norm",
+    "norm_unit_offset",
+    "scale_embedding",
+    "post_norms",
+    "attn_softcap",
+    "logit_softcap",
+    "query_pre_attn_scalar",
+    "attention",
+    "tie_embeddings",
+)
 
 
 @dataclass
@@ -31,19 +57,46 @@ class ModelConfig:
     kv_heads: int | None = None
     """Key/value heads for grouped-query attention (None: same as heads, i.e. multi-head)."""
     ffn: int | None = None
-    """MLP inner size (None: 4h for GELU, the Llama rule 2/3*4h rounded to 256 for SwiGLU)."""
+    """MLP inner size (None: 4h for GELU, the Llama rule 2/3*4h rounded to 256 for gated MLPs)."""
     head_dim: int | None = None
-    """Per-head size (None: hidden / heads)."""
+    """Per-head size (None: hidden / heads); may differ from it (Gemma 2, Qwen3: heads * head_dim != h)."""
     max_seq_len: int = 2048
     """Longest sequence (size of the learned position table; RoPE has no table)."""
+    family: str | None = None
+    """Model family (``mt3d.model.families``: gpt2, llama, mistral, qwen2, qwen3, gemma2): the HF
+    architecture it loads from and exports to. None: the first family whose block options this
+    config matches (how configs saved before this field existed are read), else 'custom'."""
     position: str = "learned"
-    """'learned' (GPT-2) or 'rope' (Llama)."""
+    """'learned' (GPT-2) or 'rope' (the others)."""
     norm: str = "layernorm"
     """'layernorm' or 'rmsnorm'."""
+    norm_unit_offset: bool = False
+    """RMSNorm scales by (1 + weight), weights starting at 0 (Gemma)."""
     mlp: str = "gelu"
-    """'gelu' (2-layer MLP, tanh-approximate GELU as GPT-2) or 'swiglu' (Llama gate/up/down)."""
+    """'gelu' (2-layer MLP, tanh-approximate GELU as GPT-2), 'swiglu' (Llama gate/up/down with SiLU)
+    or 'geglu' (the same gated MLP with a tanh-approximate GELU gate: Gemma)."""
     bias: bool = True
-    """Biases on the attention and MLP linears."""
+    """Biases on the attention output and MLP linears (and q/k/v unless ``qkv_bias`` says otherwise)."""
+    qkv_bias: bool | None = None
+    """Biases on the query/key/value projection (None: same as ``bias``; Qwen2 has only these)."""
+    mlp_bias: bool | None = None
+    """Biases on the MLP linears (None: same as ``bias``)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (head_dim wide, shared by all heads) before RoPE (Qwen3)."""
+    post_norms: bool = False
+    """Norms on the attention and MLP outputs before they join the residual stream (Gemma 2)."""
+    scale_embedding: bool = False
+    """Multiply the token embeddings by sqrt(hidden) (Gemma)."""
+    attn_softcap: float | None = None
+    """Soft-cap attention scores: cap * tanh(scores / cap) (Gemma 2: 50). None: off."""
+    logit_softcap: float | None = None
+    """Soft-cap the output logits the same way (Gemma 2: 30). None: off."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this ** -0.5 (Gemma 2). None: head_dim."""
+    attention: dict | None = None
+    """Local attention (``mt3d.model.attention``): {"window": W} makes every layer attend to its W
+    most recent keys (itself included); add "layer_types" (HF's per-layer 'sliding_attention' /
+    'full_attention') or "global_every": k to keep some layers global. None: all layers global."""
     tie_embeddings: bool = True
     """Share the input embedding with the output (LM head) weight."""
     norm_eps: float = 1e-5
@@ -72,11 +125,19 @@ class ModelConfig:
                 raise ModelConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
             self.head_dim = self.hidden // self.heads
         if self.ffn is None:
-            if self.mlp == "swiglu":
+            if self.mlp in GATED_MLPS:
                 self.ffn = 256 * -(-int(2 * 4 * self.hidden / 3) // 256)
             else:
                 self.ffn = 4 * self.hidden
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        if self.mlp_bias is None:
+            self.mlp_bias = self.bias
         self.check()
+        if self.family is None:
+            from .families import infer_family
+
+            self.family = infer_family(self)
 
     def _check_positive(self, *keys: str) -> None:
         for key in keys:
@@ -89,7 +150,7 @@ class ModelConfig:
         choices = {
             "position": ("learned", "rope"),
             "norm": ("layernorm", "rmsnorm"),
-            "mlp": ("gelu", "swiglu"),
+            "mlp": ("gelu", *GATED_MLPS),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -102,6 +163,34 @@ class ModelConfig:
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ModelConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
+        for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
+                raise ModelConfigError(f"model.{key} must be a positive number or null, got {v!r}")
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ModelConfigError("model.norm_unit_offset needs norm 'rmsnorm'")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ModelConfigError("model.qk_norm needs norm 'rmsnorm' (the q/k norms are RMSNorms)")
+        self.patterns  # noqa: B018 - raises on a bad attention spec
+        if self.family is not None:
+            from .families import get_family
+
+            get_family(self.family).check(self)
+
+    @property
+    def patterns(self) -> list:
+        """Per layer: its ``LocalPattern`` (local attention) or None (global causal)."""
+        from .attention import AttentionConfigError, layer_patterns
+
+        try:
+            return layer_patterns(self.attention, self.layers)
+        except AttentionConfigError as e:
+            raise ModelConfigError(str(e)) from None
+
+    @property
+    def position_limit(self) -> int | None:
+        """Longest sequence the positions allow (the learned table's size; RoPE: no limit)."""
+        return self.max_seq_len if self.position == "learned" else None
 
     def check_parallel(self, tp: int, pp: int) -> None:
         """Raise if the model cannot be split over ``tp`` tensor ranks and ``pp`` stages."""
@@ -131,14 +220,13 @@ class ModelConfig:
 
     def block_params(self) -> int:
         """Parameters of one transformer block."""
-        h, b = self.hidden, int(self.bias)
-        attn = h * (self.q_size + 2 * self.kv_size) + b * (self.q_size + 2 * self.kv_size)
-        attn += self.q_size * h + b * h
-        if self.mlp == "swiglu":
-            mlp = 3 * h * self.ffn + b * (2 * self.ffn + h)
-        else:
-            mlp = 2 * h * self.ffn + b * (self.ffn + h)
-        norms = 2 * h * (2 if self.norm == "layernorm" else 1)
+        h = self.hidden
+        qkv = self.q_size + 2 * self.kv_size
+        attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h
+        inner = self.ffn * (2 if self.mlp in GATED_MLPS else 1)
+        mlp = h * inner + self.ffn * h + self.mlp_bias * (inner + h)
+        per_norm = h * (2 if self.norm == "layernorm" else 1)
+        norms = per_norm * (4 if self.post_norms else 2) + (2 * self.head_dim if self.qk_norm else 0)
         return attn + mlp + norms
 
     def embedding_params(self, vocab: int | None = None) -> int:
@@ -153,19 +241,27 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else v * self.hidden
         return self.embedding_params(v) + self.layers * self.block_params() + final_norm + head
 
+    def attended_keys(self, seq_len: int) -> float:
+        """Keys per query averaged over layers, as counted for FLOPs: ``seq_len`` for a global layer
+        (the Narayanan et al. convention), the window for a local one (the work it really does)."""
+        from .attention import keys_per_query
+
+        return sum(keys_per_query(p, seq_len) for p in self.patterns) / self.layers
+
     def flops_per_token(self, seq_len: int, vocab: int | None = None) -> float:
         """Training FLOPs per token without recompute (Narayanan et al. 2021, FORMULAS.md).
 
         72 * s * l * h^2 * (1 + s/(6h) + V/(12 l h)) per sequence for GPT-style blocks, with
-        the dense terms taken from the actual attention/MLP shapes (GQA, SwiGLU) so that the
-        GPT-2 case reduces exactly to the closed form.
+        the dense terms taken from the actual attention/MLP shapes (GQA, gated MLPs) so that the
+        GPT-2 case reduces exactly to the closed form. Local-attention layers count the keys
+        they attend to (the window), not s.
         """
         v = vocab or self.vocab_size or 0
-        h, s = self.hidden, seq_len
-        # forward matmul FLOPs per token per layer: 2 * (weights) + attention scores/values 4*s*q
+        h = self.hidden
+        # forward matmul FLOPs per token per layer: 2 * (weights) + attention scores/values 4*keys*q
         dense = 2 * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
-        dense += 2 * (3 if self.mlp == "swiglu" else 2) * h * self.ffn
-        attn = 2 * 2 * s * self.q_size
+        dense += 2 * (3 if self.mlp in GATED_MLPS else 2) * h * self.ffn
+        attn = 2 * 2 * self.attended_keys(seq_len) * self.q_size
         logits = 2 * h * v
         return 3.0 * (self.layers * (dense + attn) + logits)
 
@@ -175,9 +271,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        """Build from a dict; unknown keys are errors naming the valid ones."""
+        """Build from a dict; unknown keys are errors naming the valid ones.
+
+        With a ``family``, its block options are the defaults of the keys not given.
+        """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ModelConfigError(f"unknown model keys {unknown}; valid keys: {sorted(names)}")
+        if d.get("family") is not None:  # the family's block options, unless given
+            from .families import get_family
+
+            d = {**get_family(d["family"]).defaults, **d}
         return cls(**d)

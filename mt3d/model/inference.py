@@ -84,20 +84,32 @@ def evaluate_tokens(model, tokens: torch.Tensor, state: ParallelState, seq_len: 
 
 
 class KVCache:
-    """Past keys and values of every attention layer, for one generation."""
+    """Past keys and values of every attention layer, for one generation.
+
+    A local layer keeps only the keys a future query can still see (``pattern.history()``: the
+    last window - 1), so its memory does not grow with the generated length; global layers keep all.
+    """
 
     def __init__(self) -> None:
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.length = 0
 
-    def update(self, layer: Attention, k: torch.Tensor, v: torch.Tensor):
-        """Append new keys/values of ``layer`` and return the whole history."""
+    def update(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, pattern=None):
+        """Add the new keys/values of ``layer``; returns (keys, values, position of the first key)
+        covering everything the new queries may see."""
         key = id(layer)
+        start = self.length
         if key in self.kv:
-            pk, pv = self.kv[key]
+            pk, pv, start = self.kv[key]
             k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-        self.kv[key] = (k, v)
-        return k, v
+        keep = k.shape[2] if pattern is None else min(k.shape[2], pattern.history())
+        drop = k.shape[2] - keep
+        self.kv[key] = (k[:, :, drop:], v[:, :, drop:], start + drop)
+        return k, v, start
+
+    def keys_held(self) -> dict[int, int]:
+        """Keys held per layer (by layer id): what the cache costs."""
+        return {key: kv[0].shape[2] for key, kv in self.kv.items()}
 
 
 @torch.no_grad()
@@ -155,7 +167,7 @@ def generate(
     """
     if state.pp.size != 1:
         raise ValueError("generation runs at pipeline = 1 (use tp for large models)")
-    limit = model.config.max_seq_len if model.config.position == "learned" else None
+    limit = model.config.position_limit
     gen = torch.Generator(device=prompt.device).manual_seed(seed)
     cache = KVCache()
     out = prompt

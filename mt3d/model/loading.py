@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..parallel.state import AxisGroup, ParallelState
 from .blocks import BuildContext
 from .config import ModelConfig
-from .hf import HFError, HFReader, config_from_hf, read_shard
+from .hf import HFError, HFReader, config_from_hf, pieces, read_shard
 from .pipeline import LossFn, Mt3dPipeline, StackedModel, default_stage_blocks, layer_specs
 
 
@@ -35,8 +35,6 @@ class WeightSource:
     def origin(self, name: str) -> str:
         """Where ``name`` comes from, for error messages."""
         if self.kind == "hf":
-            from .hf import pieces
-
             return " + ".join(dict.fromkeys(p.name for p in pieces(self.cfg, name)))
         return name
 

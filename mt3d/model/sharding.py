@@ -1,9 +1,10 @@
-"""How every model parameter is split over tensor-parallel ranks, by name (no model needed).
+"""How every model parameter is split over tensor-parallel ranks, by name, read off the layers.
 
 The layers mark their own parameters (``tensor_model_parallel``, ``partition_dim``,
-``partition_parts``); this table says the same from the ModelConfig alone, for code that works on
-files rather than modules: HF import/export, checkpoint resharding, DeepSpeed's universal
-checkpoint patterns. A test checks that the two always agree.
+``partition_parts``, ``vocab_rows``): that is the one declaration. ``sharding_table`` builds the
+model for a config on the meta device (no memory, no init) and reads those marks into a name
+table for code that works on files rather than modules: HF import/export, checkpoint reading and
+resharding, and DeepSpeed's universal-checkpoint patterns (``universal_info``).
 
 Global names follow the PipelineModule: ``<layer index>.<local name>``, with the tied embedding
 under ``tied_modules.embed.<local name>``. Layer indices: 0 word embedding, 1 positions/dropout,
@@ -12,6 +13,9 @@ under ``tied_modules.embed.<local name>``. Layer indices: 0 word embedding, 1 po
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -57,20 +61,53 @@ def split_name(name: str) -> tuple[int, str]:
     return int(head), rest
 
 
-def param_layout(cfg: ModelConfig, layer: int, local: str, vocab: int) -> ParamLayout:
-    """The TP layout of parameter ``local`` of layer ``layer``."""
-    role = role_of(cfg, layer)
-    if role in ("embed", "head"):
-        return ParamLayout(dim=0, vocab=vocab)
-    if role != "block":
-        return ParamLayout()
-    if local.startswith("attn.qkv."):
-        return ParamLayout(dim=0, parts=(cfg.q_size, cfg.kv_size, cfg.kv_size))
-    if local == "attn.out.weight" or local == "mlp.down.weight":
-        return ParamLayout(dim=1)
-    if local.startswith("mlp.up."):
-        return ParamLayout(dim=0, parts=(cfg.ffn, cfg.ffn) if cfg.mlp == "swiglu" else None)
-    return ParamLayout()
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the unsharded model: its TP layout and full shape."""
+
+    layout: ParamLayout
+    shape: tuple[int, ...]
+
+
+def _cache_key(cfg: ModelConfig) -> str:
+    d = cfg.to_dict()
+    d.pop("extra", None), d.pop("name", None)
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+@functools.lru_cache(maxsize=32)
+def _table(key: str, vocab: int) -> dict[str, ParamSpec]:
+    from ..parallel.state import AxisGroup
+    from .blocks import BuildContext
+    from .pipeline import StackedModel, layer_specs
+
+    cfg = ModelConfig.from_dict(json.loads(key))
+    ctx = BuildContext(tp=AxisGroup.alone("tp"), skip_init=True)
+    with torch.device("meta"):
+        model = StackedModel(layer_specs(cfg, ctx, vocab))
+    table = {}
+    for name, p in model.named_parameters():
+        layout = ParamLayout()
+        if getattr(p, "tensor_model_parallel", False):
+            layout = ParamLayout(p.partition_dim, p.partition_parts, getattr(p, "vocab_rows", None))
+        shape = tuple(p.shape)
+        if layout.vocab is not None:
+            shape = (layout.vocab, *shape[1:])  # the real rows; padding depends on tp
+        table[name] = ParamSpec(layout, shape)
+    return table
+
+
+def sharding_table(cfg: ModelConfig, vocab: int) -> dict[str, ParamSpec]:
+    """Every parameter of the model (global name -> layout and unsharded shape), in model order."""
+    return _table(_cache_key(cfg), vocab)
+
+
+def layout_of(cfg: ModelConfig, vocab: int, name: str) -> ParamLayout:
+    """The TP layout of global parameter ``name``."""
+    table = sharding_table(cfg, vocab)
+    if name not in table:
+        raise KeyError(f"{name!r} is not a parameter of this model")
+    return table[name].layout
 
 
 def to_shard(full: torch.Tensor, layout: ParamLayout, rank: int, world: int) -> torch.Tensor:
@@ -106,75 +143,59 @@ def from_shards(shards: list[torch.Tensor], layout: ParamLayout) -> torch.Tensor
     )
 
 
-def global_names(cfg: ModelConfig) -> list[str]:
+def global_names(cfg: ModelConfig, vocab: int | None = None) -> list[str]:
     """Every parameter's global name in a model of this config (tied head not repeated)."""
-    block = [
-        "norm1.weight",
-        "attn.qkv.weight",
-        "attn.out.weight",
-        "norm2.weight",
-        "mlp.up.weight",
-        "mlp.down.weight",
-    ]
-    if cfg.norm == "layernorm":
-        block += ["norm1.bias", "norm2.bias"]
-    if cfg.bias:
-        block += ["attn.qkv.bias", "attn.out.bias", "mlp.up.bias", "mlp.down.bias"]
-    names = [TIED_PREFIX + "embed.weight" if cfg.tie_embeddings else "0.embed.weight"]
-    if cfg.position == "learned":
-        names.append("1.pos")
-    for i in range(cfg.layers):
-        names += [f"{i + 2}.{b}" for b in sorted(block)]
-    names.append(f"{cfg.layers + 2}.norm.weight")
-    if cfg.norm == "layernorm":
-        names.append(f"{cfg.layers + 2}.norm.bias")
-    if not cfg.tie_embeddings:
-        names.append(f"{cfg.layers + 3}.weight")
-    return names
+    return list(sharding_table(cfg, vocab or cfg.vocab_size or 1))
+
+
+def _patterns(names: list[str], table: dict[str, ParamSpec]) -> list[str]:
+    """Regexes (DeepSpeed applies ``re.match``) matching exactly ``names``: one per local name with the
+    layer index generalised when every layer holding that local name has the same layout."""
+    layouts: dict[str, set] = {}
+    for n, spec in table.items():
+        if not n.startswith(TIED_PREFIX):
+            layouts.setdefault(split_name(n)[1], set()).add(spec)
+    out = []
+    for name in names:
+        local = None if name.startswith(TIED_PREFIX) else split_name(name)[1]
+        if local is not None and len(layouts[local]) == 1:
+            pattern = r"\d+\." + re.escape(local) + "$"
+        else:
+            pattern = re.escape(name) + "$"
+        if pattern not in out:
+            out.append(pattern)
+    return out
 
 
 def universal_info(cfg: ModelConfig, tp: int, vocab: int) -> dict:
     """DeepSpeed universal-checkpoint patterns for this model saved at tensor-parallel size ``tp``.
 
-    Stored with every checkpoint so ``ds_to_universal`` can merge TP shards: vocabulary tensors
-    (padding stripped, re-added on load), replicated tensors, row-parallel tensors (dim 1), fused
-    QKV / gate-up tensors whose shards are per-part slices of unequal parts (GQA), and the tied
-    embedding shared by the first and last pipeline stage. Unlisted tensors are column-parallel.
-    Every pattern listed matches some parameter (DeepSpeed's strict mode requires it).
+    Derived from the layers' marks (``sharding_table``): vocabulary tensors (padding stripped,
+    re-added on load), replicated tensors, row-parallel tensors (dim 1), fused tensors whose shards
+    are per-part slices of unequal parts (QKV with GQA, gate/up), and the tied embedding shared by
+    the first and last pipeline stage. Column-parallel tensors are left unlisted (DeepSpeed's
+    default). Every pattern matches some parameter (DeepSpeed's strict mode requires it).
     """
-    L = cfg.layers
-    head = rf"{L + 3}\.weight$"
-    embed = r"tied_modules\.embed\.embed\.weight$" if cfg.tie_embeddings else r"0\.embed\.weight$"
-    replicated = [r"\d+\.norm1\.weight$", r"\d+\.norm2\.weight$", r"\d+\.norm\.weight$"]
-    if cfg.norm == "layernorm":
-        replicated += [r"\d+\.norm1\.bias$", r"\d+\.norm2\.bias$", r"\d+\.norm\.bias$"]
-    if cfg.bias:
-        replicated += [r"\d+\.attn\.out\.bias$", r"\d+\.mlp\.down\.bias$"]
-    if cfg.position == "learned":
-        replicated.append(r"1\.pos$")
+    table = sharding_table(cfg, vocab)
 
-    def widths(sizes):
-        return [[s // tp] * tp for s in sizes]
+    def select(keep):
+        return _patterns([n for n, spec in table.items() if keep(spec.layout)], table)
 
-    qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-    fused = [(r"\d+\.attn\.qkv\.weight$", qkv, True), (r"\d+\.attn\.qkv\.bias$", qkv, False)]
-    if cfg.mlp == "swiglu":
-        fused += [
-            (r"\d+\.mlp\.up\.weight$", (cfg.ffn, cfg.ffn), True),
-            (r"\d+\.mlp\.up\.bias$", (cfg.ffn, cfg.ffn), False),
-        ]
-    if not cfg.bias:
-        fused = [f for f in fused if f[2]]
+    fused = [n for n, spec in table.items() if spec.layout.parts]
+    sub_params, widths = [], {}
+    for pattern in _patterns(fused, table):
+        spec = next(table[n] for n in fused if re.match(pattern, n))
+        parts = tuple(spec.layout.parts)  # DeepSpeed recognises the split dimension by its tuple
+        shape = (parts, -1) if len(spec.shape) == 2 else (parts,)
+        sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": spec.layout.dim})
+        widths[pattern] = [[size // tp] * tp for size in parts]
     return {
         "universal_checkpoint_version": 0.4,
         "original_vocab_size": vocab,
-        "vocabulary_parameter_patterns": [embed] + ([] if cfg.tie_embeddings else [head]),
-        "pipeline_replicated_parameter_patterns": [r"tied_modules\."] if cfg.tie_embeddings else [],
-        "tp_replicated_parameter_patterns": replicated,
-        "parameter_with_row_parallelism_patterns": [r"\d+\.attn\.out\.weight$", r"\d+\.mlp\.down\.weight$"],
-        "parameter_with_sub_params": [
-            {"patterns": [p], "shape": (sizes, -1) if matrix else (sizes,), "partition_dim": 0}
-            for p, sizes, matrix in fused
-        ],
-        "sub_param_shard_widths": {p: widths(sizes) for p, sizes, _ in fused},
+        "vocabulary_parameter_patterns": select(lambda lay: lay.vocab is not None),
+        "pipeline_replicated_parameter_patterns": [re.escape(TIED_PREFIX)] if cfg.tie_embeddings else [],
+        "tp_replicated_parameter_patterns": select(lambda lay: lay.dim is None),
+        "parameter_with_row_parallelism_patterns": select(lambda lay: lay.dim == 1),
+        "parameter_with_sub_params": sub_params,
+        "sub_param_shard_widths": widths,
     }

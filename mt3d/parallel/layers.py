@@ -147,11 +147,24 @@ def shard_of(full: torch.Tensor, p: nn.Parameter, rank: int, world: int) -> torc
     return torch.cat([x.chunk(world, dim=dim)[rank] for x in pieces], dim=dim)
 
 
+def mark_tp_partial_grad(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
+    """A replicated parameter each TP rank computes only part of the gradient of (it saw a slice of
+    the sequence, or of the heads): sum the gradient over TP so every rank applies the same update."""
+    p.tp_partial_grad = True
+    if tp.size > 1:
+        p.register_hook(lambda grad: all_reduce(grad.clone(), tp))
+    return p
+
+
 def mark_sequence_parallel(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
     """Sum this replicated parameter's gradient over TP (it was computed on a sequence shard)."""
     p.sequence_parallel = True
-    if tp.size > 1:
-        p.register_hook(lambda grad: all_reduce(grad.clone(), tp))
+    return mark_tp_partial_grad(p, tp)
+
+
+def mark_vocab(p: nn.Parameter, vocab_size: int) -> nn.Parameter:
+    """Mark a vocabulary-parallel tensor: rows beyond ``vocab_size`` are padding (zero, never used)."""
+    p.vocab_rows = vocab_size
     return p
 
 
@@ -317,7 +330,7 @@ class VocabParallelEmbedding(nn.Module):
         per = _divide(self.padded_vocab_size, tp.size, "padded vocabulary")
         self.vocab_start, self.vocab_end = tp.rank * per, (tp.rank + 1) * per
         w = init.shard((self.padded_vocab_size, hidden), 0, tp.rank, tp.size, dtype, valid_rows=vocab_size)
-        self.weight = mark_tp(nn.Parameter(w.to(device)), 0)
+        self.weight = mark_vocab(mark_tp(nn.Parameter(w.to(device)), 0), vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[b, s] token ids -> [b, s, hidden] (or [b, s/tp, hidden] with SP)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..model.config import ModelConfig
+from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 
 
@@ -80,7 +80,7 @@ def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompu
     norms = 2 * h / (t if sp else 1)
     linear_inputs = 2 * h
     attn = (2 * cfg.q_size + 2 * cfg.kv_size) / t
-    mlp = (4 if cfg.mlp == "swiglu" else 2) * cfg.ffn / t
+    mlp = (4 if cfg.mlp in GATED_MLPS else 2) * cfg.ffn / t
     return tokens * (norms + linear_inputs + attn + mlp) * elem
 
 

@@ -1,0 +1,59 @@
+"""``mt3d export-hf``: an HF transformers directory from an mt3d checkpoint of any layout.
+
+The checkpoint's shards are gathered into unsharded tensors (``CheckpointReader``), renamed and
+split into the family's HF tensors (``hf.hf_state_dict``), loaded into the transformers model on
+the meta device (so a missing or extra tensor is an error before anything is written), and saved
+with the tokenizer into a temporary directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .hf import HFError, hf_config_dict, hf_state_dict
+from .loading import open_source
+from .sharding import global_names
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
+    """Write an HF directory (config.json, safetensors, tokenizer) from an mt3d checkpoint of any layout."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise HFError(f"{out} exists and is not empty; choose a new directory (nothing was written)")
+    source = open_source(checkpoint)
+    if source.kind != "checkpoint":
+        raise HFError(f"{checkpoint} is not an mt3d checkpoint (export-hf converts mt3d checkpoints)")
+    cfg, vocab, reader = source.cfg, source.vocab, source._reader
+    eos = None
+    if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
+        from ..data.tokenizer import load_tokenizer
+
+        eos = load_tokenizer(source.tokenizer_dir).eos_id
+    cfg_dict = hf_config_dict(cfg, vocab, eos)  # refuses a family with no HF form before any read
+    full = {name: reader.full(name) for name in global_names(cfg, vocab)}
+    state = hf_state_dict(cfg, vocab, full)
+    kind = cfg_dict.pop("model_type")
+    config = AutoConfig.for_model(kind, **{k: v for k, v in cfg_dict.items() if k != "transformers_version"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise HFError(f"export mapping mismatch: missing {missing}, unexpected {result.unexpected_keys}")
+    if cfg.tie_embeddings:
+        model.tie_weights()
+    tmp = out.with_name(out.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+    if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
+        from ..data.tokenizer import copy_tokenizer
+
+        copy_tokenizer(source.tokenizer_dir, tmp)
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out

@@ -1,0 +1,238 @@
+"""What every model family provides, and the HF-config reading helpers they share.
+
+A family (GPT-2, Llama, Mistral, ...) is one ``Family`` subclass in its own module. It alone knows
+its HF ``model_type`` and architecture, which ``ModelConfig`` block options it fixes and which its
+HF config may set, how ``config.json`` maps onto ``ModelConfig`` (both ways), and which HF tensors
+make up each mt3d parameter. Everything else (loading, export, sharding, checkpoints, the planner)
+goes through the registry in ``families/__init__.py`` and never names a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ...errors import UserError
+from ..attention import FULL, SLIDING
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+
+class HFError(UserError):
+    """An HF directory or config mt3d cannot use; the message names the file, key or field."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, start + size)`` (mt3d orientation) of HF tensor ``name``; whole when size is None.
+
+    ``transpose``: the HF tensor is stored [in, out] (GPT-2's Conv1D), mt3d's is [out, in].
+    """
+
+    name: str
+    transpose: bool = False
+    start: int = 0
+    size: int | None = None
+
+
+# HF config keys of features mt3d does not implement: a truthy value is refused by name.
+UNSUPPORTED_KEYS = {
+    "num_local_experts": "mixture-of-experts layers",
+    "num_experts": "mixture-of-experts layers",
+    "n_routed_experts": "mixture-of-experts layers",
+    "moe_intermediate_size": "mixture-of-experts layers",
+    "num_experts_per_tok": "mixture-of-experts layers",
+    "attention_sinks": "attention sinks",
+    "attention_sink_size": "attention sinks",
+    "num_attention_sinks": "attention sinks",
+    "sink_tokens": "attention sinks",
+    "use_bidirectional_attention": "bidirectional attention",
+    "attention_chunk_size": "chunked attention",
+    "cross_attention_hidden_size": "cross attention",
+    "add_cross_attention": "cross attention",
+}
+SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
+
+
+def _default_of(name: str) -> Any:
+    from ..config import ModelConfig
+
+    f = {f.name: f for f in dataclasses.fields(ModelConfig)}[name]
+    return f.default
+
+
+class Family:
+    """One model family. Subclasses set the class attributes and implement the HF mappings."""
+
+    name: ClassVar[str]
+    """Registry key, stored in ``ModelConfig.family`` and checkpoints."""
+    architecture: ClassVar[str]
+    """The transformers class exported to (``architectures`` in config.json)."""
+    model_types: ClassVar[tuple[str, ...]]
+    """HF ``model_type`` values read as this family (the first is written on export)."""
+    defaults: ClassVar[dict[str, Any]] = {}
+    """ModelConfig block options (and norm_eps etc.) this family starts from."""
+    variable: ClassVar[frozenset[str]] = frozenset()
+    """Block options its HF config can change; every other option must keep its default."""
+    hf_defaults: ClassVar[dict[str, Any]] = {}
+    """Values transformers assumes for keys a config.json omits (checked against transformers)."""
+    infer_rank: ClassVar[int] = 50
+    """Order in which ``infer_family`` tries families for configs that name none (configs saved
+    before ``ModelConfig.family`` existed are GPT-2 or Llama, tried first)."""
+
+    # --- consistency ------------------------------------------------------------------------
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ModelConfigError when ``cfg`` uses an option this family's HF format cannot express."""
+        from ..config import BLOCK_OPTIONS, ModelConfigError
+
+        for opt in BLOCK_OPTIONS:
+            if opt in self.variable:
+                continue
+            want = self.defaults.get(opt, _default_of(opt))
+            if opt in ("qkv_bias", "mlp_bias") and want is None:
+                want = cfg.bias
+            if getattr(cfg, opt) != want:
+                raise ModelConfigError(
+                    f"model.{opt}={getattr(cfg, opt)!r} cannot be expressed by family {self.name!r} "
+                    f"({self.architecture}, which has {want!r}); drop 'family' or choose another"
+                )
+        why = self.limits(cfg)
+        if why:
+            raise ModelConfigError(f"family {self.name!r} ({self.architecture}): {why}")
+
+    def limits(self, cfg: ModelConfig) -> str | None:
+        """Family-specific constraints between options (None: none violated)."""
+        return None
+
+    # --- HF config <-> ModelConfig -------------------------------------------------------------
+    def config_kwargs(self, hf: dict, where: str) -> dict:
+        """ModelConfig keyword arguments read from an HF config dict (``where`` names it in errors)."""
+        raise NotImplementedError
+
+    def hf_config(self, cfg: ModelConfig, vocab: int) -> dict:
+        """config.json contents (without token ids) describing ``cfg``."""
+        raise NotImplementedError
+
+    # --- tensor names ----------------------------------------------------------------------------
+    def pieces(self, cfg: ModelConfig, role: str, block: int, local: str) -> list[Piece]:
+        """The HF tensors making up an mt3d parameter: ``role`` is embed/pos/block/final_norm/head,
+        ``block`` the block index (blocks only), ``local`` the name inside the mt3d layer."""
+        raise NotImplementedError
+
+
+# --- helpers for reading HF configs -------------------------------------------------------------------
+def need(hf: dict, key: str, where: str) -> Any:
+    """A required key of an HF config."""
+    if key not in hf or hf[key] is None:
+        raise HFError(f"{where}: config.json has no {key!r}")
+    return hf[key]
+
+
+def get(hf: dict, key: str, default: Any) -> Any:
+    """An optional key (missing or null: ``default``)."""
+    v = hf.get(key)
+    return default if v is None else v
+
+
+def positive(hf: dict, key: str, where: str, default: Any = None, *, integer: bool = False) -> Any:
+    """An optional positive number (None allowed when the default is None)."""
+    v = hf.get(key, default)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, int | float)
+    if isinstance(v, bool) or not ok or v <= 0:
+        kind = "integer" if integer else "number"
+        raise HFError(f"{where}: {key} must be a positive {kind} or null, got {v!r}")
+    return v
+
+
+def refuse_unsupported(hf: dict, where: str) -> None:
+    """One-line refusal of any feature in ``UNSUPPORTED_KEYS`` that the config switches on."""
+    for key, feature in UNSUPPORTED_KEYS.items():
+        if hf.get(key):
+            raise HFError(f"{where}: {key}={hf[key]!r} asks for {feature}, which mt3d does not implement")
+
+
+def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        raise HFError(f"{where}: {key} must be an object, got {params!r}")
+    params = dict(params)
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in SUPPORTED_ROPE:
+        raise HFError(
+            f"{where}: {key}.rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})"
+        )
+    return float(theta), (None if kind == "default" else params)
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """RoPE keys for config.json: transformers 5's rope_parameters and the 4.x keys beside them."""
+    rope = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
+    return {
+        "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+    }
+
+
+def attention_from_hf(hf: dict, where: str, layers: int, window: int | None) -> dict | None:
+    """ModelConfig.attention from a window and the config's ``layer_types`` (None: all global)."""
+    types = hf.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            n = len(types) if isinstance(types, list) else repr(types)
+            raise HFError(f"{where}: layer_types must list num_hidden_layers={layers} entries, got {n}")
+        bad = [t for t in types if t not in (FULL, SLIDING)]
+        if bad:
+            raise HFError(f"{where}: layer_types entry {bad[0]!r} is not supported ({SLIDING!r}, {FULL!r})")
+    if window is None:
+        if types and SLIDING in types:
+            raise HFError(f"{where}: layer_types has sliding layers but sliding_window is null")
+        return None
+    if types is None or all(t == SLIDING for t in types):
+        return {"window": window}
+    if all(t == FULL for t in types):
+        return None
+    return {"window": window, "layer_types": list(types)}
+
+
+def attention_to_hf(cfg: ModelConfig) -> tuple[int | None, list[str]]:
+    """(sliding_window, layer_types) describing ``cfg.attention`` in HF terms."""
+    patterns = cfg.patterns
+    windows = {p.window for p in patterns if p is not None}
+    if len(windows) > 1:
+        raise HFError(f"HF configs have one sliding_window; this model uses {sorted(windows)}")
+    types = [FULL if p is None else SLIDING for p in patterns]
+    return (windows.pop() if windows else None), types
+
+
+def common_kwargs(hf: dict, where: str, defaults: dict) -> dict:
+    """Sizes shared by every family's HF config (after the family's key renames)."""
+    heads = need(hf, "num_attention_heads", where)
+    hidden = need(hf, "hidden_size", where)
+    return dict(
+        hidden=hidden,
+        layers=need(hf, "num_hidden_layers", where),
+        heads=heads,
+        kv_heads=get(hf, "num_key_value_heads", heads),
+        head_dim=get(hf, "head_dim", defaults.get("head_dim") or hidden // max(heads, 1)),
+        vocab_size=need(hf, "vocab_size", where),
+        ffn=need(hf, "intermediate_size", where),
+        max_seq_len=get(hf, "max_position_embeddings", defaults["max_position_embeddings"]),
+        norm_eps=get(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_embeddings=get(hf, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+        attention_dropout=get(hf, "attention_dropout", 0.0),
+        init_std=get(hf, "initializer_range", 0.02),
+    )
+
+
+def source_name(path: str | Path) -> str:
+    """ModelConfig.name of a model read from ``path``."""
+    return f"hf:{Path(path).name}"

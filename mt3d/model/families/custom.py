@@ -1,0 +1,30 @@
+"""Models no HF family can express (any combination of block options): trained and checkpointed
+like any other, but with no transformers architecture to load from or export to."""
+
+from __future__ import annotations
+
+from ..config import BLOCK_OPTIONS
+from . import register
+from .base import Family, HFError
+
+
+@register
+class Custom(Family):
+    """The family of configs that match no other (tried last by ``infer_family``)."""
+
+    name = "custom"
+    architecture = "no transformers architecture"
+    model_types = ()
+    infer_rank = 1000
+    variable = frozenset(BLOCK_OPTIONS)
+
+    def _none(self, *args, **kwargs):
+        from . import families
+
+        names = ", ".join(f.name for f in families() if f.model_types)
+        raise HFError(
+            f"this model's block options match no HF family ({names}), so it has no transformers "
+            "form; set mt3d.model.family to see which option stands in the way"
+        )
+
+    config_kwargs = hf_config = pieces = _none

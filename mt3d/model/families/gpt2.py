@@ -1,0 +1,98 @@
+"""GPT-2 (``GPT2LMHeadModel``): learned positions, LayerNorm, tanh-GELU MLP, biases everywhere.
+
+HF stores the linear weights as Conv1D ([in, out], transposed from mt3d's [out, in]) and q/k/v as
+one fused ``c_attn`` tensor, whose row ranges are mt3d's q, k and v parts.
+"""
+
+from __future__ import annotations
+
+from . import register
+from .base import Family, HFError, Piece, get, need, refuse_unsupported
+
+_MODULES = {
+    "norm1": "ln_1",
+    "norm2": "ln_2",
+    "attn.out": "attn.c_proj",
+    "mlp.up": "mlp.c_fc",
+    "mlp.down": "mlp.c_proj",
+}
+_NORMS = ("norm1", "norm2")
+
+
+@register
+class GPT2(Family):
+    """GPT-2 and GPT-3-shaped models."""
+
+    name = "gpt2"
+    architecture = "GPT2LMHeadModel"
+    model_types = ("gpt2",)
+    infer_rank = 0
+    defaults = dict(position="learned", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
+    variable = frozenset({"tie_embeddings"})
+    hf_defaults = {"n_positions": 1024, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
+
+    def limits(self, cfg):
+        """c_attn splits into three hidden-wide parts: q, k and v must each be ``hidden`` wide."""
+        if cfg.q_size != cfg.hidden or cfg.kv_heads != cfg.heads:
+            return "needs heads * head_dim == hidden and kv_heads == heads"
+        return None
+
+    def config_kwargs(self, hf, where):
+        """ModelConfig fields of a GPT2Config."""
+        refuse_unsupported(hf, where)
+        act = get(hf, "activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise HFError(f"{where}: activation_function {act!r} is not supported (gelu_new)")
+        if hf.get("scale_attn_by_inverse_layer_idx"):
+            raise HFError(f"{where}: scale_attn_by_inverse_layer_idx is not supported")
+        h = need(hf, "n_embd", where)
+        return dict(
+            hidden=h,
+            layers=need(hf, "n_layer", where),
+            heads=need(hf, "n_head", where),
+            vocab_size=need(hf, "vocab_size", where),
+            ffn=get(hf, "n_inner", 4 * h),
+            max_seq_len=get(hf, "n_positions", self.hf_defaults["n_positions"]),
+            tie_embeddings=get(hf, "tie_word_embeddings", True),
+            norm_eps=get(hf, "layer_norm_epsilon", 1e-5),
+            hidden_dropout=get(hf, "resid_pdrop", 0.0),
+            attention_dropout=get(hf, "attn_pdrop", 0.0),
+            init_std=get(hf, "initializer_range", 0.02),
+        )
+
+    def hf_config(self, cfg, vocab):
+        """A GPT2Config dict."""
+        return dict(
+            n_embd=cfg.hidden,
+            n_layer=cfg.layers,
+            n_head=cfg.heads,
+            n_inner=cfg.ffn,
+            n_positions=cfg.max_seq_len,
+            vocab_size=vocab,
+            activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings,
+            resid_pdrop=cfg.hidden_dropout,
+            embd_pdrop=cfg.hidden_dropout,
+            attn_pdrop=cfg.attention_dropout,
+        )
+
+    def pieces(self, cfg, role, block, local):
+        """transformer.* names; Conv1D weights transposed; c_attn cut into q, k, v row ranges."""
+        leaf = local.rsplit(".", 1)[-1]
+        if role == "embed":
+            return [Piece("transformer.wte.weight")]
+        if role == "pos":
+            return [Piece("transformer.wpe.weight")]
+        if role == "final_norm":
+            return [Piece(f"transformer.ln_f.{leaf}")]
+        if role == "head":
+            return [Piece("lm_head.weight")]
+        p = f"transformer.h.{block}."
+        module = local.rsplit(".", 1)[0]
+        if module == "attn.qkv":
+            h = cfg.hidden
+            return [Piece(p + "attn.c_attn." + leaf, leaf == "weight", i * h, h) for i in range(3)]
+        if module not in _MODULES:
+            raise HFError(f"GPT-2 has no tensor for mt3d parameter {local!r}")
+        return [Piece(p + _MODULES[module] + "." + leaf, leaf == "weight" and module not in _NORMS)]
