@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,52 @@ def test_preset_overrides_rederive_dependent_sizes():
     assert (cfg.ffn, cfg.head_dim, cfg.kv_heads) == (2048, 64, 8)
     llama = resolve_model({"preset": "llama-7b", "hidden": 2048, "heads": 16, "ffn": 5504})
     assert (llama.ffn, llama.head_dim, llama.name) == (5504, 128, "llama-7b")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention": {"window": 0}}, "model.attention.window must be a positive integer, got 0"),
+        (
+            {"attention": {"window": 4, "layer_types": ["sliding_attention"]}},
+            "model.attention.layer_types must list 4 layers",
+        ),
+        ({"attn_softcap": 0}, "model.attn_softcap must be a positive number or null, got 0"),
+        ({"logit_softcap": -30.0}, "model.logit_softcap must be a positive number or null, got -30.0"),
+        ({"family": "falcon"}, "unknown model family 'falcon'"),
+        ({"family": "gpt2", "kv_heads": 2}, "family 'gpt2' (GPT2LMHeadModel): needs heads * head_dim"),
+        ({"family": "llama", "qk_norm": True}, "model.qk_norm=True cannot be expressed by family 'llama'"),
+        ({"mlp": "reglu"}, "model.mlp must be one of ('gelu', 'swiglu', 'geglu')"),
+    ],
+)
+def test_bad_model_options_are_refused_by_key(change, message):
+    with pytest.raises(ConfigError, match=re.escape(f"mt3d.model: {message}")):
+        resolve_model({"preset": "tiny", **change})
+
+
+def test_a_bad_window_stops_the_train_command_in_one_line(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(tiny_config(tmp_path)))
+    out = run_train(["--config", str(f), "--set", 'mt3d.model.attention={"window": -1}', "--check"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "mt3d train: error: mt3d.model: model.attention.window must be a positive integer, got -1"
+    ]
+
+
+def test_presets_of_every_family_and_their_published_sizes():
+    sizes = {"mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen3-8b": 8.19, "gemma2-9b": 9.24}
+    for name, billions in sizes.items():
+        cfg = resolve_model({"preset": name})
+        assert cfg.family == name.split("-")[0].replace("2.5", "2")
+        assert abs(cfg.num_params() / 1e9 - billions) < 0.01, name
+    for family in ("mistral", "qwen2", "qwen3", "gemma2"):
+        assert resolve_model({"preset": f"tiny-{family}"}).family == family
+    # a preset's family is a default: overrides it cannot express make the model 'custom'
+    assert resolve_model({"preset": "tiny", "kv_heads": 2}).family == "custom"
+    # local layers count their window, not the sequence, in FLOPs
+    gemma = resolve_model({"preset": "gemma2-9b"})
+    assert gemma.attended_keys(8192) == (4096 + 8192) / 2
+    assert gemma.flops_per_token(8192) < resolve_model(
+        {"preset": "gemma2-9b", "attention": None}
+    ).flops_per_token(8192)

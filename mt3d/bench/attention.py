@@ -101,3 +101,23 @@ def run(args) -> None:
         "attention",
         {"window": args.window, "hidden": args.hidden, "heads": args.heads, "reps": args.reps, "rows": rows},
     )
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            x["n"],
+            x["attention"],
+            _f(x["ms"]),
+            _f(x["peak_mb"]),
+            _f(x.get("time_x_per_4x_n")),
+            _f(x.get("mem_x_per_4x_n")),
+            _f(x.get("local_vs_global_time")),
+        ]
+        for x in r["rows"]
+    ]
+    headers = ["n", "layer", "fwd+bwd ms", "peak MB", "time x per 4x n", "memory x per 4x n", "local/global"]
+    return headers, rows

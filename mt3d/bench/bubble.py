@@ -114,3 +114,21 @@ def run(args) -> dict:
         )
     )
     return emit("bubble", {"rows": out, "steps": args.steps, "hidden": args.hidden})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            x["p"],
+            x["m"],
+            _f(x["theory"]),
+            _f(x["measured_mean"]),
+            _f(x["busiest_stage"]),
+            _f(x["ratio"]),
+        ]
+        for x in r["rows"]
+    ]
+    return ["p", "m", "(p-1)/(m+p-1)", "measured mean idle", "busiest stage idle", "mean/theory"], rows

@@ -145,3 +145,22 @@ def run(args) -> dict:
         )
     )
     return emit("checkpoint", {"rows": rows})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            x["model"],
+            _f(x["gb"]),
+            _f(x["save_s"]),
+            _f(x["load_s"]),
+            _f(x["raw_write_gbps"]),
+            _f(x["save_gbps"]),
+            _f(x["save/raw"]),
+        ]
+        for x in r["rows"]
+    ]
+    return ["model", "GB", "save s", "load s", "raw write GB/s", "save GB/s", "save/raw"], rows

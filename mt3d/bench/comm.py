@@ -86,3 +86,21 @@ def run(args) -> dict:
     print(table(rows, ["tp", "sp", "calls_per_layer_per_micro", "elements_per_layer", "theory", "ratio",
                        "norm_grad_elements"]))  # fmt: skip
     return emit("comm", {"rows": out, "b": b, "s": s, "h": h, "accum": m, "layers": L})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            x["tp"],
+            x["sp"],
+            x["calls_per_layer_per_micro"],
+            _f(x["elements_per_layer"]),
+            _f(x["theory"]),
+            f"{x['ratio']:.2f}",
+        ]
+        for x in r["rows"]
+    ]
+    return ["tp", "SP", "calls per layer per micro-batch", "elements moved", "8bsh(t-1)/t", "ratio"], rows

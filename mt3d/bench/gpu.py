@@ -262,3 +262,21 @@ def run(args) -> dict:
             "smoke": smoke,
         },
     )
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            x["model"],
+            x["framework"],
+            _f(x["tokens_per_s"]),
+            _f(x["tflops"]),
+            _f(x["mfu_dense"], True),
+            _f(x["vs_transformers"]),
+        ]
+        for x in r.get("rows", [])
+    ]
+    return ["model", "framework", "tokens/s", "TFLOP/s", "MFU (dense)", "vs transformers"], rows

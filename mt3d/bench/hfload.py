@@ -87,3 +87,15 @@ def run(args) -> dict:
     print(f"loading a {params / 1e9:.2f}B-parameter GPT-2 ({size_gb:.1f} GB fp32 safetensors)")
     print(table(rows, ["loader", "seconds", "peak_rss_gb"]))
     return emit("hfload", {"params": params, "file_gb": size_gb, "transformers": hf, "mt3d_tp2": ranks})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    hf, mt = r["transformers"], max(r["mt3d_tp2"], key=lambda x: x["seconds"])
+    rows = [
+        ["transformers.from_pretrained", _f(hf["seconds"]), _f(hf["peak_rss_gb"])],
+        ["mt3d from_pretrained tp=2, per rank", _f(mt["seconds"]), _f(mt["peak_rss_gb"])],
+    ]
+    return ["loader", "seconds", "peak RSS GB"], rows

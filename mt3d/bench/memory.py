@@ -106,3 +106,24 @@ def run(args) -> dict:
     print(table(rows, ["tp", "pp", "dp", "zero", "recompute", "sp", "peak_mb", "fixed_mb", "measured_mb",
                        "predicted_mb", "ratio"]))  # fmt: skip
     return emit("memory", {"rows": rows, "within_15pct": within, "model": MODEL, "seq_len": args.seq_len})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            x["tp"],
+            x["pp"],
+            x["dp"],
+            x["zero"],
+            x["recompute"],
+            x["sp"],
+            _f(x["measured_mb"]),
+            _f(x["predicted_mb"]),
+            _f(x["ratio"]),
+        ]
+        for x in r["rows"]
+    ]
+    return ["tp", "pp", "dp", "ZeRO", "recompute", "SP", "measured MB", "planner MB", "ratio"], rows

@@ -135,3 +135,21 @@ def run(args) -> dict:
         table(rows, ["model", "zero", "params", "mt3d_s", "plain_s", "hf_ds_s", "mt3d/plain", "mt3d/hf_ds"])
     )
     return emit("overhead", {"rows": out, "reps": args.reps, "seq_len": args.seq_len, "micro": args.micro})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [
+        [
+            k,
+            _f(v["mt3d_s"]),
+            _f(v["plain_s"]),
+            _f(v["hf_ds_s"]),
+            _f(v["mt3d/plain"]),
+            _f(v["mt3d/hf_ds"]),
+        ]
+        for k, v in r["rows"].items()
+    ]
+    return ["model/ZeRO", "mt3d s/step", "plain s/step", "HF+DS s/step", "mt3d/plain", "mt3d/HF+DS"], rows

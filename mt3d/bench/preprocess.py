@@ -63,3 +63,11 @@ def run(args) -> dict:
     print(f"preprocessing throughput on {mb:.0f} MB of jsonl (target ratio >= 0.8 of raw encode_batch)")
     print(table(rows, ["pipeline", "mb_per_s", "tokens_per_s", "ratio"]))
     return emit("preprocess", {"mb": mb, "rows": rows})
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of this benchmark's table in the README."""
+    from .report import _f
+
+    rows = [[x["pipeline"], _f(x["mb_per_s"]), _f(x["tokens_per_s"]), _f(x["ratio"])] for x in r["rows"]]
+    return ["pipeline", "MB/s", "tokens/s", "vs raw"], rows

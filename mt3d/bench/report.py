@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 
 def _f(v, pct=False) -> str:
+    """A figure as the tables print it (3 significant digits, thousands separated, or a percentage)."""
     if v is None:
         return "n/a"
     if pct:
@@ -24,7 +26,7 @@ def _md(headers: list[str], rows: list[list]) -> str:
 
 
 def render(records: list[dict]) -> str:
-    """One Markdown section per benchmark record."""
+    """One Markdown section per benchmark record (each benchmark module's ``markdown`` gives the table)."""
     parts = []
     for r in records:
         m = r.get("machine", {})
@@ -32,110 +34,12 @@ def render(records: list[dict]) -> str:
             f"{m.get('date')}, {m.get('gpu') or 'CPU'}, {m.get('cpu_cores')} cores, torch {m.get('torch')}"
         )
         name = r["bench"]
-        if name == "overhead":
-            rows = [
-                [
-                    k,
-                    _f(v["mt3d_s"]),
-                    _f(v["plain_s"]),
-                    _f(v["hf_ds_s"]),
-                    _f(v["mt3d/plain"]),
-                    _f(v["mt3d/hf_ds"]),
-                ]
-                for k, v in r["rows"].items()
-            ]
-            body = _md(
-                ["model/ZeRO", "mt3d s/step", "plain s/step", "HF+DS s/step", "mt3d/plain", "mt3d/HF+DS"],
-                rows,
-            )
-        elif name == "bubble":
-            rows = [
-                [
-                    x["p"],
-                    x["m"],
-                    _f(x["theory"]),
-                    _f(x["measured_mean"]),
-                    _f(x["busiest_stage"]),
-                    _f(x["ratio"]),
-                ]
-                for x in r["rows"]
-            ]
-            body = _md(
-                ["p", "m", "(p-1)/(m+p-1)", "measured mean idle", "busiest stage idle", "mean/theory"], rows
-            )
-        elif name == "comm":
-            rows = [
-                [
-                    x["tp"],
-                    x["sp"],
-                    x["calls_per_layer_per_micro"],
-                    _f(x["elements_per_layer"]),
-                    _f(x["theory"]),
-                    f"{x['ratio']:.2f}",
-                ]
-                for x in r["rows"]
-            ]
-            body = _md(
-                ["tp", "SP", "calls per layer per micro-batch", "elements moved", "8bsh(t-1)/t", "ratio"],
-                rows,
-            )
-        elif name == "memory":
-            rows = [
-                [
-                    x["tp"],
-                    x["pp"],
-                    x["dp"],
-                    x["zero"],
-                    x["recompute"],
-                    x["sp"],
-                    _f(x["measured_mb"]),
-                    _f(x["predicted_mb"]),
-                    _f(x["ratio"]),
-                ]
-                for x in r["rows"]
-            ]
-            body = _md(
-                ["tp", "pp", "dp", "ZeRO", "recompute", "SP", "measured MB", "planner MB", "ratio"], rows
-            )
-        elif name == "preprocess":
-            rows = [
-                [x["pipeline"], _f(x["mb_per_s"]), _f(x["tokens_per_s"]), _f(x["ratio"])] for x in r["rows"]
-            ]
-            body = _md(["pipeline", "MB/s", "tokens/s", "vs raw"], rows)
-        elif name == "checkpoint":
-            rows = [
-                [
-                    x["model"],
-                    _f(x["gb"]),
-                    _f(x["save_s"]),
-                    _f(x["load_s"]),
-                    _f(x["raw_write_gbps"]),
-                    _f(x["save_gbps"]),
-                    _f(x["save/raw"]),
-                ]
-                for x in r["rows"]
-            ]
-            body = _md(["model", "GB", "save s", "load s", "raw write GB/s", "save GB/s", "save/raw"], rows)
-        elif name == "gpu":
-            rows = [
-                [
-                    x["model"],
-                    x["framework"],
-                    _f(x["tokens_per_s"]),
-                    _f(x["tflops"]),
-                    _f(x["mfu_dense"], True),
-                    _f(x["vs_transformers"]),
-                ]
-                for x in r.get("rows", [])
-            ]
-            body = _md(["model", "framework", "tokens/s", "TFLOP/s", "MFU (dense)", "vs transformers"], rows)
-        elif name == "hfload":
-            hf, mt = r["transformers"], max(r["mt3d_tp2"], key=lambda x: x["seconds"])
-            rows = [
-                ["transformers.from_pretrained", _f(hf["seconds"]), _f(hf["peak_rss_gb"])],
-                ["mt3d from_pretrained tp=2, per rank", _f(mt["seconds"]), _f(mt["peak_rss_gb"])],
-            ]
-            body = _md(["loader", "seconds", "peak RSS GB"], rows)
+        try:
+            module = importlib.import_module(f"mt3d.bench.{name}")
+        except ImportError:
+            module = None
+        if hasattr(module, "markdown"):
+            body = _md(*module.markdown(r))
         else:
             body = "```\n" + json.dumps(r)[:2000] + "\n```"
         parts.append(f"### {name} ({where})\n\n{body}\n")
