@@ -8,6 +8,7 @@ from mt3d.model.attention import (
     LocalPattern,
     attend,
     block_local_attention,
+    flex_local_attention,
     layer_patterns,
     reference_attention,
 )
@@ -25,19 +26,59 @@ def grads(out, inputs, seed=1):
     return torch.autograd.grad(out, inputs, g)
 
 
+def natten_keys(i, n, window, stride, dilation):
+    """The keys query i sees, written out from NATTEN's causal na1d definition (not from mt3d)."""
+    g = i % dilation
+    group = list(range(g, n, dilation))  # the dilation group, in order
+    pos = group.index(i)
+    leader = min(pos // stride * stride + stride - 1, len(group) - 1)
+    return {group[j] for j in range(len(group)) if j <= pos and leader - j < window}
+
+
+PATTERNS = [(w, s, d) for w in (1, 3, 16) for s in (1, 2, 4, w) for d in (1, 2) if s <= w]
+PATTERNS = sorted(set(PATTERNS))
+
+
+@pytest.mark.parametrize("window, stride, dilation", PATTERNS)
+def test_allowed_is_natten_causal_na1d(window, stride, dilation):
+    for n in (1, 5, 37):
+        pos = torch.arange(n)
+        mask = LocalPattern(window, stride, dilation).allowed(pos[:, None], pos[None, :], n)
+        for i in range(n):
+            assert set(torch.nonzero(mask[i]).flatten().tolist()) == natten_keys(
+                i, n, window, stride, dilation
+            )
+
+
+def test_strided_windows_by_hand():
+    """n = 10, W = 4, s = 3: stride groups {0,1,2} {3,4,5} {6,7,8} {9}; leaders 2, 5, 8 and 9 (cut short)."""
+    pos = torch.arange(10)
+    mask = LocalPattern(4, 3).allowed(pos[:, None], pos[None, :], 10)
+    keys = {i: torch.nonzero(mask[i]).flatten().tolist() for i in (0, 3, 5, 9)}
+    assert keys == {0: [0], 3: [2, 3], 5: [2, 3, 4, 5], 9: [6, 7, 8, 9]}
+    blocked = LocalPattern(4, 4).allowed(pos[:, None], pos[None, :], 10)
+    assert torch.nonzero(blocked[6]).flatten().tolist() == [4, 5, 6]  # its own block of 4, causally
+
+
 @pytest.mark.parametrize("softcap", [None, 2.0])
-@pytest.mark.parametrize("window", [1, 2, 3, 16, 37])
-def test_kernels_equal_the_brute_force_mask(window, softcap):
-    """n = 37 is a multiple of neither the window nor any block size; GQA with 2 query heads per KV head."""
+@pytest.mark.parametrize("window, stride, dilation", PATTERNS)
+def test_kernels_equal_the_brute_force_mask(window, stride, dilation, softcap):
+    """n = 37 is a multiple of no window, stride or tile; GQA with 2 query heads per KV head."""
     n = 37
+    pattern = LocalPattern(window, stride, dilation)
     q, k, v = qkv(n)
-    ref = reference_attention(q, k, v, LocalPattern(window), scale=0.3, softcap=softcap)
+    ref = reference_attention(q, k, v, pattern, scale=0.3, softcap=softcap)
     ref_grads = grads(ref, (q, k, v))
-    for block in (None, 4, 16, 64):  # auto, smaller than, equal to and longer than the window
-        out = attend(q, k, v, pattern=LocalPattern(window), scale=0.3, softcap=softcap, block=block)
-        assert (out - ref).abs().max() < 1e-10, block
+    runs = [("block-local", b) for b in (None, 4, 16, 64)] + [("dense", None), ("auto", None)]
+    for kernel, block in runs:  # tiles auto, shorter than, equal to and longer than the window
+        out = attend(q, k, v, pattern=pattern, scale=0.3, softcap=softcap, block=block, kernel=kernel)
+        assert (out - ref).abs().max() < 1e-10, (kernel, block)
         for a, b in zip(grads(out, (q, k, v)), ref_grads):
-            assert (a - b).abs().max() < 1e-10, block
+            assert (a - b).abs().max() < 1e-10, (kernel, block)
+    with torch.no_grad():  # FlexAttention (the GPU kernel) runs forward on CPUs, uncompiled
+        q32, k32, v32 = (x.detach().float() for x in (q, k, v))
+        flex = flex_local_attention(q32, k32, v32, pattern, scale=0.3, softcap=softcap, compiled=False)
+        assert (flex - ref.float()).abs().max() < 1e-5
 
 
 def test_window_blind_attention_differs():
@@ -47,6 +88,13 @@ def test_window_blind_attention_differs():
     assert (attend(q, k, v, pattern=None, scale=0.3) - local).abs().max() > 1e-2
     wider = block_local_attention(q, k, v, LocalPattern(17), scale=0.3)
     assert (wider - local).abs().max() > 1e-3  # W+1 keys is a different model
+    strided = block_local_attention(q, k, v, LocalPattern(16, 4), scale=0.3)
+    assert (strided - local).abs().max() > 1e-3
+    with torch.no_grad():
+        flex = flex_local_attention(
+            *(x.detach().float() for x in (q, k, v)), LocalPattern(17), scale=0.3, compiled=False
+        )
+        assert (flex - local.float()).abs().max() > 1e-3
 
 
 def test_local_pattern_sees_exactly_window_keys():
@@ -79,6 +127,28 @@ def test_decoding_with_a_rolling_cache_equals_full_attention(window):
     assert max(held) == (n if window is None else window - 1)
 
 
+@pytest.mark.parametrize("window, stride, dilation", [(5, 2, 1), (4, 4, 1), (3, 1, 2), (4, 2, 3)])
+def test_decoding_strided_and_dilated_patterns(window, stride, dilation):
+    """Each decoding step attends as the newest token of a sequence of that length (NATTEN's
+    definition at that length: the last stride group's leader is the newest token), from a cache
+    of the last window * dilation - 1 positions."""
+    n = 23
+    q, k, v = qkv(n, dtype=torch.float32)
+    pattern = LocalPattern(window, stride, dilation)
+    with torch.no_grad():
+        cache, layer, held = KVCache(), object(), []
+        for t in range(n):
+            kk, vv, k_start = cache.update(layer, k[:, :, t : t + 1], v[:, :, t : t + 1], pattern)
+            got = attend(q[:, :, t : t + 1], kk, vv, pattern=pattern, scale=0.3, q_start=t, k_start=k_start)
+            want = reference_attention(
+                q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], pattern, scale=0.3
+            )
+            assert (got - want[:, :, -1:]).abs().max() < 1e-5, t
+            cache.length = t + 1
+            held.append(cache.keys_held()[id(layer)])
+    assert max(held) == window * dilation - 1
+
+
 def test_layer_patterns_from_specs():
     w = LocalPattern(8)
     assert layer_patterns(None, 3) == [None] * 3
@@ -99,6 +169,10 @@ def test_layer_patterns_from_specs():
         ({"window": 4, "layer_types": ["local"] * 3}, "unknown type 'local'"),
         ({"window": 4, "global_every": 0}, "global_every must be a positive integer"),
         ({"layer_types": ["full_attention"] * 3}, "needs 'window'"),
+        ({"window": 4, "stride": 5}, "stride 5 is larger than the window 4"),
+        ({"window": 4, "stride": 0}, "model.attention.stride must be a positive integer, got 0"),
+        ({"window": 4, "dilation": -2}, "model.attention.dilation must be a positive integer, got -2"),
+        ({"window": 4, "kernel": "triton"}, "model.attention.kernel must be one of"),
     ],
 )
 def test_bad_attention_specs(spec, message):

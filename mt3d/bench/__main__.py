@@ -20,7 +20,8 @@ BENCHES = {
     "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
     "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
-    "attention": "fwd+bwd time and peak memory of a local-window vs a global block as n grows (n*W vs n^2)",
+    "attention": "local vs global layers as n grows (n*W vs n^2), and each local pattern's kernel vs dense "
+    "causal beside its speed-of-light bound",
 }
 
 
@@ -74,12 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--layers", type=int, default=18)
     h.add_argument("--tmp", default=None, help="directory for the 4 GB model (default: system temp)")
     at = sub.add_parser("attention", help=BENCHES["attention"])
-    at.add_argument("--seq-lens", default="1024,4096,16384")
-    at.add_argument("--window", type=int, default=256)
-    at.add_argument("--hidden", type=int, default=512)
+    at.add_argument("--part", choices=["layers", "patterns", "both"], default="both")
+    at.add_argument("--seq-lens", default="1024,4096,16384", help="layers: sequence lengths")
+    at.add_argument("--window", type=int, default=256, help="layers: the local layer's window")
+    at.add_argument("--hidden", type=int, default=512, help="layers: block width")
     at.add_argument("--heads", type=int, default=8)
     at.add_argument("--reps", type=int, default=3)
-    at.add_argument("--block", type=int, default=None, help="block-local tile rows (default: automatic)")
+    at.add_argument("--pattern-lens", default=None, help="patterns: lengths (default 4096,16384; GPU 32768)")
+    at.add_argument("--pattern-window", type=int, default=None, help="patterns: W (default 512; GPU 2048)")
+    at.add_argument(
+        "--strides", default=None, help="patterns: strided rows besides 1 and W (default 64; GPU 256)"
+    )
+    at.add_argument("--dilation", type=int, default=2, help="patterns: the dilated row's d (1: none)")
+    at.add_argument("--head-dim", type=int, default=None, help="patterns: head size (default 64; GPU 128)")
     return p
 
 

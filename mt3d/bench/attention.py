@@ -1,14 +1,17 @@
-"""``attention``: forward+backward time and peak memory of local vs global attention layers.
+"""``attention``: local attention against dense causal attention, measured beside its theory.
 
-One transformer block (tp = 1, fp32 on CPU, bf16 on a GPU) is run forward and backward on one
-sequence of n tokens, with global causal attention (SDPA) and with a local window (the block-local
-kernel of ``mt3d.model.attention``), for several n. Each case runs in a fresh process: peak memory
-is the peak resident set size above the process's size once the inputs exist (glibc's mmap
-threshold set low so freed tensors leave at once), or CUDA's peak allocation on a GPU.
+Two tables, each case in a fresh process (peak memory is the peak resident set size above the
+process once its inputs exist, glibc's mmap threshold set low so freed tensors leave at once; on a
+GPU, CUDA's peak allocation):
 
-Theory: a global layer's attention work grows with n^2 and a local layer's with n * W, so local
-step time should grow about 4x when n does (the MLP and projections are linear in n as well),
-while global time grows towards 16x as attention comes to dominate.
+* **layers**: one transformer block (tp = 1; fp32 on CPU, bf16 on a GPU), forward and backward on
+  one sequence of n tokens, with global causal attention and with a sliding window, for several n.
+  A global layer's attention work grows with n^2 and a local layer's with n * W: local step time
+  should grow about 4x when n does, global time towards 16x as attention comes to dominate.
+* **patterns**: the attention operation alone (forward + backward) for sliding, strided, blocked
+  and dilated patterns with the kernel mt3d picks (block-local on CPUs, FlexAttention on GPUs)
+  against dense causal SDPA (FlashAttention on GPUs), beside the speed-of-light bound of
+  ``mt3d.planner.sparsity`` at the kernel's tile shape: measured speedup / bound is the headline.
 """
 
 from __future__ import annotations
@@ -18,43 +21,26 @@ import multiprocessing as mp
 from .common import emit, table
 
 
-def case(n: int, window: int | None, hidden: int, heads: int, reps: int, block: int | None) -> dict:
-    """Median fwd+bwd seconds and peak bytes of one block on an n-token sequence (own process)."""
+def _setup():
     import ctypes
-    import resource
-    import statistics
-    import time
 
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed memory goes back
-    from ..model.blocks import BuildContext, TransformerBlock
-    from ..model.config import ModelConfig
-    from ..parallel.state import AxisGroup
+    return torch, cuda, ("cuda" if cuda else "cpu"), (torch.bfloat16 if cuda else torch.float32)
 
-    attention = None if window is None else {"window": window, **({"block": block} if block else {})}
-    cfg = ModelConfig(
-        hidden=hidden, layers=1, heads=heads, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
-        max_seq_len=n, attention=attention,
-    )  # fmt: skip
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    block_ = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), dtype=dtype, device=device), 0)
-    x = torch.randn(1, n, hidden, dtype=dtype, device=device, requires_grad=True)
-    dy = torch.randn_like(x)
 
-    def step():
-        block_(x).backward(dy)
-        x.grad = None
-        for p in block_.parameters():
-            p.grad = None
-        if cuda:
-            torch.cuda.synchronize()
+def _measure(torch, cuda: bool, step, reps: int) -> dict:
+    """Median seconds of ``step`` after one warm-up call, and peak bytes above the state before it."""
+    import resource
+    import statistics
+    import time
 
-    step()  # warm-up (allocator, RoPE tables, tile masks)
+    step()  # warm-up (allocator, tables, masks, compilation)
     if cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
@@ -64,60 +50,172 @@ def case(n: int, window: int | None, hidden: int, heads: int, reps: int, block: 
     for _ in range(reps):
         t0 = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"seconds": statistics.median(times), "peak_bytes": max(peak, 0)}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {"seconds": statistics.median(times), "peak_bytes": max(peak - base, 0)}
 
 
-def _isolated(*args) -> dict:
+def layer_case(n: int, window: int | None, hidden: int, heads: int, reps: int) -> dict:
+    """One block, global or sliding-window, forward + backward on an n-token sequence."""
+    torch, cuda, device, dtype = _setup()
+    from ..model.blocks import BuildContext, TransformerBlock
+    from ..model.config import ModelConfig
+    from ..parallel.state import AxisGroup
+
+    cfg = ModelConfig(
+        hidden=hidden, layers=1, heads=heads, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+        max_seq_len=n, attention=None if window is None else {"window": window},
+    )  # fmt: skip
+    block = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), dtype=dtype, device=device), 0)
+    x = torch.randn(1, n, hidden, dtype=dtype, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        block(x).backward(dy)
+        x.grad = None
+        for p in block.parameters():
+            p.grad = None
+
+    return _measure(torch, cuda, step, reps)
+
+
+def pattern_case(n: int, pattern: tuple | None, heads: int, head_dim: int, reps: int) -> dict:
+    """The attention operation alone, forward + backward; ``pattern`` (W, s, d) or None (dense causal)."""
+    torch, cuda, device, dtype = _setup()
+    from ..model.attention import LocalPattern, attend, choose_block, choose_kernel
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, head_dim, generator=g, device=device, dtype=dtype) for _ in range(3))
+    for t in (q, k, v):
+        t.requires_grad_()
+    local = None if pattern is None else LocalPattern(*pattern)
+
+    def step():
+        attend(q, k, v, pattern=local, scale=head_dim**-0.5).sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    out = _measure(torch, cuda, step, reps)
+    out["kernel"] = choose_kernel("auto", local, q.device, None, 0.0)
+    out["tile"] = choose_block(local, head_dim, n) if local and out["kernel"] == "block-local" else 128
+    return out
+
+
+def _isolated(fn, *args) -> dict:
     with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(case, args)
+        return pool.apply(fn, args)
 
 
-def run(args) -> None:
-    """Time local vs global blocks over the sequence lengths; print the table and the BENCH record."""
-    lengths = [int(n) for n in args.seq_lens.split(",")]
+def run_layers(args) -> list[dict]:
+    """Time local vs global blocks over the sequence lengths."""
     rows = []
-    for n in lengths:
+    for n in [int(x) for x in args.seq_lens.split(",")]:
         for window in (None, args.window):
-            r = _isolated(n, window, args.hidden, args.heads, args.reps, args.block)
+            r = _isolated(layer_case, n, window, args.hidden, args.heads, args.reps)
             rows.append({"n": n, "attention": "global" if window is None else f"local {window}", **r})
     by = {(r["n"], r["attention"]): r for r in rows}
     for r in rows:
-        r["ms"] = r["seconds"] * 1e3
-        r["peak_mb"] = r["peak_bytes"] / 2**20
+        r["ms"], r["peak_mb"] = r["seconds"] * 1e3, r["peak_bytes"] / 2**20
         prev = by.get((r["n"] // 4, r["attention"]))
         if prev:  # growth when n grows 4x: 4 for linear cost, 16 for quadratic
             r["time_x_per_4x_n"] = r["seconds"] / prev["seconds"]
             r["mem_x_per_4x_n"] = r["peak_bytes"] / max(prev["peak_bytes"], 1)
         if r["attention"] != "global":
             r["local_vs_global_time"] = r["seconds"] / by[(r["n"], "global")]["seconds"]
-    cols = ["n", "attention", "ms", "peak_mb", "time_x_per_4x_n", "mem_x_per_4x_n", "local_vs_global_time"]
+    print(table(rows, ["n", "attention", "ms", "peak_mb", "time_x_per_4x_n", "mem_x_per_4x_n",
+                       "local_vs_global_time"]))  # fmt: skip
+    return rows
+
+
+def pattern_specs(window: int, strides: str, dilation: int) -> dict[str, tuple]:
+    """Named (W, s, d) patterns: sliding, the given strides, blocked (s = W) and dilated."""
+    specs = {"sliding": (window, 1, 1)}
+    for s in (int(x) for x in strides.split(",") if x):
+        if 1 < s < window:
+            specs[f"strided {s}"] = (window, s, 1)
+    specs["blocked"] = (window, window, 1)
+    if dilation > 1:
+        specs[f"dilated {dilation}"] = (window, 1, dilation)
+    return specs
+
+
+def run_patterns(args) -> list[dict]:
+    """Each pattern's kernel against dense causal attention, beside the speed-of-light bound."""
+    from ..planner.sparsity import tiles
+
+    rows = []
+    for n in [int(x) for x in args.pattern_lens.split(",")]:
+        dense = _isolated(pattern_case, n, None, args.heads, args.head_dim, args.reps)
+        rows.append({"n": n, "pattern": "dense causal", **dense})
+        for name, (w, s, d) in pattern_specs(args.pattern_window, args.strides, args.dilation).items():
+            r = _isolated(pattern_case, n, (w, s, d), args.heads, args.head_dim, args.reps)
+            bound = tiles(n, w, s, d, r["tile"], r["tile"]).bound
+            r.update(
+                n=n, pattern=name, window=w, stride=s, dilation=d, speedup=dense["seconds"] / r["seconds"],
+                bound=bound, bound_128=tiles(n, w, s, d, 128, 128).bound,
+            )  # fmt: skip
+            r["of_bound"] = r["speedup"] / bound
+            rows.append(r)
+    for r in rows:
+        r["ms"], r["peak_mb"] = r["seconds"] * 1e3, r["peak_bytes"] / 2**20
+        prev = next((p for p in rows if p["n"] * 4 == r["n"] and p["pattern"] == r["pattern"]), None)
+        if prev:
+            r["mem_x_per_4x_n"] = r["peak_bytes"] / max(prev["peak_bytes"], 1)
+    cols = ["n", "pattern", "kernel", "tile", "ms", "peak_mb", "mem_x_per_4x_n", "speedup", "bound",
+            "of_bound", "bound_128"]  # fmt: skip
     print(table(rows, cols))
-    emit(
-        "attention",
-        {"window": args.window, "hidden": args.hidden, "heads": args.heads, "reps": args.reps, "rows": rows},
-    )
+    return rows
+
+
+# defaults of the pattern table: the CPU's, and the GNA paper's 1-D setting on GPUs
+CPU_PATTERNS = {"pattern_lens": "4096,16384", "pattern_window": 512, "strides": "64", "head_dim": 64}
+GPU_PATTERNS = {"pattern_lens": "32768", "pattern_window": 2048, "strides": "256", "head_dim": 128}
+
+
+def run(args) -> None:
+    """Print the tables and one BENCH record per table."""
+    import torch
+
+    for key, value in (GPU_PATTERNS if torch.cuda.is_available() else CPU_PATTERNS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    common = {"hidden": args.hidden, "heads": args.heads, "reps": args.reps}
+    if args.part in ("layers", "both"):
+        emit("attention", {**common, "window": args.window, "rows": run_layers(args)})
+    if args.part in ("patterns", "both"):
+        emit("attention", {**common, "head_dim": args.head_dim, "patterns": run_patterns(args)})
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:
-    """Headers and rows of this benchmark's table in the README."""
+    """Headers and rows of this benchmark's tables in the README (the layer table, then patterns)."""
     from .report import _f
 
+    if r.get("rows"):
+        rows = [
+            [x["n"], x["attention"], _f(x["ms"]), _f(x["peak_mb"]), _f(x.get("time_x_per_4x_n")),
+             _f(x.get("mem_x_per_4x_n")), _f(x.get("local_vs_global_time"))]
+            for x in r["rows"]
+        ]  # fmt: skip
+        return [
+            "n",
+            "layer",
+            "fwd+bwd ms",
+            "peak MB",
+            "time x per 4x n",
+            "memory x per 4x n",
+            "local/global",
+        ], rows
     rows = [
-        [
-            x["n"],
-            x["attention"],
-            _f(x["ms"]),
-            _f(x["peak_mb"]),
-            _f(x.get("time_x_per_4x_n")),
-            _f(x.get("mem_x_per_4x_n")),
-            _f(x.get("local_vs_global_time")),
-        ]
-        for x in r["rows"]
-    ]
-    headers = ["n", "layer", "fwd+bwd ms", "peak MB", "time x per 4x n", "memory x per 4x n", "local/global"]
+        [x["n"], x["pattern"], x["kernel"], x.get("tile", ""), _f(x["ms"]), _f(x["peak_mb"]),
+         _f(x.get("mem_x_per_4x_n")), _f(x.get("speedup")), _f(x.get("bound")), _f(x.get("of_bound")),
+         _f(x.get("bound_128"))]
+        for x in r["patterns"]
+    ]  # fmt: skip
+    headers = ["n", "pattern", "kernel", "tile", "fwd+bwd ms", "peak MB", "memory x per 4x n", "speedup",
+               "bound (tile)", "speedup/bound", "bound (128)"]  # fmt: skip
     return headers, rows

@@ -1,19 +1,27 @@
 """Attention patterns and their kernels: the one home for attention masks.
 
-A layer attends either globally (causal) or locally with a ``LocalPattern``. ``LocalPattern.allowed``
-is *the* definition of which keys a query sees; every kernel below is tested against a dense mask
-built from it. Kernels, picked by ``attend``:
+A layer attends either globally (causal) or locally with a ``LocalPattern`` (window W, stride s,
+dilation d: sliding, strided, blocked and dilated neighbourhood attention as one family, after
+NATTEN's causal ``na1d`` and the GNA paper). ``LocalPattern.allowed`` is *the* definition of which
+keys a query sees; every kernel below is tested against a dense mask built from it. Kernels,
+chosen by ``attend`` (``kernel`` in the attention spec overrides the automatic choice):
 
-* **SDPA causal**: global layers without logit soft-capping (FlashAttention on GPUs, the fused
-  flash kernel on CPUs).
-* **block-local**: local layers whose window is shorter than the sequence. Queries are cut into
-  blocks of ``block`` rows; a query block only needs the keys from ``span`` positions before its
-  first row up to its last row, so keys and values are gathered per block (a strided view, then
-  one copy) and attention runs on [query block x key span] tiles with the pattern's mask. Compute
-  and memory grow with ``n * (window + block)``, not ``n^2``, forward and backward, on every device
-  (torch 2.13's FlexAttention has no CPU backward).
-* **dense masked**: everything else (soft-capped global layers, decoding steps with a KV cache):
-  scores, soft-cap, the pattern's mask, softmax in fp32.
+* **sdpa**: global layers without logit soft-capping (FlashAttention on GPUs, the fused flash
+  kernel on CPUs).
+* **block-local** (every device): local layers whose window is shorter than the sequence. The
+  dilation groups are permuted into separate sequences; queries are cut into tiles of ``block``
+  rows; a tile only needs the keys from ``span`` positions before its first row up to its last
+  row, so keys and values are gathered per tile (a strided view, then one copy) and attention runs
+  on [tile x (span + tile)] blocks with the pattern's mask (causal blocks of blocked attention run
+  unmasked through SDPA's causal kernel). The last, incomplete stride group (whose leader is
+  clipped to the last token) is computed separately. Compute and memory grow with
+  ``n * (span + tile)``, not ``n^2``, forward and backward (torch 2.13's FlexAttention has no CPU
+  backward).
+* **flex** (CUDA): FlexAttention with a block mask built once per (pattern, length, device) from
+  ``allowed`` and ``torch.compile``d; soft-capping is its score modifier. Visits only the tiles the
+  pattern needs (the speed-of-light model of ``mt3d.planner.sparsity``).
+* **dense**: scores, soft-cap, the pattern's full mask, softmax in fp32: soft-capped global layers
+  off CUDA, decoding steps with a KV cache, and the reference the others are tested against.
 
 Soft-capping (Gemma 2) is ``cap * tanh(scores / cap)`` on the scaled scores, before the mask.
 Grouped-query attention never copies key/value heads: query heads are grouped under the key/value
@@ -22,8 +30,9 @@ head they share (HF's ``repeat_kv`` order: query head i uses key/value head i //
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -40,18 +49,44 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types names
 
 @dataclass(frozen=True)
 class LocalPattern:
-    """Causal local attention: query i sees keys j with ``i - window < j <= i`` (exactly ``window``
-    keys including itself once i >= window - 1; transformers' ``kv_idx > q_idx - sliding_window``)."""
+    """Causal neighbourhood attention with window W, stride s and dilation d (NATTEN's causal na1d).
+
+    For a sequence of n tokens, query i attends to key j exactly when
+
+    * j is in i's dilation group: j = i (mod d); inside the group positions are counted as
+      i' = i // d and j' = j // d, and the group holds n_g = ceil((n - i mod d) / d) tokens;
+    * j' <= i' (causal), and
+    * L - j' < W, where L = min(floor(i'/s)*s + s - 1, n_g - 1) is the leader of i's stride group
+      (its last query, or the group's last token when the sequence ends inside the stride group).
+
+    The queries of a stride group share where their window starts (L - W + 1, cut at 0), so only
+    the leader sees W keys; query i' sees W - (L - i'). s = d = 1 is the sliding window (W keys up
+    to and including the query: transformers' ``kv > q - W``); s = W is blocked attention (each
+    query sees its own block of W, causally). Needs 1 <= s <= W and d >= 1.
+    """
 
     window: int
+    stride: int = 1
+    dilation: int = 1
 
-    def allowed(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Boolean mask of which key positions ``k`` each query position ``q`` sees (broadcasting)."""
-        return (k <= q) & (k > q - self.window)
+    def allowed(self, q: torch.Tensor, k: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """Which key positions ``k`` each query position ``q`` sees (broadcasting integer tensors) in
+        a sequence of ``n`` tokens (None: no stride group is cut short by the end)."""
+        d, s = self.dilation, self.stride
+        qi, kj = q // d, k // d
+        lead = qi if s == 1 else (qi // s) * s + (s - 1)
+        if s > 1 and n is not None:
+            lead = torch.minimum(lead, (n - q % d + d - 1) // d - 1)
+        ok = (kj <= qi) & (lead - kj < self.window)
+        return ok & ((q - k) % d == 0) if d > 1 else ok
 
     def history(self) -> int:
-        """Past keys a future query can still see: what a generation cache must keep."""
-        return self.window - 1
+        """Past positions a future query can still see: what a generation cache must keep."""
+        return self.window * self.dilation - 1
+
+    def grouped(self) -> LocalPattern:
+        """The pattern inside one dilation group (the group's tokens as a contiguous sequence)."""
+        return replace(self, dilation=1)
 
 
 def _positive_int(value, key: str) -> int:
@@ -61,19 +96,23 @@ def _positive_int(value, key: str) -> int:
 
 
 ATTENTION_KEYS = {
-    "window": "keys each query of a local layer sees, itself included",
+    "window": "keys each local query's window spans (W), itself included",
+    "stride": "queries per stride group sharing one window start (1: sliding; W: blocked)",
+    "dilation": "attend within every d-th token (d interleaved groups)",
     "layer_types": f"per layer '{SLIDING}' (local) or '{FULL}' (global), as in HF configs",
     "global_every": "every k-th layer (the k-th, 2k-th, ...) is global, the others local",
-    "block": "query rows per tile of the block-local kernel (default: chosen from window and head size)",
+    "block": "query rows per tile of the block-local kernel (default: chosen from the pattern)",
+    "kernel": "auto (flex on CUDA, block-local elsewhere), block-local, flex or dense",
 }
+KERNELS = ("auto", "block-local", "flex", "dense")
 
 
 def layer_patterns(spec: dict | None, layers: int) -> list[LocalPattern | None]:
     """One entry per layer: its LocalPattern, or None for global causal attention.
 
-    ``spec`` is ``ModelConfig.attention``: ``{"window": W}`` (every layer local), with
-    ``"layer_types": [...]`` (HF names, one per layer) or ``"global_every": k`` to mix in global
-    layers. None: every layer global.
+    ``spec`` is ``ModelConfig.attention``: ``{"window": W, "stride": s, "dilation": d}`` (every
+    layer local; stride and dilation default to 1), with ``"layer_types": [...]`` (HF names, one per
+    layer) or ``"global_every": k`` to mix in global layers. None: every layer global.
     """
     if spec is None:
         return [None] * layers
@@ -86,9 +125,17 @@ def layer_patterns(spec: dict | None, layers: int) -> list[LocalPattern | None]:
         )
     if "window" not in spec:
         raise AttentionConfigError("model.attention needs 'window' (keys each local query sees)")
-    local = LocalPattern(_positive_int(spec["window"], "window"))
+    window, stride, dilation = (_positive_int(spec.get(k, 1), k) for k in ("window", "stride", "dilation"))
+    if stride > window:
+        raise AttentionConfigError(
+            f"model.attention.stride {stride} is larger than the window {window} "
+            "(blocked attention is stride = window)"
+        )
+    local = LocalPattern(window, stride, dilation)
     if "block" in spec:
         _positive_int(spec["block"], "block")
+    if spec.get("kernel", "auto") not in KERNELS:
+        raise AttentionConfigError(f"model.attention.kernel must be one of {KERNELS}, got {spec['kernel']!r}")
     if "layer_types" in spec and "global_every" in spec:
         raise AttentionConfigError("model.attention: give layer_types or global_every, not both")
     if "global_every" in spec:
@@ -108,44 +155,68 @@ def layer_patterns(spec: dict | None, layers: int) -> list[LocalPattern | None]:
     return [local if t == SLIDING else None for t in types]
 
 
-def keys_per_query(pattern: LocalPattern | None, seq_len: int) -> int:
+def keys_per_query(pattern: LocalPattern | None, seq_len: int) -> float:
     """Keys a query attends to in a ``seq_len`` sequence, as counted for model FLOPs: ``seq_len`` for
-    global layers (the Narayanan et al. convention) and the window for local ones."""
-    return seq_len if pattern is None else min(pattern.window, seq_len)
+    global layers (the Narayanan et al. convention) and the pattern's mean for local ones (W for a
+    sliding window; W - (s - 1) / 2 with stride s, whose queries see W - (L - i) keys)."""
+    if pattern is None:
+        return seq_len
+    return min(seq_len, pattern.window - (pattern.stride - 1) / 2)
 
 
-def choose_block(window: int, head_dim: int, n: int) -> int:
-    """Query rows per block-local tile: about sqrt(window * head_dim), a power of two in [16, 512].
+# --- kernels ------------------------------------------------------------------------------------
+def choose_block(pattern: LocalPattern, head_dim: int, n: int) -> int:
+    """Query rows per block-local tile.
 
-    Larger blocks waste more masked scores (a tile spans window + block keys), smaller ones copy
-    keys and values more often (once per block): the product is smallest near sqrt(window * d).
+    A tile costs (span + tile) key columns per query row and copies nothing, but small tiles run
+    SDPA's fused kernel less efficiently: tile = sqrt(W * head_dim) as a power of two in [16, 512]
+    measured best for sliding windows on CPUs. With a stride the tile is a multiple of it, or the
+    stride itself up to 1024 (blocked attention: tile = W, span 0, each tile one causal block), so
+    that a tile's queries share one window start.
     """
-    target = math.sqrt(window * head_dim)
-    block = 2 ** round(math.log2(max(target, 1)))
-    return max(16, min(block, 512, 2 ** math.ceil(math.log2(max(n, 1)))))
+    target = 2 ** round(math.log2(max(math.sqrt(pattern.window * head_dim), 1)))
+    target = max(16, min(target, 512))
+    s = pattern.stride
+    if s >= target:
+        target = s if s <= 1024 else next(b for b in range(1024, 0, -1) if s % b == 0)
+    elif s > 1:
+        target = s * max(1, round(target / s))
+    return max(1, min(target, 2 ** math.ceil(math.log2(max(n, 1)))))
+
+
+def _span(pattern: LocalPattern, block: int) -> int:
+    """Keys before a tile's first query that some query of the tile sees (no stride group cut short):
+    the largest tile start - window start, over one period of the tile and stride grid."""
+    s, w = pattern.stride, pattern.window
+    i = torch.arange(block * s // math.gcd(block, s) + block)
+    lead = (i // s) * s + (s - 1)
+    return max(0, int(((i // block) * block - (lead - w + 1)).max()))
 
 
 _MASKS: dict = {}
 
 
-def local_tile_mask(pattern: LocalPattern, n: int, block: int, span: int, device) -> torch.Tensor:
-    """[blocks, block, span + block] mask of the block-local tiles (cached per shape and device).
+def local_tile_mask(
+    pattern: LocalPattern, n: int, block: int, span: int, device
+) -> tuple[torch.Tensor, bool]:
+    """[blocks, block, span + block] mask of the block-local tiles of an n-token sequence whose stride
+    groups are all complete (cached), and whether every tile is exactly causal (blocked attention).
 
-    Row r of block j is query j*block + r; column c is key j*block - span + c. Keys before the
+    Row r of tile t is query t*block + r; column c is key t*block - span + c. Keys before the
     sequence (left padding) are masked; keys after it are only ever seen by padding queries.
     """
     key = (pattern, n, block, span, str(device))
-    mask = _MASKS.get(key)
-    if mask is None:
+    if key not in _MASKS:
         blocks = -(-n // block)
         start = torch.arange(blocks, device=device)[:, None, None] * block
         q = start + torch.arange(block, device=device)[None, :, None]
         k = start - span + torch.arange(span + block, device=device)[None, None, :]
         mask = pattern.allowed(q, k) & (k >= 0)
+        causal = span == 0 and bool((mask == torch.ones(block, block, device=device).tril().bool()).all())
         if len(_MASKS) > 64:
             _MASKS.clear()
-        _MASKS[key] = mask
-    return mask
+        _MASKS[key] = (mask, causal)
+    return _MASKS[key]
 
 
 def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -153,7 +224,7 @@ def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _math_attention(q, k, v, mask, scale, softcap, dropout):
-    """softmax(cap(q k^T * scale) masked) v, in fp32 for the softmax; q/k/v share leading dims."""
+    """softmax(cap(q k^T * scale) masked) v, the softmax in fp32 (fp64 for fp64); q/k/v share leading dims."""
     scores = _softcapped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -164,51 +235,173 @@ def _math_attention(q, k, v, mask, scale, softcap, dropout):
     return torch.matmul(probs, v)
 
 
-def _tile_attention(q, k, v, mask, scale, softcap, dropout):
+def _tile_attention(q, k, v, mask, scale, softcap, dropout, causal=False):
     """Attention on tiles with a mask: SDPA when no soft-cap (fused kernels), else the math path."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, is_causal=causal
+        )
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     return _math_attention(q, k, v, mask, scale, softcap, dropout)
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[b, hq, s, d] -> [b, hk, g*s, d]: the query heads of each key/value head stacked along s."""
-    b, hq, s, d = q.shape
-    return q.reshape(b, kv_heads, (hq // kv_heads) * s, d)
+    """[..., hq, s, d] -> [..., hk, g*s, d]: the query heads of each key/value head stacked along s."""
+    *lead, hq, s, d = q.shape
+    return q.reshape(*lead, kv_heads, (hq // kv_heads) * s, d)
 
 
 def dense_attention(q, k, v, mask, *, scale, softcap=None, dropout=0.0):
-    """q [b, hq, s, d], k/v [b, hk, t, d], mask [s, t] bool (True: attend) or None."""
-    b, hq, s, d = q.shape
-    hk = k.shape[1]
-    if mask is not None and hq != hk:
-        mask = mask.repeat(hq // hk, 1)  # rows follow the grouped query layout
+    """q [..., hq, s, d], k/v [..., hk, t, d], mask [s, t] or [..., 1, s, t] bool (True: attend) or None."""
+    hq, s, d = q.shape[-3:]
+    hk = k.shape[-3]
+    if mask is not None and hq != hk:  # rows follow the grouped query layout
+        mask = mask.repeat(*([1] * (mask.dim() - 2)), hq // hk, 1)
     out = _tile_attention(_grouped(q, hk), k, v, mask, scale, softcap, dropout)
-    return out.reshape(b, hq, s, d)
+    return out.reshape(q.shape)
+
+
+def _to_groups(x: torch.Tensor, d: int) -> torch.Tensor:
+    """[b, h, n, hd] -> [b*d, h, ceil(n/d), hd]: dilation group g of sequence b at batch b*d + g."""
+    if d == 1:
+        return x
+    b, h, n, hd = x.shape
+    m = -(-n // d)
+    x = _pad_seq(x, 0, m * d - n).view(b, h, m, d, hd)
+    return x.permute(0, 3, 1, 2, 4).reshape(b * d, h, m, hd)
+
+
+def _pad_seq(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """Zero rows before and after along the sequence (dim 2); no copy when there are none."""
+    return x if before == after == 0 else F.pad(x, (0, 0, before, after))
+
+
+def _from_groups(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    """Inverse of ``_to_groups``."""
+    if d == 1:
+        return x
+    bd, h, m, hd = x.shape
+    return x.view(bd // d, d, h, m, hd).permute(0, 2, 3, 1, 4).reshape(bd // d, h, m * d, hd)[:, :, :n]
+
+
+def _tiles(q, k, v, pattern: LocalPattern, scale, softcap, dropout, block):
+    """Block-local attention of whole sequences (no dilation, no stride group cut short).
+
+    Laid out for SDPA's fused kernels as 4-D [batch x kv head, tile, rows, head_dim]: tile t's keys
+    are a strided view of the (left-padded) keys, [t*block - span, t*block + block), with no copy;
+    the query heads sharing a key/value head are stacked in each tile's rows.
+    """
+    b, hq, n, hd = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    span = _span(pattern, block)
+    blocks = -(-n // block)
+    pad = blocks * block - n
+    qt = _pad_seq(q, 0, pad).reshape(b * hk, g, blocks, block, hd)
+    qt = qt.squeeze(1) if g == 1 else qt.transpose(1, 2).reshape(b * hk, blocks, g * block, hd)
+
+    def tiles(x):  # [b, hk, n, hd] -> [b*hk, blocks, span + block, hd], a view of the padded keys
+        xp = _pad_seq(x, span, pad)
+        return xp.unfold(2, span + block, block).transpose(-1, -2).reshape(b * hk, blocks, span + block, hd)
+
+    mask, causal = local_tile_mask(pattern, n, block, span, q.device)  # [blocks, block, span + block]
+    if causal and g == 1:  # blocked attention: every tile is one causal block
+        out = _tile_attention(qt, tiles(k), tiles(v), None, scale, softcap, dropout, causal=True)
+    else:
+        rows = mask if g == 1 else mask.repeat(1, g, 1)
+        out = _tile_attention(qt, tiles(k), tiles(v), rows[None], scale, softcap, dropout)
+    if g > 1:
+        out = out.view(b * hk, blocks, g, block, hd).transpose(1, 2)
+    return out.reshape(b, hq, blocks * block, hd)[:, :, :n]
+
+
+def _tail(q, k, v, pattern: LocalPattern, start: int, sizes: list[int], scale, softcap, dropout):
+    """Queries from ``start`` on (group units) of every dilation group, whose stride group the
+    sequence cuts short: dense attention over the keys they can reach, masked per group length."""
+    m = q.shape[2]
+    k0 = max(0, start - pattern.window + 1)
+    qpos = torch.arange(start, m, device=q.device)[:, None]
+    kpos = torch.arange(k0, m, device=q.device)[None, :]
+    masks = []
+    for n_g in sizes:  # one per dilation group; padding queries (past n_g) see only themselves
+        mask = pattern.grouped().allowed(qpos, kpos, n_g)
+        masks.append(torch.where(qpos < n_g, mask, kpos == qpos))
+    mask = torch.stack(masks).repeat(q.shape[0] // len(sizes), 1, 1)[:, None]  # [b*d, 1, s, t]
+    return dense_attention(
+        q[:, :, start:], k[:, :, k0:], v[:, :, k0:], mask, scale=scale, softcap=softcap, dropout=dropout
+    )
 
 
 def block_local_attention(q, k, v, pattern: LocalPattern, *, scale, softcap=None, dropout=0.0, block=None):
-    """Exact local attention for a whole causal sequence (q, k, v all [b, h, n, d]) in O(n * window)."""
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
-    g = hq // hk
-    block = block or choose_block(pattern.window, d, n)
-    blocks = -(-n // block)
-    span = -(-pattern.history() // block) * block  # keys before a block's first query it may need
-    pad = blocks * block - n
-    # queries: [b, hq, n, d] -> [b, blocks, hk, g*block, d] (the group's heads stacked per tile)
-    qp = F.pad(q, (0, 0, 0, pad)).view(b, hk, g, blocks, block, d)
-    qt = qp.permute(0, 3, 1, 2, 4, 5).reshape(b, blocks, hk, g * block, d)
+    """Exact local attention for a whole causal sequence (q [b, hq, n, hd], k/v [b, hk, n, hd]) with
+    compute and memory proportional to n * (span + block)."""
+    n, d, s = q.shape[2], pattern.dilation, pattern.stride
+    sizes = [-(-(n - g) // d) for g in range(min(d, n))]
+    qg, kg, vg = (_to_groups(x, d) for x in (q, k, v))
+    m = qg.shape[2]
+    if len(sizes) < d:  # fewer tokens than dilation groups: the missing groups are all padding
+        sizes += [0] * (d - len(sizes))
+    body = m if s == 1 else (min(sizes) // s) * s  # queries whose stride group is complete everywhere
+    grouped = pattern.grouped()
+    block = block or choose_block(pattern, q.shape[-1], body)
+    parts = []
+    if body > 0:
+        parts.append(
+            _tiles(qg[:, :, :body], kg[:, :, :body], vg[:, :, :body], grouped, scale, softcap, dropout, block)
+        )
+    if body < m:
+        parts.append(_tail(qg, kg, vg, pattern, body, sizes, scale, softcap, dropout))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return _from_groups(out, d, n)
 
-    def tiles(x):  # [b, hk, n, d] -> [b, blocks, hk, span + block, d]
-        xp = F.pad(x, (0, 0, span, pad))
-        return xp.unfold(2, span + block, block).permute(0, 2, 1, 4, 3)
 
-    mask = local_tile_mask(pattern, n, block, span, q.device)  # [blocks, block, span + block]
-    mask = mask[:, None].expand(blocks, g, block, span + block).reshape(blocks, 1, g * block, span + block)
-    out = _tile_attention(qt, tiles(k), tiles(v), mask, scale, softcap, dropout)
-    out = out.view(b, blocks, hk, g, block, d).permute(0, 2, 3, 1, 4, 5).reshape(b, hq, blocks * block, d)
-    return out[:, :, :n]
+_FLEX: dict = {}
+
+
+def flex_local_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap=None, compiled=True):
+    """FlexAttention (no dropout) with the pattern's block mask, built once per (pattern, length,
+    device); soft-capping as its score modifier. Global causal when ``pattern`` is None."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = q.shape[2]
+    key = (pattern, n, str(q.device))
+    if key not in _FLEX:
+
+        def mask_mod(b, h, qi, kv):
+            return kv <= qi if pattern is None else pattern.allowed(qi, kv, n)
+
+        if len(_FLEX) > 32:
+            _FLEX.clear()
+        _FLEX[key] = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, b, h, qi, kv):
+            return softcap * torch.tanh(score / softcap)
+
+    fn = _compiled_flex() if compiled else flex_attention
+    return fn(
+        q, k, v, score_mod=score_mod, block_mask=_FLEX[key], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def choose_kernel(requested: str, pattern, device: torch.device, softcap, dropout: float) -> str:
+    """The kernel for one call: ``requested`` unless 'auto'; auto picks flex on CUDA for local and
+    soft-capped layers (no dropout), block-local for local layers elsewhere, SDPA for plain global."""
+    if requested != "auto":
+        return requested
+    cuda = device.type == "cuda" and dropout == 0
+    if pattern is None:
+        return "sdpa" if softcap is None else ("flex" if cuda else "dense")
+    return "flex" if cuda else "block-local"
 
 
 def attend(
@@ -223,26 +416,37 @@ def attend(
     q_start: int = 0,
     k_start: int = 0,
     block: int | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
-    """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j``.
+    """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j`` (the
+    sequence ends with the last query).
 
     q: [b, hq, s, d]; k, v: [b, hk, t, d] (hq a multiple of hk). Returns [b, hq, s, d].
     """
     s, t = q.shape[2], k.shape[2]
     whole = q_start == 0 and k_start == 0 and s == t
-    if whole and (pattern is None or pattern.window >= s):
-        if softcap is None:
+    if whole and pattern is not None and pattern.dilation == 1 and pattern.window >= s:
+        pattern = None  # every window reaches the first token: global attention
+    if whole:
+        name = choose_kernel(kernel, pattern, q.device, softcap, dropout)
+        if name == "flex":
+            if dropout > 0 or (q.device.type != "cuda" and torch.is_grad_enabled()):
+                raise AttentionConfigError(
+                    "attention kernel 'flex' needs CUDA and no attention dropout for training "
+                    "(torch 2.13's FlexAttention has no CPU backward); use 'block-local'"
+                )
+            return flex_local_attention(q, k, v, pattern, scale=scale, softcap=softcap)
+        if name == "block-local" and pattern is not None:
+            return block_local_attention(
+                q, k, v, pattern, scale=scale, softcap=softcap, dropout=dropout, block=block
+            )
+        if pattern is None and softcap is None and name != "dense":
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=s > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
             )
-        pattern = None  # a window covering the whole sequence is global attention
-    elif whole:
-        return block_local_attention(
-            q, k, v, pattern, scale=scale, softcap=softcap, dropout=dropout, block=block
-        )
     qpos = torch.arange(q_start, q_start + s, device=q.device)[:, None]
     kpos = torch.arange(k_start, k_start + t, device=q.device)[None, :]
-    mask = (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos)
+    mask = (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos, q_start + s)
     if bool(mask.all()):
         mask = None  # e.g. one decoding step over a cache that holds just its window
     return dense_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
@@ -252,7 +456,10 @@ def reference_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap
     """Brute force: the full [n, n] mask from ``LocalPattern.allowed`` (tests compare kernels to it)."""
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
-    mask = pos[None, :] <= pos[:, None] if pattern is None else pattern.allowed(pos[:, None], pos[None, :])
+    if pattern is None:
+        mask = pos[None, :] <= pos[:, None]
+    else:
+        mask = pattern.allowed(pos[:, None], pos[None, :], n)
     hk = k.shape[1]
     g = q.shape[1] // hk
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)

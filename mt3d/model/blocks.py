@@ -169,7 +169,8 @@ class Attention(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
         self.pattern = cfg.patterns[layer]
-        self.block = (cfg.attention or {}).get("block")
+        spec = cfg.attention or {}
+        self.block, self.kernel = spec.get("block"), spec.get("kernel", "auto")
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         self.qkv = ColumnParallelLinear(
@@ -239,6 +240,7 @@ class Attention(nn.Module):
                 q_start=past,
                 k_start=k_start,
                 block=self.block,
+                kernel=self.kernel,
             )
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.out(o)

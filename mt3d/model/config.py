@@ -171,7 +171,12 @@ class ModelConfig:
             raise ModelConfigError("model.norm_unit_offset needs norm 'rmsnorm'")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ModelConfigError("model.qk_norm needs norm 'rmsnorm' (the q/k norms are RMSNorms)")
-        self.patterns  # noqa: B018 - raises on a bad attention spec
+        for p in self.patterns:  # raises on a bad attention spec
+            if p is not None and p.dilation > 1 and p.window * p.dilation > self.max_seq_len:
+                raise ModelConfigError(
+                    f"model.attention: dilation {p.dilation} x window {p.window} exceeds max_seq_len "
+                    f"{self.max_seq_len} (a dilated window must fit in the sequence)"
+                )
         if self.family is not None:
             from .families import get_family
 

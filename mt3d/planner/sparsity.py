@@ -116,7 +116,13 @@ def _group_tiles(start, end, tile_q, tile_kv):
 
 
 def tiles(
-    n: int, window: int, stride: int = 1, dilation: int = 1, tile_q: int = 128, tile_kv: int = 128, causal=True
+    n: int,
+    window: int,
+    stride: int = 1,
+    dilation: int = 1,
+    tile_q: int = 128,
+    tile_kv: int = 128,
+    causal=True,
 ) -> TileReport:
     """Count the tiles a pattern visits (and how many are full) against dense attention."""
     if not 1 <= stride <= window or dilation < 1 or window < 1 or n < 1:
@@ -135,7 +141,9 @@ def tiles(
         pairs_dense = n * (n + 1) // 2
     else:
         dense, pairs_dense = qt * -(-n // tile_kv), n * n
-    return TileReport(n, window, stride, dilation, tile_q, tile_kv, causal, visited, dense, full, pairs, pairs_dense)
+    return TileReport(
+        n, window, stride, dilation, tile_q, tile_kv, causal, visited, dense, full, pairs, pairs_dense
+    )
 
 
 def causal_block_sparse(n: int, window: int, stride: int, tile_q: int, tile_kv: int) -> bool:

@@ -99,6 +99,13 @@ class Family:
                     f"model.{opt}={getattr(cfg, opt)!r} cannot be expressed by family {self.name!r} "
                     f"({self.architecture}, which has {want!r}); drop 'family' or choose another"
                 )
+        plain = all(p is None or (p.stride, p.dilation) == (1, 1) for p in cfg.patterns)
+        if "attention" in self.variable and not plain:
+            raise ModelConfigError(
+                f"model.attention stride/dilation cannot be expressed by family {self.name!r} "
+                f"({self.architecture} has plain sliding windows); drop 'family' (the model is then "
+                "'custom': trained, not exported)"
+            )
         why = self.limits(cfg)
         if why:
             raise ModelConfigError(f"family {self.name!r} ({self.architecture}): {why}")
