@@ -218,6 +218,16 @@ def test_preset_overrides_rederive_dependent_sizes():
         ({"family": "gpt2", "kv_heads": 2}, "family 'gpt2' (GPT2LMHeadModel): needs heads * head_dim"),
         ({"family": "llama", "qk_norm": True}, "model.qk_norm=True cannot be expressed by family 'llama'"),
         ({"mlp": "reglu"}, "model.mlp must be one of ('gelu', 'swiglu', 'geglu')"),
+        ({"attention": {"window": 8, "stride": 16}}, "model.attention.stride 16 is larger than the window 8"),
+        (
+            {"attention": {"window": 100, "dilation": 2}},
+            "model.attention: dilation 2 x window 100 exceeds max_seq_len 128",
+        ),
+        ({"attention": {"window": 8, "dilation": 0}}, "model.attention.dilation must be a positive integer"),
+        (
+            {"family": "gemma2", "attention": {"window": 8, "stride": 4}},
+            "model.attention stride/dilation cannot be expressed by family 'gemma2'",
+        ),
     ],
 )
 def test_bad_model_options_are_refused_by_key(change, message):
@@ -245,6 +255,10 @@ def test_presets_of_every_family_and_their_published_sizes():
         assert resolve_model({"preset": f"tiny-{family}"}).family == family
     # a preset's family is a default: overrides it cannot express make the model 'custom'
     assert resolve_model({"preset": "tiny", "kv_heads": 2}).family == "custom"
+    # any preset trains with a pattern (its family becomes 'custom' when HF cannot express it)
+    pattern = {"window": 1024, "stride": 256, "global_every": 4}
+    gpt = resolve_model({"preset": "gpt3-1.3b", "attention": pattern})
+    assert gpt.family == "custom" and [p is None for p in gpt.patterns[:4]] == [False, False, False, True]
     # local layers count their window, not the sequence, in FLOPs
     gemma = resolve_model({"preset": "gemma2-9b"})
     assert gemma.attended_keys(8192) == (4096 + 8192) / 2

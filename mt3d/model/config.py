@@ -253,20 +253,21 @@ class ModelConfig:
 
         return sum(keys_per_query(p, seq_len) for p in self.patterns) / self.layers
 
-    def flops_per_token(self, seq_len: int, vocab: int | None = None) -> float:
+    def flops_per_token(self, seq_len: int, vocab: int | None = None, attended: float | None = None) -> float:
         """Training FLOPs per token without recompute (Narayanan et al. 2021, FORMULAS.md).
 
         72 * s * l * h^2 * (1 + s/(6h) + V/(12 l h)) per sequence for GPT-style blocks, with
         the dense terms taken from the actual attention/MLP shapes (GQA, gated MLPs) so that the
         GPT-2 case reduces exactly to the closed form. Local-attention layers count the keys
-        they attend to (the window), not s.
+        they attend to (the window), not s. ``attended`` overrides the keys per query averaged over
+        layers (the planner passes what a tiled kernel executes).
         """
         v = vocab or self.vocab_size or 0
         h = self.hidden
         # forward matmul FLOPs per token per layer: 2 * (weights) + attention scores/values 4*keys*q
         dense = 2 * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
         dense += 2 * (3 if self.mlp in GATED_MLPS else 2) * h * self.ffn
-        attn = 2 * 2 * self.attended_keys(seq_len) * self.q_size
+        attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * self.q_size
         logits = 2 * h * v
         return 3.0 * (self.layers * (dense + attn) + logits)
 

@@ -158,11 +158,19 @@ def step_time(
     efficiency: float,
     bw: dict[str, float],
     comm_bytes: int = 2,
+    attention_fraction: float = 1.0,
 ) -> dict[str, float]:
-    """Seconds per step by component (compute, bubble, TP/PP/DP communication) and throughput."""
+    """Seconds per step by component (compute, bubble, TP/PP/DP communication) and throughput.
+
+    ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
+    over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
+    they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
+    """
     gpus = lay.tp * lay.pp * lay.dp
-    flops = cfg.flops_per_token(seq_len, vocab) * global_batch * seq_len
-    executed = flops * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
+    tokens = global_batch * seq_len
+    flops = cfg.flops_per_token(seq_len, vocab) * tokens
+    work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
+    executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
     compute = executed / gpus / (peak_tflops * 1e12 * efficiency)
     bubble = compute * (lay.pp - 1) / lay.grad_accum
     sbh = seq_len * lay.micro_batch * cfg.hidden

@@ -18,6 +18,7 @@ from ..model.config import ModelConfig
 from ..parallel.topology import map_ranks
 from .costs import Layout, Precision, memory_bytes, step_time
 from .hardware import Device
+from .sparsity import attention_speedup
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def plan(
         raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
+    attention = attention_speedup(cfg, seq_len)
     feasible, rejected = [], []
     rejected_total = 0
 
@@ -145,7 +147,8 @@ def plan(
                                 )
                                 continue
                             t = step_time(cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops,
-                                          efficiency=efficiency, bw=bw)  # fmt: skip
+                                          efficiency=efficiency, bw=bw,
+                                          attention_fraction=attention["tile_fraction"])  # fmt: skip
                             feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
     return {
@@ -158,6 +161,7 @@ def plan(
         "seq_len": seq_len,
         "precision": precision,
         "efficiency": efficiency,
+        "attention": attention,
         "feasible": feasible,
         "rejected": rejected,
         "rejected_total": rejected_total,
@@ -188,6 +192,14 @@ def format_plan(result: dict, top: int = 10) -> str:
         f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'rc':>3} {'sp':>3} "
         f"{'mem GB':>8} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  bubble/tp/pp/dp share",
     ]
+    attn = result.get("attention") or {}
+    if attn.get("tile_fraction", 1.0) < 1.0:
+        lines.insert(
+            1,
+            f"local attention: the layers visit {attn['tile_fraction']:.1%} of dense causal attention's "
+            f"{attn['tile']}x{attn['tile']} tiles: attention speedup bound "
+            f"{attn['attention_speedup_bound']:.2f}x",
+        )
     for r in result["feasible"][:top]:
         parts = [r[k] / r["step_time_s"] for k in ("bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s")]
         lines.append(

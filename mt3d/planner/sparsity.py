@@ -26,6 +26,7 @@ leader is the last token; ``causal_block_sparse``), and is checked here by count
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -167,14 +168,18 @@ def off_diagonal_full(report: TileReport) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)
+def _fraction(n: int, window: int, stride: int, dilation: int, tile: int) -> float:
+    return tiles(n, window, stride, dilation, tile, tile).tile_fraction
+
+
 def attention_speedup(cfg, seq_len: int, tile: int = 128) -> dict:
     """Per-model figures for the planner: the fraction of dense causal attention tiles the model's
-    layers visit (averaged over layers, global layers visiting all) and the resulting bound."""
-    fractions = []
-    for p in cfg.patterns:
-        if p is None or p.window >= seq_len:
-            fractions.append(1.0)
-        else:
-            fractions.append(tiles(seq_len, p.window, p.stride, p.dilation, tile, tile).tile_fraction)
+    layers visit (averaged over layers, global layers visiting all; the tiles of GPU attention
+    kernels by default) and the resulting bound on the attention speedup."""
+    fractions = [
+        1.0 if p is None else _fraction(seq_len, min(p.window, seq_len), p.stride, p.dilation, tile)
+        for p in cfg.patterns
+    ]
     mean = sum(fractions) / len(fractions)
     return {"tile_fraction": mean, "attention_speedup_bound": 1 / mean, "tile": tile}

@@ -79,6 +79,9 @@ class Family:
     """Block options its HF config can change; every other option must keep its default."""
     hf_defaults: ClassVar[dict[str, Any]] = {}
     """Values transformers assumes for keys a config.json omits (checked against transformers)."""
+    any_pattern: ClassVar[bool] = False
+    """Whether its format holds any local-attention pattern; HF configs hold plain sliding windows
+    (no stride or dilation)."""
     infer_rank: ClassVar[int] = 50
     """Order in which ``infer_family`` tries families for configs that name none (configs saved
     before ``ModelConfig.family`` existed are GPT-2 or Llama, tried first)."""
@@ -100,7 +103,7 @@ class Family:
                     f"({self.architecture}, which has {want!r}); drop 'family' or choose another"
                 )
         plain = all(p is None or (p.stride, p.dilation) == (1, 1) for p in cfg.patterns)
-        if "attention" in self.variable and not plain:
+        if "attention" in self.variable and not (plain or self.any_pattern):
             raise ModelConfigError(
                 f"model.attention stride/dilation cannot be expressed by family {self.name!r} "
                 f"({self.architecture} has plain sliding windows); drop 'family' (the model is then "

@@ -16,6 +16,7 @@ class Custom(Family):
     architecture = "no transformers architecture"
     model_types = ()
     infer_rank = 1000
+    any_pattern = True
     variable = frozenset(BLOCK_OPTIONS)
 
     def _none(self, *args, **kwargs):
