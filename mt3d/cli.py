@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from .errors import EXIT_BAD_INPUT, UserError
+from .inputs import OneLineParser, byte_size, non_negative_int, positive_float, positive_int, world_size
 
 
 class UsageError(UserError):
@@ -36,11 +37,13 @@ def _add_topo(sub) -> None:
         epilog=TOPO_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--world-size", type=int, help="total ranks (default: the hostfile's slots)")
-    p.add_argument("--gpus-per-node", type=int, help="ranks per host for uniform hosts (default: one host)")
+    p.add_argument("--world-size", type=world_size, help="total ranks (default: the hostfile's slots)")
+    p.add_argument(
+        "--gpus-per-node", type=positive_int, help="ranks per host for uniform hosts (default: one host)"
+    )
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N' per line); hosts may be uneven")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--order", default="tp-dp-pp", help="axis nesting, innermost first (default tp-dp-pp)")
     p.add_argument("--islands", help="NVLink islands as local ranks, e.g. '0,1;2,3;4,5;6,7'")
     p.add_argument(
@@ -50,10 +53,17 @@ def _add_topo(sub) -> None:
         "--allow-crossing", action="store_true", help="warn instead of failing when TP must cross hosts"
     )
     p.add_argument("--model", help="preset name, for the cross-host traffic estimate (e.g. gpt3-1.3b)")
-    p.add_argument("--seq-len", type=int, help="sequence length for the estimate (default: the model's)")
-    p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for the estimate (default 1)")
     p.add_argument(
-        "--grad-accum", type=int, default=1, help="micro-batches per step for the estimate (default 1)"
+        "--seq-len", type=positive_int, help="sequence length for the estimate (default: the model's)"
+    )
+    p.add_argument(
+        "--micro-batch", type=positive_int, default=1, help="micro-batch size for the estimate (default 1)"
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=1,
+        help="micro-batches per step for the estimate (default 1)",
     )
     p.add_argument(
         "--json",
@@ -71,7 +81,9 @@ def cmd_topo(args: argparse.Namespace) -> int:
     from .presets import get_preset
 
     hosts = T.read_hostfile(args.hostfile) if args.hostfile else None
-    world = args.world_size or (sum(h.slots for h in hosts) if hosts else None)
+    world = (
+        args.world_size if args.world_size is not None else (sum(h.slots for h in hosts) if hosts else None)
+    )
     if world is None:
         raise UsageError("give --world-size or --hostfile")
     islands = None
@@ -84,7 +96,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"nvidia-smi topo file not found: {path}")
         islands = T.parse_nvidia_smi_topo(path.read_text())
-    topo = T.map_ranks(
+    topo = T.place(
         world,
         args.tp,
         args.pp,
@@ -106,8 +118,10 @@ def cmd_topo(args: argparse.Namespace) -> int:
             micro_batches=args.grad_accum,
             params=cfg.num_params(),
         )
-    report = T.describe(topo, traffic)
-    print(json.dumps(report) if args.json else T.format_report(report))
+    if args.json:  # streamed: the per-rank listing never sits in memory
+        T.write_report_json(topo, traffic, sys.stdout)
+    else:
+        print(T.format_report(topo, traffic))
     return 0
 
 
@@ -197,7 +211,10 @@ def _add_preprocess(sub) -> None:
     p.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see 'mt3d train-tokenizer')")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument(
-        "--workers", type=int, default=1, help="tokenizer processes (default 1: in-process, multi-threaded)"
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="tokenizer processes (default 1: in-process, multi-threaded)",
     )
     p.add_argument(
         "--txt-mode",
@@ -258,7 +275,7 @@ def _add_train_tokenizer(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--input", nargs="+", required=True, help=".txt and/or .jsonl files")
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--vocab-size", type=positive_int, default=32000)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--jsonl-key", default="text")
     p.set_defaults(func=cmd_train_tokenizer)
@@ -282,7 +299,9 @@ def _add_model_args(p) -> None:
     p.add_argument(
         "--model", required=True, help="HF model directory, mt3d checkpoint dir, or run dir (newest)"
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (launch tp*pp processes)")
+    p.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel ranks (launch tp*pp processes)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
@@ -329,10 +348,10 @@ def _add_eval(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(p)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
     p.add_argument("--text", required=True, help="UTF-8 text file")
-    p.add_argument("--seq-len", type=int, required=True, help="window length in tokens")
-    p.add_argument("--stride", type=int, help="window step (default seq-len: non-overlapping)")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="window length in tokens")
+    p.add_argument("--stride", type=positive_int, help="window step (default seq-len: non-overlapping)")
     p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens"}')
     p.set_defaults(func=cmd_eval)
 
@@ -387,11 +406,11 @@ def _add_generate(sub) -> None:
     )
     _add_model_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", action="store_true", help='one line: {"text", "ids"}')
     p.set_defaults(func=cmd_generate)
 
@@ -444,7 +463,9 @@ def _add_export(sub) -> None:
         "--checkpoint", required=True, help="checkpoint dir (step_XXXXXXXX) or run dir (its newest)"
     )
     p.add_argument("--out", required=True, help="new (or empty) output directory")
-    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument(
+        "--max-shard-size", type=byte_size, default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)"
+    )
     p.set_defaults(func=cmd_export)
 
 
@@ -505,21 +526,28 @@ def _add_plan(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="preset name, run config JSON, or HF model directory")
-    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus", type=world_size, required=True, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--gpu", default="h100", help="a100-80gb, h100, h200 or cpu")
-    p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 512)")
     p.add_argument(
-        "--seq-len", type=int, help="tokens per sequence (default: the config's, else the model's max)"
+        "--global-batch", type=positive_int, help="sequences per step (default: the config's, else 512)"
     )
-    p.add_argument("--vocab", type=int, help="vocabulary size when the model does not fix it")
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        help="tokens per sequence (default: the config's, else the model's max)",
+    )
+    p.add_argument("--vocab", type=positive_int, help="vocabulary size when the model does not fix it")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument(
-        "--efficiency", type=float, default=0.5, help="achieved fraction of peak in compute (default 0.5)"
+        "--efficiency",
+        type=positive_float,
+        default=0.5,
+        help="achieved fraction of peak in compute (default 0.5)",
     )
-    p.add_argument("--peak-tflops", type=float, help="override the device's dense peak")
-    p.add_argument("--memory-gb", type=float, help="override the device's memory")
-    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--peak-tflops", type=positive_float, help="override the device's dense peak")
+    p.add_argument("--memory-gb", type=positive_float, help="override the device's memory")
+    p.add_argument("--top", type=positive_int, default=10, help="rows to show")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (feasible and rejected layouts) instead"
     )
@@ -607,7 +635,7 @@ COMMANDS: list[Callable] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (sub-commands registered by COMMANDS)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="mt3d",
         description="3D-parallel (tensor x pipeline x ZeRO data) LLM training on DeepSpeed.",
         epilog="Run 'mt3d <command> --help' for a command's options and examples.",

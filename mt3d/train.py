@@ -1,4 +1,5 @@
-"""Training entry point: ``python -m mt3d.train --config C.json [--set key.path=value ...]``.
+"""Training entry point: ``mt3d train --config C.json [--set key.path=value ...]`` (also
+``python -m mt3d.train``, with the same arguments).
 
 Runs under any launcher: ``deepspeed --num_gpus N --module mt3d.train ...``, ``torchrun
 --nproc_per_node N -m mt3d.train ...``, multi-node with ``--hostfile``, or plain python (one rank).
@@ -9,11 +10,11 @@ with code 2 and one line saying what to fix.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 
+DESCRIPTION = "Train a model with tensor x pipeline x ZeRO data parallelism from one JSON config."
 EXAMPLES = """examples:
+  mt3d train --config ds_configs/cpu_demo_3d.json --set mt3d.parallel.tensor=1 --set mt3d.parallel.pipeline=1
   deepspeed --num_gpus 8 --module mt3d.train --config ds_configs/cpu_demo_3d.json
   torchrun --nproc_per_node 4 -m mt3d.train --config ds_configs/cpu_demo_3d.json --set mt3d.parallel.tensor=1
   python -m mt3d.train --config ds_configs/cpu_demo_3d.json --set mt3d.parallel.pipeline=1 \\
@@ -21,14 +22,8 @@ EXAMPLES = """examples:
 """
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line arguments (the launcher's --local_rank is accepted and ignored)."""
-    p = argparse.ArgumentParser(
-        prog="python -m mt3d.train",
-        description="Train a GPT/Llama model with tensor x pipeline x ZeRO data parallelism.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The training arguments (shared by ``mt3d train`` and ``python -m mt3d.train``)."""
     p.add_argument("--config", required=True, help="JSON file: DeepSpeed keys plus an 'mt3d' section")
     p.add_argument(
         "--set",
@@ -38,40 +33,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override any key, e.g. --set mt3d.train.steps=10 --set bf16.enabled=false (repeatable)",
     )
     p.add_argument("--check", action="store_true", help="validate the config for this world size and exit")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show DeepSpeed's own log lines on the terminal (default: the run's log)",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line arguments of ``python -m mt3d.train`` (the launcher's --local_rank is ignored)."""
+    from .inputs import OneLineParser
+
+    p = OneLineParser(
+        prog="python -m mt3d.train",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return add_arguments(p).parse_args(argv)
 
 
 def prepare(args: argparse.Namespace):
     """Load and validate the config for this world size (no process groups yet)."""
     from .config import load, resolve_model, validate
+    from .inputs import launcher_world
 
+    world = launcher_world()
     run = load(args.config, args.set)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     model_cfg = resolve_model(run.mt3d.model)
     layout = validate(run, world, model_cfg)
     return run, layout, model_cfg
 
 
-def quiet_known_warnings() -> None:
-    """Silence warnings that DeepSpeed 0.19.8 triggers on torch 2.13 and users cannot act on."""
-    import warnings
-
-    # DeepSpeed's PartitionedTensor and ZeRO call the deprecated name of all_gather_single.
-    warnings.filterwarnings(
-        "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace, prog: str = "mt3d train") -> int:
     """Validate, then train; returns the process exit code."""
-    args = parse_args(argv)
     from .errors import EXIT_BAD_INPUT, UserError
 
     try:
-        run, layout, model_cfg = prepare(args)
+        run_cfg, layout, model_cfg = prepare(args)
     except UserError as e:  # ConfigError, and any other bad input found before process groups exist
-        print(f"mt3d train: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.check:
         print(
@@ -80,11 +83,17 @@ def main(argv: list[str] | None = None) -> int:
             f"x dp {layout.dp}"
         )
         return 0
-    logging.basicConfig(level=logging.INFO, format="[mt3d] %(message)s")
-    quiet_known_warnings()
+    from .training.logs import configure_logging
+
+    configure_logging(verbose=args.verbose)
     from .training.session import run_training
 
-    return run_training(run, layout, model_cfg)
+    return run_training(run_cfg, layout, model_cfg, verbose=args.verbose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mt3d.train``: parse, validate, train; returns the process exit code."""
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

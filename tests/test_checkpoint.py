@@ -439,3 +439,30 @@ def test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly(tmp
     assert "tensor=1 and dp=2" in unsupported_reshard(saved, {**saved, "dp": 1})
     assert "stage 1 or 2" in unsupported_reshard({**saved, "zero_stage": 1}, saved)
     assert unsupported_reshard({**saved, "zero_stage": 1}, {**saved, "zero_stage": 2, "dp": 1}) is None
+
+
+def test_the_reshard_cache_and_a_lying_manifest_are_not_trusted(tmp_path):
+    """A pickle planted in the universal-checkpoint cache (its manifest re-signed) is refused like
+    one in a step directory, and a manifest claiming another step than the engine state is refused."""
+    import torch
+
+    run(tiny_config(tmp_path / "run", steps=2, save_at_end=True), 1)
+    step2 = tmp_path / "run" / "checkpoints" / "step_00000002"
+    zero2 = tiny_config(tmp_path / "z2", steps=3, zero=2, resume=str(step2))
+    run(zero2, 1)  # another ZeRO stage: builds checkpoints/universal/step_00000002
+    cache = tmp_path / "run" / "checkpoints" / "universal" / "step_00000002"
+    evil = tmp_path / "evil.pt"
+    torch.save(Evil(), evil)
+    _tamper(cache, "zero/1.pos/fp32.pt", evil.read_bytes())
+    Path(MARKER).unlink(missing_ok=True)
+    rc, _ = spawn(train_rc_worker, 1, tiny_config(tmp_path / "z2b", steps=3, zero=2, resume=str(step2)))[0]
+    assert rc == 2 and not Path(MARKER).exists()
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    manifest["meta"]["step"] = 100
+    (step2 / "manifest.json").write_text(json.dumps(manifest))
+    from mt3d.checkpoint.resume import check_engine_state
+
+    with pytest.raises(CheckpointError, match="manifest.json says step 100 but the engine state"):
+        check_engine_state(step2, manifest["meta"])
+    rc, _ = spawn(train_rc_worker, 1, tiny_config(tmp_path / "again", steps=3, resume=str(step2)))[0]
+    assert rc == 2

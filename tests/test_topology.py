@@ -238,7 +238,7 @@ def test_describe_matches_the_json_contract():
     assert set(rep["ranks"][0]) == {"rank", "host", "local_rank", "tp", "dp", "pp"}
     assert rep["crossing"] == {"tp": 0, "dp": 0, "pp": 4}
     assert rep["ranks"][5] == {"rank": 5, "host": "node1", "local_rank": 1, "tp": 1, "dp": 0, "pp": 1}
-    text = format_report(rep)
+    text = format_report(topo)
     assert "pp 4/4" in text and "node1" in text
 
 
@@ -265,3 +265,35 @@ def test_cli_topo_json_and_errors(tmp_path):
     assert bad.returncode == 2 and "--grad-accum" in bad.stderr
     helptext = run_cli("topo", "--help")
     assert helptext.returncode == 0 and "examples:" in helptext.stdout
+
+
+def test_the_planners_closed_form_crossing_agrees_with_the_mapper():
+    from mt3d.parallel.topology import place, uniform_crossing
+
+    checked = 0
+    for gpn in (1, 2, 4, 8, 16):
+        for world in range(1, 129):
+            if world > gpn and world % gpn:
+                continue
+            for tp in (t for t in (1, 2, 4, 8, 16) if min(gpn, world) % t == 0 and world % t == 0):
+                for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
+                    pl = place(world, tp, pp, gpus_per_node=gpn, warn=False)
+                    want = {ax: pl.crossing(ax) > 0 for ax in ("tp", "dp", "pp")}
+                    assert uniform_crossing(world, gpn, tp, pp) == want, (world, gpn, tp, pp)
+                    checked += 1
+    assert checked > 1000
+
+
+def test_a_million_ranks_are_summarised_without_materialising_them():
+    import time
+
+    from mt3d.parallel.topology import MAX_WORLD, TopologyError, format_report, place
+
+    t0 = time.perf_counter()
+    pl = place(2**20, 8, 64, gpus_per_node=8)
+    text = format_report(pl)
+    assert time.perf_counter() - t0 < 10
+    assert "groups crossing hosts: tp 0/131072, dp 512/512, pp 16384/16384" in text
+    assert "(2048 ranks)" in text and len(text) < 20_000  # long groups are elided
+    with pytest.raises(TopologyError, match=f"exceeds mt3d's limit of {MAX_WORLD} ranks"):
+        place(2**30, 8, 64, gpus_per_node=8)

@@ -133,8 +133,47 @@ def plan_resume(
                 raise
             log.error("resume auto: skipping %s: %s", path, e)
             continue
+        check_engine_state(plan.path, plan.meta)
         return plan
     return None
+
+
+ENGINE_STATE_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def check_engine_state(path: Path, meta: dict) -> None:
+    """Refuse a manifest that disagrees with the engine state it describes.
+
+    The step, the samples seen and the layout are recorded twice: in the manifest (which mt3d
+    reads to plan the resume: data position, scheduler, reshard) and in DeepSpeed's engine state
+    (``global_steps``, ``global_samples``, ``dp_world_size``, ``mp_world_size`` = tp x pp, and
+    mt3d's client state ``mt3d.step``). A manifest edited to claim another step or layout would
+    resume the data at one step and the scheduler at another; the files it lists are hashed, but
+    its own fields are not, so they are checked here against the hashed engine state.
+    """
+    from .safe import safe_torch_load
+
+    name = next((n for n in ENGINE_STATE_FILES if (path / n).is_file()), None)
+    if name is None:
+        raise CheckpointError(f"{path} has no engine state file ({' or '.join(ENGINE_STATE_FILES)})")
+    state = safe_torch_load(path / name)
+    layout = meta.get("layout") or {}
+    claims = {
+        "step": (meta.get("step"), state.get("global_steps")),
+        "step (mt3d client state)": (meta.get("step"), (state.get("mt3d") or {}).get("step")),
+        "samples seen": (
+            meta.get("step", 0) * meta.get("global_batch", 0) if meta.get("global_batch") else None,
+            state.get("global_samples") if meta.get("global_batch") else None,
+        ),
+        "dp": (layout.get("dp"), state.get("dp_world_size")),
+        "tp x pp": (layout.get("tp", 0) * layout.get("pp", 0), state.get("mp_world_size")),
+    }
+    for what, (manifest_says, engine_says) in claims.items():
+        if manifest_says != engine_says:
+            raise CheckpointError(
+                f"{path}/manifest.json says {what} {manifest_says} but the engine state ({name}) says "
+                f"{engine_says}: the manifest was edited or belongs to another checkpoint; use another one"
+            )
 
 
 def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout: bool) -> dict:

@@ -6,11 +6,13 @@ contain (loss scalers) are allowed by name; anything else, in particular a paylo
 code on load, is refused with the file named.
 
 DeepSpeed 0.19.8's own checkpoint engine loads with ``weights_only=False`` (DEEPSPEED_NOTES.md);
-``SafeCheckpointEngine`` replaces it on the engines mt3d builds.
+``SafeCheckpointEngine`` replaces it on the engines mt3d builds, and ``only_safe_loads`` routes every
+other ``torch.load`` (the universal-checkpoint loaders and converter) through the same check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 from pathlib import Path
@@ -32,11 +34,14 @@ def allowed_globals() -> list:
     return [LossScalerBase, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, SubparamShape]
 
 
+_REAL_LOAD = torch.load  # before only_safe_loads can replace it
+
+
 def safe_torch_load(path: str | Path, map_location="cpu"):
     """``torch.load`` restricted to tensors, containers and the allow-list."""
     try:
         with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return _REAL_LOAD(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.findall(r"GLOBAL ([\w\.]+)", str(e)) or ["an unsupported object"]
         raise CheckpointError(
@@ -47,6 +52,28 @@ def safe_torch_load(path: str | Path, map_location="cpu"):
         raise CheckpointError(
             f"{path} cannot be read ({str(e).splitlines()[0]}); the file is corrupt"
         ) from None
+
+
+@contextlib.contextmanager
+def only_safe_loads():
+    """While open, every ``torch.load`` in this process goes through ``safe_torch_load``.
+
+    DeepSpeed 0.19.8 reads universal checkpoints (``load_hp_checkpoint_state``, the optimizer's
+    ``zero/optimizer_state.pt``) and runs its converter with ``torch.load(weights_only=False)``
+    outside its checkpoint engine, so ``SafeCheckpointEngine`` alone does not cover them; they all
+    look ``torch.load`` up when they call it. A training run holds this for its whole length: mt3d
+    never needs to unpickle anything but tensors, containers and the allow-list, whatever a
+    manifest says about the file. ``weights_only``/``mmap`` arguments are ignored (always safe).
+    """
+
+    def load(f, map_location=None, *args, **kwargs):
+        return safe_torch_load(f, map_location=map_location or "cpu")
+
+    previous, torch.load = torch.load, load
+    try:
+        yield
+    finally:
+        torch.load = previous
 
 
 class SafeCheckpointEngine:

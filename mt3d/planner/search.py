@@ -10,12 +10,12 @@ where the rank mapper puts its groups). Feasible layouts are ranked by step time
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 
 from ..errors import UserError
 from ..model.config import ModelConfig
-from ..parallel.topology import map_ranks
+from ..parallel.topology import uniform_crossing
 from .costs import Layout, Precision, memory_bytes, step_time
 from .hardware import Device
 from .sparsity import attention_speedup
@@ -31,27 +31,26 @@ class Cluster:
 
 
 def divisors(n: int) -> list[int]:
-    """Positive divisors of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@lru_cache(maxsize=4096)
-def _crossing(gpus: int, gpn: int, tp: int, pp: int) -> tuple[bool, bool, bool]:
-    topo = map_ranks(gpus, tp, pp, gpus_per_node=gpn)
-    return topo.crossing("tp") > 0, topo.crossing("pp") > 0, topo.crossing("dp") > 0
+    """Positive divisors of n, ascending (trial division up to sqrt(n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def bandwidths(cluster: Cluster, tp: int, pp: int) -> dict[str, float]:
     """GB/s of each axis: NVLink when the mapper keeps its groups inside nodes, else the network."""
     dev = cluster.device
-    cross = _crossing(cluster.gpus, min(cluster.gpus_per_node, cluster.gpus), tp, pp)
-    return {ax: dev.inter_gbps if c else dev.intra_gbps for ax, c in zip(("tp", "pp", "dp"), cross)}
+    cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp)
+    return {ax: dev.inter_gbps if cross[ax] else dev.intra_gbps for ax in ("tp", "pp", "dp")}
 
 
 def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> str | None:
     """Why (tp, pp) cannot work at all, or None."""
     if tp > cluster.gpus_per_node:
         return f"tp {tp} > {cluster.gpus_per_node} GPUs per node: TP groups would cross nodes"
+    if min(cluster.gpus_per_node, cluster.gpus) % tp:
+        return (
+            f"tp {tp} does not divide the {cluster.gpus_per_node} GPUs of a node: TP groups would cross nodes"
+        )
     if cfg.heads % tp:
         return f"{cfg.heads} heads not divisible by tp {tp}"
     if cfg.kv_heads % tp:

@@ -29,6 +29,10 @@ def deepspeed_config(run: RunConfig, layout: Layout, on_cpu: bool) -> dict:
     ds = copy.deepcopy(run.ds)
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     ds.setdefault("steps_per_print", 10**9)
+    # mt3d owns the W&B run (metrics.WandbSink: best effort, silent once a stop signal arrived);
+    # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
+    # killed W&B's helper during a preemption save.
+    ds.pop("wandb", None)
     if run.mt3d.parallel.sequence_parallel and layout.tp > 1:
         # DeepSpeed's pipe/grad partitioning assumes activations identical across TP ranks, which
         # sequence shards are not (DEEPSPEED_NOTES.md).

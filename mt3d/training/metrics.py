@@ -7,6 +7,7 @@ detected GPU's dense bf16 figure, a configured number, or on CPU a matmul measur
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -29,6 +30,8 @@ GPU_PEAK_TFLOPS = {
     "L4": 121.0,
     "V100": 125.0,  # fp16 tensor cores
 }
+
+log = logging.getLogger("mt3d")
 
 
 def measure_cpu_tflops(seconds: float = 0.3, n: int = 512) -> float:
@@ -114,11 +117,11 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
-def start_wandb(ds_config: dict, run_name: str, mode: str, save_dir: Path, config: dict):
-    """Open the W&B run on rank 0 before deepspeed.initialize (DeepSpeed's monitor then logs into it).
+def start_wandb(ds_config: dict, run_name: str, mode: str, save_dir: Path, config: dict, stopping=None):
+    """Open the W&B run on rank 0 (``WandbSink``), or None when W&B is not enabled in the config.
 
-    Offline unless the user configured otherwise (WANDB_MODE in the environment wins).
-    Returns the run, or None when W&B is not enabled in the DeepSpeed config.
+    Offline unless the user configured otherwise (WANDB_MODE in the environment wins). mt3d logs
+    every figure itself; DeepSpeed's own W&B monitor is switched off (``engine.deepspeed_config``).
     """
     wb = ds_config.get("wandb") or {}
     if not wb.get("enabled"):
@@ -128,7 +131,7 @@ def start_wandb(ds_config: dict, run_name: str, mode: str, save_dir: Path, confi
     save_dir.mkdir(parents=True, exist_ok=True)
     import wandb
 
-    return wandb.init(
+    run = wandb.init(
         project=wb.get("project", "mt3d"),
         group=wb.get("group"),
         entity=wb.get("team"),
@@ -136,3 +139,40 @@ def start_wandb(ds_config: dict, run_name: str, mode: str, save_dir: Path, confi
         config=config,
         dir=str(save_dir),
     )
+    return WandbSink(run, stopping)
+
+
+class WandbSink:
+    """A W&B run used best-effort: metrics.jsonl is the record, W&B a view of it.
+
+    W&B talks to a helper process (``wandb-core``). The ``deepspeed`` launcher, on SIGTERM,
+    terminates every descendant of its workers, that helper included, while the workers are
+    still saving their preemption checkpoint; a ``wandb.log`` then raises ConnectionResetError.
+    So every call here is non-fatal (the first failure is reported once and W&B is switched off
+    for the rest of the run), and once ``stopping()`` is true no call is made at all.
+    """
+
+    def __init__(self, run, stopping=None) -> None:
+        self.run = run
+        self.stopping = stopping or (lambda: False)
+        self.failed = False
+
+    def _call(self, what: str, fn, *args, **kwargs) -> None:
+        if self.failed or self.stopping():
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - W&B is never worth a run
+            self.failed = True
+            log.warning("W&B %s failed (%s: %s); W&B is off for the rest of the run, metrics.jsonl continues",
+                        what, type(e).__name__, e)  # fmt: skip
+
+    def log(self, data: dict, step: int | None = None) -> None:
+        """wandb.log."""
+        self._call("log", self.run.log, data, step=step)
+
+    def finish(self, summary: dict | None = None) -> None:
+        """Update the run summary and finish the run (skipped while stopping: the files stay offline)."""
+        if summary:
+            self._call("summary", self.run.summary.update, summary)
+        self._call("finish", self.run.finish)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -15,12 +14,15 @@ from .. import __version__
 from ..checkpoint import reshard, resume, safe
 from ..checkpoint.manager import Checkpointer
 from ..checkpoint.rng import rng_key
+from ..checkpoint.safe import only_safe_loads
 from ..config import Layout, RunConfig
 from ..data.loader import build_data
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED, UserError
+from ..inputs import env_int
 from ..model.config import ModelConfig
 from .engine import build_model, initialize
 from .faults import FaultInjector
+from .logs import deepspeed_output
 from .loop import Trainer
 from .metrics import start_wandb
 from .runtime import setup
@@ -105,59 +107,17 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     return engine, start
 
 
-def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
-    """Train on this rank; returns the exit code (0, or EXIT_PREEMPTED / EXIT_DIVERGED after saving)."""
-    rank = int(os.environ.get("RANK", "0"))  # until process groups exist
+def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig, verbose: bool = False) -> int:
+    """Train on this rank; returns the exit code (0, or EXIT_PREEMPTED / EXIT_DIVERGED after saving).
+
+    Every pickle read during the run (DeepSpeed's loaders included) goes through mt3d's allow-list
+    (``safe.only_safe_loads``); DeepSpeed's set-up output goes to the run's log unless ``verbose``.
+    """
+    rank = env_int("RANK", 0)  # until process groups exist
     preemption = Preemption().install()
     try:
-        rt = setup(run)
-        rank = rt.rank
-        data, vocab = prepare_data(run, cfg)
-        save_dir = Path(run.mt3d.train.save_dir)
-        facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
-        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts)
-        wandb_run = None
-        if rt.rank == 0:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            name = run.mt3d.train.run_name or save_dir.name
-            wandb_run = start_wandb(run.ds, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict())
-            write_run_info(save_dir, run, layout, cfg, data.info)
-            log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
-            if "entropy_floor" in data.info:
-                log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])
-        engine, start = build_engine(run, layout, rt, cfg, vocab, plan)
-        faults = FaultInjector(rt.rank)
-        checkpointer = Checkpointer(
-            engine,
-            save_dir,
-            meta=checkpoint_meta(run, layout, cfg, vocab, data.info),
-            client_state=lambda step: {"mt3d": {"step": step}},
-            keep_last=run.mt3d.train.keep_last,
-            tracker=rt.tracker,
-            rng_key=rng_key(rt.state),
-            tokenizer_dir=data.info.get("tokenizer_dir"),
-            faults=faults,
-        )
-        trainer = Trainer(
-            run,
-            layout,
-            rt,
-            engine,
-            data,
-            cfg,
-            vocab,
-            wandb_run=wandb_run,
-            start_step=start,
-            checkpointer=checkpointer,
-            preemption=preemption,
-            faults=faults,
-        )
-        summary = trainer.train()
-        if rt.rank == 0:
-            report(summary, data.info, wandb_run)
-        dist.barrier()  # without it rank 0 can abort at exit while others still finish (DEEPSPEED_NOTES.md)
-        dist.destroy_process_group()
-        return {"done": 0, "preempted": EXIT_PREEMPTED, "diverged": EXIT_DIVERGED}[summary["status"]]
+        with only_safe_loads():
+            return _train(run, layout, cfg, preemption, verbose)
     except UserError as e:  # bad input (config, data, checkpoint): one line, no traceback
         # Every rank says it: an input problem can be local to one host (a missing file there).
         print(f"mt3d train: error on rank {rank}: {e}", file=sys.stderr)
@@ -168,6 +128,59 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig) -> int:
         return EXIT_FAILED  # the launcher stops the other ranks
     finally:
         preemption.uninstall()
+
+
+def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preemption, verbose: bool) -> int:
+    save_dir = Path(run.mt3d.train.save_dir)
+    with deepspeed_output(save_dir, verbose):
+        rt = setup(run)
+        data, vocab = prepare_data(run, cfg)
+        facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
+        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts)
+        wandb_run = None
+        if rt.rank == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            name = run.mt3d.train.run_name or save_dir.name
+            wandb_run = start_wandb(
+                run.ds, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict(), lambda: preemption.requested
+            )
+            write_run_info(save_dir, run, layout, cfg, data.info)
+            log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
+            if "entropy_floor" in data.info:
+                log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])
+        engine, start = build_engine(run, layout, rt, cfg, vocab, plan)
+    faults = FaultInjector(rt.rank)
+    checkpointer = Checkpointer(
+        engine,
+        save_dir,
+        meta=checkpoint_meta(run, layout, cfg, vocab, data.info),
+        client_state=lambda step: {"mt3d": {"step": step}},
+        keep_last=run.mt3d.train.keep_last,
+        tracker=rt.tracker,
+        rng_key=rng_key(rt.state),
+        tokenizer_dir=data.info.get("tokenizer_dir"),
+        faults=faults,
+    )
+    trainer = Trainer(
+        run,
+        layout,
+        rt,
+        engine,
+        data,
+        cfg,
+        vocab,
+        wandb_run=wandb_run,
+        start_step=start,
+        checkpointer=checkpointer,
+        preemption=preemption,
+        faults=faults,
+    )
+    summary = trainer.train()
+    if rt.rank == 0:
+        report(summary, data.info, wandb_run)
+    dist.barrier()  # without it rank 0 can abort at exit while others still finish (DEEPSPEED_NOTES.md)
+    dist.destroy_process_group()
+    return {"done": 0, "preempted": EXIT_PREEMPTED, "diverged": EXIT_DIVERGED}[summary["status"]]
 
 
 def report(summary: dict, data_info: dict, wandb_run) -> None:
@@ -184,5 +197,4 @@ def report(summary: dict, data_info: dict, wandb_run) -> None:
         extra,
     )
     if wandb_run is not None:
-        wandb_run.summary.update({k: v for k, v in summary.items() if v is not None})
-        wandb_run.finish()
+        wandb_run.finish({k: v for k, v in summary.items() if v is not None})

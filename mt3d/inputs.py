@@ -1,0 +1,145 @@
+"""Reading what users hand mt3d: command-line numbers, launcher environment variables, JSON and
+text files. Each reader turns bad input into one ``UserError`` line naming the flag, variable or
+file (exit code 2), instead of a traceback from wherever the value is first used.
+
+Light on purpose (no torch, no DeepSpeed): the CLI and ``mt3d.train`` use it before anything
+heavy is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import EXIT_BAD_INPUT, UserError
+
+MAX_WORLD = 2**20
+"""The largest world mt3d maps or plans for (1,048,576 ranks); bigger counts are refused."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (``prog: error: ...``) and exit code 2."""
+
+    def error(self, message: str):
+        """Print the error without the usage block and exit with the bad-input code."""
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def world_size(text: str) -> int:
+    """argparse type: a rank or GPU count, 1 .. MAX_WORLD."""
+    v = positive_int(text)
+    if v > MAX_WORLD:
+        raise argparse.ArgumentTypeError(f"{v} exceeds mt3d's limit of {MAX_WORLD} ranks")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def byte_size(text: str) -> str:
+    """argparse type: a size like ``5GB``, ``500MB``, ``2GiB`` or a byte count (returned as given)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _SIZE_UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size like 5GB, 500MB or 2GiB, got {text!r}")
+    return text.strip()
+
+
+# --- the launcher's environment -----------------------------------------------------------------
+def env_int(name: str, default: int | None = None, minimum: int = 0) -> int | None:
+    """An integer environment variable set by the launcher (``default`` when unset or empty)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise UserError(
+            f"environment variable {name}={raw!r} is not an integer >= {minimum} "
+            "(the launcher sets it: unset it, or fix the launch command)"
+        )
+    return value
+
+
+def launcher_world() -> int:
+    """WORLD_SIZE as the launcher set it (1 when run without one)."""
+    return env_int("WORLD_SIZE", 1, minimum=1)
+
+
+# --- files ------------------------------------------------------------------------------------------
+def read_text(path: str | Path, what: str = "text file") -> str:
+    """A UTF-8 text file; a binary or mis-encoded one is refused with the offset of the first bad byte."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} not found: {p}")
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{p} is not UTF-8 text (invalid byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
+
+
+def read_json(path: str | Path, what: str = "JSON file", expect: type | None = dict) -> Any:
+    """A JSON file whose top level has type ``expect``; errors name the file, line and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} not found: {p}")
+    try:
+        value = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p} is not UTF-8 JSON (invalid byte at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
+    if expect is not None and not isinstance(value, expect):
+        raise UserError(f"{p} must hold a JSON {expect.__name__}, got {type(value).__name__}")
+    return value
+
+
+def fail(prog: str, message: str) -> int:
+    """Print ``prog: error: message`` as one line on stderr; returns the bad-input exit code."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return EXIT_BAD_INPUT
