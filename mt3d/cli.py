@@ -230,6 +230,13 @@ def _add_preprocess(sub) -> None:
         help="invalid jsonl lines: stop or skip+report",
     )
     p.add_argument(
+        "--on-bad-bytes",
+        default="fail",
+        choices=["fail", "replace"],
+        help="files whose first MB is more than 1%% invalid UTF-8 or NUL: refuse them (default) or keep "
+        "them with U+FFFD for the bad bytes; replaced bytes are counted and reported either way",
+    )
+    p.add_argument(
         "--dtype", default="auto", help="token dtype: auto (smallest that fits), uint8, uint16, uint32"
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -248,10 +255,13 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         txt_mode=args.txt_mode,
         jsonl_key=args.jsonl_key,
         on_bad_line=args.on_bad_line,
+        on_bad_bytes=args.on_bad_bytes,
         dtype=args.dtype,
     )
     for line in stats.skipped_lines[:20]:
         print(f"skipped: {line}", file=sys.stderr)
+    for path, n in stats.replaced_bytes.items():
+        print(f"warning: {path}: {n} invalid UTF-8 byte(s) replaced with U+FFFD", file=sys.stderr)
     s = stats.summary()
     if args.json:
         print(json.dumps(s))

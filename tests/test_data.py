@@ -363,3 +363,61 @@ def test_training_reads_a_corpus_larger_than_its_memory_headroom(tmp_path, corpu
         _capped_training_worker, 1, str(tmp_path / "big"), str(tmp_path / "run"), 200, env=env, timeout=600
     )[0]
     assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+def _idx_offsets(path):
+    from mt3d.data.indexed import _HEADER
+
+    data = bytearray(path.read_bytes())
+    return data, _HEADER.size
+
+
+def test_corrupt_offsets_and_out_of_vocabulary_ids_are_caught_with_the_file_named(tmp_path):
+    w = IndexedWriter(tmp_path / "a", np.uint16)
+    for d in ([1, 2, 3], [4, 5], [6, 7, 8, 9]):
+        w.add(d)
+    w.close()
+    good = (tmp_path / "a.idx").read_bytes()
+    data, head = _idx_offsets(tmp_path / "a.idx")
+    offs = np.frombuffer(bytes(data[head:]), dtype=np.uint64).copy()  # [0, 3, 5, 9]
+    offs[1], offs[2] = offs[2], offs[1]  # two offsets swapped: a document of negative length
+    (tmp_path / "a.idx").write_bytes(bytes(data[:head]) + offs.tobytes())
+    with pytest.raises(IndexedDataError, match="a.idx: document 1 ends before it starts"):
+        IndexedDataset(tmp_path / "a")
+    offs = np.frombuffer(good[head:], dtype=np.uint64).copy()
+    offs[-1] = 12  # past the .bin (9 tokens)
+    (tmp_path / "a.idx").write_bytes(good[:head] + offs.tobytes())
+    with pytest.raises(IndexedDataError, match="offsets run from 0 to 12, expected 0 to the 9 tokens"):
+        IndexedDataset(tmp_path / "a")
+    (tmp_path / "a.idx").write_bytes(good)
+    ds = IndexedDataset(tmp_path / "a", check_tag=False)
+    ds.vocab_limit = 8
+    assert ds.read(0, 5).tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(
+        IndexedDataError, match="token id 8 at token offset 7 is outside the tokenizer's 8-id"
+    ):
+        ds.read(3, 9)
+
+
+def test_binary_input_is_refused_and_replaced_bytes_are_counted(tmp_path):
+    tok = tmp_path / "tok"
+    train_bpe(["hello world, plain text"] * 50, 300, tok)
+    rng = np.random.default_rng(0)
+    (tmp_path / "random.txt").write_bytes(rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes())
+    (tmp_path / "mostly.txt").write_bytes(b"good text line\n\n" * 1000 + b"\xff\xfe bad \x80 bytes\n")
+
+    def pre(*extra):
+        cmd = [sys.executable, "-m", "mt3d", "preprocess", "--tokenizer", str(tok), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    out = pre("--input", str(tmp_path / "random.txt"), "--output-prefix", str(tmp_path / "r"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "random.txt does not look like text" in out.stderr and "--on-bad-bytes replace" in out.stderr
+    assert not (tmp_path / "r.bin").exists()
+    out = pre("--input", str(tmp_path / "mostly.txt"), "--output-prefix", str(tmp_path / "m"), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["replaced_bytes"] == 3
+    assert "mostly.txt: 3 invalid UTF-8 byte(s) replaced" in out.stderr
+    out = pre("--input", str(tmp_path / "random.txt"), "--output-prefix", str(tmp_path / "r"),
+              "--on-bad-bytes", "replace", "--json")  # fmt: skip
+    assert out.returncode == 0 and json.loads(out.stdout)["replaced_bytes"] > 10_000

@@ -437,7 +437,7 @@ def test_bad_hf_input(hf_dirs, tmp_path):
     # command-line values are checked before anything is loaded
     bad_args = {
         ("--stride", "16"): "--stride 16 is longer than --seq-len 8",
-        ("--seq-len", "0"): "--seq-len must be >= 1",
+        ("--seq-len", "0"): "argument --seq-len: must be >= 1, got 0",
         ("--seq-len", "4096", "--stride", "8"): "exceeds the model's max_seq_len 128",
     }
     for extra, expect in bad_args.items():
@@ -453,3 +453,34 @@ def test_bad_hf_input(hf_dirs, tmp_path):
         capture_output=True, text=True, timeout=120, env=dict(os.environ),
     )  # fmt: skip
     assert out.returncode == 2 and "0 < --top-p <= 1" in out.stderr
+
+
+def _retype(path, tensors, dtype):
+    """Rewrite the header's dtype of ``tensors`` (or all, None); the tensor bytes stay as they are."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    for name, e in header.items():
+        if name != "__metadata__" and (tensors is None or name in tensors) and e["dtype"] == "F32":
+            e["dtype"] = dtype
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+
+
+@pytest.mark.parametrize("tensors, dtype", [(["transformer.h.0.ln_1.bias"], "F16"), (None, "BF16")])
+def test_a_safetensors_header_with_the_wrong_dtype_is_refused(hf_dirs, tmp_path, tensors, dtype):
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in hf_dirs["gpt2"].iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    _retype(d / "model.safetensors", tensors, dtype)
+    with pytest.raises(HFError, match=f"is declared {dtype} .* but spans .* bytes: the header is wrong"):
+        from_pretrained(d)
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d", "eval", "--model", str(d), "--text", __file__, "--seq-len", "8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "the header is wrong" in out.stderr

@@ -128,6 +128,24 @@ class IndexedWriter:
             p.unlink(missing_ok=True)
 
 
+def _check_offsets(idx: Path, offsets: np.ndarray, tokens: int, block: int = 1 << 22) -> None:
+    """Document offsets start at 0, never decrease and end at the token count (read in blocks)."""
+    if int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
+        raise IndexedDataError(
+            f"{idx}: document offsets run from {int(offsets[0])} to {int(offsets[-1])}, expected 0 to the "
+            f"{tokens} tokens of the .bin; re-run 'mt3d preprocess'"
+        )
+    for lo in range(0, len(offsets) - 1, block):
+        part = np.asarray(offsets[lo : lo + block + 1], dtype=np.int64)
+        bad = np.nonzero(np.diff(part) < 0)[0]
+        if len(bad):
+            doc = lo + int(bad[0])
+            raise IndexedDataError(
+                f"{idx}: document {doc} ends before it starts (offsets {part[bad[0]]} then "
+                f"{part[bad[0] + 1]}); the index is corrupt: re-run 'mt3d preprocess'"
+            )
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of one ``P.bin`` / ``P.idx`` pair."""
 
@@ -163,7 +181,9 @@ class IndexedDataset:
                 f"{binf} does not belong to {idx} (contents differ); re-run 'mt3d preprocess'"
             )
         self.offsets = np.memmap(idx, dtype=np.uint64, mode="r", offset=_HEADER.size, shape=(docs + 1,))
+        _check_offsets(idx, self.offsets, tokens)
         self._bin_path = binf
+        self.vocab_limit: int | None = None  # set by the loader: ids at or above it are refused on read
         self._fd = os.open(binf, os.O_RDONLY)
         self.num_docs, self.num_tokens, self.max_id = int(docs), int(tokens), int(max_id)
         self.tag = bytes(tag)  # identifies the contents (cache keys of derived indices)
@@ -199,7 +219,14 @@ class IndexedDataset:
             raise IndexedDataError(
                 f"{self._bin_path}: short read at token {start} (file changed while in use?)"
             )
-        return np.frombuffer(raw, dtype=self.dtype)
+        out = np.frombuffer(raw, dtype=self.dtype)
+        if self.vocab_limit is not None and n and int(out.max()) >= self.vocab_limit:
+            at = start + int(np.argmax(out >= self.vocab_limit))
+            raise IndexedDataError(
+                f"{self._bin_path}: token id {int(out[at - start])} at token offset {at} is outside the "
+                f"tokenizer's {self.vocab_limit}-id vocabulary (corrupt file, or another tokenizer's data)"
+            )
+        return out
 
     def __len__(self) -> int:
         return self.num_docs

@@ -49,6 +49,8 @@ def build_data(cfg, seed: int) -> DataBundle:
         raise DataError(
             f"{too_big[0]} holds ids outside the tokenizer's {tokenizer.vocab_size}-id vocabulary"
         )
+    for d in datasets:  # the header's max id is only as good as the file: every read checks its ids
+        d.vocab_limit = tokenizer.vocab_size
     splits = [split_documents(len(d), cfg.split) for d in datasets]
     index_dir = cache / "indices"
     train = [PackedSamples(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]

@@ -8,6 +8,7 @@ succeeded. No torch import: the command runs in a small memory budget.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import json
 import os
@@ -36,6 +37,7 @@ class Stats:
     tokens: int = 0
     bytes_in: int = 0
     skipped_lines: list[str] = field(default_factory=list)
+    replaced_bytes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
     def summary(self) -> dict:
@@ -49,7 +51,42 @@ class Stats:
             "mb_per_s": self.bytes_in / 1e6 / s,
             "tokens_per_s": self.tokens / s,
             "skipped_lines": len(self.skipped_lines),
+            "replaced_bytes": sum(self.replaced_bytes.values()),
         }
+
+
+BINARY_FRACTION = 0.01
+"""A file whose first MB has more than this fraction of bytes that are not UTF-8 text (invalid
+sequences, NULs) is refused as binary unless ``on_bad_bytes="replace"``."""
+_SAMPLE = 1 << 20
+
+
+def check_text(path: Path, on_bad_bytes: str) -> None:
+    """Refuse a mostly-binary file (``BINARY_FRACTION`` of its first MB) before reading it all."""
+    with open(path, "rb") as f:
+        sample = f.read(_SAMPLE)
+    text = sample.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") + text.count("\x00") - sample.decode("utf-8", "ignore").count("\ufffd")
+    if on_bad_bytes == "fail" and bad > BINARY_FRACTION * max(len(sample), 1):
+        raise PreprocessError(
+            f"{path} does not look like text: {bad} of its first {len(sample)} bytes are invalid UTF-8 or "
+            f"NUL (more than {BINARY_FRACTION:.0%}); pass --on-bad-bytes replace to keep it anyway"
+        )
+
+
+class _CountingDecoder:
+    """UTF-8 decoding that replaces invalid bytes with U+FFFD and counts them per file."""
+
+    def __init__(self, stats: Stats, path: Path) -> None:
+        self.stats, self.key = stats, str(path)
+        self.name = f"mt3d-count-{id(self)}"
+        codecs.register_error(self.name, self._handle)
+
+    def _handle(self, err: UnicodeDecodeError):
+        self.stats.replaced_bytes[self.key] = self.stats.replaced_bytes.get(self.key, 0) + (
+            err.end - err.start
+        )
+        return "\ufffd", err.end
 
 
 def check_inputs(paths: list[str]) -> list[Path]:
@@ -74,18 +111,22 @@ def read_documents(
     txt_mode: str = "blocks",
     jsonl_key: str = "text",
     on_bad_line: str = "fail",
+    on_bad_bytes: str = "fail",
     stats: Stats,
 ) -> Iterator[str]:
     """Documents of every input, in order: .txt as one document per file or per blank-line-separated
-    block; .jsonl as one document per line (``jsonl_key``)."""
+    block; .jsonl as one document per line (``jsonl_key``). Invalid UTF-8 becomes U+FFFD and is
+    counted per file (``stats.replaced_bytes``); mostly-binary files are refused (``check_text``)."""
     for path in paths:
+        check_text(path, on_bad_bytes)
         stats.bytes_in += path.stat().st_size
+        errors = _CountingDecoder(stats, path).name
         if path.suffix == ".txt" and txt_mode == "file":
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = path.read_bytes().decode("utf-8", errors=errors)
             if text.strip():
                 yield text
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors=errors) as f:
             if path.suffix == ".txt":
                 block: list[str] = []
                 for line in f:
@@ -193,6 +234,7 @@ def preprocess(
     txt_mode: str = "blocks",
     jsonl_key: str = "text",
     on_bad_line: str = "fail",
+    on_bad_bytes: str = "fail",
     dtype: str = "auto",
     batch_docs: int = 1024,
     batch_chars: int = 1 << 20,
@@ -203,6 +245,8 @@ def preprocess(
         raise PreprocessError(f"--txt-mode must be blocks or file, got {txt_mode!r}")
     if on_bad_line not in ("fail", "skip"):
         raise PreprocessError(f"--on-bad-line must be fail or skip, got {on_bad_line!r}")
+    if on_bad_bytes not in ("fail", "replace"):
+        raise PreprocessError(f"--on-bad-bytes must be fail or replace, got {on_bad_bytes!r}")
     paths = check_inputs(inputs)
     tok = load_tokenizer(tokenizer_dir)
     if dtype == "auto":
@@ -219,7 +263,10 @@ def preprocess(
             )
     stats = Stats()
     t0 = time.perf_counter()
-    docs = read_documents(paths, txt_mode=txt_mode, jsonl_key=jsonl_key, on_bad_line=on_bad_line, stats=stats)
+    docs = read_documents(
+        paths, txt_mode=txt_mode, jsonl_key=jsonl_key, on_bad_line=on_bad_line, on_bad_bytes=on_bad_bytes,
+        stats=stats,
+    )  # fmt: skip
     writer = IndexedWriter(output_prefix, np_dtype)
     bar = None
     if progress and sys.stderr.isatty():

@@ -97,6 +97,39 @@ _ST_DTYPES = {
 }
 
 
+def _check_header(path: Path, header: dict, data_bytes: int) -> None:
+    """Every tensor's dtype, shape and byte extent agree, and the extents tile the data exactly
+    (safetensors' own rules): a wrong dtype or shape in the header is refused, not reinterpreted."""
+    spans = []
+    for name, e in header.items():
+        if e["dtype"] not in _ST_DTYPES:
+            raise HFError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
+        shape, (begin, end) = e["shape"], e["data_offsets"]
+        if not all(isinstance(x, int) and x >= 0 for x in (*shape, begin, end)) or begin > end:
+            raise HFError(
+                f"{path}: tensor {name} has an invalid shape {shape} or offsets {e['data_offsets']}"
+            )
+        if end > data_bytes:
+            raise HFError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+        numel = 1
+        for x in shape:
+            numel *= x
+        want = numel * torch.tensor([], dtype=_ST_DTYPES[e["dtype"]]).element_size()
+        if end - begin != want:
+            raise HFError(
+                f"{path}: tensor {name} is declared {e['dtype']} {shape} ({want} bytes) but spans "
+                f"{end - begin} bytes: the header is wrong (wrong dtype or shape)"
+            )
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise HFError(f"{path}: tensor {name} starts at byte {begin}, expected {at} (overlap or gap)")
+        at = end
+    if at != data_bytes:
+        raise HFError(f"{path}: the tensors cover {at} of the file's {data_bytes} data bytes")
+
+
 class SafetensorsFile:
     """A safetensors file read with ``pread``: only the requested rows are read, nothing is mapped.
 
@@ -117,11 +150,7 @@ class SafetensorsFile:
                 raise ValueError(f"header of {n} bytes in a {size}-byte file")
             header = json.loads(os.pread(self.fd, n, 8))
             header.pop("__metadata__", None)
-            for name, e in header.items():
-                if e["dtype"] not in _ST_DTYPES:
-                    raise HFError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
-                if 8 + n + e["data_offsets"][1] > size:
-                    raise HFError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+            _check_header(path, header, size - 8 - n)
         except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
             self.close()
             raise HFError(f"{path} is not a valid safetensors file ({e})") from None

@@ -85,6 +85,11 @@ def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup) -> None
                 raise
             except KeyError as e:
                 raise UserError(f"{source.path}: no tensor for parameter {name!r} ({e})") from None
+            if param.is_floating_point() and not shard.is_floating_point():
+                raise UserError(
+                    f"{source.path}: {name} (from {source.origin(name)}) is stored as {shard.dtype}, "
+                    f"not a floating-point type: refusing to cast it into the model's {param.dtype}"
+                )
             if tuple(shard.shape) != tuple(param.shape):
                 raise UserError(
                     f"{source.path}: {name} (from {source.origin(name)}) has shape {tuple(shard.shape)} "
