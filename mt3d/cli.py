@@ -8,7 +8,15 @@ import sys
 from collections.abc import Callable
 
 from .errors import EXIT_BAD_INPUT, UserError
-from .inputs import OneLineParser, byte_size, non_negative_int, positive_float, positive_int, world_size
+from .inputs import (
+    OneLineParser,
+    byte_size,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    read_text,
+    world_size,
+)
 
 
 class UsageError(UserError):
@@ -368,7 +376,6 @@ def _add_eval(sub) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """``mt3d eval``."""
-    from pathlib import Path
 
     import torch
 
@@ -381,19 +388,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"
         )
-    text_path = Path(args.text)
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file not found: {text_path}")
     cfg = open_source(args.model, verify=False).cfg  # config only: refuse before any weight is read
+    text = read_text(args.text)
     if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
     model, device = _load(args, args.pp)
     tok = _tokenizer_for(model)
-    ids = torch.tensor(
-        tok.encode(text_path.read_text(encoding="utf-8"), eos=False), dtype=torch.long, device=device
-    )
+    ids = torch.tensor(tok.encode(text, eos=False), dtype=torch.long, device=device)
     if ids.numel() < 2:
-        raise UsageError(f"{text_path} has fewer than 2 tokens")
+        raise UsageError(f"{args.text} has fewer than 2 tokens")
     res = evaluate_tokens(model, ids, model.state, args.seq_len, stride)
     if model.state.global_rank == 0:
         if args.json:
@@ -437,11 +440,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got {args.temperature}, "
             f"{args.top_k}, {args.top_p}"
         )
-    model, device = _load(args)
-    tok = _tokenizer_for(model)
-    prompt = torch.tensor([tok.encode(args.prompt, eos=False)], dtype=torch.long, device=device)
-    if prompt.numel() == 0:
+    from .model.loading import open_source
+
+    source = open_source(args.model, verify=False)  # config and tokenizer: check before any weight is read
+    tok = _tokenizer_for(source)
+    ids = tok.encode(args.prompt, eos=False)
+    if not ids:
         raise UsageError("the prompt is empty")
+    limit = source.cfg.position_limit
+    if limit is not None and len(ids) > limit:
+        raise UsageError(f"the prompt is {len(ids)} tokens, longer than the model's {limit} positions")
+    model, device = _load(args)
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
     out = generate(
         model,
         prompt,
@@ -629,7 +639,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train(sub) -> None:
+    from . import train
+
+    p = sub.add_parser(
+        "train",
+        help="train from one JSON config (the same as python -m mt3d.train; run it under a launcher)",
+        description=train.DESCRIPTION,
+        epilog=train.EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``mt3d train``: ``mt3d.train.run`` (it reports its own errors and exit codes)."""
+    from .train import run
+
+    return run(args)
+
+
 COMMANDS: list[Callable] = [
+    _add_train,
     _add_plan,
     _add_checkpoint,
     _add_topo,
@@ -650,6 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="3D-parallel (tensor x pipeline x ZeRO data) LLM training on DeepSpeed.",
         epilog="Run 'mt3d <command> --help' for a command's options and examples.",
     )
+    # `deepspeed --module mt3d train ...` puts the launcher's --local_rank before the sub-command
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for add in COMMANDS:
         add(sub)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -328,6 +329,52 @@ class Layout:
     zero_stage: int
 
 
+# DeepSpeed sections that must be JSON objects (a scalar there fails deep inside DeepSpeed)
+DS_SECTIONS = (
+    "fp16", "bf16", "optimizer", "scheduler", "zero_optimization", "pipeline", "checkpoint", "wandb",
+    "tensorboard", "csv_monitor", "activation_checkpointing", "flops_profiler", "comms_logger", "aio",
+)  # fmt: skip
+
+
+def _check_sections(ds: dict) -> None:
+    for key in DS_SECTIONS:
+        value = ds.get(key)
+        if value is not None and not isinstance(value, dict):
+            example = {"optimizer": "optimizer.type=AdamW", "scheduler": "scheduler.type=WarmupLR"}.get(
+                key, f"{key}.enabled=true"
+            )
+            raise ConfigError(f"'{key}' must be a JSON object, got {json.dumps(value)}; e.g. --set {example}")
+    for key in ("fp16", "bf16"):
+        enabled = (ds.get(key) or {}).get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"'{key}.enabled' must be true or false, got {json.dumps(enabled)}")
+
+
+def _deepspeed_preflight(ds: dict, micro: int, accum: int) -> None:
+    """Let DeepSpeed parse the config now, before any process group, so that what it rejects is one
+    line here instead of a traceback on every rank later. Without process groups DeepSpeed assumes
+    one rank, so the batch keys are given for one (mt3d checked them for the real dp already)."""
+    import logging
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = copy.deepcopy(ds)
+    probe.update(train_batch_size=micro * accum, train_micro_batch_size_per_gpu=micro,
+                 gradient_accumulation_steps=accum)  # fmt: skip
+    probe.pop("mt3d", None)
+    ds_logger = logging.getLogger("DeepSpeed")
+    level = ds_logger.level
+    ds_logger.setLevel(logging.ERROR)
+    try:
+        DeepSpeedConfig(probe)
+    except (ValueError, TypeError, AttributeError, AssertionError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        detail = " ".join(str(e).split())[:300] if "validation error" in first else first
+        raise ConfigError(f"DeepSpeed rejects the config: {detail}") from None
+    finally:
+        ds_logger.setLevel(level)
+
+
 def _zero_stage(ds: dict) -> int:
     z = ds.get("zero_optimization", {})
     if not isinstance(z, dict):
@@ -450,6 +497,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     """Check the run against ``world_size`` ranks before any process group exists; fill batch keys."""
     par, data, train = run.mt3d.parallel, run.mt3d.data, run.mt3d.train
     tp, pp = par.tensor, par.pipeline
+    _check_sections(run.ds)
     for name, v in (("parallel.tensor", tp), ("parallel.pipeline", pp), ("data.seq_len", data.seq_len)):
         if v <= 0:
             raise ConfigError(f"mt3d.{name} must be positive, got {v}")
@@ -520,4 +568,33 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
         )
     mb, ga, gb = _batches(run.ds, dp)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
+    _check_paths(train, data)
+    _deepspeed_preflight(run.ds, mb, ga)
     return Layout(world_size, tp, pp, dp, mb, ga, gb, stage)
+
+
+def _writable_dir(path: str | Path, what: str) -> None:
+    """``path`` is, or can become, a directory this process can write (probed with a real file)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{what} {p} exists and is not a directory")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {p}: {existing} is not a directory")
+    probe = existing / f".mt3d-write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {p} is not writable ({e.strerror} in {existing}); choose another"
+        ) from None
+
+
+def _check_paths(train: TrainConfig, data: DataConfig) -> None:
+    """Where the run writes must be writable before any process group exists."""
+    _writable_dir(train.save_dir, "mt3d.train.save_dir")
+    if data.cache_dir:
+        _writable_dir(data.cache_dir, "mt3d.data.cache_dir")

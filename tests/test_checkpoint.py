@@ -466,3 +466,25 @@ def test_the_reshard_cache_and_a_lying_manifest_are_not_trusted(tmp_path):
         check_engine_state(step2, manifest["meta"])
     rc, _ = spawn(train_rc_worker, 1, tiny_config(tmp_path / "again", steps=3, resume=str(step2)))[0]
     assert rc == 2
+
+
+def test_a_full_disk_during_save_is_named_and_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        raw = tiny_config(disk / "run", steps=6, save_interval=2)
+        rc, _ = spawn(train_rc_worker, 1, raw)[0]
+        assert rc == 2
+        done = complete_checkpoints(disk / "run" / "checkpoints")
+        assert done and not list((disk / "run" / "checkpoints").glob("*.tmp"))
+        from mt3d.checkpoint.manifest import read_manifest, verify_files
+
+        newest = done[-1]
+        verify_files(newest, read_manifest(newest), sorted(read_manifest(newest)["files"]))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -13,6 +13,7 @@ checkpoints of steps >= S from the abandoned history are moved (never deleted) t
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -50,8 +51,15 @@ def checkpoints_dir(save_dir: str | Path) -> Path:
     return Path(save_dir) / "checkpoints"
 
 
+_REPORTED: set[str] = set()
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoints under ``root`` whose manifest exists and whose files have their sizes, oldest first."""
+    """Checkpoints under ``root`` whose manifest exists and whose files have their sizes, oldest first.
+
+    A directory without a manifest is a save that was interrupted (expected after a crash: silent);
+    one whose manifest names a missing or truncated file is damaged and is reported, once per process.
+    """
     found = []
     if not root.is_dir():
         return found
@@ -60,7 +68,10 @@ def complete_checkpoints(root: Path) -> list[Path]:
             continue
         try:
             check_sizes(d, read_manifest(d))
-        except CheckpointError:
+        except CheckpointError as e:
+            if (d / "manifest.json").is_file() and str(d) not in _REPORTED:
+                _REPORTED.add(str(d))
+                log.error("skipping damaged checkpoint %s: %s", d.name, e)
             continue
         found.append(d)
     return found
@@ -121,6 +132,42 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
     return doomed
 
 
+def _mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, device) holding ``path``, from /proc/self/mounts ('?' when unknown)."""
+    best = ("?", "?")
+    try:
+        resolved = str(path.resolve())
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            device, mount = line.split()[:2]
+            if (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(
+                best[0]
+            ):
+                best = (mount, device)
+    except OSError:
+        pass
+    return best
+
+
+def write_failure(e: BaseException, tmp: Path, rank: int) -> str:
+    """One line for a save that failed while writing: a full disk is named as such (torch.save
+    reports it as 'unexpected pos ...'), and the incomplete directory is removed by rank 0 (other
+    ranks may still be writing into it: they report it; it is never loaded, and the next save or
+    run removes it)."""
+    free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else None
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
+    full = full or (free is not None and free < 64 * 2**20)
+    mount, device = _mount_of(tmp.parent)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    left = (
+        f"removed {tmp}"
+        if not tmp.exists()
+        else f"{tmp} is incomplete (never loaded; the next save removes it)"
+    )
+    why = f"no space left on {mount} ({device})" if full else f"writing failed ({type(e).__name__}: {e})"
+    return f"saving {tmp.name[:-4]} failed: {why}; the previous checkpoints are intact, {left}"
+
+
 class Checkpointer:
     """Saves the engine (plus mt3d's client state) crash-safely; every rank calls ``save``.
 
@@ -159,19 +206,22 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         dist.barrier()
-        self.engine.save_checkpoint(
-            str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
-        )
-        save_rng(tmp, self.rng_key or f"rank_{rank:05d}", self.tracker)
-        if rank == 0 and self.tokenizer_dir:
-            from ..data.tokenizer import copy_tokenizer
+        try:
+            self.engine.save_checkpoint(
+                str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
+            )
+            save_rng(tmp, self.rng_key or f"rank_{rank:05d}", self.tracker)
+            if rank == 0 and self.tokenizer_dir:
+                from ..data.tokenizer import copy_tokenizer
 
-            copy_tokenizer(self.tokenizer_dir, tmp / TOKENIZER)
-        if self.faults:
-            self.faults.in_save(step)
-        dist.barrier()  # every rank's files exist
-        names = list_files(tmp)
-        mine = describe_files(tmp, names[rank::world])  # fsync + hash this rank's share
+                copy_tokenizer(self.tokenizer_dir, tmp / TOKENIZER)
+            if self.faults:
+                self.faults.in_save(step)
+            dist.barrier()  # every rank's files exist
+            names = list_files(tmp)
+            mine = describe_files(tmp, names[rank::world])  # fsync + hash this rank's share
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(write_failure(e, tmp, rank)) from e
         shares: list = [None] * world
         dist.all_gather_object(shares, mine)
         if rank == 0:

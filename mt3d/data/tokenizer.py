@@ -7,11 +7,11 @@ no torch); the saved directory is a regular HF tokenizer that
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import UserError
+from ..inputs import read_json
 
 EOS = "<|endoftext|>"
 
@@ -97,7 +97,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     tj = d / "tokenizer.json"
     if tj.is_file():
-        backend = Backend.from_file(str(tj))
+        try:
+            backend = Backend.from_file(str(tj))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad files
+            raise TokenizerError(
+                f"{tj} is not a valid tokenizer file ({' '.join(str(e).split())[:200]})"
+            ) from None
     else:
         try:
             from transformers import AutoTokenizer
@@ -109,7 +114,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         f = d / name
         if f.is_file():
-            eos = eos or _special(json.loads(f.read_text()).get("eos_token"))
+            eos = eos or _special(read_json(f, "tokenizer config").get("eos_token"))
     eos = eos or EOS
     eos_id = backend.token_to_id(eos)
     if eos_id is None:

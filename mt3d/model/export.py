@@ -48,12 +48,16 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         model.tie_weights()
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-    if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
-        from ..data.tokenizer import copy_tokenizer
+    try:
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
+            from ..data.tokenizer import copy_tokenizer
 
-        copy_tokenizer(source.tokenizer_dir, tmp)
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+            copy_tokenizer(source.tokenizer_dir, tmp)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        raise
     return out

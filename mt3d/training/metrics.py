@@ -107,13 +107,25 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a metrics.jsonl (a torn last line, from a killed run, is ignored)."""
+    """All records of a metrics.jsonl. A torn last line (a run killed while writing) is ignored;
+    anything else that is not one JSON object with an integer ``step`` is refused with file:line."""
+    from ..errors import UserError
+    from ..inputs import read_text
+
+    lines = read_text(path, "metrics file").splitlines()
     out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):
+                continue
+            raise UserError(f"{path}:{lineno}: not a JSON record (a corrupt metrics file)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise UserError(f"{path}:{lineno}: a metrics record must be an object with an integer 'step'")
+        out.append(record)
     return out
 
 

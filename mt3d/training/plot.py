@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..inputs import read_json
 from .metrics import read_metrics
 
 
@@ -18,7 +18,7 @@ def split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
 def run_facts(run_dir: Path) -> dict:
     """``run.json`` of a run directory ({} when absent)."""
     p = Path(run_dir) / "run.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
+    return read_json(p, "run.json") if p.is_file() else {}
 
 
 def summarize(run_dir: str | Path) -> dict:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RunConfig
+from ..errors import UserError
+from ..inputs import env_int
 from ..parallel.random import RNGTracker, seed_everything
 from ..parallel.spawn import free_port
 from ..parallel.state import ParallelState
@@ -39,9 +41,9 @@ class Runtime:
 def set_threads() -> int:
     """torch threads = cores / ranks on this host, unless OMP_NUM_THREADS says otherwise."""
     if os.environ.get("OMP_NUM_THREADS"):
-        n = max(1, int(os.environ["OMP_NUM_THREADS"]))
+        n = max(1, env_int("OMP_NUM_THREADS", 1, minimum=1))
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        local = env_int("LOCAL_WORLD_SIZE", None, minimum=1) or env_int("LOCAL_SIZE", 1, minimum=1)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         n = max(1, cores // max(1, local))
     torch.set_num_threads(n)
@@ -55,11 +57,22 @@ def init_distributed() -> tuple[int, int, int]:
     if "RANK" not in os.environ:  # plain `python -m mt3d.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = env_int("LOCAL_RANK", 0)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(verbose=False)
     import torch.distributed as dist
+
+    try:
+        deepspeed.init_distributed(verbose=False)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        port, addr = os.environ.get("MASTER_PORT"), os.environ.get("MASTER_ADDR")
+        raise UserError(
+            f"MASTER_PORT {port} on {addr} is already in use (another job?); pick another: "
+            "deepspeed --master_port N, torchrun --master-port N, accelerate launch --main_process_port N, "
+            "or MASTER_PORT=N"
+        ) from None
 
     return dist.get_rank(), local_rank, dist.get_world_size()
 
