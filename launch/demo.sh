@@ -15,7 +15,9 @@ echo "== rank mapping: 8 ranks on one host, tp 2 x pp 2 (dp 2) =="
 mt3d topo --world-size 8 --gpus-per-node 8 --tp 2 --pp 2 --model tiny --seq-len 64 --micro-batch 2 --grad-accum 4
 echo
 echo "== training (deepspeed launcher, 8 CPU processes) -> $RUN =="
-deepspeed --num_gpus 8 --module mt3d.train --config ds_configs/cpu_demo_3d.json \
+# --log_level warning: the launcher's own INFO lines (commands, environment) stay quiet;
+# DeepSpeed's set-up output goes to $RUN/logs/rank<N>.log (add --verbose to see it here).
+deepspeed --log_level warning --num_gpus 8 --module mt3d.train --config ds_configs/cpu_demo_3d.json \
   --set "mt3d.train.save_dir=$RUN" "$@"
 echo
 echo "== result =="

@@ -350,23 +350,36 @@ def _check_sections(ds: dict) -> None:
             raise ConfigError(f"'{key}.enabled' must be true or false, got {json.dumps(enabled)}")
 
 
-def _deepspeed_preflight(ds: dict, micro: int, accum: int) -> None:
+class _DataParallelOf:
+    """The one mpu method DeepSpeedConfig asks (when process groups already exist)."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        """The data-parallel size of the run."""
+        return self.dp
+
+
+def _deepspeed_preflight(ds: dict, micro: int, accum: int, dp: int) -> None:
     """Let DeepSpeed parse the config now, before any process group, so that what it rejects is one
     line here instead of a traceback on every rank later. Without process groups DeepSpeed assumes
     one rank, so the batch keys are given for one (mt3d checked them for the real dp already)."""
     import logging
 
+    import torch.distributed as dist
     from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = copy.deepcopy(ds)
-    probe.update(train_batch_size=micro * accum, train_micro_batch_size_per_gpu=micro,
+    ranks = dp if dist.is_initialized() else 1  # DeepSpeed then asks the mpu for dp
+    probe.update(train_batch_size=micro * accum * ranks, train_micro_batch_size_per_gpu=micro,
                  gradient_accumulation_steps=accum)  # fmt: skip
     probe.pop("mt3d", None)
     ds_logger = logging.getLogger("DeepSpeed")
     level = ds_logger.level
     ds_logger.setLevel(logging.ERROR)
     try:
-        DeepSpeedConfig(probe)
+        DeepSpeedConfig(probe, mpu=_DataParallelOf(dp))
     except (ValueError, TypeError, AttributeError, AssertionError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         detail = " ".join(str(e).split())[:300] if "validation error" in first else first
@@ -569,7 +582,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     mb, ga, gb = _batches(run.ds, dp)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
     _check_paths(train, data)
-    _deepspeed_preflight(run.ds, mb, ga)
+    _deepspeed_preflight(run.ds, mb, ga, dp)
     return Layout(world_size, tp, pp, dp, mb, ga, gb, stage)
 
 
