@@ -148,6 +148,22 @@ def _mount_of(path: Path) -> tuple[str, str]:
     return best
 
 
+WRITE_ERRORS = (
+    "PytorchStreamWriter",
+    "unexpected pos",
+    "No space left",
+    "Disk quota exceeded",
+    "file write failed",
+)
+
+
+def is_write_error(e: BaseException, tmp: Path) -> bool:
+    """Whether ``e`` came from writing files (torch.save reports a full disk as a RuntimeError)."""
+    if isinstance(e, OSError):
+        return True
+    return any(w in str(e) for w in WRITE_ERRORS)
+
+
 def write_failure(e: BaseException, tmp: Path, rank: int) -> str:
     """One line for a save that failed while writing: a full disk is named as such (torch.save
     reports it as 'unexpected pos ...'), and the incomplete directory is removed by rank 0 (other
@@ -221,6 +237,8 @@ class Checkpointer:
             names = list_files(tmp)
             mine = describe_files(tmp, names[rank::world])  # fsync + hash this rank's share
         except (OSError, RuntimeError) as e:
+            if not is_write_error(e, tmp):
+                raise  # e.g. a peer died during the save's collectives: not a disk problem
             raise CheckpointError(write_failure(e, tmp, rank)) from e
         shares: list = [None] * world
         dist.all_gather_object(shares, mine)
