@@ -125,3 +125,21 @@ def test_written_config_carries_the_planned_precision(tmp_path, precision):
             validate(run, 8, model)
     else:
         assert validate(run, 8, model).tp == result["feasible"][0]["tp"]
+
+
+def test_a_million_gpus_are_planned_and_absurd_counts_refused():
+    import time
+
+    from mt3d.parallel.topology import uniform_crossing
+
+    t0 = time.perf_counter()
+    result = plan(
+        get_preset("gpt3-175b"), Cluster(2**20, 8, get_device("h100")), global_batch=2**21, seq_len=2048
+    )
+    assert result["feasible"] and time.perf_counter() - t0 < 30  # measured ~2 s; divisors, not a scan
+    assert uniform_crossing(2**20, 8, 8, 64) == {"tp": False, "dp": True, "pp": True}
+    rejected = plan(
+        get_preset("gpt3-175b"), Cluster(1536, 8, get_device("h100")), global_batch=1536, seq_len=2048
+    )
+    reasons = {r["reason"] for r in rejected["rejected"] if r.get("tp") == 3}
+    assert reasons == {"tp 3 does not divide the 8 GPUs of a node: TP groups would cross nodes"}

@@ -199,6 +199,7 @@ def test_deepspeed_launcher_run_writes_metrics_checkpoint_and_wandb(tmp_path):
         tmp_path / "run", tp=2, pp=2, steps=12, save_interval=6, save_at_end=True, eval_batches=1
     )
     raw["wandb"] = {"enabled": True, "project": "mt3d-test"}
+    raw["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps(raw))
     out = subprocess.run(
@@ -224,7 +225,11 @@ def test_deepspeed_launcher_run_writes_metrics_checkpoint_and_wandb(tmp_path):
         env=launcher_env(),
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # a quiet terminal: DeepSpeed's set-up lines and its scheduler warning (once per rank) are not on it
+    terminal = out.stdout + out.stderr
+    assert "Attempting to get learning rate" not in terminal and "Using topology" not in terminal
     run = tmp_path / "run"
+    assert "Using topology" in (run / "logs" / "rank0.log").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
