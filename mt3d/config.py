@@ -50,7 +50,13 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside TP regions (needs tp > 1 to have an effect)."""
     stage_layers: list[int] | None = None
-    """Transformer blocks per pipeline stage, e.g. [5, 6, 6, 5] (default: as even as possible)."""
+    """Transformer blocks per pipeline stage, e.g. [5, 6, 6, 5] (default: as even as possible); with
+    virtual stages, per chunk in virtual-stage order (pipeline x virtual_stages entries)."""
+    virtual_stages: int = 1
+    """Chunks of layers per pipeline rank (PTD-P's interleaved 1F1B): rank r holds virtual stages
+    r, r + pipeline, ...; the bubble shrinks by this factor for as many times the point-to-point
+    traffic. Needs pipeline >= 2 and micro-batches per step a multiple of pipeline. 1: DeepSpeed's
+    own schedule, unchanged."""
     hostfile: str | None = None
     """Hostfile describing the hosts (default: discovered from the launcher's local ranks)."""
     islands: str | None = None
@@ -327,6 +333,20 @@ class Layout:
     grad_accum: int
     global_batch: int
     zero_stage: int
+    virtual_stages: int = 1
+    stage_blocks: tuple[int, ...] | None = None
+    """Blocks per (virtual) stage in virtual-stage order, when the model is known."""
+
+    def saved(self) -> dict:
+        """The layout as checkpoints record it (what a resume compares)."""
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "zero_stage": self.zero_stage,
+            "virtual_stages": self.virtual_stages,
+            "stage_blocks": list(self.stage_blocks) if self.stage_blocks else None,
+        }
 
 
 # DeepSpeed sections that must be JSON objects (a scalar there fails deep inside DeepSpeed)
@@ -522,6 +542,11 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     dp = world_size // (tp * pp)
     _check_mapping(par, world_size)
     stage = _zero_stage(run.ds)
+    v = par.virtual_stages
+    if v < 1:
+        raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
+    if v > 1 and pp < 2:
+        raise ConfigError(f"mt3d.parallel.virtual_stages {v} needs pipeline >= 2 (it interleaves stages)")
     if pp > 1 and stage >= 2:
         raise ConfigError(
             f"ZeRO stage {stage} cannot be used with pipeline={pp} (DeepSpeed's pipeline engine supports "
@@ -543,14 +568,21 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
             raise ConfigError(
                 f"data.seq_len {data.seq_len} exceeds the model's max_seq_len {model.position_limit}"
             )
+        chunks = pp * par.virtual_stages
         if par.stage_layers is not None:
-            if len(par.stage_layers) != pp or sum(par.stage_layers) != model.layers:
+            what = f"{pp} stages" if par.virtual_stages == 1 else f"{pp} x {par.virtual_stages} chunks"
+            if len(par.stage_layers) != chunks or sum(par.stage_layers) != model.layers:
                 raise ConfigError(
-                    f"parallel.stage_layers {par.stage_layers} must list {pp} stages adding up to "
+                    f"parallel.stage_layers {par.stage_layers} must list {what} adding up to "
                     f"{model.layers} layers"
                 )
             if min(par.stage_layers) < 1:
                 raise ConfigError("parallel.stage_layers: every stage needs at least one block")
+        elif model.layers < chunks:
+            raise ConfigError(
+                f"{model.layers} layers cannot fill pipeline {pp} x virtual_stages {par.virtual_stages} = "
+                f"{chunks} chunks of at least one block; use fewer stages or chunks"
+            )
     _check_train(train)
     _check_data(data)
     if train.resume not in ("none", "auto") and not Path(train.resume).exists():
@@ -581,9 +613,19 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
         )
     mb, ga, gb = _batches(run.ds, dp)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
+    if v > 1 and ga % pp:
+        raise ConfigError(
+            f"the interleaved schedule needs micro-batches per step ({ga} = gradient_accumulation_steps) to "
+            f"be a multiple of pipeline {pp}; change train_batch_size or train_micro_batch_size_per_gpu"
+        )
     _check_paths(train, data)
     _deepspeed_preflight(run.ds, mb, ga, dp)
-    return Layout(world_size, tp, pp, dp, mb, ga, gb, stage)
+    blocks = None
+    if model is not None:
+        from .model.pipeline import default_stage_blocks
+
+        blocks = tuple(par.stage_layers or default_stage_blocks(model.layers, pp * v))
+    return Layout(world_size, tp, pp, dp, mb, ga, gb, stage, v, blocks)
 
 
 def _writable_dir(path: str | Path, what: str) -> None:

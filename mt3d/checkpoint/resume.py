@@ -54,10 +54,23 @@ class ResumePlan:
         return int(self.meta["step"])
 
     def layout_changed(self, layout: Layout) -> bool:
-        """Whether the saved (tp, pp, dp, zero stage) differ from ``layout``."""
-        saved = self.meta["layout"]
-        now = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": layout.zero_stage}
-        return any(saved[k] != now[k] for k in now)
+        """Whether the saved (tp, pp, dp, zero stage, virtual stages, blocks per stage) differ from
+        ``layout``: any difference moves parameters between ranks or reorders a rank's optimizer
+        partition, so the checkpoint is loaded through the universal (resharding) path."""
+        saved = dict(self.meta["layout"])
+        saved.setdefault("virtual_stages", 1)  # checkpoints from before virtual stages
+        if saved.get("stage_blocks") is None:  # ... and before the blocks were recorded
+            from ..model.pipeline import default_stage_blocks
+
+            model = self.meta.get("model") or {}
+            chunks = saved["pp"] * saved["virtual_stages"]
+            saved["stage_blocks"] = self.meta.get("stage_layers") or (
+                default_stage_blocks(model["layers"], chunks) if "layers" in model else None
+            )
+        now = layout.saved()
+        if now["stage_blocks"] is None:
+            now.pop("stage_blocks")
+        return any(saved.get(k) != v for k, v in now.items())
 
 
 def candidates(resume: str, save_dir: str | Path) -> list[Path]:

@@ -33,9 +33,10 @@ def deepspeed_config(run: RunConfig, layout: Layout, on_cpu: bool) -> dict:
     # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
     # killed W&B's helper during a preemption save.
     ds.pop("wandb", None)
-    if run.mt3d.parallel.sequence_parallel and layout.tp > 1:
+    if (run.mt3d.parallel.sequence_parallel and layout.tp > 1) or layout.virtual_stages > 1:
         # DeepSpeed's pipe/grad partitioning assumes activations identical across TP ranks, which
-        # sequence shards are not (DEEPSPEED_NOTES.md).
+        # sequence shards are not (DEEPSPEED_NOTES.md), and one exchange per neighbour at a time,
+        # which the interleaved schedule's batched ring exchange is not.
         pipe = ds.setdefault("pipeline", {})
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
@@ -95,15 +96,21 @@ def build_model(
         checkpoint, tracker=rt.tracker, tp=rt.state.tp, partition=rec.partition_activations
     )
     if uses_pipeline_engine(layout):
-        blocks = run.mt3d.parallel.stage_layers or default_stage_blocks(cfg.layers, layout.pp)
-        model = Mt3dPipeline(
-            specs,
+        v = layout.virtual_stages
+        blocks = list(layout.stage_blocks or default_stage_blocks(cfg.layers, layout.pp * v))
+        kwargs = dict(
             topology=rt.topology,
             loss_fn=loss_fn,
             stage_blocks=blocks,
             recompute_interval=rec.interval,
             ckpt=ckpt,
         )
+        if v > 1:
+            from ..pipeline.module import InterleavedPipeline
+
+            model = InterleavedPipeline(specs, virtual_stages=v, **kwargs)
+        else:
+            model = Mt3dPipeline(specs, **kwargs)
     else:
         model = StackedModel(specs, loss_fn=loss_fn, recompute_interval=rec.interval, ckpt=ckpt).to(rt.device)
     if run.mt3d.train.compile:
@@ -153,12 +160,17 @@ def initialize(run: RunConfig, layout: Layout, rt: Runtime, model: torch.nn.Modu
     import deepspeed
 
     ds = deepspeed_config(run, layout, on_cpu=rt.device.type == "cpu")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model),
-        config=ds,
-        mpu=None if uses_pipeline_engine(layout) else rt.state,
-    )
+    if layout.virtual_stages > 1:
+        from ..pipeline.engine import initialize as initialize_interleaved
+
+        engine = initialize_interleaved(model, param_groups(model), ds)
+    else:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model),
+            config=ds,
+            mpu=None if uses_pipeline_engine(layout) else rt.state,
+        )
     precision16 = (ds.get("bf16") or {}).get("enabled") or (ds.get("fp16") or {}).get("enabled")
     if layout.zero_stage == 0 and not precision16:
         guard_fp32_without_zero(engine)

@@ -38,7 +38,7 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
     def meta() -> dict:
         return {
             "mt3d_version": __version__,
-            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": layout.zero_stage},
+            "layout": layout.saved(),
             "stage_layers": run.mt3d.parallel.stage_layers,
             "model": cfg.to_dict(),
             "vocab_size": vocab,

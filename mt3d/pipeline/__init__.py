@@ -1,0 +1,1 @@
+"""Interleaved pipeline schedules (virtual stages) on DeepSpeed's pipeline engine."""

@@ -1,0 +1,197 @@
+"""DeepSpeed's pipeline engine running the interleaved schedule (``schedule.py``) on an
+``InterleavedPipeline``.
+
+Everything but the schedule is DeepSpeed's: the optimizer (ZeRO-1, bf16/fp16 and its loss
+scaler), gradient reduction over data parallelism, tied-weight reduction, clipping and the
+checkpoint machinery. What changes:
+
+* the "first" and "last" stage are virtual stages: rank 0 chunk 0 loads the inputs, rank p-1
+  chunk v-1 the labels and computes the loss. DeepSpeed asks ``is_first_stage``/``is_last_stage``
+  both to decide who loads data (the rank's position) and how to run a pass (the chunk's), so
+  outside a pass they answer for the rank and inside one for the active chunk. Backward runs
+  inside its chunk too: DeepSpeed scales received gradients by 1/accumulation only on the last
+  stage, and decides it at backward time;
+* point-to-point goes round a ring (rank p-1 feeds rank 0 the next chunk's input), queued by the
+  send/receive instructions and posted together by ``CommitP2P`` (``batch_isend_irecv``); each
+  receive gets its own tensor, and losses and received gradients are kept per (chunk,
+  micro-batch) buffer since several are in flight;
+* DeepSpeed's pipe/grad partitioning is off (it assumes one neighbour per direction per step).
+
+``initialize`` builds this engine where ``deepspeed.initialize`` would build its own (it picks the
+engine class by module type and has no hook for another).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from .module import InterleavedPipeline
+from .schedule import deepspeed_schedule
+
+_RANK_VIEW = object()  # no chunk active: stage questions are about the rank
+
+
+class InterleavedPipelineEngine(PipelineEngine):
+    """PipelineEngine with virtual stages (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._chunk = _RANK_VIEW
+        super().__init__(*args, **kwargs)
+        assert isinstance(self.module, InterleavedPipeline), "the model must be an InterleavedPipeline"
+        assert not (self.is_pipe_partitioned or self.is_grad_partitioned), (
+            "pipe/grad partitioning must be off"
+        )
+        self.virtual_stages = self.module.virtual_stages
+        self._queued: list = []
+        self._sent_meta = False
+        self._recv_spec = None
+        self.pipe_buffers["grads"] = []
+        self.pipe_buffers["losses"] = []
+
+    # --- which stage am I -------------------------------------------------------------------------
+    def is_first_stage(self):
+        """Rank 0 outside a pass; rank 0's chunk 0 inside one."""
+        first = self.stage_id == 0
+        return first if self._chunk is _RANK_VIEW else first and self._chunk == 0
+
+    def is_last_stage(self):
+        """Rank p-1 outside a pass; rank p-1's last chunk inside one."""
+        last = self.stage_id == self.num_stages - 1
+        return last if self._chunk is _RANK_VIEW else last and self._chunk == self.virtual_stages - 1
+
+    @contextmanager
+    def _in_chunk(self, chunk: int):
+        self._chunk = chunk
+        self.module.activate_chunk(chunk)
+        try:
+            yield
+        finally:
+            self._chunk = _RANK_VIEW
+
+    def _train_schedule(self):
+        return deepspeed_schedule(self.num_stages, self.virtual_stages, self.micro_batches, self.stage_id)
+
+    def _inference_schedule(self, micro_batches):
+        return deepspeed_schedule(
+            self.num_stages, self.virtual_stages, micro_batches, self.stage_id, train=False
+        )
+
+    def reset_activation_shape(self):
+        """Forget the exchanged activation shape (a new sequence length)."""
+        super().reset_activation_shape()
+        self._sent_meta, self._recv_spec = False, None
+
+    # --- compute ------------------------------------------------------------------------------------
+    def _exec_load_micro_batch(self, buffer_id, chunk):
+        with self._in_chunk(chunk):
+            super()._exec_load_micro_batch(buffer_id)
+
+    def _exec_forward_pass(self, buffer_id, chunk):
+        with self._in_chunk(chunk):
+            super()._exec_forward_pass(buffer_id)
+            loss_chunk = self.is_last_stage()
+        if loss_chunk and torch.is_grad_enabled():
+            self.pipe_buffers["losses"][buffer_id] = self.loss
+        if not torch.is_grad_enabled():  # no backward frees them
+            self.pipe_buffers["inputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+            if loss_chunk:
+                self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_backward_pass(self, buffer_id, chunk):
+        with self._in_chunk(chunk):
+            if self.is_last_stage():
+                self.loss = self.pipe_buffers["losses"][buffer_id]
+                self.pipe_buffers["losses"][buffer_id] = None
+            else:
+                self.grad_layer = self.pipe_buffers["grads"][buffer_id]
+                self.pipe_buffers["grads"][buffer_id] = None
+            super()._exec_backward_pass(buffer_id)
+            first = self.is_first_stage()
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["labels"][buffer_id] = None
+        if first:  # nobody sends its input's gradient: free the input here
+            self.pipe_buffers["inputs"][buffer_id] = None
+
+    # --- point to point, round the ring --------------------------------------------------------
+    def _peer(self, step: int) -> int:
+        """Global rank of the stage ``step`` (+1 downstream, -1 upstream) away, wrapping round."""
+        return self.grid.stage_to_global((self.stage_id + step) % self.num_stages)
+
+    def _queue(self, op, tensor, step: int) -> None:
+        self._queued.append(dist.P2POp(op, tensor, self._peer(step)))
+
+    def _exec_commit_p2p(self):
+        if self._queued:
+            for request in dist.batch_isend_irecv(self._queued):
+                request.wait()
+            self._queued = []
+
+    def _exec_send_activations(self, buffer_id, chunk):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        assert torch.is_tensor(outputs), "interleaved stages pass one activation tensor"
+        if not self._sent_meta:  # the first message to the downstream rank: shape and dtype
+            self._sent_meta = True
+            self._send_tensor_meta(outputs, (self.stage_id + 1) % self.num_stages)
+        self._queue(dist.isend, outputs, +1)
+        if not torch.is_grad_enabled():
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_recv_activations(self, buffer_id, chunk):
+        if self._recv_spec is None:
+            meta = self._recv_tensor_meta((self.stage_id - 1) % self.num_stages)
+            self._recv_spec = (meta.shape, meta.dtype)
+        shape, dtype = self._recv_spec
+        received = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
+        self._queue(dist.irecv, received, -1)
+        self.pipe_buffers["inputs"][buffer_id] = received
+
+    def _exec_send_grads(self, buffer_id, chunk):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        assert inputs.grad is not None, f"no input gradient for chunk {chunk} buffer {buffer_id}"
+        self._queue(dist.isend, inputs.grad, -1)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id, chunk):
+        grad = torch.empty_like(self.pipe_buffers["outputs"][buffer_id])
+        self._queue(dist.irecv, grad, +1)
+        self.pipe_buffers["grads"][buffer_id] = grad
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
+        ds_schedule.ForwardPass: _exec_forward_pass,
+        ds_schedule.BackwardPass: _exec_backward_pass,
+        ds_schedule.SendActivation: _exec_send_activations,
+        ds_schedule.RecvActivation: _exec_recv_activations,
+        ds_schedule.SendGrad: _exec_send_grads,
+        ds_schedule.RecvGrad: _exec_recv_grads,
+        ds_schedule.CommitP2P: _exec_commit_p2p,
+    }
+
+
+def initialize(model: InterleavedPipeline, model_parameters, config: dict) -> InterleavedPipelineEngine:
+    """``deepspeed.initialize`` building this engine instead of ``PipelineEngine``.
+
+    DeepSpeed 0.19.8 picks the pipeline engine class by name inside ``deepspeed.initialize``
+    (``DualPipeVEngine`` for its own module type, else the module-level ``PipelineEngine``) and
+    offers no way to pass another; the name is swapped for the call. tests/test_interleaved.py
+    checks that the engine built is this one, so a DeepSpeed that stops honouring the swap fails
+    loudly instead of silently running the plain schedule.
+    """
+    import deepspeed
+
+    saved = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = InterleavedPipelineEngine
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=config)
+    finally:
+        deepspeed.PipelineEngine = saved
+    if not isinstance(engine, InterleavedPipelineEngine):
+        raise RuntimeError("deepspeed.initialize did not build the interleaved engine (DeepSpeed changed)")
+    return engine

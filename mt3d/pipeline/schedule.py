@@ -1,0 +1,242 @@
+"""The interleaved 1F1B schedule (Narayanan et al. 2021, PTD-P) as steps of DeepSpeed instructions.
+
+Each of the p pipeline ranks holds v chunks of layers; virtual stage j = c * p + r is chunk c of
+rank r, so a micro-batch goes through ranks 0 .. p-1 once per chunk and wraps from rank p-1 back
+to rank 0 between chunks. The order of work on rank r is PTD-P's (Megatron-LM's
+``forward_backward_pipelining_with_interleaving``): m micro-batches in groups of p; the k-th
+forward runs chunk (k mod pv) // p of micro-batch (k // pv) * p + k mod p, the k-th backward the
+same micro-batch on chunk v - 1 - (k mod pv) // p; warm-up runs (p - r - 1) * 2 + (v - 1) * p
+forwards (all of them when m = p) before forwards and backwards alternate, then a cool-down
+drains the backwards. The bubble falls from (p - 1) / m to (p - 1) / (v m) of the ideal time.
+
+Communication: every step ends with one ``CommitP2P`` that posts all of the step's sends and
+receives together (``batch_isend_irecv``): with the wrap-around the pipeline is a ring, where
+blocking sends in any fixed order can deadlock. Inside a commit activations are ordered before
+gradients on both sides, so the k-th message on each (sender, receiver) pair is the k-th one the
+receiver expects even with p = 2, where a rank's upstream and downstream peer are the same rank
+(Megatron refuses p = 2 because its order would swap them). ``simulate`` checks a schedule
+without processes: FIFO channels per pair, rendezvous commits, every input ready in time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+# op kinds of a step, in the order they are issued inside it
+LOAD, FWD, BWD, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD, COMMIT = (
+    "load", "fwd", "bwd", "send_act", "send_grad", "recv_act", "recv_grad", "commit",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Op:
+    """One instruction of rank r: ``kind`` on chunk ``chunk`` of micro-batch ``mb``."""
+
+    kind: str
+    chunk: int = -1
+    mb: int = -1
+
+
+def forward_item(k: int, p: int, v: int) -> tuple[int, int]:
+    """(chunk, micro-batch) of the k-th forward of a rank."""
+    group, within = divmod(k, p * v)
+    return within // p, group * p + within % p
+
+
+def backward_item(k: int, p: int, v: int) -> tuple[int, int]:
+    """(chunk, micro-batch) of the k-th backward of a rank (chunks in reverse)."""
+    chunk, mb = forward_item(k, p, v)
+    return v - 1 - chunk, mb
+
+
+def warmup(p: int, v: int, m: int, rank: int) -> int:
+    """Forwards a rank runs before its first backward."""
+    total = m * v
+    if m == p:  # PTD-P's special case: all forwards first
+        return total
+    return min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
+def check(p: int, v: int, m: int) -> None:
+    """Raise ValueError when the interleaved schedule cannot run these sizes."""
+    if p < 2 or v < 1:
+        raise ValueError(
+            f"the interleaved schedule needs pipeline >= 2 and virtual_stages >= 1, got {p}, {v}"
+        )
+    if m % p:
+        raise ValueError(f"micro-batches per step ({m}) must be a multiple of the pipeline stages ({p})")
+
+
+def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True) -> list[list[Op]]:
+    """The steps of ``rank``: each a list of ops, the last op of each a COMMIT of its p2p ops.
+
+    Activations arrive from the previous virtual stage (rank - 1, or rank p - 1 one chunk earlier
+    for rank 0) and gradients from the next one; rank 0 chunk 0 loads the inputs and rank p - 1
+    chunk v - 1 loads the labels and computes the loss.
+    """
+    check(p, v, m)
+    total = m * v
+    first = lambda c: rank == 0 and c == 0  # noqa: E731 - first virtual stage: loads inputs
+    last = lambda c: rank == p - 1 and c == v - 1  # noqa: E731 - last virtual stage: the loss
+    w = warmup(p, v, m, rank) if train else total
+    steps: list[list[Op]] = []
+
+    def forward(k: int) -> list[Op]:
+        c, mb = forward_item(k, p, v)
+        ops = [Op(LOAD, c, mb)] if first(c) or last(c) else []
+        return ops + [Op(FWD, c, mb)]
+
+    def recv_act(k: int) -> list[Op]:
+        if k >= total:
+            return []
+        c, mb = forward_item(k, p, v)
+        return [] if first(c) else [Op(RECV_ACT, c, mb)]
+
+    def send_act(k: int) -> list[Op]:
+        c, mb = forward_item(k, p, v)
+        return [] if last(c) else [Op(SEND_ACT, c, mb)]
+
+    def recv_grad(k: int) -> list[Op]:
+        if k >= total or not train:
+            return []
+        c, mb = backward_item(k, p, v)
+        return [] if last(c) else [Op(RECV_GRAD, c, mb)]
+
+    def send_grad(k: int) -> list[Op]:
+        c, mb = backward_item(k, p, v)
+        return [] if first(c) else [Op(SEND_GRAD, c, mb)]
+
+    def step(compute: list[Op], sends: list[Op], recvs: list[Op]) -> None:
+        acts = [o for o in sends + recvs if o.kind in (SEND_ACT, RECV_ACT)]
+        grads = [o for o in sends + recvs if o.kind in (SEND_GRAD, RECV_GRAD)]
+        steps.append(compute + acts + grads + [Op(COMMIT)])
+
+    step([], [], recv_act(0))
+    for k in range(w):
+        recvs = recv_act(k + 1) + (recv_grad(0) if k == w - 1 else [])
+        step(forward(k), send_act(k), recvs)
+    for k in range(total - w):
+        fk = k + w
+        step(forward(fk) + [Op(BWD, *backward_item(k, p, v))], send_act(fk) + send_grad(k),
+             recv_act(fk + 1) + recv_grad(k + 1))  # fmt: skip
+    if train:
+        for k in range(max(total - w, 0), total):
+            step([Op(BWD, *backward_item(k, p, v))], send_grad(k), recv_grad(k + 1))
+    return [s for s in steps if len(s) > 1]  # drop steps with nothing but a commit
+
+
+def simulate(p: int, v: int, m: int, train: bool = True) -> dict:
+    """Run every rank's steps without processes and check them; returns counts (for tests).
+
+    Semantics of ``batch_isend_irecv`` under rendezvous (no buffering): a rank posts all the sends
+    and receives of its step at once; on each (sender, receiver) pair posted sends and posted
+    receives match in posting order, whatever their kind (NCCL has no tags); the step completes
+    when all its messages matched, and only then does the rank post its next step. Raises
+    AssertionError on a deadlock, on a message that is not the one the receiver expects, and on a
+    forward or backward whose input has not arrived.
+    """
+    programs = [rank_steps(p, v, m, r, train) for r in range(p)]
+    pos = [0] * p
+    pending = [0] * p  # unmatched messages of each rank's posted step (-1: not posted yet)
+    sends: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    have: list[set] = [set() for _ in range(p)]
+    counts: dict[str, int] = defaultdict(int)
+
+    def route(r: int, o: Op) -> tuple[int, int, tuple]:
+        """(sender, receiver, message as the receiver names it) of a send or receive op."""
+        kind = "act" if o.kind in (SEND_ACT, RECV_ACT) else "grad"
+        if o.kind == SEND_ACT:  # to the next virtual stage
+            return r, (r + 1) % p, (kind, o.chunk + (r == p - 1), o.mb)
+        if o.kind == SEND_GRAD:  # to the previous virtual stage
+            return r, (r - 1) % p, (kind, o.chunk - (r == 0), o.mb)
+        src = (r - 1) % p if o.kind == RECV_ACT else (r + 1) % p
+        return src, r, (kind, o.chunk, o.mb)
+
+    def post(r: int) -> None:
+        ops = programs[r][pos[r]]
+        for o in ops:  # compute uses what earlier steps received
+            if o.kind == LOAD:
+                have[r].add(("act", o.chunk, o.mb))
+            elif o.kind == FWD:
+                assert ("act", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its input"
+                have[r].add(("out", o.chunk, o.mb))
+                counts["fwd"] += 1
+            elif o.kind == BWD:
+                assert ("out", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its forward"
+                if not (r == p - 1 and o.chunk == v - 1):
+                    assert ("grad", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its gradient"
+                counts["bwd"] += 1
+        p2p = [o for o in ops if o.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)]
+        pending[r] = len(p2p)
+        for o in p2p:
+            src, dst, msg = route(r, o)
+            (sends if o.kind in (SEND_ACT, SEND_GRAD) else recvs)[(src, dst)].append((msg, r))
+
+    def match() -> bool:
+        moved = False
+        for pair in list(sends):
+            while sends[pair] and recvs[pair]:
+                (sent, s_rank), (want, r_rank) = sends[pair].pop(0), recvs[pair].pop(0)
+                assert sent == want, f"rank {r_rank} expected {want} from {pair[0]}, got {sent}"
+                have[r_rank].add(want)
+                pending[s_rank] -= 1
+                pending[r_rank] -= 1
+                counts["messages"] += 1
+                moved = True
+        return moved
+
+    for r in range(p):
+        if programs[r]:
+            post(r)
+    while True:
+        moved = match()
+        for r in range(p):
+            if pos[r] < len(programs[r]) and pending[r] == 0:
+                pos[r] += 1
+                moved = True
+                if pos[r] < len(programs[r]):
+                    post(r)
+        if not moved:
+            break
+    stuck = [r for r in range(p) if pos[r] < len(programs[r])]
+    assert not stuck, f"deadlock: ranks {stuck} wait at steps {[pos[r] for r in stuck]}"
+    assert not any(sends.values()) and not any(recvs.values()), "unmatched messages"
+    return dict(counts)
+
+
+def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True):
+    """The DeepSpeed ``PipeSchedule`` running ``rank_steps`` (instructions carry ``chunk=``)."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    kinds = {
+        LOAD: ds.LoadMicroBatch,
+        FWD: ds.ForwardPass,
+        BWD: ds.BackwardPass,
+        SEND_ACT: ds.SendActivation,
+        SEND_GRAD: ds.SendGrad,
+        RECV_ACT: ds.RecvActivation,
+        RECV_GRAD: ds.RecvGrad,
+    }
+
+    def instruction(o: Op):
+        if o.kind == COMMIT:
+            return ds.CommitP2P()
+        return kinds[o.kind](o.chunk * m + o.mb, chunk=o.chunk)
+
+    class InterleavedSchedule(ds.PipeSchedule):
+        """Interleaved 1F1B on DeepSpeed's instructions; buffer of (chunk, mb) = chunk * m + mb."""
+
+        def steps(self):
+            """One list of instructions per step; the reduction and optimizer step at the end."""
+            for ops in rank_steps(p, v, m, rank, train):
+                yield [instruction(o) for o in ops]
+            if train:
+                yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+
+        def num_pipe_buffers(self):
+            """One slot per (chunk, micro-batch): inputs, outputs and grads live across the step."""
+            return v * m
+
+    return InterleavedSchedule(micro_batches=m, stages=p, stage_id=rank)
