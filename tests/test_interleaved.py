@@ -1,0 +1,123 @@
+"""The interleaved 1F1B schedule (virtual stages): the schedule itself, parity with one process at
+every layout, exact resume and reshard to and from v = 1, and bad input."""
+
+import pytest
+
+from mt3d.config import ConfigError, from_dict, resolve_model, validate
+from mt3d.parallel.spawn import spawn
+from mt3d.pipeline.schedule import backward_item, forward_item, rank_steps, simulate, warmup
+
+from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_worker
+
+# 8 blocks: enough for 4 stages x 2 chunks
+MODELS = {"gpt2": {**TINY_GPT, "layers": 8}, "llama": {**TINY_LLAMA, "layers": 8}}
+RTOL = 1e-5
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_the_schedule_runs_every_pass_once_without_deadlock(p, v):
+    """Rendezvous FIFO channels per pair (NCCL has no tags), p = 2 included (up- and downstream peer
+    are the same rank), training and evaluation, m from p to 4p."""
+    for m in range(p, 4 * p + 1, p):
+        for train in (True, False):
+            counts = simulate(p, v, m, train)
+            assert counts["fwd"] == p * v * m and counts.get("bwd", 0) == (p * v * m if train else 0)
+
+
+def test_ptd_p_order_and_warmup():
+    """Megatron-LM's order for p = 2, v = 2, m = 4: forwards go chunk 0 for micro-batches 0-1, chunk 1
+    for 0-1, then chunk 0 for 2-3...; backwards run the chunks in reverse; rank 0 warms up with
+    (p - r - 1) * 2 + (v - 1) * p = 4 forwards, rank 1 with 2; m = p runs all forwards first."""
+    assert [forward_item(k, 2, 2) for k in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3)]
+    assert [backward_item(k, 2, 2) for k in range(4)] == [(1, 0), (1, 1), (0, 0), (0, 1)]
+    assert [warmup(2, 2, 4, r) for r in (0, 1)] == [4, 2] and warmup(2, 2, 2, 0) == 4
+    first_bwd = next(i for i, s in enumerate(rank_steps(2, 2, 4, 0)) if any(o.kind == "bwd" for o in s))
+    fwds_before = sum(o.kind == "fwd" for s in rank_steps(2, 2, 4, 0)[:first_bwd] for o in s)
+    assert fwds_before == 4
+
+
+def run_layout(tmp_path, model, tp, pp, dp, v, **kw):
+    raw = tiny_config(tmp_path / f"run_{tp}{pp}{dp}{v}{len(kw)}", model=model, tp=tp, pp=pp, **kw)
+    raw["mt3d"]["parallel"]["virtual_stages"] = v
+    return step_records(spawn(train_worker, tp * pp * dp, raw, timeout=300)[0])
+
+
+def assert_same(got, ref, what):
+    assert [r["step"] for r in got] == [r["step"] for r in ref] and len(ref) == 5
+    for a, b in zip(got, ref):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_every_interleaved_layout_matches_one_process(tmp_path, arch):
+    model = MODELS[arch]
+    ref = run_layout(tmp_path, model, 1, 1, 1, 1)
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    for tp, pp, dp, v in ((1, 2, 1, 2), (1, 4, 1, 2), (2, 2, 2, 2), (1, 2, 1, 3)):
+        assert_same(
+            run_layout(tmp_path, model, tp, pp, dp, v), ref, f"{arch} (tp, pp, dp, v)={(tp, pp, dp, v)}"
+        )
+    if arch == "gpt2":  # sequence parallelism and recompute through the interleaved chunks
+        raw = tiny_config(tmp_path / "sp", model=model, tp=2, pp=2, recompute={"interval": 1})
+        raw["mt3d"]["parallel"].update(virtual_stages=2, sequence_parallel=True)
+        assert_same(
+            step_records(spawn(train_worker, 4, raw, timeout=300)[0]), ref, "(2, 2, 1, 2) SP + recompute"
+        )
+
+
+def test_interleaved_checkpoints_resume_exactly_and_reshard(tmp_path):
+    model = MODELS["gpt2"]
+
+    def config(d, steps, pp, v, **kw):
+        raw = tiny_config(tmp_path / d, model=model, pp=pp, steps=steps, **kw)
+        raw["mt3d"]["parallel"]["virtual_stages"] = v
+        return raw
+
+    def losses(records):
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(records)]
+
+    straight = losses(spawn(train_worker, 2, config("a", 6, 2, 2))[0])
+    spawn(train_worker, 2, config("b", 3, 2, 2, save_at_end=True))
+    step3 = tmp_path / "b" / "checkpoints" / "step_00000003"
+    resumed = losses(spawn(train_worker, 2, config("b", 6, 2, 2, resume="auto"))[0])[3:]
+    assert resumed == straight[3:]  # bit for bit
+    for pp, v in ((1, 1), (4, 1)):
+        got = losses(spawn(train_worker, pp, config(f"to{pp}{v}", 6, pp, v, resume=str(step3)))[0])
+        assert [s for s, _, _ in got] == [4, 5, 6]
+        for (_, a, ga), (_, b, gb) in zip(got, straight[3:]):
+            assert abs(a - b) <= RTOL * abs(b) and abs(ga - gb) <= RTOL * abs(gb), (pp, v, got, straight)
+
+
+@pytest.mark.parametrize(
+    "parallel, train_batch, message",
+    [
+        ({"pipeline": 1, "virtual_stages": 2}, 8, "virtual_stages 2 needs pipeline >= 2"),
+        ({"pipeline": 2, "virtual_stages": 0}, 8, "virtual_stages must be >= 1"),
+        (
+            {"pipeline": 4, "virtual_stages": 2},
+            8,
+            "4 layers cannot fill pipeline 4 x virtual_stages 2 = 8 chunks",
+        ),
+        ({"pipeline": 2, "virtual_stages": 2}, 6, "micro-batches per step (3 = gradient_accumulation_steps)"),
+        (
+            {"pipeline": 2, "virtual_stages": 2, "stage_layers": [2, 2]},
+            8,
+            "must list 2 x 2 chunks adding up to 4",
+        ),
+    ],
+)
+def test_bad_virtual_stage_configs_are_refused_before_process_groups(
+    tmp_path, parallel, train_batch, message
+):
+    raw = tiny_config(tmp_path, global_batch=train_batch)
+    raw["mt3d"]["parallel"].update(parallel)
+    run = from_dict(raw)
+    world = parallel["pipeline"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(run, world, resolve_model(run.mt3d.model))
+    raw["zero_optimization"]["stage"] = 2
+    raw["mt3d"]["parallel"] = {"pipeline": 2, "virtual_stages": 2}
+    with pytest.raises(ConfigError, match="ZeRO stage 2 cannot be used with pipeline=2"):
+        validate(from_dict(raw), 2, resolve_model(raw["mt3d"]["model"]))
