@@ -14,6 +14,7 @@ from .inputs import (
     non_negative_int,
     positive_float,
     positive_int,
+    positive_ints,
     read_text,
     world_size,
 )
@@ -565,6 +566,12 @@ def _add_plan(sub) -> None:
         default=0.5,
         help="achieved fraction of peak in compute (default 0.5)",
     )
+    p.add_argument(
+        "--virtual-stages",
+        type=positive_ints,
+        default=(1, 2, 4),
+        help="interleaved-schedule chunks per pipeline rank to try (default 1,2,4)",
+    )
     p.add_argument("--peak-tflops", type=positive_float, help="override the device's dense peak")
     p.add_argument("--memory-gb", type=positive_float, help="override the device's memory")
     p.add_argument("--top", type=positive_int, default=10, help="rows to show")
@@ -619,6 +626,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         vocab=given(args.vocab, cfg.vocab_size or defaults.get("vocab")),
         precision=args.precision,
         efficiency=args.efficiency,
+        virtual_stages=args.virtual_stages,
     )
     if args.write_config:
         write_config(result, args.write_config, section)

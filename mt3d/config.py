@@ -408,6 +408,40 @@ def _deepspeed_preflight(ds: dict, micro: int, accum: int, dp: int) -> None:
         ds_logger.setLevel(level)
 
 
+# --- layout rules shared with the planner (mt3d.planner.search) --------------------------------
+def zero_pipeline_conflict(pp: int, zero_stage: int) -> str | None:
+    """Why a ZeRO stage cannot run with ``pp`` pipeline stages (None: it can)."""
+    if pp > 1 and zero_stage >= 2:
+        return (
+            f"ZeRO stage {zero_stage} cannot be used with pipeline={pp} (DeepSpeed's pipeline engine "
+            "supports stages 0-1); use zero_optimization.stage 1, or pipeline 1 for ZeRO-2/3"
+        )
+    if pp > 1 and zero_stage == 0:
+        return (
+            "ZeRO stage 0 with pipeline > 1 hits DeepSpeed 0.19.8 bugs (wrong clipping norm, bf16 resume "
+            "crash); set zero_optimization.stage to 1"
+        )
+    return None
+
+
+def virtual_stage_conflict(
+    pp: int, v: int, micro_batches: int | None = None, layers: int | None = None
+) -> str | None:
+    """Why ``v`` virtual stages per rank cannot run (None: they can, as far as the inputs given tell)."""
+    if v == 1:
+        return None
+    if pp < 2:
+        return f"mt3d.parallel.virtual_stages {v} needs pipeline >= 2 (it interleaves stages)"
+    if micro_batches is not None and micro_batches % pp:
+        return (
+            f"the interleaved schedule needs micro-batches per step ({micro_batches} = "
+            f"gradient_accumulation_steps) to be a multiple of pipeline {pp}"
+        )
+    if layers is not None and layers < pp * v:
+        return f"{layers} layers cannot fill pipeline {pp} x virtual_stages {v} = {pp * v} chunks"
+    return None
+
+
 def _zero_stage(ds: dict) -> int:
     z = ds.get("zero_optimization", {})
     if not isinstance(z, dict):
@@ -545,18 +579,12 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     v = par.virtual_stages
     if v < 1:
         raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
-    if v > 1 and pp < 2:
-        raise ConfigError(f"mt3d.parallel.virtual_stages {v} needs pipeline >= 2 (it interleaves stages)")
-    if pp > 1 and stage >= 2:
-        raise ConfigError(
-            f"ZeRO stage {stage} cannot be used with pipeline={pp} (DeepSpeed's pipeline engine supports "
-            "stages 0-1); use zero_optimization.stage 1, or pipeline 1 for ZeRO-2/3"
-        )
-    if pp > 1 and stage == 0:
-        raise ConfigError(
-            "ZeRO stage 0 with pipeline > 1 hits DeepSpeed 0.19.8 bugs (wrong clipping norm, bf16 resume "
-            "crash); set zero_optimization.stage to 1"
-        )
+    why = virtual_stage_conflict(pp, v)
+    if why:
+        raise ConfigError(why)
+    why = zero_pipeline_conflict(pp, stage)
+    if why:
+        raise ConfigError(why)
     if par.sequence_parallel and tp > 1 and data.seq_len % tp:
         raise ConfigError(f"sequence parallelism needs seq_len ({data.seq_len}) divisible by tp ({tp})")
     if model is not None:
@@ -613,11 +641,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
         )
     mb, ga, gb = _batches(run.ds, dp)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
-    if v > 1 and ga % pp:
-        raise ConfigError(
-            f"the interleaved schedule needs micro-batches per step ({ga} = gradient_accumulation_steps) to "
-            f"be a multiple of pipeline {pp}; change train_batch_size or train_micro_batch_size_per_gpu"
-        )
+    why = virtual_stage_conflict(pp, v, micro_batches=ga)
+    if why:
+        raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
     _check_paths(train, data)
     _deepspeed_preflight(run.ds, mb, ga, dp)
     blocks = None

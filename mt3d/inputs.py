@@ -52,6 +52,12 @@ def non_negative_int(text: str) -> int:
     return v
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type: a comma-separated list of integers >= 1 ("1,2,4")."""
+    values = tuple(positive_int(x.strip()) for x in text.split(","))
+    return values
+
+
 def world_size(text: str) -> int:
     """argparse type: a rank or GPU count, 1 .. MAX_WORLD."""
     v = positive_int(text)

@@ -42,3 +42,18 @@ def test_comm_benchmark_matches_megatron_theory():
         n for k, n in sp["per_layer"].items() if k.startswith(prefix) and k.endswith("x4096")
     )  # noqa: E731
     assert calls("all_gather") == 4.0 and calls("reduce_scatter") == 4.0
+
+
+def test_bubble_benchmark_runs_both_schedules():
+    """Smoke: a tiny p=2 pipeline under DeepSpeed's 1F1B and the interleaved schedule; the figures are
+    overhead-dominated at this size (the measured ones are in docs/benchmarks)."""
+    rec, text = bench("bubble", "--stages", "2", "--micro-batches", "4", "--virtual", "1,2", "--steps", "2",
+                      "--hidden", "64")  # fmt: skip
+    assert [(r["p"], r["m"], r["v"]) for r in rec["rows"]] == [(2, 4, 1), (2, 4, 2)]
+    for r in rec["rows"]:
+        assert r["theory"] == (r["p"] - 1) / (r["v"] * r["m"] + r["p"] - 1)
+        assert len(r["per_stage"]) == 2 and all(0 <= x < 1 for x in r["per_stage"])
+        assert r["ideal_speedup"] == (r["m"] + r["p"] - 1) / (r["m"] + (r["p"] - 1) / r["v"])
+    one, two = rec["rows"]
+    assert one["speedup"] == 1.0 and two["speedup"] == one["step_s"] / two["step_s"]
+    assert "| 2 | 4 | 2 |" in render([rec])

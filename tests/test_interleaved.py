@@ -25,6 +25,19 @@ def test_the_schedule_runs_every_pass_once_without_deadlock(p, v):
             assert counts["fwd"] == p * v * m and counts.get("bwd", 0) == (p * v * m if train else 0)
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_the_schedule_idles_exactly_ptd_ps_bubble(p):
+    """With chunks of 1/v stage (forward f/v, backward b/v) and free p2p, every rank idles exactly
+    (p - 1) / (v m + p - 1) of the step: interleaving divides the bubble by v, whatever b/f."""
+    for v in (1, 2, 4):
+        for m in (p, 2 * p, 4 * p):
+            for f, b in ((1.0, 2.0), (1.0, 1.0)):
+                sim = simulate(p, v, m, fwd_s=f / v, bwd_s=b / v)
+                theory = (p - 1) / (v * m + p - 1)
+                assert sim["makespan"] == pytest.approx((m + (p - 1) / v) * (f + b))
+                assert sim["idle"] == pytest.approx([theory] * p), (v, m, f, b)
+
+
 def test_ptd_p_order_and_warmup():
     """Megatron-LM's order for p = 2, v = 2, m = 4: forwards go chunk 0 for micro-batches 0-1, chunk 1
     for 0-1, then chunk 0 for 2-3...; backwards run the chunks in reverse; rank 0 warms up with
@@ -83,7 +96,7 @@ def test_interleaved_checkpoints_resume_exactly_and_reshard(tmp_path):
     step3 = tmp_path / "b" / "checkpoints" / "step_00000003"
     resumed = losses(spawn(train_worker, 2, config("b", 6, 2, 2, resume="auto"))[0])[3:]
     assert resumed == straight[3:]  # bit for bit
-    for pp, v in ((1, 1), (4, 1)):
+    for pp, v in ((1, 1), (4, 1), (4, 2)):
         got = losses(spawn(train_worker, pp, config(f"to{pp}{v}", 6, pp, v, resume=str(step3)))[0])
         assert [s for s, _, _ in got] == [4, 5, 6]
         for (_, a, ga), (_, b, gb) in zip(got, straight[3:]):

@@ -1,6 +1,7 @@
 """Planner: closed forms, the MT-NLG plan, impossible requests, the command and its JSON."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -8,9 +9,17 @@ import pytest
 
 from mt3d.config import ConfigError, fp16_supported, load, resolve_model, validate
 from mt3d.errors import UserError
-from mt3d.planner.costs import Layout, Precision, korthikanti_layer_bytes, memory_bytes, model_state_bytes
+from mt3d.planner.costs import (
+    Layout,
+    Precision,
+    in_flight_blocks,
+    korthikanti_layer_bytes,
+    memory_bytes,
+    model_state_bytes,
+    step_time,
+)
 from mt3d.planner.hardware import get_device
-from mt3d.planner.search import Cluster, plan, write_config
+from mt3d.planner.search import Cluster, format_plan, interleaving_note, plan, write_config
 from mt3d.presets import get_preset
 
 
@@ -44,6 +53,66 @@ def test_first_stage_holds_p_micro_batches_in_flight():
     per_layer = korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, False)
     assert eight["activations"] == pytest.approx(12 * per_layer * 8)  # 96/8 layers x 8 in flight
     assert one["activations"] > 96 * per_layer  # one micro-batch of all 96 layers, plus the logits
+
+
+def _peak_in_flight(steps, forward, backward) -> int:
+    live = peak = 0
+    for step in steps:
+        for op in step:
+            live += isinstance(op, forward) - isinstance(op, backward)
+            peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_in_flight_blocks_match_the_schedules_that_run(p):
+    """The planner's activation count is the first stage's peak of live forwards in the schedules the
+    engines execute: DeepSpeed's TrainSchedule for v = 1, ours (PTD-P) for v > 1."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from mt3d.pipeline.schedule import deepspeed_schedule
+
+    for m in (p, 2 * p, 3 * p):
+        steps = ds.TrainSchedule(micro_batches=m, stages=p, stage_id=0).steps()
+        assert in_flight_blocks(1, p, m, 1) == _peak_in_flight(steps, ds.ForwardPass, ds.BackwardPass)
+        for v in (2, 4):
+            steps = deepspeed_schedule(p, v, m, 0).steps()
+            peak = _peak_in_flight(steps, ds.ForwardPass, ds.BackwardPass)  # in chunks of 1/v stage
+            assert in_flight_blocks(v, p, m, v) == peak
+    # interleaving holds a little more than 1F1B: p + (p - 2)/v stages' worth once m > p
+    assert in_flight_blocks(4, 8, 32, 4) / 4 == pytest.approx(8 + 6 / 4 + 1 / 4)
+
+
+def test_interleaving_divides_the_bubble_and_the_plan_says_so():
+    cfg, vocab, seq = get_preset("gpt3-175b"), 50257, 2048
+    bw = {"tp": 300.0, "pp": 25.0, "dp": 25.0}
+    times = {
+        v: step_time(
+            cfg,
+            vocab,
+            seq,
+            64,
+            Layout(8, 8, 1, 1, 64, 1, False, True, v),
+            peak_tflops=312,
+            efficiency=0.5,
+            bw=bw,
+        )  # fmt: skip
+        for v in (1, 2, 4)
+    }
+    assert times[2]["bubble_s"] == pytest.approx(times[1]["bubble_s"] / 2)
+    assert times[4]["bubble_s"] == pytest.approx(times[1]["bubble_s"] / 4)
+    assert times[4]["pp_comm_s"] == pytest.approx(4 * times[1]["pp_comm_s"])
+    result = plan(cfg, Cluster(64, 8, get_device("a100-80gb")), global_batch=64, seq_len=seq)
+    vs = {r["virtual_stages"] for r in result["feasible"] if r["pp"] > 1}
+    assert vs == {1, 2, 4}
+    assert all(r["virtual_stages"] == 1 for r in result["feasible"] if r["pp"] == 1)
+    # 96 layers cannot give each of 64 stages x 2 chunks a layer
+    assert any(r["pp"] == 64 and r.get("virtual_stages") == 2 for r in result["rejected"])
+    note = interleaving_note(result["feasible"])
+    # 64 micro-batches over 8 stages: 1F1B idles 7/64 of the time, v = 2 half that for 2x the p2p traffic
+    assert result["feasible"][0]["virtual_stages"] > 1
+    assert re.match(r"virtual stages: v = \d wins by \d+\.\d% over 1F1B", note)
+    assert note in format_plan(result)
 
 
 def test_mtnlg_530b_plan():
@@ -100,10 +169,18 @@ def test_plan_command_json_and_written_config(tmp_path):
     layout = validate(run, 16, resolve_model(run.mt3d.model))
     best = res["feasible"][0]
     assert (layout.tp, layout.pp, layout.micro_batch) == (best["tp"], best["pp"], best["micro_batch"])
+    assert layout.virtual_stages == best["virtual_stages"]
+    only = run_plan(*args, "--global-batch", "64", "--seq-len", "1024", "--json", "--virtual-stages", "1")
+    assert {r["virtual_stages"] for r in json.loads(only.stdout)["feasible"]} == {1}
     assert run.ds["bf16"]["enabled"] and not run.ds["fp16"]["enabled"]
     bad = run_plan("--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8")
     assert bad.returncode == 1 and "no feasible layout" in bad.stderr
-    for flag, value in (("--global-batch", "-1"), ("--efficiency", "2"), ("--memory-gb", "0")):
+    for flag, value in (
+        ("--global-batch", "-1"),
+        ("--efficiency", "2"),
+        ("--memory-gb", "0"),
+        ("--virtual-stages", "1,0"),
+    ):
         odd = run_plan("--model", "gpt2-small", "--gpus", "8", flag, value)
         assert odd.returncode == 2 and flag in odd.stderr, (flag, odd.stderr)
     worse = run_plan("--model", "gpt2-smol", "--gpus", "8")

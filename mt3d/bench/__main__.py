@@ -13,7 +13,7 @@ import sys
 
 BENCHES = {
     "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
-    "bubble": "measured pipeline idle fraction per stage vs (p-1)/(m+p-1)",
+    "bubble": "measured pipeline idle fraction per stage vs (p-1)/(v m+p-1), 1F1B and interleaved",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
     "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP)",
     "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute; CPU)",
@@ -27,6 +27,8 @@ BENCHES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of every benchmark."""
+    from ..inputs import positive_ints
+
     p = argparse.ArgumentParser(prog="python -m mt3d.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="name", metavar="<benchmark>")
     o = sub.add_parser("overhead", help=BENCHES["overhead"])
@@ -39,11 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--micro", type=int, default=4)
     o.add_argument("--global-batch", type=int, default=16)
     b = sub.add_parser("bubble", help=BENCHES["bubble"])
-    b.add_argument("--stages", default="2,4")
-    b.add_argument("--micro-batches", default="4,8")
+    b.add_argument("--stages", type=positive_ints, default=(2, 4))
+    b.add_argument("--micro-batches", type=positive_ints, default=(4, 8))
     b.add_argument("--steps", type=int, default=5)
-    b.add_argument("--hidden", type=int, default=256)
+    b.add_argument("--hidden", type=int, default=1024)
     b.add_argument("--layers-per-stage", type=int, default=2)
+    b.add_argument(
+        "--virtual",
+        type=positive_ints,
+        default=(1, 2),
+        help="virtual stages per rank to compare (1: DeepSpeed's 1F1B)",
+    )
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
     pr.add_argument("--mb", type=float, default=50.0, help="size of the generated jsonl input")
     c = sub.add_parser("comm", help=BENCHES["comm"])

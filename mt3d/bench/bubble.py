@@ -1,4 +1,8 @@
-"""``bubble``: measured pipeline idle fraction per stage against (p-1)/(m+p-1).
+"""``bubble``: measured pipeline idle fraction per stage against (p-1)/(v m + p - 1).
+
+v = 1 is DeepSpeed's 1F1B schedule, v > 1 mt3d's interleaved one (v chunks per stage, the same
+model cut into p v chunks): its bubble is (p-1)/(v m) of the ideal time, i.e. (p-1)/(v m + p - 1)
+of the total for uniform chunks.
 
 DeepSpeed's pipeline engine runs each step as a list of instructions; the benchmark times every
 instruction on every stage (by wrapping the engine's instruction table on the instance). Per stage,
@@ -40,7 +44,9 @@ def _instrument(engine):
     return totals
 
 
-def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_stage: int) -> dict:
+def worker(
+    stages: int, micro_batches: int, steps: int, hidden: int, layers_per_stage: int, v: int = 1
+) -> dict:
     """One rank: train ``steps`` steps and report this stage's busy/window times."""
     import torch.distributed as dist
 
@@ -50,9 +56,10 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
     raw = bench_run_config(
         model=model, pp=stages, global_batch=micro_batches, micro=1, seq_len=128, vocab=512
     )
+    raw["mt3d"]["parallel"]["virtual_stages"] = v
     _, layout, rt, engine, data, _ = build_engine(raw)
     totals = _instrument(engine)
-    idle, busy_s = [], []
+    idle, busy_s, window_s = [], [], []
     for step in range(steps + 1):
         totals.clear()
         t0 = time.perf_counter()
@@ -72,10 +79,12 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
         if step:  # the first step includes one-time shape exchanges
             idle.append(1 - busy / window)
             busy_s.append(busy)
+            window_s.append(window)
     return {
         "stage": rt.state.pp.rank,
         "idle": statistics.median(idle),
         "busy_s": statistics.median(busy_s),
+        "window_s": statistics.median(window_s),
         "rank": dist.get_rank(),
     }
 
@@ -85,32 +94,64 @@ def run(args) -> dict:
     from ..parallel.spawn import spawn
 
     rows, out = [], []
-    for p in (int(x) for x in args.stages.split(",")):
-        for m in (int(x) for x in args.micro_batches.split(",")):
-            res = spawn(worker, p, p, m, args.steps, args.hidden, args.layers_per_stage, timeout=1800)
-            ordered = sorted(res, key=lambda r: r["stage"])
-            per_stage = [r["idle"] for r in ordered]
-            theory = (p - 1) / (m + p - 1)
-            mean = sum(per_stage) / len(per_stage)
-            # The busiest stage sets the pace; the formula assumes all stages are that busy.
-            critical = max(ordered, key=lambda r: r["busy_s"])["idle"]
-            row = {
-                "p": p,
-                "m": m,
-                "theory": theory,
-                "measured_mean": mean,
-                "ratio": mean / theory,
-                "busiest_stage": critical,
-                "busiest/theory": critical / theory,
-                "per_stage": " ".join(f"{x:.3f}" for x in per_stage),
-            }
-            rows.append(row)
-            out.append({**row, "per_stage": per_stage})
-    print("pipeline bubble: idle fraction of the fwd/bwd window per stage vs (p-1)/(m+p-1)")
+    for p in args.stages:
+        for m in args.micro_batches:
+            for v in args.virtual:
+                if v > 1 and (m % p or args.layers_per_stage % v):
+                    continue  # the interleaved schedule needs m = k p and whole blocks per chunk
+                res = spawn(worker, p, p, m, args.steps, args.hidden, args.layers_per_stage, v, timeout=1800)
+                ordered = sorted(res, key=lambda r: r["stage"])
+                per_stage = [r["idle"] for r in ordered]
+                theory = (p - 1) / (v * m + p - 1)
+                mean = sum(per_stage) / len(per_stage)
+                # The busiest stage sets the pace; the formula assumes all stages are that busy.
+                critical = max(ordered, key=lambda r: r["busy_s"])["idle"]
+                # The step (fwd/bwd window, slowest stage) against the same (p, m) at v = 1, beside the
+                # ideal (m + p - 1) / (m + (p - 1) / v): this one includes v times the p2p messages.
+                window = max(r["window_s"] for r in ordered)
+                busy = sum(r["busy_s"] for r in ordered)
+                here = {"step_s": window, "busy_s": busy}
+                base = (
+                    here if v == 1 else next((x for x in out if (x["p"], x["m"], x["v"]) == (p, m, 1)), None)
+                )
+                row = {
+                    "p": p,
+                    "m": m,
+                    "v": v,
+                    "theory": theory,
+                    "measured_mean": mean,
+                    "ratio": mean / theory,
+                    "busiest_stage": critical,
+                    "busiest/theory": critical / theory,
+                    "step_s": window,
+                    "busy_s": busy,
+                    "speedup": base["step_s"] / window if base else None,
+                    "ideal_speedup": (m + p - 1) / (m + (p - 1) / v),
+                    # compute summed over stages, against v = 1: what cutting stages into chunks costs
+                    "busy_vs_v1": busy / base["busy_s"] if base else None,
+                    "per_stage": " ".join(f"{x:.3f}" for x in per_stage),
+                }
+                rows.append(row)
+                out.append({**row, "per_stage": per_stage})
+    print("pipeline bubble: idle fraction of the fwd/bwd window per stage vs (p-1)/(v m + p - 1)")
     print(
         table(
             rows,
-            ["p", "m", "theory", "measured_mean", "ratio", "busiest_stage", "busiest/theory", "per_stage"],
+            [
+                "p",
+                "m",
+                "v",
+                "theory",
+                "measured_mean",
+                "ratio",
+                "busiest_stage",
+                "busiest/theory",
+                "step_s",
+                "speedup",
+                "ideal_speedup",
+                "busy_vs_v1",
+                "per_stage",
+            ],
         )
     )
     return emit("bubble", {"rows": out, "steps": args.steps, "hidden": args.hidden})
@@ -124,11 +165,15 @@ def markdown(r: dict) -> tuple[list[str], list[list]]:
         [
             x["p"],
             x["m"],
+            x.get("v", 1),
             _f(x["theory"]),
             _f(x["measured_mean"]),
             _f(x["busiest_stage"]),
             _f(x["ratio"]),
+            _f(x["speedup"]) if x.get("speedup") else "",
+            _f(x["ideal_speedup"]) if "ideal_speedup" in x else "",
         ]
         for x in r["rows"]
     ]
-    return ["p", "m", "(p-1)/(m+p-1)", "measured mean idle", "busiest stage idle", "mean/theory"], rows
+    heads = ["p", "m", "v", "(p-1)/(vm+p-1)", "measured mean idle", "busiest stage idle", "mean/theory"]
+    return heads + ["step speedup vs v=1", "ideal (m+p-1)/(m+(p-1)/v)"], rows

@@ -126,8 +126,12 @@ def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True) -> list[li
     return [s for s in steps if len(s) > 1]  # drop steps with nothing but a commit
 
 
-def simulate(p: int, v: int, m: int, train: bool = True) -> dict:
+def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd_s: float = 0.0) -> dict:
     """Run every rank's steps without processes and check them; returns counts (for tests).
+
+    With ``fwd_s``/``bwd_s`` (seconds of one chunk's forward/backward, p2p free) it also keeps each
+    rank's clock and returns ``makespan`` and per-rank ``idle`` fractions: the schedule's own
+    bubble, free of any machine's noise (PTD-P: (p - 1) / (v m + p - 1) when bwd_s = 2 fwd_s).
 
     Semantics of ``batch_isend_irecv`` under rendezvous (no buffering): a rank posts all the sends
     and receives of its step at once; on each (sender, receiver) pair posted sends and posted
@@ -143,6 +147,9 @@ def simulate(p: int, v: int, m: int, train: bool = True) -> dict:
     recvs: dict[tuple[int, int], list] = defaultdict(list)
     have: list[set] = [set() for _ in range(p)]
     counts: dict[str, int] = defaultdict(int)
+    clock = [0.0] * p  # when each rank's current step's p2p was posted (after its compute)
+    done = [0.0] * p  # when the last message of that step completed
+    busy = [0.0] * p
 
     def route(r: int, o: Op) -> tuple[int, int, tuple]:
         """(sender, receiver, message as the receiver names it) of a send or receive op."""
@@ -168,19 +175,24 @@ def simulate(p: int, v: int, m: int, train: bool = True) -> dict:
                 if not (r == p - 1 and o.chunk == v - 1):
                     assert ("grad", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its gradient"
                 counts["bwd"] += 1
+        work = sum(fwd_s if o.kind == FWD else bwd_s if o.kind == BWD else 0.0 for o in ops)
+        busy[r] += work
+        clock[r] = done[r] = clock[r] + work
         p2p = [o for o in ops if o.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)]
         pending[r] = len(p2p)
         for o in p2p:
             src, dst, msg = route(r, o)
-            (sends if o.kind in (SEND_ACT, SEND_GRAD) else recvs)[(src, dst)].append((msg, r))
+            (sends if o.kind in (SEND_ACT, SEND_GRAD) else recvs)[(src, dst)].append((msg, r, clock[r]))
 
     def match() -> bool:
         moved = False
         for pair in list(sends):
             while sends[pair] and recvs[pair]:
-                (sent, s_rank), (want, r_rank) = sends[pair].pop(0), recvs[pair].pop(0)
+                (sent, s_rank, s_t), (want, r_rank, r_t) = sends[pair].pop(0), recvs[pair].pop(0)
                 assert sent == want, f"rank {r_rank} expected {want} from {pair[0]}, got {sent}"
                 have[r_rank].add(want)
+                for x in (s_rank, r_rank):  # a message completes once both sides have posted it
+                    done[x] = max(done[x], s_t, r_t)
                 pending[s_rank] -= 1
                 pending[r_rank] -= 1
                 counts["messages"] += 1
@@ -195,6 +207,7 @@ def simulate(p: int, v: int, m: int, train: bool = True) -> dict:
         for r in range(p):
             if pos[r] < len(programs[r]) and pending[r] == 0:
                 pos[r] += 1
+                clock[r] = done[r]
                 moved = True
                 if pos[r] < len(programs[r]):
                     post(r)
@@ -203,6 +216,10 @@ def simulate(p: int, v: int, m: int, train: bool = True) -> dict:
     stuck = [r for r in range(p) if pos[r] < len(programs[r])]
     assert not stuck, f"deadlock: ranks {stuck} wait at steps {[pos[r] for r in stuck]}"
     assert not any(sends.values()) and not any(recvs.values()), "unmatched messages"
+    makespan = max(clock)
+    if makespan > 0:
+        counts["makespan"] = makespan
+        counts["idle"] = [1 - b / makespan for b in busy]
     return dict(counts)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
+from ..pipeline.schedule import warmup
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,21 @@ class Layout:
     zero_stage: int
     recompute: bool
     sequence_parallel: bool
+    virtual_stages: int = 1
+
+
+def in_flight_blocks(blocks: int, p: int, m: int, v: int) -> float:
+    """Blocks' worth of activations the first stage holds at its peak.
+
+    1F1B (DeepSpeed's TrainSchedule): up to p micro-batches of the stage's blocks. Interleaved
+    (PTD-P): the warm-up forwards of rank 0 plus the one in flight, each chunk 1/v of the stage's
+    blocks: about p + (p - 2)/v stages' worth, a little more than 1F1B. tests/test_planner.py walks
+    both schedules to check this.
+    """
+    if v == 1:
+        return blocks * min(p, m)
+    chunks = min(warmup(p, v, m, 0) + 1, m * v)
+    return blocks / v * chunks
 
 
 def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int) -> float:
@@ -139,7 +155,7 @@ def memory_bytes(
     working = 2 * full_layer if lay.recompute else 0.0
     logits = seq_len * lay.micro_batch * pad_vocab(vocab, t) / t * (prec.activation + 4)  # + fp32 loss copy
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
-    first = blocks * per_layer * min(p, lay.grad_accum) + working
+    first = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages) * per_layer + working
     last = blocks * per_layer + working + logits
     acts = max(first, last) if p > 1 else last
     buckets = min(bucket_elems, params) * 4 if lay.zero_stage >= 1 else 0.0  # ZeRO's fp32 reduce bucket
@@ -172,12 +188,14 @@ def step_time(
     work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
     executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
     compute = executed / gpus / (peak_tflops * 1e12 * efficiency)
-    bubble = compute * (lay.pp - 1) / lay.grad_accum
+    v = lay.virtual_stages
+    bubble = compute * (lay.pp - 1) / (v * lay.grad_accum)  # PTD-P: interleaving divides it by v
     sbh = seq_len * lay.micro_batch * cfg.hidden
     blocks = math.ceil(cfg.layers / lay.pp)
     t = lay.tp
     tp = blocks * lay.grad_accum * 8 * sbh * (t - 1) / t * comm_bytes / (bw["tp"] * 1e9) if t > 1 else 0.0
-    pp = 2 * lay.grad_accum * sbh * comm_bytes / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
+    # each micro-batch crosses every stage boundary v times each way (v chunks)
+    pp = 2 * v * lay.grad_accum * sbh * comm_bytes / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
     d = lay.dp
     grads = stage_params(cfg, vocab, t, lay.pp)
     # all-reduce (ZeRO 0) = reduce-scatter + all-gather (ZeRO 1/2): 2(d-1)/d of the slice; ZeRO-3

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 
+from ..config import virtual_stage_conflict, zero_pipeline_conflict
 from ..errors import UserError
 from ..model.config import ModelConfig
 from ..parallel.topology import uniform_crossing
@@ -62,6 +64,43 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> s
     return None
 
 
+def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, reject):
+    """Every layout that passes the structural rules, with the bandwidths of its axes; the others are
+    handed to ``reject`` with their reason (whole (tp, pp) pairs first, then finer choices)."""
+    for tp in divisors(cluster.gpus):
+        for pp in divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            base = {"tp": tp, "pp": pp, "dp": dp}
+            why = structural_reason(cfg, cluster, tp, pp)
+            if why:
+                reject(base, why)
+                continue
+            bw = bandwidths(cluster, tp, pp)
+            for b in micro_batches:
+                if global_batch % (b * dp):
+                    reject(
+                        {**base, "micro_batch": b},
+                        f"global batch {global_batch} not divisible by micro {b} x dp {dp}",
+                    )
+                    continue
+                m = global_batch // (b * dp)
+                for zero in zero_stages:
+                    why = zero_pipeline_conflict(pp, zero)
+                    if why:
+                        reject(
+                            {**base, "micro_batch": b, "zero_stage": zero}, why.split(" (")[0].split(";")[0]
+                        )
+                        continue
+                    for v in virtual_stages if pp > 1 else (1,):
+                        why = virtual_stage_conflict(pp, v, micro_batches=m, layers=cfg.layers)
+                        if why:
+                            reject({**base, "micro_batch": b, "zero_stage": zero, "virtual_stages": v}, why)
+                            continue
+                        for recompute in (False, True):
+                            for sp in (False, True) if tp > 1 else (False,):
+                                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v), bw
+
+
 def plan(
     cfg: ModelConfig,
     cluster: Cluster,
@@ -73,6 +112,7 @@ def plan(
     efficiency: float = 0.5,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
     zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+    virtual_stages: tuple[int, ...] = (1, 2, 4),
     activation_model: str = "mt3d",
     max_rejected: int = 500,
 ) -> dict:
@@ -107,48 +147,20 @@ def plan(
         if len(row) == 3 or len(rejected) < max_rejected:
             rejected.append({**row, "reason": reason})
 
-    for tp in divisors(cluster.gpus):
-        for pp in divisors(cluster.gpus // tp):
-            dp = cluster.gpus // (tp * pp)
-            base = {"tp": tp, "pp": pp, "dp": dp}
-            why = structural_reason(cfg, cluster, tp, pp)
-            if why:
-                reject(base, why)
-                continue
-            bw = bandwidths(cluster, tp, pp)
-            for b in micro_batches:
-                if global_batch % (b * dp):
-                    reject(
-                        {**base, "micro_batch": b},
-                        f"global batch {global_batch} not divisible by micro {b} x dp {dp}",
-                    )
-                    continue
-                m = global_batch // (b * dp)
-                for zero in zero_stages:
-                    if pp > 1 and zero >= 2:
-                        reject({**base, "micro_batch": b, "zero_stage": zero},
-                               "ZeRO-2/3 unsupported by DeepSpeed's pipeline engine (pp > 1)")  # fmt: skip
-                        continue
-                    if pp > 1 and zero == 0:
-                        reject({**base, "micro_batch": b, "zero_stage": 0},
-                               "ZeRO-0 with pp > 1 hits DeepSpeed 0.19.8 bugs; mt3d uses ZeRO-1")  # fmt: skip
-                        continue
-                    for recompute in (False, True):
-                        for sp in (False, True) if tp > 1 else (False,):
-                            lay = Layout(tp, pp, dp, b, m, zero, recompute, sp)
-                            row = {**asdict(lay)}
-                            mem = memory_bytes(cfg, vocab, seq_len, lay, Precision.of(precision, zero),
-                                               activation_model=activation_model)  # fmt: skip
-                            row["memory_gb"] = mem["total"] / 1e9
-                            if mem["total"] > budget:
-                                reject(
-                                    row, f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB usable"
-                                )
-                                continue
-                            t = step_time(cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops,
-                                          efficiency=efficiency, bw=bw,
-                                          attention_fraction=attention["tile_fraction"])  # fmt: skip
-                            feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
+    candidates = _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, reject)
+    for lay, bw in candidates:
+        row = {**asdict(lay)}
+        mem = memory_bytes(cfg, vocab, seq_len, lay, Precision.of(precision, lay.zero_stage),
+                           activation_model=activation_model)  # fmt: skip
+        row["memory_gb"] = mem["total"] / 1e9
+        if mem["total"] > budget:
+            reject(row, f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB usable")
+            continue
+        t = step_time(
+            cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
+            attention_fraction=attention["tile_fraction"],
+        )  # fmt: skip
+        feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
     return {
         "model": cfg.name,
@@ -181,6 +193,24 @@ def explain_infeasible(result: dict) -> str:
     return "no feasible layout: " + "; ".join(reasons)
 
 
+def interleaving_note(feasible: list[dict]) -> str:
+    """Whether interleaving (v > 1) wins, against the best v = 1 layout with the same degrees."""
+    best = feasible[0]
+    if best["virtual_stages"] == 1:
+        return "virtual stages: no interleaved layout beats the best 1F1B one"
+    same = lambda r: all(r[k] == best[k] for k in ("tp", "pp", "dp", "micro_batch", "zero_stage"))  # noqa: E731
+    plain = next((r for r in feasible if r["virtual_stages"] == 1 and same(r)), None)
+    if plain is None:
+        return f"virtual stages: v = {best['virtual_stages']} wins (no 1F1B layout with these degrees fits)"
+    gain = plain["step_time_s"] / best["step_time_s"] - 1
+    return (
+        f"virtual stages: v = {best['virtual_stages']} wins by {gain:.1%} over 1F1B with the same degrees "
+        f"(bubble {best['bubble_s'] / best['step_time_s']:.1%} vs "
+        f"{plain['bubble_s'] / plain['step_time_s']:.1%}, "
+        f"{best['memory_gb'] - plain['memory_gb']:+.1f} GB)"
+    )
+
+
 def format_plan(result: dict, top: int = 10) -> str:
     """Human-readable table of the best layouts and a summary of the rejections."""
     lines = [
@@ -188,7 +218,7 @@ def format_plan(result: dict, top: int = 10) -> str:
         f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
         f"tokens, {result['precision']}, compute efficiency {result['efficiency']:.0%}",
         "",
-        f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'rc':>3} {'sp':>3} "
+        f"{'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'rc':>3} {'sp':>3} "
         f"{'mem GB':>8} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  bubble/tp/pp/dp share",
     ]
     attn = result.get("attention") or {}
@@ -202,17 +232,25 @@ def format_plan(result: dict, top: int = 10) -> str:
     for r in result["feasible"][:top]:
         parts = [r[k] / r["step_time_s"] for k in ("bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s")]
         lines.append(
-            f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch']:>3} {r['grad_accum']:>5} "
+            f"{r['tp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} {r['micro_batch']:>3} "
+            f"{r['grad_accum']:>5} "
             f"{r['zero_stage']:>4} {'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
             f"{r['memory_gb']:>8.1f} {r['step_time_s']:>9.3f} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%}  "
             + "/".join(f"{x:.0%}" for x in parts)
         )
     if not result["feasible"]:
         lines.append(explain_infeasible(result))
+    else:
+        lines.append(interleaving_note(result["feasible"]))
     lines.append("")
     counts: dict[str, int] = {}
     for r in result["rejected"]:
-        key = "exceeds the device memory" if r["reason"].startswith("needs ") else r["reason"]
+        # one line per kind of reason: the numbers in it (stages, sizes) would split the count
+        key = (
+            "exceeds the device memory"
+            if r["reason"].startswith("needs ")
+            else re.sub(r"\d+", "N", r["reason"])
+        )
         counts[key] = counts.get(key, 0) + 1
     lines.append(f"rejected: {result['rejected_total']} candidates; most common reasons:")
     for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])[:8]:
@@ -247,6 +285,7 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
             "parallel": {
                 "tensor": best["tp"],
                 "pipeline": best["pp"],
+                "virtual_stages": best["virtual_stages"],
                 "sequence_parallel": best["sequence_parallel"],
             },
             "data": {"corpus": "builtin", "seq_len": result["seq_len"]},
