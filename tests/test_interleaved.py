@@ -103,6 +103,33 @@ def test_interleaved_checkpoints_resume_exactly_and_reshard(tmp_path):
             assert abs(a - b) <= RTOL * abs(b) and abs(ga - gb) <= RTOL * abs(gb), (pp, v, got, straight)
 
 
+def test_nan_skipping_and_sigterm_save_at_v2(tmp_path):
+    """A NaN gradient on the last rank skips the step everywhere; SIGTERM saves and exits 75; the run
+    resumes to the losses of one that was never stopped."""
+    from mt3d.checkpoint.manager import complete_checkpoints
+    from mt3d.training.session import EXIT_PREEMPTED
+
+    from helpers import train_rc_worker
+
+    def config(d):
+        raw = tiny_config(tmp_path / d, model=MODELS["llama"], pp=2, steps=7)
+        raw["mt3d"]["parallel"]["virtual_stages"] = 2
+        return raw
+
+    straight = spawn(train_rc_worker, 2, config("a"), env={"MT3D_FAULTS": "nan_grad@3:1"})
+    assert [rc for rc, _ in straight] == [0, 0]
+    ref = {r["step"]: r for r in step_records(straight[0][1])}
+    assert ref[3]["skipped"] == 1 and ref[3]["grad_norm"] is None and ref[4]["bad_streak"] == 0
+    raw = config("b")
+    stopped = spawn(train_rc_worker, 2, raw, env={"MT3D_FAULTS": "nan_grad@3:1,sigterm@4:0"})
+    assert [rc for rc, _ in stopped] == [EXIT_PREEMPTED] * 2
+    assert [c.name for c in complete_checkpoints(tmp_path / "b" / "checkpoints")] == ["step_00000004"]
+    raw["mt3d"]["train"]["resume"] = "auto"
+    resumed = spawn(train_rc_worker, 2, raw)
+    got = [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(resumed[0][1]) if r["step"] > 4]
+    assert got == [(s, ref[s]["loss"], ref[s]["grad_norm"]) for s in (5, 6, 7)]
+
+
 @pytest.mark.parametrize(
     "parallel, train_batch, message",
     [
