@@ -86,10 +86,13 @@ def cmd_topo(args: argparse.Namespace) -> int:
     """``mt3d topo``."""
     from pathlib import Path
 
+    from .parallel import hosts as H
+    from .parallel import report as R
     from .parallel import topology as T
+    from .planner.traffic import TrafficModel
     from .presets import get_preset
 
-    hosts = T.read_hostfile(args.hostfile) if args.hostfile else None
+    hosts = H.read_hostfile(args.hostfile) if args.hostfile else None
     world = (
         args.world_size if args.world_size is not None else (sum(h.slots for h in hosts) if hosts else None)
     )
@@ -99,12 +102,12 @@ def cmd_topo(args: argparse.Namespace) -> int:
     if args.islands and args.nvidia_smi_topo:
         raise UsageError("give --islands or --nvidia-smi-topo, not both")
     if args.islands:
-        islands = T.parse_islands(args.islands)
+        islands = H.parse_islands(args.islands)
     elif args.nvidia_smi_topo:
         path = Path(args.nvidia_smi_topo)
         if not path.is_file():
             raise FileNotFoundError(f"nvidia-smi topo file not found: {path}")
-        islands = T.parse_nvidia_smi_topo(path.read_text())
+        islands = H.parse_nvidia_smi_topo(path.read_text())
     topo = T.place(
         world,
         args.tp,
@@ -119,7 +122,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
     if args.model:
         cfg = get_preset(args.model)
         cfg.check_parallel(args.tp, args.pp)
-        traffic = T.TrafficModel(
+        traffic = TrafficModel(
             layers=cfg.layers,
             hidden=cfg.hidden,
             seq_len=args.seq_len or cfg.max_seq_len,
@@ -128,9 +131,9 @@ def cmd_topo(args: argparse.Namespace) -> int:
             params=cfg.num_params(),
         )
     if args.json:  # streamed: the per-rank listing never sits in memory
-        T.write_report_json(topo, traffic, sys.stdout)
+        R.write_report_json(topo, traffic, sys.stdout)
     else:
-        print(T.format_report(topo, traffic))
+        print(R.format_report(topo, traffic))
     return 0
 
 

@@ -504,7 +504,8 @@ def fp16_supported() -> bool:
 
 def _check_mapping(par: ParallelConfig, world_size: int) -> None:
     """The rank-mapping keys (order, islands, hostfile) parse, and a hostfile's hosts fit the world."""
-    from .parallel.topology import TopologyError, map_ranks, parse_islands, parse_order, read_hostfile
+    from .parallel.hosts import parse_islands, read_hostfile
+    from .parallel.topology import TopologyError, map_ranks, parse_order
 
     try:
         parse_order(par.order)

@@ -16,130 +16,18 @@ layers all read their groups from this one object.
 
 from __future__ import annotations
 
-import json
-import re
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from ..errors import UserError
 from ..inputs import MAX_WORLD
+from .hosts import Host, TopologyError, uniform_hosts
 
 AXES = ("tp", "dp", "pp")
 # mt3d axis name -> DeepSpeed axis name. DeepSpeed's "model" axis is tensor slicing.
 DS_AXIS = {"tp": "model", "dp": "data", "pp": "pipe"}
 DEFAULT_ORDER = "tp-dp-pp"
-
-
-class TopologyError(UserError):
-    """A layout that cannot be built as asked; the message names the fix."""
-
-
-@dataclass(frozen=True)
-class Host:
-    """One machine of the job: its name and how many ranks (GPUs) the launcher puts on it."""
-
-    name: str
-    slots: int
-
-
-def uniform_hosts(world_size: int, gpus_per_node: int) -> tuple[Host, ...]:
-    """Hosts ``node0, node1, ...`` of ``gpus_per_node`` ranks each, holding ``world_size`` ranks."""
-    if gpus_per_node <= 0:
-        raise TopologyError(f"gpus_per_node must be positive, got {gpus_per_node}")
-    if world_size <= gpus_per_node:
-        return (Host("node0", world_size),)
-    if world_size % gpus_per_node:
-        raise TopologyError(
-            f"world size {world_size} is not a multiple of gpus_per_node {gpus_per_node}; "
-            "describe uneven nodes with a hostfile (--hostfile)"
-        )
-    return tuple(Host(f"node{i}", gpus_per_node) for i in range(world_size // gpus_per_node))
-
-
-def parse_hostfile(text: str, source: str = "hostfile") -> tuple[Host, ...]:
-    """Parse a DeepSpeed hostfile (``hostname slots=N`` per line, ``#`` comments)."""
-    hosts: list[Host] = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
-        if not m:
-            raise TopologyError(f"{source}:{lineno}: expected 'hostname slots=N', got {raw.strip()!r}")
-        name, slots = m.group(1), int(m.group(2))
-        if slots <= 0:
-            raise TopologyError(f"{source}:{lineno}: slots must be positive for host {name}")
-        if any(h.name == name for h in hosts):
-            raise TopologyError(f"{source}:{lineno}: host {name} is listed twice")
-        hosts.append(Host(name, slots))
-    if not hosts:
-        raise TopologyError(f"{source}: no hosts found (expected lines like 'worker-0 slots=8')")
-    return tuple(hosts)
-
-
-def read_hostfile(path: str | Path) -> tuple[Host, ...]:
-    """Read and parse a DeepSpeed hostfile from disk."""
-    p = Path(path)
-    if not p.is_file():
-        raise TopologyError(f"hostfile not found: {p}")
-    return parse_hostfile(p.read_text(), source=str(p))
-
-
-def parse_islands(spec: str) -> tuple[tuple[int, ...], ...]:
-    """Parse NVLink islands written as local ranks, e.g. ``"0,1;2,3;4,5;6,7"``."""
-    try:
-        islands = tuple(tuple(int(x) for x in part.split(",")) for part in spec.split(";") if part.strip())
-    except ValueError:
-        raise TopologyError(f"islands must look like '0,1;2,3' (local ranks), got {spec!r}") from None
-    if not islands:
-        raise TopologyError(f"no islands in {spec!r}")
-    return islands
-
-
-def parse_nvidia_smi_topo(text: str) -> tuple[tuple[int, ...], ...]:
-    """NVLink islands from ``nvidia-smi topo -m`` output: GPUs joined by ``NV#`` links.
-
-    Islands are the connected components of the NVLink graph, each sorted, ordered by their
-    first GPU. A GPU without NVLink is an island of its own.
-    """
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    header = next(
-        (ln for ln in lines if re.match(r"\s+GPU\d+", ln) or ln.lstrip().startswith("GPU0\t")), None
-    )
-    if header is None:
-        raise TopologyError("not 'nvidia-smi topo -m' output: no header line with GPU0 GPU1 ...")
-    cols = [c for c in header.split() if re.fullmatch(r"GPU\d+", c)]
-    n = len(cols)
-    parent = list(range(n))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    seen_rows = 0
-    for ln in lines:
-        cells = ln.split()
-        if not cells or not re.fullmatch(r"GPU\d+", cells[0]) or ln is header:
-            continue
-        i = int(cells[0][3:])
-        if i >= n or len(cells) < n + 1:
-            raise TopologyError(f"malformed row in nvidia-smi topo output: {ln.strip()!r}")
-        seen_rows += 1
-        for j, link in enumerate(cells[1 : n + 1]):
-            if link.startswith("NV"):
-                parent[find(i)] = find(j)
-    if seen_rows != n:
-        raise TopologyError(f"nvidia-smi topo output has {n} GPU columns but {seen_rows} GPU rows")
-    comps: dict[int, list[int]] = {}
-    for i in range(n):
-        comps.setdefault(find(i), []).append(i)
-    return tuple(sorted(tuple(c) for c in comps.values()))
 
 
 def parse_order(order: str) -> tuple[str, str, str]:
@@ -513,121 +401,6 @@ def map_ranks(world_size: int, tp: int = 1, pp: int = 1, **kwargs) -> MappedTopo
     return MappedTopology(place(world_size, tp, pp, **kwargs))
 
 
-@dataclass(frozen=True)
-class TrafficModel:
-    """Per-step communication sizes of a transformer, for the cross-host estimate (FORMULAS.md)."""
-
-    layers: int
-    hidden: int
-    seq_len: int
-    micro_batch: int
-    micro_batches: int
-    params: int
-    bytes_per_element: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "seq_len", "micro_batch", "micro_batches", "bytes_per_element"):
-            if getattr(self, name) <= 0:
-                label = "micro-batches per step (--grad-accum)" if name == "micro_batches" else name
-                raise TopologyError(f"{label} must be positive, got {getattr(self, name)}")
-
-
-def _placement(topo) -> Placement:
-    return topo.placement if isinstance(topo, MappedTopology) else topo
-
-
-def cross_host_bytes(topo: MappedTopology | Placement, model: TrafficModel) -> dict[str, float]:
-    """Estimated bytes per training step that cross host boundaries, per axis and in total.
-
-    TP: 4 all-reduces of b*s*h per layer per micro-batch (2 forward, 2 backward); DP: one
-    all-reduce (or ZeRO reduce-scatter + all-gather, same bytes) of the Psi/(tp*pp) gradient per
-    step; ring all-reduce sends 2(n-1)/n of the buffer over each ring edge. PP: b*s*h forward and
-    b*s*h backward per micro-batch over each stage boundary that joins two hosts.
-    """
-    pl = _placement(topo)
-    e = model.bytes_per_element
-    act = model.micro_batch * model.seq_len * model.hidden * e
-
-    def ring(axis: str, buffer_bytes: float, calls: float) -> float:
-        n = pl.grid.shape[AXIS_DIM[axis]]
-        return pl.crossing_edges(axis, ring=True) * 2 * (n - 1) / n * buffer_bytes * calls if n > 1 else 0.0
-
-    out = {
-        "tp": ring("tp", act, 4 * model.layers / pl.pp * model.micro_batches),
-        "dp": ring("dp", model.params / (pl.tp * pl.pp) * e, 1),
-        "pp": 2 * act * model.micro_batches * pl.crossing_edges("pp", ring=False),
-    }
-    out["total"] = out["tp"] + out["dp"] + out["pp"]
-    return out
-
-
-def summary(topo: MappedTopology | Placement, traffic: TrafficModel | None = None) -> dict:
-    """Everything of the ``mt3d topo --json`` report except the per-rank and per-group listings."""
-    pl = _placement(topo)
-    report = {
-        "world_size": pl.world,
-        "tp": pl.tp,
-        "pp": pl.pp,
-        "dp": pl.dp,
-        "order": pl.order,
-        "hosts": [{"name": h.name, "slots": h.slots} for h in pl.hosts],
-        "crossing": {ax: pl.crossing(ax) for ax in AXES},
-        "island_crossing": {"tp": pl.island_crossing_tp()},
-        "notes": list(pl.notes),
-    }
-    if traffic is not None:
-        report["cross_host_bytes_per_step"] = cross_host_bytes(pl, traffic)
-    return report
-
-
-def rank_rows(topo: MappedTopology | Placement, limit: int | None = None):
-    """The per-rank rows of the report, one at a time (``limit``: only the first ones)."""
-    pl = _placement(topo)
-    for r in range(pl.world if limit is None else min(limit, pl.world)):
-        yield {"rank": r, "host": pl.host(r), "local_rank": pl.local_rank(r), **pl.coord(r)}
-
-
-def describe(topo: MappedTopology | Placement, traffic: TrafficModel | None = None) -> dict:
-    """The machine-readable report of a mapping (the ``mt3d topo --json`` contract), in memory."""
-    pl = _placement(topo)
-    report = summary(pl, traffic)
-    report["ranks"] = list(rank_rows(pl))
-    report["groups"] = {ax: list(pl.groups(ax)) for ax in AXES}
-    return report
-
-
-def write_report_json(topo: MappedTopology | Placement, traffic: TrafficModel | None, out) -> None:
-    """Stream ``describe``'s JSON to ``out`` row by row (bounded memory for any world size)."""
-    pl = _placement(topo)
-    head = summary(pl, traffic)
-    out.write(json.dumps(head)[:-1] + ', "ranks": [')
-    for i, row in enumerate(rank_rows(pl)):
-        out.write((", " if i else "") + json.dumps(row))
-    out.write('], "groups": {')
-    for a, ax in enumerate(AXES):
-        out.write((", " if a else "") + f'"{ax}": [')
-        for i, g in enumerate(pl.groups(ax)):
-            out.write((", " if i else "") + json.dumps(g))
-        out.write("]")
-    out.write("}}\n")
-
-
-def human_bytes(n: float) -> str:
-    """Format a byte count with binary units (``1.5 GiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} PiB"  # pragma: no cover
-
-
-def _short(group: list[int], keep: int = 8) -> str:
-    """A group as a list, the middle elided when it is long."""
-    if len(group) <= keep:
-        return str(group)
-    return "[" + ", ".join(map(str, group[: keep - 2])) + f", ..., {group[-1]}] ({len(group)} ranks)"
-
-
 def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int) -> dict[str, bool]:
     """Whether any tp, dp or pp group crosses hosts under ``place``'s default packing (order
     tp-dp-pp, uniform hosts, no islands), in O(1): the planner asks this for every candidate.
@@ -645,70 +418,16 @@ def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int) -> dict[s
     return {"tp": False, "dp": hosts > 1 and pp > hosts * whole_per_host, "pp": hosts > 1 and pp > 1}
 
 
-def format_report(
-    topo: MappedTopology | Placement, traffic: TrafficModel | None = None, max_rows: int = 64
-) -> str:
-    """Human-readable summary of a mapping: the first ranks and groups, crossings, traffic."""
-    pl = _placement(topo)
-    report = summary(pl, traffic)
-    lines = [
-        f"world {report['world_size']} = tp {report['tp']} x dp {report['dp']} x pp {report['pp']}"
-        f"   order {report['order']} (innermost first)   hosts {len(report['hosts'])}",
-        "",
-        f"{'rank':>6} {'host':<16} {'local':>5} {'tp':>4} {'dp':>4} {'pp':>4}",
-    ]
-    for r in rank_rows(pl, max_rows):
-        lines.append(
-            f"{r['rank']:>6} {r['host']:<16} {r['local_rank']:>5} {r['tp']:>4} {r['dp']:>4} {r['pp']:>4}"
-        )
-    if pl.world > max_rows:
-        lines.append(f"   ... {pl.world - max_rows} more ranks (use --json for all)")
-    lines.append("")
-    for ax in AXES:
-        count = pl.group_count(ax)
-        first = [g for _, g in zip(range(8), pl.groups(ax))]
-        shown = "  ".join(_short(g) for g in first) + ("  ..." if count > 8 else "")
-        lines.append(f"{ax} groups ({count} of size {pl.grid.shape[AXIS_DIM[ax]]}): {shown}")
-    lines.append("")
-    cross = report["crossing"]
-    lines.append(
-        "groups crossing hosts: " + ", ".join(f"{ax} {cross[ax]}/{pl.group_count(ax)}" for ax in AXES)
-    )
-    if report["island_crossing"]["tp"]:
-        lines.append(f"TP groups spanning several NVLink islands: {report['island_crossing']['tp']}")
-    if "cross_host_bytes_per_step" in report:
-        b = report["cross_host_bytes_per_step"]
-        lines.append(
-            "estimated bytes crossing hosts per step: "
-            + ", ".join(f"{k} {human_bytes(v)}" for k, v in b.items())
-        )
-    for n in report["notes"]:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
-
-
 __all__ = [
     "AXES",
+    "AXIS_DIM",
     "DEFAULT_ORDER",
-    "Host",
     "MAX_WORLD",
     "MappedTopology",
     "Placement",
     "TopologyError",
-    "TrafficModel",
-    "cross_host_bytes",
-    "describe",
-    "format_report",
     "map_ranks",
-    "parse_hostfile",
-    "parse_islands",
-    "parse_nvidia_smi_topo",
     "parse_order",
     "place",
-    "rank_rows",
-    "read_hostfile",
-    "summary",
     "uniform_crossing",
-    "uniform_hosts",
-    "write_report_json",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
+from .traffic import dp_bytes, pp_bytes, tp_bytes
 
 
 @dataclass(frozen=True)
@@ -190,18 +191,13 @@ def step_time(
     compute = executed / gpus / (peak_tflops * 1e12 * efficiency)
     v = lay.virtual_stages
     bubble = compute * (lay.pp - 1) / (v * lay.grad_accum)  # PTD-P: interleaving divides it by v
-    sbh = seq_len * lay.micro_batch * cfg.hidden
+    act = seq_len * lay.micro_batch * cfg.hidden * comm_bytes
     blocks = math.ceil(cfg.layers / lay.pp)
-    t = lay.tp
-    tp = blocks * lay.grad_accum * 8 * sbh * (t - 1) / t * comm_bytes / (bw["tp"] * 1e9) if t > 1 else 0.0
-    # each micro-batch crosses every stage boundary v times each way (v chunks)
-    pp = 2 * v * lay.grad_accum * sbh * comm_bytes / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
-    d = lay.dp
+    m, t, d = lay.grad_accum, lay.tp, lay.dp
+    tp = tp_bytes(blocks, m, act, t) / (bw["tp"] * 1e9)
+    pp = pp_bytes(m, act, v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
     grads = stage_params(cfg, vocab, t, lay.pp)
-    # all-reduce (ZeRO 0) = reduce-scatter + all-gather (ZeRO 1/2): 2(d-1)/d of the slice; ZeRO-3
-    # also all-gathers the parameters again for the backward pass: 3(d-1)/d.
-    volume = 3 if lay.zero_stage == 3 else 2
-    dp = volume * (d - 1) / d * grads * comm_bytes / (bw["dp"] * 1e9) if d > 1 else 0.0
+    dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage) / (bw["dp"] * 1e9)
     total = compute + bubble + tp + pp + dp
     tflops = flops / gpus / total / 1e12
     return {

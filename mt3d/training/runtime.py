@@ -17,10 +17,11 @@ import torch
 from ..config import RunConfig
 from ..errors import UserError
 from ..inputs import env_int
+from ..parallel.hosts import Host, parse_islands, read_hostfile
 from ..parallel.random import RNGTracker, seed_everything
 from ..parallel.spawn import free_port
 from ..parallel.state import ParallelState
-from ..parallel.topology import Host, MappedTopology, map_ranks, parse_islands, read_hostfile
+from ..parallel.topology import MappedTopology, map_ranks
 
 log = logging.getLogger("mt3d")
 

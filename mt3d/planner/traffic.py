@@ -1,0 +1,73 @@
+"""Bytes one rank sends per training step along each parallel axis (FORMULAS.md).
+
+The one home of the communication volumes: the planner divides them by link bandwidths for its
+step time (``costs.step_time``), and ``mt3d topo`` multiplies them by the group edges that join
+two hosts for its cross-host estimate (``cross_host_bytes``). A ring collective over n ranks moves
+2(n-1)/n of its buffer over every edge of the ring, which is also what each rank sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..parallel.topology import AXIS_DIM, Placement, TopologyError
+
+
+def ring_factor(n: int) -> float:
+    """Share of the buffer a ring all-reduce sends per rank (and per ring edge): 2(n-1)/n."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+def tp_bytes(blocks: float, micro_batches: int, act_bytes: float, t: int) -> float:
+    """Megatron TP: per block and micro-batch 2 all-reduces forward and 2 backward of b*s*h (with
+    sequence parallelism all-gather + reduce-scatter pairs, the same bytes)."""
+    return 4 * blocks * micro_batches * ring_factor(t) * act_bytes
+
+
+def pp_bytes(micro_batches: int, act_bytes: float, virtual_stages: int = 1) -> float:
+    """Over each stage boundary: b*s*h forward and back per micro-batch, once per chunk."""
+    return 2 * virtual_stages * micro_batches * act_bytes
+
+
+def dp_bytes(stage_params: float, elem_bytes: int, d: int, zero_stage: int) -> float:
+    """Gradient all-reduce (ZeRO 0) or reduce-scatter + all-gather (ZeRO 1/2) of the rank's model
+    slice: 2(d-1)/d of it; ZeRO-3 all-gathers the parameters once more for backward: 3(d-1)/d."""
+    return (1.5 if zero_stage == 3 else 1.0) * ring_factor(d) * stage_params * elem_bytes
+
+
+@dataclass(frozen=True)
+class TrafficModel:
+    """Per-step communication sizes of a transformer, for the cross-host estimate of ``mt3d topo``."""
+
+    layers: int
+    hidden: int
+    seq_len: int
+    micro_batch: int
+    micro_batches: int
+    params: int
+    bytes_per_element: int = 2
+    zero_stage: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "seq_len", "micro_batch", "micro_batches", "bytes_per_element"):
+            if getattr(self, name) <= 0:
+                label = "micro-batches per step (--grad-accum)" if name == "micro_batches" else name
+                raise TopologyError(f"{label} must be positive, got {getattr(self, name)}")
+
+
+def cross_host_bytes(topo, model: TrafficModel) -> dict[str, float]:
+    """Estimated bytes per training step that cross host boundaries, per axis and in total: each
+    axis's per-rank volume times the edges of its groups (rings for TP and DP) that join two hosts.
+    ``topo``: a ``Placement`` or a ``MappedTopology``."""
+    pl: Placement = getattr(topo, "placement", topo)
+    e = model.bytes_per_element
+    act = model.micro_batch * model.seq_len * model.hidden * e
+    size = {ax: pl.grid.shape[AXIS_DIM[ax]] for ax in AXIS_DIM}
+    per_edge = {
+        "tp": tp_bytes(model.layers / pl.pp, model.micro_batches, act, size["tp"]),
+        "dp": dp_bytes(model.params / (pl.tp * pl.pp), e, size["dp"], model.zero_stage),
+        "pp": pp_bytes(model.micro_batches, act),
+    }
+    out = {ax: per_edge[ax] * pl.crossing_edges(ax, ring=ax != "pp") for ax in ("tp", "dp", "pp")}
+    out["total"] = out["tp"] + out["dp"] + out["pp"]
+    return out
