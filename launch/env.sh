@@ -16,6 +16,15 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
+# libaio headers for DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload and its tests): installed
+# when we are root on a Debian/Ubuntu machine; otherwise the NVMe tests are skipped with a note.
+if [ ! -e /usr/include/libaio.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[mt3d] installing libaio-dev (NVMe offload)"
+  { apt-get install -y -qq libaio-dev >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 &&
+      apt-get install -y -qq libaio-dev >/dev/null 2>&1; }; } ||
+    echo "[mt3d] warning: could not install libaio-dev; NVMe offload tests will be skipped" >&2
+fi
+
 want="$(cat "$ROOT/setup.cfg" "$CONSTRAINTS" | sha256sum | cut -c1-16)"
 stamp="$VENV/.mt3d-install-stamp"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

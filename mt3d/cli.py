@@ -12,6 +12,7 @@ from .inputs import (
     OneLineParser,
     byte_size,
     non_negative_int,
+    nonnegative_float,
     positive_float,
     positive_int,
     positive_ints,
@@ -538,6 +539,19 @@ PLAN_EXAMPLES = """examples:
 """
 
 
+# `mt3d plan` flags that override a field of the GPU preset (planner.hardware.Device): flag -> (field, help)
+DEVICE_FLAGS = {
+    "--peak-tflops": ("peak_tflops", "the device's dense peak, TFLOP/s"),
+    "--memory-gb": ("memory_gb", "the device's memory, GB"),
+    "--nvlink-gbps": ("intra_gbps", "GB/s per GPU inside a node (NVLink bus bandwidth)"),
+    "--network-gbps": ("inter_gbps", "GB/s per node across nodes (all its NICs; shared by its GPUs)"),
+    "--pcie-gbps": ("pcie_gbps", "GB/s per GPU between GPU and CPU memory (offload)"),
+    "--nvme-gbps": ("nvme_gbps", "GB/s of a node's NVMe drives together (ZeRO-Infinity)"),
+    "--host-memory-gb": ("host_memory_gb", "CPU memory per node, GB (offload)"),
+    "--nvme-gb": ("nvme_gb", "NVMe capacity per node, GB (ZeRO-Infinity; 0 = none)"),
+}
+
+
 def _add_plan(sub) -> None:
     p = sub.add_parser(
         "plan",
@@ -575,8 +589,8 @@ def _add_plan(sub) -> None:
         default=(1, 2, 4),
         help="interleaved-schedule chunks per pipeline rank to try (default 1,2,4)",
     )
-    p.add_argument("--peak-tflops", type=positive_float, help="override the device's dense peak")
-    p.add_argument("--memory-gb", type=positive_float, help="override the device's memory")
+    for flag, (_, helptext) in DEVICE_FLAGS.items():
+        p.add_argument(flag, type=nonnegative_float if flag == "--nvme-gb" else positive_float, help=helptext)
     p.add_argument("--top", type=positive_int, default=10, help="rows to show")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (feasible and rejected layouts) instead"
@@ -615,7 +629,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner.search import Cluster, explain_infeasible, format_plan, plan, write_config
 
     cfg, section, defaults = _plan_model(args.model)
-    device = get_device(args.gpu, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb)
+    overrides = {
+        field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in DEVICE_FLAGS.items()
+    }
+    if overrides["inter_gbps"] is not None:  # the flag is per node, the device field per GPU
+        overrides["inter_gbps"] /= args.gpus_per_node
+    device = get_device(args.gpu, **overrides)
 
     def given(value, fallback):
         return value if value is not None else fallback

@@ -336,6 +336,8 @@ class Layout:
     virtual_stages: int = 1
     stage_blocks: tuple[int, ...] | None = None
     """Blocks per (virtual) stage in virtual-stage order, when the model is known."""
+    offload: str = "none"
+    """Where ZeRO keeps parameters and optimizer states (``Offload.label``)."""
 
     def saved(self) -> dict:
         """The layout as checkpoints record it (what a resume compares)."""
@@ -346,6 +348,7 @@ class Layout:
             "zero_stage": self.zero_stage,
             "virtual_stages": self.virtual_stages,
             "stage_blocks": list(self.stage_blocks) if self.stage_blocks else None,
+            "offload": self.offload,
         }
 
 
@@ -440,6 +443,137 @@ def virtual_stage_conflict(
     if layers is not None and layers < pp * v:
         return f"{layers} layers cannot fill pipeline {pp} x virtual_stages {v} = {pp * v} chunks"
     return None
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+NVME_SUB_GROUP_SIZE = int(1e8)
+"""``sub_group_size`` mt3d writes for NVMe offload: DeepSpeed pins 4 swap buffers of this many fp32
+elements per rank (its default 1e9 pins 16 GB per rank)."""
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where ZeRO keeps parameters and optimizer states (DeepSpeed's ``zero_optimization.offload_param``
+    and ``offload_optimizer``): ``none`` (the accelerator), ``cpu`` or ``nvme`` (ZeRO-Infinity)."""
+
+    param: str = "none"
+    optimizer: str = "none"
+    param_path: str | None = None
+    optimizer_path: str | None = None
+
+    @classmethod
+    def of(cls, ds: dict) -> Offload:
+        """The offload keys of a DeepSpeed config (absent keys: no offload)."""
+        zero = ds.get("zero_optimization") or {}
+        found = {}
+        for key in ("param", "optimizer"):
+            section = zero.get(f"offload_{key}") or {}
+            if not isinstance(section, dict):
+                raise ConfigError(
+                    f"zero_optimization.offload_{key} must be a JSON object, e.g. {{'device': 'cpu'}}"
+                )
+            device = section.get("device", "none") or "none"
+            if device not in OFFLOAD_DEVICES:
+                raise ConfigError(
+                    f"zero_optimization.offload_{key}.device must be one of {', '.join(OFFLOAD_DEVICES)}, "
+                    f"got {device!r}"
+                )
+            found[key] = device
+            found[f"{key}_path"] = section.get("nvme_path")
+        return cls(**found)
+
+    @property
+    def any(self) -> bool:
+        """Whether anything is offloaded."""
+        return self.param != "none" or self.optimizer != "none"
+
+    @property
+    def label(self) -> str:
+        """Short name: none, opt-cpu, opt-nvme, cpu (both), nvme (both), or param/optimizer devices."""
+        if self.param == self.optimizer:
+            return self.param
+        if self.param == "none":
+            return f"opt-{self.optimizer}"
+        return f"param-{self.param}/opt-{self.optimizer}"
+
+    def ds_keys(self) -> dict:
+        """The ``zero_optimization`` keys that ask DeepSpeed for this offload."""
+        keys = {}
+        for key in ("param", "optimizer"):
+            device = getattr(self, key)
+            if device != "none":
+                section = {"device": device, "pin_memory": True}
+                if device == "nvme":
+                    section["nvme_path"] = getattr(self, f"{key}_path")
+                keys[f"offload_{key}"] = section
+        if "nvme" in (self.param, self.optimizer):
+            keys["sub_group_size"] = NVME_SUB_GROUP_SIZE
+        return keys
+
+    @classmethod
+    def from_label(cls, label: str, path: str | None = None) -> Offload:
+        """Inverse of ``label`` for the planner's options (none, opt-cpu, opt-nvme, cpu, nvme)."""
+        if label.startswith("opt-"):
+            dev = label[4:]
+            return cls("none", dev, None, path if dev == "nvme" else None)
+        return cls(label, label, path if label == "nvme" else None, path if label == "nvme" else None)
+
+
+def offload_conflict(zero_stage: int, pp: int, off: Offload) -> str | None:
+    """Why this offload cannot run with ZeRO ``zero_stage`` and ``pp`` stages (None: it can).
+
+    DeepSpeed 0.19.8 itself accepts some of these and then ignores them: parameter offload below
+    ZeRO-3, and NVMe optimizer offload below ZeRO-3 (which it runs as CPU offload)."""
+    if not off.any:
+        return None
+    if zero_stage == 0:
+        return (
+            "offloading needs ZeRO (zero_optimization.stage 1-3); stage 0 has nothing partitioned to offload"
+        )
+    if off.param != "none" and zero_stage != 3:
+        return (
+            f"zero_optimization.offload_param needs ZeRO stage 3 (DeepSpeed ignores it at stage "
+            f"{zero_stage}); ZeRO-3 needs pipeline 1. Offload the optimizer only (offload_optimizer) at 1/2"
+        )
+    if off.optimizer == "nvme" and zero_stage != 3:
+        return (
+            f"offload_optimizer.device nvme needs ZeRO stage 3 (DeepSpeed 0.19.8 runs it as cpu at stage "
+            f"{zero_stage}); use device cpu, or stage 3 with pipeline 1"
+        )
+    for key in ("param", "optimizer"):
+        if getattr(off, key) == "nvme" and not getattr(off, f"{key}_path"):
+            return (
+                f"zero_optimization.offload_{key}.device nvme needs nvme_path (a directory on a local NVMe "
+                "disk)"
+            )
+    return None
+
+
+def optimizer_device(label: str) -> str:
+    """The optimizer's device in an ``Offload.label`` (none, cpu, nvme)."""
+    return label.rsplit("opt-", 1)[1] if "opt-" in label else label
+
+
+def offload_resume_conflict(saved: str, now: str, layout_changed: bool) -> str | None:
+    """Why a checkpoint saved with offload ``saved`` cannot resume with offload ``now`` (labels).
+
+    Parameters and optimizer states on the CPU are saved in the same files as without offload, so
+    those resume either way. DeepSpeed 0.19.8 saves NVMe-offloaded optimizer states as a copy of the
+    swap files (``offloaded_tensors/rank*``) and leaves empty tensors in ``*_optim_states.pt``; it
+    restores them only into the same NVMe layout, and reads nothing else then."""
+    was, will = optimizer_device(saved), optimizer_device(now)
+    if "nvme" not in (was, will) or (was == will and not layout_changed):
+        return None
+    if was == will:
+        return (
+            "a checkpoint with NVMe-offloaded optimizer states resumes only at the layout it was saved "
+            "with (DeepSpeed keeps them as per-rank swap files): resume at that layout"
+        )
+    return (
+        f"the checkpoint's optimizer states were saved with offload {saved!r} and this run uses {now!r}: "
+        "DeepSpeed 0.19.8 keeps NVMe-offloaded optimizer states as swap files that only an NVMe run "
+        "reads, and an NVMe run reads nothing else; resume with the checkpoint's offload_optimizer device"
+    )
 
 
 def _zero_stage(ds: dict) -> int:
@@ -583,7 +717,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     why = virtual_stage_conflict(pp, v)
     if why:
         raise ConfigError(why)
-    why = zero_pipeline_conflict(pp, stage)
+    why = zero_pipeline_conflict(pp, stage) or offload_conflict(stage, pp, Offload.of(run.ds))
     if why:
         raise ConfigError(why)
     if par.sequence_parallel and tp > 1 and data.seq_len % tp:
@@ -652,7 +786,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
         from .model.pipeline import default_stage_blocks
 
         blocks = tuple(par.stage_layers or default_stage_blocks(model.layers, pp * v))
-    return Layout(world_size, tp, pp, dp, mb, ga, gb, stage, v, blocks)
+    return Layout(world_size, tp, pp, dp, mb, ga, gb, stage, v, blocks, Offload.of(run.ds).label)
 
 
 def _writable_dir(path: str | Path, what: str) -> None:

@@ -66,15 +66,20 @@ def world_size(text: str) -> int:
     return v
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
+def positive_float(text: str, least: float = 0.0, inclusive: bool = False) -> float:
+    """argparse type: a number > 0 (>= / > ``least`` as asked)."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (v >= least if inclusive else v > least):
+        raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {least:g}, got {text}")
     return v
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    return positive_float(text, 0.0, inclusive=True)
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

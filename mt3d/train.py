@@ -64,7 +64,20 @@ def prepare(args: argparse.Namespace):
     run = load(args.config, args.set)
     model_cfg = resolve_model(run.mt3d.model)
     layout = validate(run, world, model_cfg)
+    preflight(run, layout, model_cfg)
     return run, layout, model_cfg
+
+
+def preflight(run, layout, model_cfg) -> None:
+    """What the machine must offer before process groups: NVMe offload's disk and libaio, and no
+    leftover lock of an interrupted DeepSpeed op build (which would hang the start for ever)."""
+    import torch
+
+    from .training.offload import check_offload
+    from .training.op_locks import check_op_locks
+
+    check_offload(run, layout, model_cfg)
+    check_op_locks(run.ds, on_cpu=not torch.cuda.is_available())
 
 
 def run(args: argparse.Namespace, prog: str = "mt3d train") -> int:

@@ -131,9 +131,11 @@ def test_mtnlg_530b_plan():
 def test_impossible_requests_say_why():
     with pytest.raises(UserError, match="not a whole number of 8-GPU nodes"):
         plan(get_preset("gpt2-small"), Cluster(12, 8, get_device("h100")), global_batch=96, seq_len=1024)
-    result = plan(
-        get_preset("gpt3-175b"), Cluster(8, 8, get_device("a100-80gb")), global_batch=8, seq_len=2048
-    )
+    a100 = get_device("a100-80gb")
+    result = plan(get_preset("gpt3-175b"), Cluster(8, 8, a100), global_batch=8, seq_len=2048)
+    assert result["feasible"] and all(r["offload"] != "none" for r in result["feasible"])  # ZeRO-Infinity
+    small = get_device("a100-80gb", host_memory_gb=512, nvme_gb=0)
+    result = plan(get_preset("gpt3-175b"), Cluster(8, 8, small), global_batch=8, seq_len=2048)
     assert result["feasible"] == []
     from mt3d.planner.search import explain_infeasible
 
@@ -173,13 +175,18 @@ def test_plan_command_json_and_written_config(tmp_path):
     only = run_plan(*args, "--global-batch", "64", "--seq-len", "1024", "--json", "--virtual-stages", "1")
     assert {r["virtual_stages"] for r in json.loads(only.stdout)["feasible"]} == {1}
     assert run.ds["bf16"]["enabled"] and not run.ds["fp16"]["enabled"]
-    bad = run_plan("--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8")
+    bad = run_plan(
+        "--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8", "--nvme-gb", "0",
+        "--host-memory-gb", "512",
+    )  # fmt: skip
     assert bad.returncode == 1 and "no feasible layout" in bad.stderr
     for flag, value in (
         ("--global-batch", "-1"),
         ("--efficiency", "2"),
         ("--memory-gb", "0"),
         ("--virtual-stages", "1,0"),
+        ("--nvme-gb", "-1"),
+        ("--network-gbps", "0"),
     ):
         odd = run_plan("--model", "gpt2-small", "--gpus", "8", flag, value)
         assert odd.returncode == 2 and flag in odd.stderr, (flag, odd.stderr)

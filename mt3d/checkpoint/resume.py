@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Layout
+from ..config import Layout, offload_resume_conflict
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
@@ -70,7 +70,15 @@ class ResumePlan:
         now = layout.saved()
         if now["stage_blocks"] is None:
             now.pop("stage_blocks")
+        now.pop("offload")  # where states live is not how they are partitioned (check_offload)
         return any(saved.get(k) != v for k, v in now.items())
+
+    def check_offload(self, layout: Layout) -> None:
+        """Refuse a resume across offload devices that DeepSpeed cannot load (NVMe optimizer states)."""
+        saved = self.meta["layout"].get("offload", "none")  # checkpoints from before offload: none
+        why = offload_resume_conflict(saved, layout.offload, self.layout_changed(layout))
+        if why:
+            raise CheckpointError(f"{self.path}: {why}")
 
 
 def candidates(resume: str, save_dir: str | Path) -> list[Path]:
@@ -195,6 +203,9 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     Random state belongs to a (pp, dp, tp) coordinate, so it is restored only when the degrees are
     unchanged (the rank order may differ); after a reshard every rank keeps its freshly seeded streams.
     """
+    base = getattr(engine, "basic_optimizer", None)
+    if base is not None:
+        base.register_load_state_dict_pre_hook(optimizer_state_across_implementations)
     path, client = engine.load_checkpoint(
         str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
@@ -204,3 +215,23 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     if same_layout and not load_rng(plan.path, key, rt.tracker):
         log.warning("%s has no random state for %s: keeping the seeded one", plan.path, key)
     return client or {}
+
+
+def optimizer_state_across_implementations(optimizer, state_dict: dict) -> dict:
+    """Workaround (DeepSpeed 0.19.8, torch 2.13): let Adam states move between torch's AdamW and
+    DeepSpeedCPUAdam, which DeepSpeed picks by whether the optimizer is offloaded.
+
+    ``Optimizer.load_state_dict`` takes the saved ``param_groups`` whole. torch's AdamW fills its
+    own missing keys (``__setstate__``) and turns integer steps into tensors, so a CPU-offloaded
+    checkpoint resumes without offload; DeepSpeedCPUAdam does neither and fails in its first step
+    with ``KeyError: 'bias_correction'`` (and would get tensor steps). Registered as a load pre-hook
+    on the engine's base optimizer; tests/test_offload.py notices when DeepSpeedCPUAdam stops needing it.
+    """
+    for group in state_dict.get("param_groups", []):
+        for key, value in optimizer.defaults.items():
+            group.setdefault(key, value)
+    if type(optimizer).__name__ == "DeepSpeedCPUAdam":
+        for st in state_dict.get("state", {}).values():
+            if "step" in st and hasattr(st["step"], "item"):
+                st["step"] = int(st["step"].item())
+    return state_dict

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
+from .offload import offload_traffic, tier_bytes
 from .traffic import dp_bytes, pp_bytes, tp_bytes
+
+# DeepSpeedCPUAdam elements updated per second per core (fp32 master and moments, AVX2/AVX512):
+# measured on this project's 2-core CPU machine with `python -m mt3d.bench offload` (see README).
+CPU_ADAM_ELEMENTS_PER_CORE_S = 2.0e8
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ class Layout:
     recompute: bool
     sequence_parallel: bool
     virtual_stages: int = 1
+    offload: str = "none"
+    """none, opt-cpu, opt-nvme, cpu or nvme (``offload.OFFLOAD_OPTIONS``)."""
 
 
 def in_flight_blocks(blocks: int, p: int, m: int, v: int) -> float:
@@ -137,10 +144,12 @@ def memory_bytes(
     activation_model: str = "mt3d",
     bucket_elems: float = 5e8,
 ) -> dict[str, float]:
-    """Peak bytes per GPU of the heaviest stage, by component."""
+    """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
+    rank keeps in CPU memory and on NVMe (offload)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p)
-    states = model_state_bytes(params, lay.dp, lay.zero_stage, prec)
+    tiers = tier_bytes(params, lay.dp, lay.zero_stage, prec, lay.offload)
+    states = tiers["gpu"]
     sp = lay.sequence_parallel and t > 1
     if activation_model == "korthikanti":
         heads = cfg.heads
@@ -161,7 +170,8 @@ def memory_bytes(
     acts = max(first, last) if p > 1 else last
     buckets = min(bucket_elems, params) * 4 if lay.zero_stage >= 1 else 0.0  # ZeRO's fp32 reduce bucket
     total = states + acts + buckets
-    return {"model_states": states, "activations": acts, "buckets": buckets, "total": total}
+    return {"model_states": states, "activations": acts, "buckets": buckets, "total": total,
+            "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
 
 
 def step_time(
@@ -174,7 +184,7 @@ def step_time(
     peak_tflops: float,
     efficiency: float,
     bw: dict[str, float],
-    comm_bytes: int = 2,
+    precision: str = "bf16",
     attention_fraction: float = 1.0,
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication) and throughput.
@@ -191,6 +201,8 @@ def step_time(
     compute = executed / gpus / (peak_tflops * 1e12 * efficiency)
     v = lay.virtual_stages
     bubble = compute * (lay.pp - 1) / (v * lay.grad_accum)  # PTD-P: interleaving divides it by v
+    prec = Precision.of(precision, max(lay.zero_stage, 1))
+    comm_bytes = prec.param
     act = seq_len * lay.micro_batch * cfg.hidden * comm_bytes
     blocks = math.ceil(cfg.layers / lay.pp)
     m, t, d = lay.grad_accum, lay.tp, lay.dp
@@ -198,7 +210,14 @@ def step_time(
     pp = pp_bytes(m, act, v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
     grads = stage_params(cfg, vocab, t, lay.pp)
     dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage) / (bw["dp"] * 1e9)
-    total = compute + bubble + tp + pp + dp
+    # offload: PCIe and NVMe transfers and the CPU optimizer step, not overlapped with compute (an
+    # upper bound: DeepSpeed prefetches some of it behind the GPU's work)
+    offload = 0.0
+    if lay.offload != "none":
+        moved = offload_traffic(grads, d, lay.zero_stage, prec, lay.offload, lay.recompute)
+        offload = (moved["pcie"] / (bw["pcie"] * 1e9) + moved["nvme"] / (bw["nvme"] * 1e9)
+                   + moved["cpu_adam_elements"] / bw["cpu_adam"])  # fmt: skip
+    total = compute + bubble + tp + pp + dp + offload
     tflops = flops / gpus / total / 1e12
     return {
         "compute_s": compute,
@@ -206,6 +225,7 @@ def step_time(
         "tp_comm_s": tp,
         "pp_comm_s": pp,
         "dp_comm_s": dp,
+        "offload_s": offload,
         "step_time_s": total,
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops,

@@ -26,13 +26,60 @@ class Device:
     """GB/s per GPU across nodes (InfiniBand / RoCE)."""
     reserved_gb: float = 2.0
     """Memory the framework and communication libraries hold whatever the model (CUDA context, NCCL)."""
+    host_memory_gb: float = 1000.0
+    """CPU memory per node (ZeRO-Offload's tier), GB."""
+    nvme_gb: float = 15000.0
+    """Local NVMe capacity per node (ZeRO-Infinity's tier), GB."""
+    pcie_gbps: float = 25.0
+    """GB/s per GPU between GPU and CPU memory, each way (achieved, not the link's nominal rate)."""
+    nvme_gbps: float = 25.0
+    """GB/s of the node's NVMe drives together (read and write alike)."""
+    cpu_cores_per_gpu: int = 16
+    """CPU cores per GPU that run the offloaded optimizer step (DeepSpeedCPUAdam)."""
 
 
+# Node defaults are those of NVIDIA's DGX systems (DGX A100: 1 TB RAM, 4 x 3.84 TB NVMe, PCIe 4,
+# 2 x 64 cores; DGX H100/H200: 2 TB RAM, 8 x 3.84 TB NVMe, PCIe 5, 2 x 56 cores); `mt3d plan`
+# overrides each with a flag.
 DEVICES = {
     "a100-80gb": Device("A100-SXM4-80GB", 312.0, 80.0, intra_gbps=240.0, inter_gbps=25.0),
-    "h100": Device("H100-SXM5-80GB", 989.0, 80.0, intra_gbps=360.0, inter_gbps=50.0),
-    "h200": Device("H200-SXM-141GB", 989.0, 141.0, intra_gbps=360.0, inter_gbps=50.0),
-    "cpu": Device("CPU (gloo)", 0.1, 16.0, intra_gbps=5.0, inter_gbps=1.0, reserved_gb=0.5),
+    "h100": Device(
+        "H100-SXM5-80GB",
+        989.0,
+        80.0,
+        intra_gbps=360.0,
+        inter_gbps=50.0,
+        host_memory_gb=2000.0,
+        nvme_gb=30000.0,
+        pcie_gbps=50.0,
+        nvme_gbps=50.0,
+        cpu_cores_per_gpu=14,
+    ),  # fmt: skip
+    "h200": Device(
+        "H200-SXM-141GB",
+        989.0,
+        141.0,
+        intra_gbps=360.0,
+        inter_gbps=50.0,
+        host_memory_gb=2000.0,
+        nvme_gb=30000.0,
+        pcie_gbps=50.0,
+        nvme_gbps=50.0,
+        cpu_cores_per_gpu=14,
+    ),  # fmt: skip
+    "cpu": Device(
+        "CPU (gloo)",
+        0.1,
+        16.0,
+        intra_gbps=5.0,
+        inter_gbps=1.0,
+        reserved_gb=0.5,
+        host_memory_gb=16.0,
+        nvme_gb=100.0,
+        pcie_gbps=5.0,
+        nvme_gbps=1.0,
+        cpu_cores_per_gpu=1,
+    ),  # fmt: skip
 }
 
 

@@ -14,12 +14,13 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from ..config import virtual_stage_conflict, zero_pipeline_conflict
+from ..config import Offload, virtual_stage_conflict, zero_pipeline_conflict
 from ..errors import UserError
 from ..model.config import ModelConfig
 from ..parallel.topology import uniform_crossing
-from .costs import Layout, Precision, memory_bytes, step_time
+from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
 from .hardware import Device
+from .offload import OFFLOAD_OPTIONS, offload_rule
 from .sparsity import attention_speedup
 
 
@@ -39,10 +40,14 @@ def divisors(n: int) -> list[int]:
 
 
 def bandwidths(cluster: Cluster, tp: int, pp: int) -> dict[str, float]:
-    """GB/s of each axis: NVLink when the mapper keeps its groups inside nodes, else the network."""
+    """GB/s of each axis (NVLink when the mapper keeps its groups inside nodes, else the network),
+    of each GPU's PCIe link and share of the node's NVMe, and the CPU optimizer's elements/s per GPU."""
     dev = cluster.device
     cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp)
-    return {ax: dev.inter_gbps if cross[ax] else dev.intra_gbps for ax in ("tp", "pp", "dp")}
+    bw = {ax: dev.inter_gbps if cross[ax] else dev.intra_gbps for ax in ("tp", "pp", "dp")}
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    return {**bw, "pcie": dev.pcie_gbps, "nvme": dev.nvme_gbps / per_node,
+            "cpu_adam": dev.cpu_cores_per_gpu * CPU_ADAM_ELEMENTS_PER_CORE_S}  # fmt: skip
 
 
 def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> str | None:
@@ -64,7 +69,7 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> s
     return None
 
 
-def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, reject):
+def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject):
     """Every layout that passes the structural rules, with the bandwidths of its axes; the others are
     handed to ``reject`` with their reason (whole (tp, pp) pairs first, then finer choices)."""
     for tp in divisors(cluster.gpus):
@@ -96,9 +101,10 @@ def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_
                         if why:
                             reject({**base, "micro_batch": b, "zero_stage": zero, "virtual_stages": v}, why)
                             continue
-                        for recompute in (False, True):
-                            for sp in (False, True) if tp > 1 else (False,):
-                                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v), bw
+                        for off in (o for o in offloads if not offload_rule(zero, o)):
+                            for recompute in (False, True):
+                                for sp in (False, True) if tp > 1 else (False,):
+                                    yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off), bw
 
 
 def plan(
@@ -113,6 +119,7 @@ def plan(
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
     zero_stages: tuple[int, ...] = (0, 1, 2, 3),
     virtual_stages: tuple[int, ...] = (1, 2, 4),
+    offloads: tuple[str, ...] = OFFLOAD_OPTIONS,
     activation_model: str = "mt3d",
     max_rejected: int = 500,
 ) -> dict:
@@ -147,18 +154,27 @@ def plan(
         if len(row) == 3 or len(rejected) < max_rejected:
             rejected.append({**row, "reason": reason})
 
-    candidates = _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, reject)
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    smallest = math.inf  # GB per GPU of the smallest layout without offload
+    candidates = _candidates(
+        cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject
+    )
     for lay, bw in candidates:
         row = {**asdict(lay)}
         mem = memory_bytes(cfg, vocab, seq_len, lay, Precision.of(precision, lay.zero_stage),
                            activation_model=activation_model)  # fmt: skip
         row["memory_gb"] = mem["total"] / 1e9
-        if mem["total"] > budget:
-            reject(row, f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB usable")
+        row["cpu_gb_per_node"] = mem["cpu"] * per_node / 1e9
+        row["nvme_gb_per_node"] = mem["nvme"] * per_node / 1e9
+        if lay.offload == "none":
+            smallest = min(smallest, row["memory_gb"])
+        why = tier_overflow(mem, per_node, budget, dev)
+        if why:
+            reject(row, why)
             continue
         t = step_time(
             cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
-            attention_fraction=attention["tile_fraction"],
+            attention_fraction=attention["tile_fraction"], precision=precision,
         )  # fmt: skip
         feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
@@ -176,7 +192,20 @@ def plan(
         "feasible": feasible,
         "rejected": rejected,
         "rejected_total": rejected_total,
+        "smallest_without_offload_gb": smallest if smallest < math.inf else None,
     }
+
+
+def tier_overflow(mem: dict, per_node: int, budget: float, dev: Device) -> str | None:
+    """Which memory tier a layout overflows: the GPU, the node's CPU memory or its NVMe (None: none)."""
+    if mem["total"] > budget:
+        return f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB usable"
+    if mem["cpu"] * per_node > dev.host_memory_gb * 1e9:
+        need = mem["cpu"] * per_node / 1e9
+        return f"offload needs {need:.0f} GB of CPU memory > {dev.host_memory_gb:.0f} GB per node"
+    if mem["nvme"] * per_node > dev.nvme_gb * 1e9:
+        return f"offload needs {mem['nvme'] * per_node / 1e9:.0f} GB of NVMe > {dev.nvme_gb:.0f} GB per node"
+    return None
 
 
 def explain_infeasible(result: dict) -> str:
@@ -211,6 +240,28 @@ def interleaving_note(feasible: list[dict]) -> str:
     )
 
 
+def offload_note(feasible: list[dict], smallest_on_gpus: float | None) -> str:
+    """Whether the best layout offloads, and if so why: nothing fits on the GPUs without it."""
+    best = feasible[0]
+    if best["offload"] == "none":
+        return "offload: not needed (the best layout keeps every model state on the GPUs)"
+    plain = [r for r in feasible if r["offload"] == "none"]
+    where = (
+        f"GPU {best['memory_gb']:.1f} GB, CPU {best['cpu_gb_per_node']:.0f} GB and NVMe "
+        f"{best['nvme_gb_per_node']:.0f} GB per node"
+    )
+    if plain:
+        return (
+            f"offload: {best['offload']} wins ({where}); the best layout without offload takes "
+            f"{plain[0]['step_time_s'] / best['step_time_s']:.2f}x as long"
+        )
+    why = f" (the smallest needs {smallest_on_gpus:.1f} GB per GPU)" if smallest_on_gpus else ""
+    return (
+        f"offload: nothing fits in GPU memory without it{why}; ZeRO-3 with {best['offload']} offload "
+        f"fits: {where}"
+    )
+
+
 def format_plan(result: dict, top: int = 10) -> str:
     """Human-readable table of the best layouts and a summary of the rejections."""
     lines = [
@@ -218,8 +269,9 @@ def format_plan(result: dict, top: int = 10) -> str:
         f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
         f"tokens, {result['precision']}, compute efficiency {result['efficiency']:.0%}",
         "",
-        f"{'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'rc':>3} {'sp':>3} "
-        f"{'mem GB':>8} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  bubble/tp/pp/dp share",
+        f"{'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'offload':>8} {'rc':>3} "
+        f"{'sp':>3} {'GPU GB':>8} {'CPU GB/n':>9} {'NVMe GB/n':>10} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  "
+        "bubble/tp/pp/dp/offload share",
     ]
     attn = result.get("attention") or {}
     if attn.get("tile_fraction", 1.0) < 1.0:
@@ -230,18 +282,21 @@ def format_plan(result: dict, top: int = 10) -> str:
             f"{attn['attention_speedup_bound']:.2f}x",
         )
     for r in result["feasible"][:top]:
-        parts = [r[k] / r["step_time_s"] for k in ("bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s")]
+        shares = ("bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s")
+        parts = [r[k] / r["step_time_s"] for k in shares]
         lines.append(
             f"{r['tp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} {r['micro_batch']:>3} "
-            f"{r['grad_accum']:>5} "
-            f"{r['zero_stage']:>4} {'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
-            f"{r['memory_gb']:>8.1f} {r['step_time_s']:>9.3f} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%}  "
+            f"{r['grad_accum']:>5} {r['zero_stage']:>4} {r['offload']:>8} "
+            f"{'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
+            f"{r['memory_gb']:>8.1f} {r['cpu_gb_per_node']:>9.0f} {r['nvme_gb_per_node']:>10.0f} "
+            f"{r['step_time_s']:>9.3f} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%}  "
             + "/".join(f"{x:.0%}" for x in parts)
         )
     if not result["feasible"]:
         lines.append(explain_infeasible(result))
     else:
         lines.append(interleaving_note(result["feasible"]))
+        lines.append(offload_note(result["feasible"], result.get("smallest_without_offload_gb")))
     lines.append("")
     counts: dict[str, int] = {}
     for r in result["rejected"]:
@@ -278,7 +333,11 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
             "hysteresis": 2,
             "min_loss_scale": 1,
         },
-        "zero_optimization": {"stage": best["zero_stage"]},
+        "zero_optimization": {
+            "stage": best["zero_stage"],
+            # a placeholder nvme_path: mt3d refuses to start until it names a writable local NVMe directory
+            **Offload.from_label(best["offload"], "/local_nvme/mt3d").ds_keys(),
+        },
         "wandb": {"enabled": True, "project": "mt3d"},
         "mt3d": {
             "model": cfg_section,

@@ -88,6 +88,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     load_dir, tag = None, None
     same_layout = plan is None or not plan.layout_changed(layout)
     if plan is not None:
+        plan.check_offload(layout)
         load_dir, tag = plan.path.parent, plan.path.name
         if not same_layout:
             load_dir, tag = reshard.prepare(plan, run, layout, rt.rank)

@@ -1,0 +1,92 @@
+"""Workaround: a DeepSpeed op build interrupted once makes every later run hang without a word.
+
+DeepSpeed JIT-builds its C++ ops (``cpu_adam``, ``async_io``, ``pin_memory``, the CPU accelerator's
+``deepspeed_shm_comm``) through ``torch.utils.cpp_extension.load``, which guards each build
+directory with a ``lock`` file (``torch.utils.file_baton.FileBaton``): created with O_EXCL, held
+open for the build, removed at the end. Every process takes it on its first load, even when the
+op is already built. A build killed half-way (a timeout, Ctrl-C, a preempted job) leaves the file
+behind, and every later process polls for it to vanish, forever and silently (torch 2.13,
+DeepSpeed 0.19.8 passes ``verbose=False``).
+
+A lock that no live process holds open is such a leftover; ``check_op_locks`` names it and the
+command that removes it before any process group exists. tests/test_offload.py checks the path
+against torch's own and that torch still waits without a time limit, so this file can go when it
+stops doing so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def extensions_root() -> Path:
+    """Where torch builds JIT extensions: ``$TORCH_EXTENSIONS_DIR`` as given, else
+    ``<user cache>/torch_extensions/py<ver>_<cpu|cuXY|rocmXY>`` (torch's ``_get_build_directory``,
+    computed without creating anything)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    given = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if given is not None:
+        return Path(given)
+    base = get_default_build_root()
+    if torch.version.hip is not None:
+        acc = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        acc = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        acc = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(base) / f"{py}_{acc}"
+
+
+def ops_for(ds: dict, on_cpu: bool) -> list[str]:
+    """The DeepSpeed ops a run with this config JIT-loads."""
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    devices = {(zero.get(f"offload_{k}") or {}).get("device", "none") for k in ("param", "optimizer")}
+    ops = ["deepspeed_shm_comm"] if on_cpu else []
+    if (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+        ops.append("cpu_adam")
+    if stage == 3 and "nvme" in devices:
+        ops += ["pin_memory", "async_io"]
+    return ops
+
+
+def _holders(lock: Path) -> bool:
+    """Whether a live process on this host has ``lock`` open (scans /proc/*/fd)."""
+    target = os.path.realpath(lock)
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                try:
+                    if os.readlink(fd) == target:
+                        return True
+                except OSError:
+                    continue
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return False
+
+
+def stale_locks(ops: list[str]) -> list[Path]:
+    """Lock files of ``ops`` that exist and that no live process holds."""
+    root = extensions_root()
+    return [lock for lock in (root / op / "lock" for op in ops) if lock.exists() and not _holders(lock)]
+
+
+def check_op_locks(ds: dict, on_cpu: bool) -> None:
+    """Refuse to start when a DeepSpeed op's build lock is a leftover (UserError naming the fix)."""
+    if not Path("/proc/self/fd").is_dir():  # no /proc: cannot tell a leftover from a live build
+        return
+    stale = stale_locks(ops_for(ds, on_cpu))
+    if stale:
+        paths = " ".join(str(p) for p in stale)
+        raise UserError(
+            f"stale build lock {paths} left by an interrupted DeepSpeed op build: the run would wait on it "
+            f"forever; remove it (rm {paths}) and start again (the op is rebuilt on first use)"
+        )
