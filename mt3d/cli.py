@@ -543,6 +543,7 @@ PLAN_EXAMPLES = """examples:
 DEVICE_FLAGS = {
     "--peak-tflops": ("peak_tflops", "the device's dense peak, TFLOP/s"),
     "--memory-gb": ("memory_gb", "the device's memory, GB"),
+    "--gemm-tflops": ("gemm_tflops", "the device's GEMM ceiling, TFLOP/s (largest achievable matmul rate)"),
     "--nvlink-gbps": ("intra_gbps", "GB/s per GPU inside a node (NVLink bus bandwidth)"),
     "--network-gbps": ("inter_gbps", "GB/s per node across nodes (all its NICs; shared by its GPUs)"),
     "--pcie-gbps": ("pcie_gbps", "GB/s per GPU between GPU and CPU memory (offload)"),
@@ -558,7 +559,8 @@ def _add_plan(sub) -> None:
         help="rank (tp, pp, dp, micro-batch, ZeRO, recompute, SP) layouts by predicted memory and time",
         description="Enumerate every layout of a model on a cluster, reject impossible ones with a reason, "
         "predict memory per GPU (ZeRO model states, Korthikanti activations, 1F1B in-flight micro-batches) "
-        "and step time (compute at --efficiency of peak, TP/PP/DP communication, pipeline bubble) for the "
+        "and step time (compute from GEMM shapes against the device's GEMM ceiling, or at --efficiency of "
+        "peak; TP/PP/DP communication, offload, pipeline bubble) for the "
         "rest, and rank them by step time.",
         epilog=PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -580,8 +582,9 @@ def _add_plan(sub) -> None:
     p.add_argument(
         "--efficiency",
         type=positive_float,
-        default=0.5,
-        help="achieved fraction of peak in compute (default 0.5)",
+        default=None,
+        help="time compute at this fraction of peak instead of the GEMM shape model (the default; 0.5 "
+        "on devices without a GEMM calibration)",
     )
     p.add_argument(
         "--virtual-stages",

@@ -84,10 +84,14 @@ def test_zero3_cpu_offload_matches_and_resumes_with_and_without_offload(tmp_path
 
 
 @needs_libaio
-def test_zero3_nvme_offload_matches_survives_kill_9_and_refuses_other_offloads(tmp_path, zero3_runs):
+def test_zero3_nvme_offload_matches_survives_kill_9_and_refuses_inexact_resumes(tmp_path, zero3_runs):
     """Parameters and optimizer states on NVMe: the swap directory is really written, losses equal no
-    offload, a rank killed mid-save loses only the steps since the last checkpoint, and the NVMe
-    checkpoint refuses to resume without NVMe (DeepSpeed cannot read it then) in one line."""
+    offload, a rank killed mid-save leaves the previous checkpoint complete. Resuming it is refused in
+    one line, without NVMe too (DeepSpeed cannot read it then), because DeepSpeed 0.19.8 restores
+    NVMe-offloaded optimizer states inexactly: the override resumes, and this test fails once the
+    resumed losses equal the unstopped run's (then drop the refusal in checkpoint/resume.py)."""
+    from mt3d.checkpoint.resume import NVME_RESUME_OVERRIDE
+
     base, got = zero3_runs
     nvme, run = tmp_path / "nvme", tmp_path / "run"
     with pytest.raises(WorkerError, match="exited with code -9"):
@@ -101,10 +105,16 @@ def test_zero3_nvme_offload_matches_survives_kill_9_and_refuses_other_offloads(t
     assert len({p.parent.name for p in opt}) == 4, swapped  # every rank swapped its optimizer states
     assert sum(p.stat().st_size for p in opt) >= 12 * 1.6e6  # fp32 master weights and both moments
     assert len(list((ckpts / "step_00000003" / "offloaded_tensors").iterdir())) == 4
-    resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900)[0])
-    assert resumed[-3:] == straight[3:]  # bit for bit, as if never killed
-    results = spawn(train_rc_worker, 4, zero3(tmp_path / "none", "none", resume=str(ckpts / "step_00000003")))
-    assert [rc for rc, _ in results] == [2] * 4
+    step3 = str(ckpts / "step_00000003")
+    for offload in ("nvme", "none"):
+        results = spawn(train_rc_worker, 4, zero3(tmp_path / offload, offload, nvme, resume=step3))
+        assert [rc for rc, _ in results] == [2] * 4
+    env = {NVME_RESUME_OVERRIDE: "1"}
+    resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900, env=env)[0])
+    assert [s for s, _, _ in resumed[-3:]] == [4, 5, 6]
+    assert resumed[-3:] != straight[3:], (
+        "DeepSpeed now resumes NVMe optimizer states exactly: drop the refusal"
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -120,7 +130,12 @@ def test_zero1_cpu_optimizer_offload_at_pp2(tmp_path, precision):
 
     ref = losses(spawn(train_worker, 2, config("a", "none"))[0])
     got = losses(spawn(train_worker, 2, config("b", "opt-cpu"))[0])
-    close(got, ref, 1e-6 if precision == "fp32" else 1e-3)
+    if precision == "fp32":
+        close(got, ref, 1e-6)
+    else:  # BF16_Optimizer without offload, ZeRO-1's optimizer with it: bf16 gradients differ slightly
+        assert [s for s, _, _ in got] == [s for s, _, _ in ref]
+        for (_, a, ga), (_, b, gb) in zip(got, ref):
+            assert abs(a - b) <= 1e-3 * b and abs(ga - gb) <= 2e-2 * gb, (got, ref)
     if precision == "fp32":  # each checkpoint resumes under the other optimizer placement
         for saved, now in (("b", "none"), ("a", "opt-cpu")):
             resume = str(tmp_path / saved / "checkpoints" / "step_00000002")

@@ -102,7 +102,10 @@ def test_interleaving_divides_the_bubble_and_the_plan_says_so():
     assert times[2]["bubble_s"] == pytest.approx(times[1]["bubble_s"] / 2)
     assert times[4]["bubble_s"] == pytest.approx(times[1]["bubble_s"] / 4)
     assert times[4]["pp_comm_s"] == pytest.approx(4 * times[1]["pp_comm_s"])
-    result = plan(cfg, Cluster(64, 8, get_device("a100-80gb")), global_batch=64, seq_len=seq)
+    result = plan(  # Megatron-style: no ZeRO-3, no offload, so the pipeline is needed
+        cfg, Cluster(64, 8, get_device("a100-80gb")), global_batch=64, seq_len=seq, zero_stages=(0, 1),
+        offloads=("none",),
+    )  # fmt: skip
     vs = {r["virtual_stages"] for r in result["feasible"] if r["pp"] > 1}
     assert vs == {1, 2, 4}
     assert all(r["virtual_stages"] == 1 for r in result["feasible"] if r["pp"] == 1)
@@ -123,7 +126,7 @@ def test_mtnlg_530b_plan():
     tp16 = [r for r in result["rejected"] if r["tp"] == 16]
     assert tp16 and all("TP groups would cross nodes" in r["reason"] for r in tp16)
     best = result["feasible"][0]
-    assert best["tp"] == 8 and 0.2 < best["mfu"] < 0.5
+    assert best["tp"] == 8 and 0.3 < best["mfu"] < 0.6
     assert {"tp", "pp", "dp", "micro_batch", "grad_accum", "zero_stage", "recompute", "sequence_parallel",
             "memory_gb", "step_time_s", "tflops_per_gpu", "mfu"} <= set(best)  # fmt: skip
 
@@ -227,3 +230,31 @@ def test_a_million_gpus_are_planned_and_absurd_counts_refused():
     )
     reasons = {r["reason"] for r in rejected["rejected"] if r.get("tp") == 3}
     assert reasons == {"tp 3 does not divide the 8 GPUs of a node: TP groups would cross nodes"}
+
+
+def test_gemm_model_quantises_tiles_and_waves():
+    """One more tile than the SMs hold costs a second wave (halved here by switching to 128 x 128
+    tiles: 218 of them in 3 half-size waves); a K too small to hide the operands' traffic is
+    memory-bound."""
+    from mt3d.planner.compute import Gemm, gemm_seconds
+
+    a100 = get_device("a100-80gb")
+    full = gemm_seconds(Gemm(128 * 108, 256, 8192), a100)  # 108 tiles of 128 x 256: one wave
+    assert gemm_seconds(Gemm(128 * 109, 256, 8192), a100) == pytest.approx(1.5 * full)
+    assert gemm_seconds(Gemm(128 * 108 - 64, 256, 8192), a100) == pytest.approx(full)  # a partial tile
+    thin = Gemm(65536, 65536, 8)
+    traffic = 2 * (65536 * 8 * 2 + 65536**2) / (a100.hbm_gbps * 1e9 * 0.85)
+    assert gemm_seconds(thin, a100) == pytest.approx(traffic)
+
+
+def test_planner_fidelity_against_published_runs():
+    """The fidelity table of README (python -m mt3d.bench planner): every row of PTD-P's Table 1 and
+    its PTD-P rows of Table 2 within 10% with the one fitted GEMM fraction, which a refit reproduces."""
+    from mt3d.bench.planner import PTDP_TABLE1, PTDP_TABLE2, calibrate, predict
+    from mt3d.planner.compute import GEMM_FRACTION
+
+    for row in PTDP_TABLE1 + [r for r in PTDP_TABLE2 if "PTD-P" in r[0]]:
+        assert abs(predict(row)["error"]) <= 0.10, predict(row)
+    small, large = predict(PTDP_TABLE1[0]), predict(PTDP_TABLE1[-2])
+    assert large["predicted"] / small["predicted"] > 1.15  # large models run closer to peak, as published
+    assert calibrate() == pytest.approx(GEMM_FRACTION, abs=0.01)

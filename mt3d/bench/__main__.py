@@ -22,6 +22,7 @@ BENCHES = {
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
     "attention": "local vs global layers as n grows (n*W vs n^2), and each local pattern's kernel vs dense "
     "causal beside its speed-of-light bound",
+    "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
 }
 
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     at.add_argument("--dilation", type=int, default=2, help="patterns: the dilated row's d (1: none)")
     at.add_argument("--head-dim", type=int, default=None, help="patterns: head size (default 64; GPU 128)")
+    sub.add_parser("planner", help=BENCHES["planner"])
     return p
 
 

@@ -19,17 +19,22 @@ from .common import bench_run_config, build_engine, emit, table
 MODEL = dict(preset="tiny", hidden=512, layers=8, heads=8, max_seq_len=256)
 NULL = dict(preset="tiny", hidden=16, layers=8, heads=4, max_seq_len=256)
 BUCKET = 1_000_000  # ZeRO bucket elements, set in both the run and the prediction
-LAYOUTS = [  # tp, pp, dp, zero, recompute, sequence parallel
-    (1, 1, 1, 0, False, False),
-    (1, 1, 2, 1, False, False),
-    (1, 1, 2, 2, False, False),
-    (1, 1, 2, 3, False, False),
-    (2, 1, 1, 0, False, False),
-    (2, 1, 1, 0, False, True),
-    (1, 2, 1, 1, False, False),
-    (2, 2, 1, 1, True, False),
-    (1, 1, 1, 0, True, False),
+LAYOUTS = [  # tp, pp, dp, zero, recompute, sequence parallel, offload
+    (1, 1, 1, 0, False, False, "none"),
+    (1, 1, 2, 1, False, False, "none"),
+    (1, 1, 2, 2, False, False, "none"),
+    (1, 1, 2, 3, False, False, "none"),
+    (2, 1, 1, 0, False, False, "none"),
+    (2, 1, 1, 0, False, True, "none"),
+    (1, 2, 1, 1, False, False, "none"),
+    (2, 2, 1, 1, True, False, "none"),
+    (1, 1, 1, 0, True, False, "none"),
+    (1, 1, 2, 1, False, False, "opt-cpu"),
+    (1, 1, 2, 3, False, False, "opt-cpu"),
+    (1, 1, 2, 3, False, False, "opt-nvme"),
 ]
+"""Offload rows: on a CPU machine the accelerator's memory and the CPU tier are the same RAM, so the
+prediction is both tiers (``memory_bytes`` total + cpu); what goes to NVMe leaves the RSS."""
 
 
 def _rss_kb() -> int:
@@ -37,7 +42,7 @@ def _rss_kb() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
-def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum) -> dict:
+def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none", nvme=None) -> dict:
     """Train two steps; return peak RSS above the pre-model baseline (bytes)."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
@@ -53,6 +58,9 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum) -> dict:
         reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET, stage3_prefetch_bucket_size=BUCKET
     )
     raw["zero_optimization"].update(buckets, stage3_param_persistence_threshold=0)
+    from ..config import Offload
+
+    raw["zero_optimization"].update(Offload.from_label(offload, nvme).ds_keys())
     from ..config import DataConfig
     from ..data.loader import build_data
 
@@ -75,36 +83,41 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum) -> dict:
     return {"measured": (peak - base) * 1024, "stage": rt.state.pp.rank}
 
 
-def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum) -> dict:
-    """The planner's bytes (by component) for the heaviest stage of this layout."""
+def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="none") -> dict:
+    """The planner's bytes (by component) for the heaviest stage of this layout; ``rss``: what a
+    CPU run holds in RAM (the accelerator's share and the CPU tier)."""
     from ..model.config import ModelConfig
     from ..planner.costs import Layout, Precision, memory_bytes
 
     cfg = ModelConfig(**{k: v for k, v in model.items() if k != "preset"}, vocab_size=512)
-    lay = Layout(tp, pp, dp, micro, accum, zero, recompute, sp)
-    return memory_bytes(cfg, 512, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET)
+    lay = Layout(tp, pp, dp, micro, accum, zero, recompute, sp, offload=offload)
+    mem = memory_bytes(cfg, 512, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET)
+    return {**mem, "rss": mem["total"] + mem["cpu"]}
 
 
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench memory``."""
+    import tempfile
+
     from ..parallel.spawn import spawn
 
     rows = []
-    for tp, pp, dp, zero, rc, sp in LAYOUTS[: args.layouts]:
-        common = (tp, pp, zero, rc, sp, args.seq_len, args.micro, args.accum)
-        full = max(r["measured"] for r in spawn(worker, tp * pp * dp, MODEL, *common, timeout=900))
-        null = max(r["measured"] for r in spawn(worker, tp * pp * dp, NULL, *common, timeout=900))
-        shape = (tp, pp, dp, zero, rc, sp, args.seq_len, args.micro, args.accum)
-        pred = predict(MODEL, *shape)["total"] - predict(NULL, *shape)["total"]
-        rows.append({"tp": tp, "pp": pp, "dp": dp, "zero": zero, "recompute": rc, "sp": sp,
+    for tp, pp, dp, zero, rc, sp, off in LAYOUTS[: args.layouts]:
+        with tempfile.TemporaryDirectory(prefix="mt3d-nvme-") as nvme:
+            common = (tp, pp, zero, rc, sp, args.seq_len, args.micro, args.accum, off, nvme)
+            full = max(r["measured"] for r in spawn(worker, tp * pp * dp, MODEL, *common, timeout=900))
+            null = max(r["measured"] for r in spawn(worker, tp * pp * dp, NULL, *common, timeout=900))
+        shape = (tp, pp, dp, zero, rc, sp, args.seq_len, args.micro, args.accum, off)
+        pred = predict(MODEL, *shape)["rss"] - predict(NULL, *shape)["rss"]
+        rows.append({"tp": tp, "pp": pp, "dp": dp, "zero": zero, "recompute": rc, "sp": sp, "offload": off,
                      "peak_mb": full / 1e6, "fixed_mb": null / 1e6, "measured_mb": (full - null) / 1e6,
                      "predicted_mb": pred / 1e6, "ratio": (full - null) / pred})  # fmt: skip
     within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
     print(
         f"peak memory of the heaviest rank, fp32, CPU: {within}/{len(rows)} layouts within 15% of the planner"
     )
-    print(table(rows, ["tp", "pp", "dp", "zero", "recompute", "sp", "peak_mb", "fixed_mb", "measured_mb",
-                       "predicted_mb", "ratio"]))  # fmt: skip
+    print(table(rows, ["tp", "pp", "dp", "zero", "recompute", "sp", "offload", "peak_mb", "fixed_mb",
+                       "measured_mb", "predicted_mb", "ratio"]))  # fmt: skip
     return emit("memory", {"rows": rows, "within_15pct": within, "model": MODEL, "seq_len": args.seq_len})
 
 
@@ -120,10 +133,22 @@ def markdown(r: dict) -> tuple[list[str], list[list]]:
             x["zero"],
             x["recompute"],
             x["sp"],
+            x.get("offload", "none"),
             _f(x["measured_mb"]),
             _f(x["predicted_mb"]),
             _f(x["ratio"]),
         ]
         for x in r["rows"]
     ]
-    return ["tp", "pp", "dp", "ZeRO", "recompute", "SP", "measured MB", "planner MB", "ratio"], rows
+    return [
+        "tp",
+        "pp",
+        "dp",
+        "ZeRO",
+        "recompute",
+        "SP",
+        "offload",
+        "measured MB",
+        "planner MB",
+        "ratio",
+    ], rows

@@ -21,6 +21,11 @@ from .traffic import dp_bytes, pp_bytes, tp_bytes
 # DeepSpeedCPUAdam elements updated per second per core (fp32 master and moments, AVX2/AVX512):
 # measured on this project's 2-core CPU machine with `python -m mt3d.bench offload` (see README).
 CPU_ADAM_ELEMENTS_PER_CORE_S = 2.0e8
+# Share of the compute time behind which DeepSpeed's ZeRO-3 hides its parameter all-gathers and
+# gradient reduce-scatters (prefetching). Fitted on PTD-P's Table 2 ZeRO-3 rows (175B and 530B on
+# 384-2240 A100s, which it then predicts within 7%): 1.0 (all hidden) over-predicts the
+# compute-bound rows by 31-41%, 0.0 under-predicts them.
+ZERO3_OVERLAP = 0.5
 
 
 @dataclass(frozen=True)
@@ -182,34 +187,58 @@ def step_time(
     lay: Layout,
     *,
     peak_tflops: float,
-    efficiency: float,
+    efficiency: float | None,
     bw: dict[str, float],
     precision: str = "bf16",
     attention_fraction: float = 1.0,
+    device=None,
+    attention_kernel: str = "flash",
+    pp_scatter_gather: bool = False,
 ) -> dict[str, float]:
-    """Seconds per step by component (compute, bubble, TP/PP/DP communication) and throughput.
+    """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
+    Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
+    of ``compute.micro_batch_seconds`` (the heaviest stage's blocks, plus the output layer) and the
+    GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. Megatron's TP, PP and
+    DP transfers are not overlapped with compute; ZeRO-3's parameter all-gathers and gradient
+    reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
     ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
     over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
     they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
+    ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
+    ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     """
     gpus = lay.tp * lay.pp * lay.dp
     tokens = global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
-    work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
-    executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
-    compute = executed / gpus / (peak_tflops * 1e12 * efficiency)
-    v = lay.virtual_stages
-    bubble = compute * (lay.pp - 1) / (v * lay.grad_accum)  # PTD-P: interleaving divides it by v
+    v, m, t, d = lay.virtual_stages, lay.grad_accum, lay.tp, lay.dp
+    blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1))
+    grads = stage_params(cfg, vocab, t, lay.pp)
+    optimizer = 0.0
+    if efficiency is None and device is not None and getattr(device, "sms", 0):
+        from .compute import micro_batch_seconds, optimizer_seconds
+
+        per_micro = micro_batch_seconds(
+            cfg, vocab, seq_len, lay.micro_batch, t, blocks, device, sp=lay.sequence_parallel and t > 1,
+            recompute=lay.recompute, attention=attention_kernel, keys=seq_len * attention_fraction,
+        )["total_s"]  # fmt: skip
+        compute = m * per_micro
+        if lay.offload == "none":
+            optimizer = optimizer_seconds(grads / (d if lay.zero_stage >= 1 else 1), device)
+    else:
+        work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
+        executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
+        compute = executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5))
+    bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
     act = seq_len * lay.micro_batch * cfg.hidden * comm_bytes
-    blocks = math.ceil(cfg.layers / lay.pp)
-    m, t, d = lay.grad_accum, lay.tp, lay.dp
     tp = tp_bytes(blocks, m, act, t) / (bw["tp"] * 1e9)
-    pp = pp_bytes(m, act, v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
-    grads = stage_params(cfg, vocab, t, lay.pp)
-    dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage) / (bw["dp"] * 1e9)
+    pp = pp_bytes(m, act / (t if pp_scatter_gather else 1), v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
+    gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
+    dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage, gathers) / (bw["dp"] * 1e9)
+    if lay.zero_stage == 3:
+        dp = max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     # offload: PCIe and NVMe transfers and the CPU optimizer step, not overlapped with compute (an
     # upper bound: DeepSpeed prefetches some of it behind the GPU's work)
     offload = 0.0
@@ -217,7 +246,7 @@ def step_time(
         moved = offload_traffic(grads, d, lay.zero_stage, prec, lay.offload, lay.recompute)
         offload = (moved["pcie"] / (bw["pcie"] * 1e9) + moved["nvme"] / (bw["nvme"] * 1e9)
                    + moved["cpu_adam_elements"] / bw["cpu_adam"])  # fmt: skip
-    total = compute + bubble + tp + pp + dp + offload
+    total = compute + bubble + tp + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
     return {
         "compute_s": compute,
@@ -226,6 +255,7 @@ def step_time(
         "pp_comm_s": pp,
         "dp_comm_s": dp,
         "offload_s": offload,
+        "optimizer_s": optimizer,
         "step_time_s": total,
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops,

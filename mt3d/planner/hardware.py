@@ -36,13 +36,31 @@ class Device:
     """GB/s of the node's NVMe drives together (read and write alike)."""
     cpu_cores_per_gpu: int = 16
     """CPU cores per GPU that run the offloaded optimizer step (DeepSpeedCPUAdam)."""
+    sms: int = 0
+    """Streaming multiprocessors (0: no GEMM calibration; compute at a constant fraction of peak)."""
+    gemm_tflops: float = 0.0
+    """Maximum achievable 16-bit matmul TFLOP/s (the best over a sweep of large GEMM shapes)."""
+    hbm_gbps: float = 0.0
+    """HBM bandwidth, GB/s (data sheet)."""
 
 
+# GEMM ceilings (gemm_tflops): maximum achievable matmul FLOPS measured with a shape sweep, bf16,
+# as published in Stas Bekman's ML Engineering book (A100 SXM 271.2 = 86.9% of peak, H100 SXM
+# 794.5 = 80.3%). No GPU sweep of mt3d's own has fed these yet (no GPU was lent).
 # Node defaults are those of NVIDIA's DGX systems (DGX A100: 1 TB RAM, 4 x 3.84 TB NVMe, PCIe 4,
 # 2 x 64 cores; DGX H100/H200: 2 TB RAM, 8 x 3.84 TB NVMe, PCIe 5, 2 x 56 cores); `mt3d plan`
 # overrides each with a flag.
 DEVICES = {
-    "a100-80gb": Device("A100-SXM4-80GB", 312.0, 80.0, intra_gbps=240.0, inter_gbps=25.0),
+    "a100-80gb": Device(
+        "A100-SXM4-80GB",
+        312.0,
+        80.0,
+        intra_gbps=240.0,
+        inter_gbps=25.0,
+        sms=108,
+        gemm_tflops=271.2,
+        hbm_gbps=2039.0,
+    ),
     "h100": Device(
         "H100-SXM5-80GB",
         989.0,
@@ -54,6 +72,9 @@ DEVICES = {
         pcie_gbps=50.0,
         nvme_gbps=50.0,
         cpu_cores_per_gpu=14,
+        sms=132,
+        gemm_tflops=794.5,
+        hbm_gbps=3350.0,
     ),  # fmt: skip
     "h200": Device(
         "H200-SXM-141GB",
@@ -66,6 +87,9 @@ DEVICES = {
         pcie_gbps=50.0,
         nvme_gbps=50.0,
         cpu_cores_per_gpu=14,
+        sms=132,
+        gemm_tflops=794.5,  # the H100's figure: the same SMs and clocks, more and faster HBM
+        hbm_gbps=4800.0,
     ),  # fmt: skip
     "cpu": Device(
         "CPU (gloo)",

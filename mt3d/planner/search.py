@@ -115,7 +115,7 @@ def plan(
     seq_len: int,
     vocab: int | None = None,
     precision: str = "bf16",
-    efficiency: float = 0.5,
+    efficiency: float | None = None,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
     zero_stages: tuple[int, ...] = (0, 1, 2, 3),
     virtual_stages: tuple[int, ...] = (1, 2, 4),
@@ -134,7 +134,7 @@ def plan(
     for name, value in (("--global-batch", global_batch), ("--seq-len", seq_len)):
         if value <= 0:
             raise UserError(f"{name} must be positive, got {value}")
-    if not 0 < efficiency <= 1:
+    if efficiency is not None and not 0 < efficiency <= 1:
         raise UserError(f"--efficiency is a fraction of peak in (0, 1], got {efficiency}")
     if cluster.device.peak_tflops <= 0 or cluster.device.memory_gb <= 0:
         raise UserError("--peak-tflops and --memory-gb must be positive")
@@ -174,6 +174,7 @@ def plan(
             continue
         t = step_time(
             cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
+            device=dev,
             attention_fraction=attention["tile_fraction"], precision=precision,
         )  # fmt: skip
         feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
@@ -188,12 +189,23 @@ def plan(
         "seq_len": seq_len,
         "precision": precision,
         "efficiency": efficiency,
+        "gemm_tflops": dev.gemm_tflops,
         "attention": attention,
         "feasible": feasible,
         "rejected": rejected,
         "rejected_total": rejected_total,
         "smallest_without_offload_gb": smallest if smallest < math.inf else None,
     }
+
+
+def compute_model(result: dict) -> str:
+    """How the plan timed compute: a constant fraction of peak, or the GEMM shape model."""
+    if result["efficiency"] is not None:
+        return f"compute efficiency {result['efficiency']:.0%}"
+    ceiling = result.get("gemm_tflops")
+    if not ceiling:
+        return "compute efficiency 50% (no GEMM calibration for this device)"
+    return f"compute from GEMM shapes (ceiling {ceiling:g} TFLOP/s)"
 
 
 def tier_overflow(mem: dict, per_node: int, budget: float, dev: Device) -> str | None:
@@ -267,7 +279,7 @@ def format_plan(result: dict, top: int = 10) -> str:
     lines = [
         f"{result['model']} ({result['params'] / 1e9:.2f}B params) on {result['gpus']} x {result['device']} "
         f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
-        f"tokens, {result['precision']}, compute efficiency {result['efficiency']:.0%}",
+        f"tokens, {result['precision']}, " + compute_model(result),
         "",
         f"{'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'offload':>8} {'rc':>3} "
         f"{'sp':>3} {'GPU GB':>8} {'CPU GB/n':>9} {'NVMe GB/n':>10} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  "

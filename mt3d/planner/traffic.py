@@ -29,10 +29,13 @@ def pp_bytes(micro_batches: int, act_bytes: float, virtual_stages: int = 1) -> f
     return 2 * virtual_stages * micro_batches * act_bytes
 
 
-def dp_bytes(stage_params: float, elem_bytes: int, d: int, zero_stage: int) -> float:
+def dp_bytes(stage_params: float, elem_bytes: int, d: int, zero_stage: int, gathers: int = 2) -> float:
     """Gradient all-reduce (ZeRO 0) or reduce-scatter + all-gather (ZeRO 1/2) of the rank's model
-    slice: 2(d-1)/d of it; ZeRO-3 all-gathers the parameters once more for backward: 3(d-1)/d."""
-    return (1.5 if zero_stage == 3 else 1.0) * ring_factor(d) * stage_params * elem_bytes
+    slice: 2(d-1)/d of it. ZeRO-3 all-gathers the parameters for every pass that uses them (forward
+    and backward: ``gathers`` 2; 3 with recompute) and reduce-scatters the gradients once:
+    (gathers + 1)(d-1)/d."""
+    share = (gathers + 1) / 2 if zero_stage == 3 else 1.0
+    return share * ring_factor(d) * stage_params * elem_bytes
 
 
 @dataclass(frozen=True)

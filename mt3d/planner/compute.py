@@ -1,0 +1,161 @@
+"""Compute time of one micro-batch on one pipeline stage, from the shapes of its kernels.
+
+A GEMM of (M x K) @ (K x N) runs as output tiles spread over the GPU's streaming multiprocessors
+in waves. Its time is the larger of
+
+* compute: waves x (time of one tile), where a tile of tm x tn outputs costs 2 tm tn K FLOPs at the
+  per-SM share of ``GEMM_FRACTION`` x ``Device.gemm_tflops`` (the device's "maximum achievable
+  matmul FLOPS", the best of a published shape sweep; the fraction is fitted once). Partial tiles and a last
+  partial wave cost as much as full ones: this is tile and wave quantisation, and it is why small
+  hidden sizes and narrow tensor-parallel slices run at a lower fraction of peak;
+* memory: the operands and the result once through HBM at ``Device.hbm_gbps``.
+
+cuBLAS picks among several tile shapes; the model takes the fastest of ``TILES``. Everything that
+is not a GEMM (norms, bias + activation, dropout + residual, rotary embeddings, and with
+materialised attention the softmax and dropout of the s x s scores) is memory-bound: elements
+read and written per token, at ``HBM_FRACTION`` of the HBM bandwidth. Backward is two GEMMs per
+forward GEMM (input and weight gradients) and about twice the forward's elementwise traffic;
+full recompute runs the forward once more.
+
+``attention="flash"`` (mt3d: ``scaled_dot_product_attention``) keeps no score matrix; its FLOPs run
+at ``FLASH_FRACTION`` of the GEMM ceiling. ``"materialized"`` is Megatron-LM 2021 (fused
+scale-mask-softmax, scores written to HBM), which the fidelity table's published runs used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..model.config import GATED_MLPS, ModelConfig
+from ..parallel.layers import pad_vocab
+
+TILES = ((128, 256), (256, 128), (128, 128))
+GEMM_FRACTION = 0.78
+"""The share of the device's GEMM ceiling (a shape sweep's best) that a training step's GEMMs
+reach: the one calibration of this model, fitted on PTD-P's Table 1 (A100, 211.5 of 271.2 TFLOP/s;
+``python -m mt3d.bench planner`` refits it) and assumed for the other devices."""
+HBM_FRACTION = 0.85
+"""Achieved share of HBM bandwidth by streaming kernels (STREAM-like copy/triad on A100/H100)."""
+FLASH_FRACTION = 0.7
+"""FlashAttention-2's attention FLOP rate relative to a large GEMM's (Dao 2023: ~70% of GEMM speed)."""
+ATTENTION_KERNELS = ("flash", "materialized")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One (batched) matrix multiply: ``batch`` products of (m x k) @ (k x n)."""
+
+    m: float
+    n: float
+    k: float
+    batch: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        """Multiply-add FLOPs."""
+        return 2.0 * self.m * self.n * self.k * self.batch
+
+    def backward(self) -> tuple[Gemm, Gemm]:
+        """Input gradient (m x n) @ (n x k) and weight gradient (k x m) @ (m x n)."""
+        return Gemm(self.m, self.k, self.n, self.batch), Gemm(self.k, self.n, self.m, self.batch)
+
+
+def gemm_seconds(g: Gemm, dev, elem: int = 2) -> float:
+    """Time of ``g`` on ``dev``: the slower of the quantised compute and the HBM traffic."""
+    per_sm = dev.gemm_tflops * GEMM_FRACTION * 1e12 / dev.sms
+    best = math.inf
+    for tm, tn in TILES:
+        tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.batch
+        waves = math.ceil(tiles / dev.sms)
+        best = min(best, waves * 2.0 * tm * tn * g.k / per_sm)
+    traffic = elem * g.batch * (g.m * g.k + g.k * g.n + g.m * g.n) / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
+    return max(best, traffic)
+
+
+def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
+    """The forward weight GEMMs of one block on one TP rank (QKV, output, MLP in and out)."""
+    h = cfg.hidden
+    mlp_in = (2 if cfg.mlp in GATED_MLPS else 1) * cfg.ffn / tp
+    return [
+        Gemm(tokens, (cfg.q_size + 2 * cfg.kv_size) / tp, h),
+        Gemm(tokens, h, cfg.q_size / tp),
+        Gemm(tokens, mlp_in, h),
+        Gemm(tokens, h, cfg.ffn / tp),
+    ]
+
+
+def elementwise_elements(
+    cfg: ModelConfig, seq_len: int, keys: float, tp: int, sp: bool, attention: str
+) -> float:
+    """Elements one block reads and writes per token in its forward, outside GEMMs (one TP rank).
+
+    Two norms (read + write h), two dropout + residual adds (read 2h, write h, a mask of h/2 in
+    16-bit units): replicated over TP ranks unless sequence parallel; bias + activation over the
+    local MLP slice; rotary on q and k; with materialised attention the softmax (read + write the
+    local heads' scores) and its dropout (read, write, mask)."""
+    h, t = cfg.hidden, tp
+    replicated = (4 * h + 7 * h) / (t if sp else 1)
+    act = (3 if cfg.mlp in GATED_MLPS else 2) * cfg.ffn / t
+    rope = 4 * (cfg.q_size + cfg.kv_size) / t if cfg.position == "rope" else 0.0
+    scores = 4.5 * cfg.heads / t * keys if attention == "materialized" else 0.0
+    return replicated + act + rope + scores
+
+
+def micro_batch_seconds(
+    cfg: ModelConfig,
+    vocab: int,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    blocks: int,
+    dev,
+    *,
+    sp: bool = False,
+    recompute: bool = False,
+    attention: str = "flash",
+    keys: float | None = None,
+    with_logits: bool = True,
+    elem: int = 2,
+) -> dict[str, float]:
+    """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
+    GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer."""
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+    tokens = seq_len * micro_batch
+    keys = seq_len if keys is None else keys
+    fwd_passes = 2 if recompute else 1
+    gemm = 0.0
+    for g in block_gemms(cfg, tokens, tp):
+        dgrad, wgrad = g.backward()
+        gemm += (
+            fwd_passes * gemm_seconds(g, dev, elem)
+            + gemm_seconds(dgrad, dev, elem)
+            + gemm_seconds(wgrad, dev, elem)
+        )
+    heads = cfg.heads / tp
+    if attention == "materialized":  # scores = q k^T and out = p v per head; backward two of each
+        qk = Gemm(seq_len, keys, cfg.head_dim, micro_batch * heads)
+        pv = Gemm(seq_len, cfg.head_dim, keys, micro_batch * heads)
+        one = gemm_seconds(qk, dev, elem) + gemm_seconds(pv, dev, elem)
+        attn = (fwd_passes + 2) * one
+    else:
+        flops = 4.0 * tokens * keys * cfg.q_size / tp  # forward; backward 2x
+        attn = (fwd_passes + 2) * flops / (dev.gemm_tflops * GEMM_FRACTION * 1e12 * FLASH_FRACTION)
+    per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
+    mem = (fwd_passes + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
+    out = {"gemm_s": blocks * gemm, "attention_s": blocks * attn, "elementwise_s": blocks * mem}
+    logits = 0.0
+    if with_logits:
+        g = Gemm(tokens, pad_vocab(vocab, tp) / tp, cfg.hidden)
+        logits = sum(gemm_seconds(x, dev, elem) for x in (g, *g.backward()))
+        logits += 3 * tokens * pad_vocab(vocab, tp) / tp * 4 / (dev.hbm_gbps * 1e9 * HBM_FRACTION)  # fp32 CE
+    out["logits_s"] = logits
+    out["total_s"] = sum(out.values())
+    return out
+
+
+def optimizer_seconds(elements: float, dev) -> float:
+    """The Adam step over ``elements`` parameters on the GPU: memory-bound, about 28 bytes each
+    (fp32 master, moments and gradient read, master and moments written, 16-bit copy written)."""
+    return 28.0 * elements / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
