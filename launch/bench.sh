@@ -10,7 +10,7 @@ out="runs/bench"; mkdir -p "$out"
 stamp="$(date +%Y%m%d-%H%M%S)"
 log="$out/$stamp.log"
 benches=("$@")
-[ ${#benches[@]} -gt 0 ] || benches=(overhead bubble comm memory preprocess checkpoint gpu)
+[ ${#benches[@]} -gt 0 ] || benches=(overhead bubble comm memory preprocess checkpoint planner gpu)
 for b in "${benches[@]}"; do
   echo "== $b =="
   extra=()

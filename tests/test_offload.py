@@ -84,13 +84,12 @@ def test_zero3_cpu_offload_matches_and_resumes_with_and_without_offload(tmp_path
 
 
 @needs_libaio
-def test_zero3_nvme_offload_matches_survives_kill_9_and_refuses_inexact_resumes(tmp_path, zero3_runs):
+def test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly(tmp_path, zero3_runs):
     """Parameters and optimizer states on NVMe: the swap directory is really written, losses equal no
-    offload, a rank killed mid-save leaves the previous checkpoint complete. Resuming it is refused in
-    one line, without NVMe too (DeepSpeed cannot read it then), because DeepSpeed 0.19.8 restores
-    NVMe-offloaded optimizer states inexactly: the override resumes, and this test fails once the
-    resumed losses equal the unstopped run's (then drop the refusal in checkpoint/resume.py)."""
-    from mt3d.checkpoint.resume import NVME_RESUME_OVERRIDE
+    offload; a rank killed mid-save leaves the previous checkpoint, which resumes bit for bit (through
+    checkpoint/nvme_resume.py: without it DeepSpeed 0.19.8 resumes inexactly, checked here so that this
+    test notices the upstream fix) and refuses, in one line, to resume without NVMe."""
+    from mt3d.checkpoint.nvme_resume import DISABLE
 
     base, got = zero3_runs
     nvme, run = tmp_path / "nvme", tmp_path / "run"
@@ -106,15 +105,13 @@ def test_zero3_nvme_offload_matches_survives_kill_9_and_refuses_inexact_resumes(
     assert sum(p.stat().st_size for p in opt) >= 12 * 1.6e6  # fp32 master weights and both moments
     assert len(list((ckpts / "step_00000003" / "offloaded_tensors").iterdir())) == 4
     step3 = str(ckpts / "step_00000003")
-    for offload in ("nvme", "none"):
-        results = spawn(train_rc_worker, 4, zero3(tmp_path / offload, offload, nvme, resume=step3))
-        assert [rc for rc, _ in results] == [2] * 4
-    env = {NVME_RESUME_OVERRIDE: "1"}
-    resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900, env=env)[0])
-    assert [s for s, _, _ in resumed[-3:]] == [4, 5, 6]
-    assert resumed[-3:] != straight[3:], (
-        "DeepSpeed now resumes NVMe optimizer states exactly: drop the refusal"
-    )
+    results = spawn(train_rc_worker, 4, zero3(tmp_path / "none", "none", resume=step3))
+    assert [rc for rc, _ in results] == [2] * 4  # DeepSpeed could not read the swapped states
+    alone = zero3(tmp_path / "alone", "nvme", tmp_path / "nvme2", resume=step3)
+    alone = losses(spawn(train_worker, 4, alone, timeout=900, env={DISABLE: "0"})[0])
+    assert alone != straight[3:], "DeepSpeed now resumes NVMe optimizer states itself: drop nvme_resume.py"
+    resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900)[0])
+    assert resumed[-3:] == straight[3:]  # bit for bit, as if never killed
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -16,7 +16,7 @@ BENCHES = {
     "bubble": "measured pipeline idle fraction per stage vs (p-1)/(v m+p-1), 1F1B and interleaved",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
     "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP)",
-    "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute; CPU)",
+    "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute, offload)",
     "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
     "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--micro", type=int, default=4)
     mem.add_argument("--accum", type=int, default=2)
     mem.add_argument("--layouts", type=int, default=99, help="run only the first N layouts")
+    mem.add_argument(
+        "--rows", type=positive_ints, default=None, help="run only these layouts (1-based: 10,12)"
+    )
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
     gp.add_argument("--seq-len", type=int, default=2048)
     gp.add_argument("--micro", type=int, default=8)

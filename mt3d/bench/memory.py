@@ -19,6 +19,7 @@ from .common import bench_run_config, build_engine, emit, table
 MODEL = dict(preset="tiny", hidden=512, layers=8, heads=8, max_seq_len=256)
 NULL = dict(preset="tiny", hidden=16, layers=8, heads=4, max_seq_len=256)
 BUCKET = 1_000_000  # ZeRO bucket elements, set in both the run and the prediction
+SUB_GROUP = 2_000_000  # ZeRO-3 sub-group elements with NVMe: 4 pinned swap buffers of this, not of all
 LAYOUTS = [  # tp, pp, dp, zero, recompute, sequence parallel, offload
     (1, 1, 1, 0, False, False, "none"),
     (1, 1, 2, 1, False, False, "none"),
@@ -61,6 +62,8 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     from ..config import Offload
 
     raw["zero_optimization"].update(Offload.from_label(offload, nvme).ds_keys())
+    if "nvme" in offload:
+        raw["zero_optimization"]["sub_group_size"] = SUB_GROUP
     from ..config import DataConfig
     from ..data.loader import build_data
 
@@ -91,7 +94,8 @@ def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="
 
     cfg = ModelConfig(**{k: v for k, v in model.items() if k != "preset"}, vocab_size=512)
     lay = Layout(tp, pp, dp, micro, accum, zero, recompute, sp, offload=offload)
-    mem = memory_bytes(cfg, 512, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET)
+    mem = memory_bytes(cfg, 512, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET,
+                       sub_group_size=SUB_GROUP if "nvme" in offload else None)  # fmt: skip
     return {**mem, "rss": mem["total"] + mem["cpu"]}
 
 
@@ -102,7 +106,8 @@ def run(args) -> dict:
     from ..parallel.spawn import spawn
 
     rows = []
-    for tp, pp, dp, zero, rc, sp, off in LAYOUTS[: args.layouts]:
+    chosen = [LAYOUTS[i - 1] for i in args.rows] if args.rows else LAYOUTS[: args.layouts]
+    for tp, pp, dp, zero, rc, sp, off in chosen:
         with tempfile.TemporaryDirectory(prefix="mt3d-nvme-") as nvme:
             common = (tp, pp, zero, rc, sp, args.seq_len, args.micro, args.accum, off, nvme)
             full = max(r["measured"] for r in spawn(worker, tp * pp * dp, MODEL, *common, timeout=900))

@@ -169,3 +169,13 @@ def run(args) -> None:
     fitted, used = result["refitted_fraction"], result["planner"]["fraction"]
     print(f"\nfraction refitted on Table 1 (smallest worst error): {fitted:g} (planner: {used:g})")
     emit("planner", result)
+
+
+def markdown(r: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of the fidelity table in the README (the planner's fraction)."""
+    rows = []
+    for x in r["planner"]["rows"]:
+        t, p, d, mb, _, v, z = x["layout"].split()
+        layout = f"{t[1:]}, {p[1:]}, {d[1:]}, {mb[2:]}, {v[1:]}, {z[1:]}"
+        rows.append([x["run"], layout, x["published"], f"{x['predicted']:.0f}", f"{x['error']:+.1%}"])
+    return ["run", "layout (t, p, d, micro, v, ZeRO)", "published", "predicted", "error"], rows

@@ -10,11 +10,10 @@ scheduler, loss scaler, counters) and this rank's random state.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Layout, offload_resume_conflict, optimizer_device
+from ..config import Layout, offload_resume_conflict
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
@@ -23,11 +22,6 @@ from .rng import load_rng, rng_key
 
 log = logging.getLogger("mt3d")
 
-# Workaround (DeepSpeed 0.19.8): resuming NVMe-offloaded ZeRO-3 optimizer states gives other losses
-# than an unstopped run from the first resumed step (tp 2 x dp 2, fp32: step 4 loss 6.0931 vs 6.0964,
-# step 6 6.395 vs 6.172). Such resumes are refused unless this variable is 1; tests/test_offload.py
-# resumes with it set and fails once DeepSpeed restores them exactly.
-NVME_RESUME_OVERRIDE = "MT3D_ALLOW_INEXACT_NVME_RESUME"
 
 # changed on resume: a warning (the weights still fit); anything else that differs is refused
 SOFT_KEYS = (
@@ -81,19 +75,11 @@ class ResumePlan:
         return any(saved.get(k) != v for k, v in now.items())
 
     def check_offload(self, layout: Layout) -> None:
-        """Refuse a resume across offload devices that DeepSpeed cannot load (NVMe optimizer states),
-        and, for now, any resume of NVMe-offloaded optimizer states (see NVME_RESUME_OVERRIDE)."""
+        """Refuse a resume across offload devices that DeepSpeed cannot load (NVMe optimizer states)."""
         saved = self.meta["layout"].get("offload", "none")  # checkpoints from before offload: none
         why = offload_resume_conflict(saved, layout.offload, self.layout_changed(layout))
         if why:
             raise CheckpointError(f"{self.path}: {why}")
-        if optimizer_device(saved) == "nvme" and os.environ.get(NVME_RESUME_OVERRIDE) != "1":
-            raise CheckpointError(
-                f"{self.path}: DeepSpeed 0.19.8 does not restore NVMe-offloaded ZeRO-3 optimizer states "
-                f"exactly (the resumed losses differ from an unstopped run's from the first step), so mt3d "
-                f"refuses to resume it; set {NVME_RESUME_OVERRIDE}=1 to resume anyway, or checkpoint with "
-                "offload_optimizer device cpu"
-            )
 
 
 def candidates(resume: str, save_dir: str | Path) -> list[Path]:
@@ -226,6 +212,9 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
+    from .nvme_resume import finish_nvme_resume
+
+    finish_nvme_resume(engine, Path(load_dir), tag)
     key = rng_key(rt.state)
     if same_layout and not load_rng(plan.path, key, rt.tracker):
         log.warning("%s has no random state for %s: keeping the seeded one", plan.path, key)

@@ -148,12 +148,13 @@ def memory_bytes(
     *,
     activation_model: str = "mt3d",
     bucket_elems: float = 5e8,
+    sub_group_size: float | None = None,
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
-    rank keeps in CPU memory and on NVMe (offload)."""
+    rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p)
-    tiers = tier_bytes(params, lay.dp, lay.zero_stage, prec, lay.offload)
+    tiers = tier_bytes(params, lay.dp, lay.zero_stage, prec, lay.offload, sub_group_size)
     states = tiers["gpu"]
     sp = lay.sequence_parallel and t > 1
     if activation_model == "korthikanti":
