@@ -14,11 +14,12 @@ What that restores is only the fp32 master weights of the swapped sub-groups:
 * parameters that were gathered before the load keep their initial full values until released.
 
 Measured (tests/test_offload.py): the resumed losses differ from an unstopped run's from the first
-resumed step (tp 1 x dp 2: 6.0931 vs 6.0964, then 6.395 vs 6.172; tp 2 x dp 2: 6.0948 vs 6.0964). ``finish_nvme_resume`` loads
-the in-memory sub-groups from the rank's ``*_optim_states.pt`` and has the swapper read the saved
-moments of the swapped ones, with the step count saved beside them. tests/test_offload.py checks that
-the resume is then bit-exact, and that without this (``MT3D_NVME_RESUME_WORKAROUND=0``) it still is
-not: when that fails, DeepSpeed restores these itself and this file can go.
+resumed step (tp 1 x dp 2: 6.0931 vs 6.0964, then 6.395 vs 6.172; tp 2 x dp 2: 6.0948 vs 6.0964).
+``finish_nvme_resume`` loads the in-memory sub-groups from the rank's ``*_optim_states.pt``, has
+the swapper read the saved moments of the swapped ones (with the step count saved beside them) and
+releases stale gathered parameters. tests/test_offload.py checks that the resume is then bit-exact,
+and that without this (``MT3D_NVME_RESUME_WORKAROUND=0``) it still is not: when that fails,
+DeepSpeed restores these itself and this file can go.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
+from itertools import product
 
 from ..config import Offload, virtual_stage_conflict, zero_pipeline_conflict
 from ..errors import UserError
@@ -69,42 +70,76 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> s
     return None
 
 
-def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject):
-    """Every layout that passes the structural rules, with the bandwidths of its axes; the others are
-    handed to ``reject`` with their reason (whole (tp, pp) pairs first, then finer choices)."""
+def _degrees(cfg: ModelConfig, cluster: Cluster, reject):
+    """Step 1: every (tp, pp, dp) the structural rules allow, with the bandwidths of its axes."""
     for tp in divisors(cluster.gpus):
         for pp in divisors(cluster.gpus // tp):
             dp = cluster.gpus // (tp * pp)
-            base = {"tp": tp, "pp": pp, "dp": dp}
             why = structural_reason(cfg, cluster, tp, pp)
             if why:
-                reject(base, why)
-                continue
-            bw = bandwidths(cluster, tp, pp)
-            for b in micro_batches:
-                if global_batch % (b * dp):
-                    reject(
-                        {**base, "micro_batch": b},
-                        f"global batch {global_batch} not divisible by micro {b} x dp {dp}",
-                    )
-                    continue
-                m = global_batch // (b * dp)
-                for zero in zero_stages:
-                    why = zero_pipeline_conflict(pp, zero)
-                    if why:
-                        reject(
-                            {**base, "micro_batch": b, "zero_stage": zero}, why.split(" (")[0].split(";")[0]
-                        )
-                        continue
-                    for v in virtual_stages if pp > 1 else (1,):
-                        why = virtual_stage_conflict(pp, v, micro_batches=m, layers=cfg.layers)
-                        if why:
-                            reject({**base, "micro_batch": b, "zero_stage": zero, "virtual_stages": v}, why)
-                            continue
-                        for off in (o for o in offloads if not offload_rule(zero, o)):
-                            for recompute in (False, True):
-                                for sp in (False, True) if tp > 1 else (False,):
-                                    yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off), bw
+                reject({"tp": tp, "pp": pp, "dp": dp}, why)
+            else:
+                yield tp, pp, dp, bandwidths(cluster, tp, pp)
+
+
+# Step 2's rules, in order: the keys each depends on (a failure is reported once per distinct key)
+# and the reason, or None, for a candidate c (tp, pp, dp, micro_batch, grad_accum, zero_stage,
+# virtual_stages, and the model cfg and global_batch).
+SCHEDULE_RULES = (
+    (
+        ("micro_batch",),
+        lambda c: (
+            f"global batch {c['global_batch']} not divisible by micro {c['micro_batch']} x dp {c['dp']}"
+            if c["global_batch"] % (c["micro_batch"] * c["dp"])
+            else None
+        ),
+    ),
+    (("micro_batch", "zero_stage"), lambda c: _short(zero_pipeline_conflict(c["pp"], c["zero_stage"]))),
+    (
+        ("micro_batch", "zero_stage", "virtual_stages"),
+        lambda c: virtual_stage_conflict(
+            c["pp"], c["virtual_stages"], micro_batches=c["grad_accum"], layers=c["cfg"].layers
+        ),
+    ),
+)
+
+
+def _short(reason: str | None) -> str | None:
+    """The first clause of a config error, as a rejection reason."""
+    return reason.split(" (")[0].split(";")[0] if reason else None
+
+
+def _schedules(cfg, tp, pp, dp, global_batch, micro_batches, zero_stages, virtual_stages, reject):
+    """Step 2: every (micro-batch, ZeRO stage, virtual stages) of one (tp, pp, dp) that the batch,
+    ZeRO/pipeline and interleaving rules (``SCHEDULE_RULES``) allow."""
+    failed: set = set()
+    for b, zero, v in product(micro_batches, zero_stages, virtual_stages if pp > 1 else (1,)):
+        c = {"tp": tp, "pp": pp, "dp": dp, "micro_batch": b, "zero_stage": zero, "virtual_stages": v,
+             "grad_accum": global_batch // (b * dp), "cfg": cfg, "global_batch": global_batch}  # fmt: skip
+        for keys, rule in SCHEDULE_RULES:
+            key = (keys, *(c[k] for k in keys))
+            if key in failed:  # already reported for these values
+                break
+            why = rule(c)
+            if why:
+                failed.add(key)
+                reject({"tp": tp, "pp": pp, "dp": dp, **{k: c[k] for k in keys}}, why)
+                break
+        else:
+            yield b, c["grad_accum"], zero, v
+
+
+def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject):
+    """Every layout that passes the structural and schedule rules, with the bandwidths of its axes;
+    the others go to ``reject`` with their reason. Step 3: offload, recompute and SP choices."""
+    for tp, pp, dp, bw in _degrees(cfg, cluster, reject):
+        schedules = _schedules(
+            cfg, tp, pp, dp, global_batch, micro_batches, zero_stages, virtual_stages, reject
+        )
+        for b, m, zero, v in schedules:
+            allowed = [o for o in offloads if not offload_rule(zero, o)]
+            for off, recompute, sp in product(allowed, (False, True), (False, True) if tp > 1 else (False,)):
+                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off), bw
 
 
 def plan(
