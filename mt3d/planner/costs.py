@@ -18,9 +18,11 @@ from ..pipeline.schedule import warmup
 from .offload import offload_traffic, tier_bytes
 from .traffic import dp_bytes, pp_bytes, tp_bytes
 
-# DeepSpeedCPUAdam elements updated per second per core (fp32 master and moments, AVX2/AVX512):
-# measured on this project's 2-core CPU machine with `python -m mt3d.bench offload` (see README).
-CPU_ADAM_ELEMENTS_PER_CORE_S = 2.0e8
+# DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
+# project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
+# Device.cpu_cores_per_gpu without a cap for the host's memory bandwidth (about 30 bytes move per
+# element), so with many cores per GPU the CPU step is optimistic.
+CPU_ADAM_ELEMENTS_PER_CORE_S = 8.8e8
 # Share of the compute time behind which DeepSpeed's ZeRO-3 hides its parameter all-gathers and
 # gradient reduce-scatters (prefetching). Fitted on PTD-P's Table 2 ZeRO-3 rows (175B and 530B on
 # 384-2240 A100s, which it then predicts within 7%): 1.0 (all hidden) over-predicts the
