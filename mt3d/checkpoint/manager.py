@@ -31,6 +31,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
+from .nvme_states import write_swap_index
 from .rng import save_rng
 
 log = logging.getLogger("mt3d")
@@ -227,6 +228,7 @@ class Checkpointer:
                 str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
             )
             save_rng(tmp, self.rng_key or f"rank_{rank:05d}", self.tracker)
+            write_swap_index(self.engine, tmp)
             if rank == 0 and self.tokenizer_dir:
                 from ..data.tokenizer import copy_tokenizer
 

@@ -50,9 +50,14 @@ class CheckpointReader:
                 f"{self.dir}/manifest.json does not describe an mt3d training checkpoint "
                 f"({e!r} missing or invalid)"
             ) from None
-        if verify:  # only the files weights are read from (ZeRO-3: its optimizer states hold them)
-            prefixes = ("zero_pp_rank_",) if self.zero3 else ("layer_", "mp_rank_")
-            weights = [n for n in sorted(self.manifest["files"]) if n.startswith(prefixes)]
+        self.files = self.manifest["files"]
+        if verify:  # only the files weights are read from (ZeRO-3: its optimizer states, swap files)
+            prefixes = (
+                ("zero_pp_rank_", "nvme_index/", "offloaded_tensors/")
+                if self.zero3
+                else ("layer_", "mp_rank_")
+            )
+            weights = [n for n in sorted(self.files) if n.startswith(prefixes) and "/exp_avg" not in n]
             verify_files(self.dir, self.manifest, weights)
             self.verified = True
         self.pipeline_files = any(n.startswith("layer_") for n in self.manifest["files"])
@@ -69,21 +74,26 @@ class CheckpointReader:
         return safe_torch_load(self.dir / name)
 
     def _zero3_module(self, tp_rank: int) -> dict:
-        """TP rank ``tp_rank``'s module weights stitched from every DP rank's ZeRO-3 fp32 partitions."""
+        """TP rank ``tp_rank``'s module weights stitched from every DP rank's ZeRO-3 fp32 partitions
+        (sub-groups in order; NVMe-swapped ones from their swap files, ``nvme_states``)."""
+        from .nvme_states import swapped_flats
+
         shapes = self._load(f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt").get("param_shapes")
+        if not isinstance(shapes, list):
+            raise CheckpointError(f"{self.dir}: ZeRO-3 parameter shapes are missing from its model states")
         flats = []
         for d in range(self.dp):
             name = f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_optim_states.pt"
-            flats.append(self._load(name)["optimizer_state_dict"]["fp32_flat_groups"])
-        if not isinstance(shapes, list) or any(len(f) != len(shapes) for f in flats):
-            raise CheckpointError(f"{self.dir}: ZeRO-3 parameter groups do not match their partitions")
-        state = {}
-        for group, group_shapes in enumerate(shapes):
-            offset = 0
+            groups = self._load(name)["optimizer_state_dict"]["fp32_flat_groups"]
+            flats.append(
+                torch.cat([g.reshape(-1) for g in swapped_flats(self.dir, name, groups, self.files)])
+            )
+        state, offset = {}, 0
+        for group_shapes in shapes:  # each rank's partitions, group after group, parameter after parameter
             for pname, shape in group_shapes.items():
                 numel = int(torch.Size(shape).numel())
                 part = -(-numel // self.dp)
-                pieces = [f[group][offset : offset + part] for f in flats]
+                pieces = [f[offset : offset + part] for f in flats]
                 if any(p.numel() != part for p in pieces):
                     raise CheckpointError(f"{self.dir}: ZeRO-3 partitions end before {pname!r}; truncated?")
                 state[pname] = torch.cat(pieces)[:numel].detach().view(shape).to(self.dtype)

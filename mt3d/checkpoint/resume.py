@@ -212,7 +212,7 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
-    from .nvme_resume import finish_nvme_resume
+    from .nvme_states import finish_nvme_resume
 
     finish_nvme_resume(engine, Path(load_dir), tag)
     key = rng_key(rt.state)

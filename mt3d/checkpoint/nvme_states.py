@@ -1,5 +1,11 @@
-"""Workaround (DeepSpeed 0.19.8): finish loading a ZeRO-3 checkpoint whose optimizer states were
-offloaded to NVMe.
+"""ZeRO-3 checkpoints whose optimizer states were offloaded to NVMe: an index written at save time
+so that mt3d's reader (export-hf, eval, generate) finds the fp32 weights in DeepSpeed's swap files,
+and a workaround (DeepSpeed 0.19.8) that finishes loading them on resume.
+
+DeepSpeed saves such states as a copy of each rank's swap files (``offloaded_tensors/rank<NN>/``,
+named after internal parameter ids) and leaves empty tensors in ``*_optim_states.pt``.
+``write_swap_index`` records, per ``*_optim_states.pt`` file, which swap file holds each sub-group's
+fp32 weights and how many elements are its own; ``swapped_flats`` reads them back.
 
 With ``offload_optimizer.device: nvme`` DeepSpeed's ``load_checkpoint`` skips the ZeRO checkpoint
 files altogether and copies the saved swap files (``offloaded_tensors/rank*``) over the run's own.
@@ -31,6 +37,66 @@ import torch
 
 DISABLE = "MT3D_NVME_RESUME_WORKAROUND"
 """Set to 0 to resume as DeepSpeed alone does (the upstream-watch test does, to see it still differs)."""
+
+
+INDEX = "nvme_index"
+"""Directory of the per-rank index files in a checkpoint."""
+
+
+def write_swap_index(engine, ckpt_dir: Path) -> None:
+    """Record, for this rank's ``*_optim_states.pt``, where each sub-group's fp32 weights are: in the
+    file (``swap`` None) or in a swap file copied under ``offloaded_tensors/`` (checkpoint-relative)."""
+    if not engine.zero_nvme_offload_optimizer():
+        return
+    import json
+
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
+
+    opt = engine.optimizer
+    optim_file = Path(engine._get_zero_ckpt_name(str(ckpt_dir.parent), ckpt_dir.name)).name
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    swap_dir = f"offloaded_tensors/rank{dp_index_to_str(rank)}"
+    groups = []
+    for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
+        swapped = opt._swappable_optimizer_subgroup(sub)
+        groups.append({
+            "numel": int(opt.fp16_partitioned_groups_flat_numel[sub]),
+            "swap": f"{swap_dir}/{flat.ds_id}.tensor.swp" if swapped else None,
+        })  # fmt: skip
+    (ckpt_dir / INDEX).mkdir(exist_ok=True)
+    (ckpt_dir / INDEX / f"{optim_file}.json").write_text(json.dumps({"sub_groups": groups}))
+
+
+def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> list:
+    """``flats`` (the fp32 groups of ``optim_file``) with each swapped sub-group read from its swap file;
+    ``files``: the checkpoint manifest's file table (every file read must be listed there)."""
+    import json
+
+    from .manifest import CheckpointError
+
+    name = f"{INDEX}/{optim_file}.json"
+    if name not in files:
+        if any(f.numel() == 0 for f in flats) and any(n.startswith("offloaded_tensors/") for n in files):
+            raise CheckpointError(
+                f"{ckpt_dir}: its ZeRO-3 weights are in NVMe swap files without mt3d's index ({name}): "
+                "written by another tool; resume it with the same NVMe offload and save again"
+            )
+        return flats
+    groups = json.loads((ckpt_dir / name).read_text())["sub_groups"]
+    if len(groups) != len(flats):
+        raise CheckpointError(
+            f"{ckpt_dir / name} lists {len(groups)} sub-groups, {optim_file} has {len(flats)}"
+        )
+    out = []
+    for flat, g in zip(flats, groups):
+        if g["swap"] is None:
+            out.append(flat)
+            continue
+        if g["swap"] not in files:
+            raise CheckpointError(f"{ckpt_dir / g['swap']} is missing (listed in {name})")
+        data = torch.from_file(str(ckpt_dir / g["swap"]), shared=False, size=g["numel"], dtype=torch.float32)
+        out.append(data.clone())
+    return out
 
 
 def deepspeed_restores_nvme_states(opt) -> bool:
