@@ -31,6 +31,15 @@ def test_gpu_benchmark_smoke_mode_on_cpu():
     assert "| gpt3-1.3b | mt3d |" in render([rec])
 
 
+def test_gemm_sweep_smoke_mode_on_cpu():
+    rec, text = bench("gemm", "--smoke", "--reps", "2")
+    assert rec["smoke"] is True and [r["shape"] for r in rec["rows"]] == ["square 256", "mlp-in h128"]
+    assert all(r["tflops"] > 0 for r in rec["rows"]) and rec["best_tflops"] == max(
+        r["tflops"] for r in rec["rows"]
+    )
+    assert "best measured" in text
+
+
 def test_comm_benchmark_matches_megatron_theory():
     rec, _ = bench("comm", "--tp", "2")
     assert [(r["tp"], r["sp"]) for r in rec["rows"]] == [(2, False), (2, True)]

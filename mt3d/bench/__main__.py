@@ -23,6 +23,7 @@ BENCHES = {
     "attention": "local vs global layers as n grows (n*W vs n^2), and each local pattern's kernel vs dense "
     "causal beside its speed-of-light bound",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
+    "gemm": "a GEMM sweep of transformer shapes beside the planner's shape model (--smoke: CPU)",
 }
 
 
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--dilation", type=int, default=2, help="patterns: the dilated row's d (1: none)")
     at.add_argument("--head-dim", type=int, default=None, help="patterns: head size (default 64; GPU 128)")
     sub.add_parser("planner", help=BENCHES["planner"])
+    gm = sub.add_parser("gemm", help=BENCHES["gemm"])
+    gm.add_argument("--reps", type=int, default=20)
+    gm.add_argument(
+        "--smoke", action="store_true", help="tiny fp32 shapes on the CPU (a check of the code path)"
+    )
     return p
 
 

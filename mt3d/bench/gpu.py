@@ -37,18 +37,9 @@ SMOKE = {
 
 def matmul_peak(device: str, n: int, reps: int) -> float:
     """Measured TFLOP/s of an n x n x n matmul (bf16 on GPU, fp32 on CPU), mean of ``reps`` after warm-up."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+    from .gemm import time_gemm
+
+    return time_gemm(n, n, n, device, reps)
 
 
 def _sync(device: str) -> None:

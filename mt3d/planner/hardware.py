@@ -46,7 +46,8 @@ class Device:
 
 # GEMM ceilings (gemm_tflops): maximum achievable matmul FLOPS measured with a shape sweep, bf16,
 # as published in Stas Bekman's ML Engineering book (A100 SXM 271.2 = 86.9% of peak, H100 SXM
-# 794.5 = 80.3%). No GPU sweep of mt3d's own has fed these yet (no GPU was lent).
+# 794.5 = 80.3%). `python -m mt3d.bench gemm` measures them on the GPU at hand; no sweep of
+# mt3d's own has fed these yet (no GPU was lent when they were set).
 # Node defaults are those of NVIDIA's DGX systems (DGX A100: 1 TB RAM, 4 x 3.84 TB NVMe, PCIe 4,
 # 2 x 64 cores; DGX H100/H200: 2 TB RAM, 8 x 3.84 TB NVMe, PCIe 5, 2 x 56 cores); `mt3d plan`
 # overrides each with a flag.
