@@ -261,6 +261,24 @@ def test_a_leftover_op_build_lock_is_named_and_a_live_one_is_not(tmp_path):
     assert check(env=env).returncode == 0
 
 
+def test_a_lock_released_during_the_check_is_not_called_stale(tmp_path, monkeypatch):
+    """Every rank takes an op's lock at start-up, and a release closes the file a moment before
+    removing it: a lock is stale only if the same file is still there, unheld, a second later
+    (a suite run once lost a rank to this race)."""
+    import threading
+
+    from mt3d.training.op_locks import stale_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    threading.Timer(0.2, lock.unlink).start()  # a release in progress
+    assert stale_locks(["cpu_adam"]) == []
+    lock.write_text("")
+    assert stale_locks(["cpu_adam"], settle_s=0.1) == [lock]
+
+
 def test_torch_still_waits_on_build_locks_without_a_time_limit():
     """Upstream watch for mt3d/training/op_locks.py: torch builds extensions under
     ``<_get_build_directory>/lock`` and waits for it with no time limit. When this fails, torch

@@ -73,10 +73,32 @@ def _holders(lock: Path) -> bool:
     return False
 
 
-def stale_locks(ops: list[str]) -> list[Path]:
-    """Lock files of ``ops`` that exist and that no live process holds."""
+def _unheld(locks, seen=None) -> dict[Path, int]:
+    """The locks of ``locks`` that exist with no live holder, with their inode (and, when ``seen`` is
+    given, the same inode as then)."""
+    out = {}
+    for lock in locks:
+        try:
+            ino = lock.stat().st_ino
+        except OSError:
+            continue
+        if (seen is None or seen.get(lock) == ino) and not _holders(lock):
+            out[lock] = ino
+    return out
+
+
+def stale_locks(ops: list[str], settle_s: float = 1.0) -> list[Path]:
+    """Lock files of ``ops`` that no live process holds, seen twice ``settle_s`` apart (the same
+    file both times): a build releasing its lock closes the file a moment before removing it, and
+    every rank of a run on this host takes the lock at start-up, so one look would race them."""
+    import time
+
     root = extensions_root()
-    return [lock for lock in (root / op / "lock" for op in ops) if lock.exists() and not _holders(lock)]
+    first = _unheld([root / op / "lock" for op in ops])
+    if not first:
+        return []
+    time.sleep(settle_s)
+    return sorted(_unheld(list(first), seen=first))
 
 
 def check_op_locks(ds: dict, on_cpu: bool) -> None:
