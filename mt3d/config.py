@@ -560,19 +560,28 @@ def offload_resume_conflict(saved: str, now: str, layout_changed: bool) -> str |
     Parameters and optimizer states on the CPU are saved in the same files as without offload, so
     those resume either way. DeepSpeed 0.19.8 saves NVMe-offloaded optimizer states as a copy of the
     swap files (``offloaded_tensors/rank*``) and leaves empty tensors in ``*_optim_states.pt``; it
-    restores them only into the same NVMe layout, and reads nothing else then."""
+    restores them only into the same NVMe layout, and reads nothing else then. mt3d converts such a
+    checkpoint for a run without NVMe optimizer offload at the same layout
+    (``checkpoint.nvme_states.convert_for_resume``); the other direction is refused."""
     was, will = optimizer_device(saved), optimizer_device(now)
     if "nvme" not in (was, will) or (was == will and not layout_changed):
         return None
+    if was == "nvme" and not layout_changed:
+        return None  # converted on resume
     if was == will:
         return (
             "a checkpoint with NVMe-offloaded optimizer states resumes only at the layout it was saved "
             "with (DeepSpeed keeps them as per-rank swap files): resume at that layout"
         )
+    if was == "nvme":
+        return (
+            "a checkpoint with NVMe-offloaded optimizer states resumes without NVMe only at the layout it "
+            "was saved with: resume at that layout first, save, then change the layout"
+        )
     return (
         f"the checkpoint's optimizer states were saved with offload {saved!r} and this run uses {now!r}: "
-        "DeepSpeed 0.19.8 keeps NVMe-offloaded optimizer states as swap files that only an NVMe run "
-        "reads, and an NVMe run reads nothing else; resume with the checkpoint's offload_optimizer device"
+        "an NVMe run of DeepSpeed 0.19.8 reads its optimizer states only from swap files saved by an NVMe "
+        "run; resume with the checkpoint's offload_optimizer device, save, then switch to NVMe"
     )
 
 

@@ -89,7 +89,7 @@ def test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly(tmp_path
     """Parameters and optimizer states on NVMe: the swap directory is really written, losses equal no
     offload; a rank killed mid-save leaves the previous checkpoint, which resumes bit for bit (through
     checkpoint/nvme_states.py: without it DeepSpeed 0.19.8 resumes inexactly, checked here so that this
-    test notices the upstream fix) and refuses, in one line, to resume without NVMe."""
+    test notices the upstream fix), and without NVMe too (converted); the reverse is refused."""
     from mt3d.checkpoint.nvme_states import DISABLE
 
     base, got = zero3_runs
@@ -105,17 +105,22 @@ def test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly(tmp_path
     assert len({p.parent.name for p in opt}) == 4, swapped  # every rank swapped its optimizer states
     assert sum(p.stat().st_size for p in opt) >= 12 * 1.6e6  # fp32 master weights and both moments
     assert len(list((ckpts / "step_00000003" / "offloaded_tensors").iterdir())) == 4
-    step3 = str(ckpts / "step_00000003")
+    ckpt3 = str(ckpts / "step_00000003")
     # export-hf / eval read the fp32 weights out of the swap files (mt3d's index of them)
     from mt3d.checkpoint.reader import CheckpointReader
     from mt3d.model.sharding import global_names
 
-    a, b = CheckpointReader(step3), CheckpointReader(base / "none" / "checkpoints" / "step_00000003")
+    a, b = CheckpointReader(ckpt3), CheckpointReader(base / "none" / "checkpoints" / "step_00000003")
     for name in global_names(a.cfg, a.vocab):  # 1e-5 absolute: Adam amplifies float noise on key biases,
         torch.testing.assert_close(a.full(name), b.full(name), rtol=1e-5, atol=1e-5)  # whose gradient is 0
-    results = spawn(train_rc_worker, 4, zero3(tmp_path / "none", "none", resume=step3))
-    assert [rc for rc, _ in results] == [2] * 4  # DeepSpeed could not read the swapped states
-    alone = zero3(tmp_path / "alone", "nvme", tmp_path / "nvme2", resume=step3)
+    # without NVMe: mt3d converts the swapped states into an ordinary copy (checkpoints/converted/)
+    converted = losses(spawn(train_worker, 4, zero3(tmp_path / "none", "none", resume=ckpt3))[0])
+    close(converted, straight[3:], 1e-5)
+    assert (ckpts / "converted" / "step_00000003").is_dir()
+    # the other way round, DeepSpeed would read nothing: refused in one line, before the engine
+    to_nvme = zero3(tmp_path / "to", "nvme", tmp_path / "nvme4", resume=step3(base, "none"))
+    assert [rc for rc, _ in spawn(train_rc_worker, 4, to_nvme)] == [2] * 4
+    alone = zero3(tmp_path / "alone", "nvme", tmp_path / "nvme2", resume=ckpt3)
     alone = losses(spawn(train_worker, 4, alone, timeout=900, env={DISABLE: "0"})[0])
     assert alone != straight[3:], "DeepSpeed now resumes NVMe optimizer states itself: drop nvme_states.py"
     resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900)[0])

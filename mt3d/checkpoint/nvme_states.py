@@ -5,7 +5,8 @@ and a workaround (DeepSpeed 0.19.8) that finishes loading them on resume.
 DeepSpeed saves such states as a copy of each rank's swap files (``offloaded_tensors/rank<NN>/``,
 named after internal parameter ids) and leaves empty tensors in ``*_optim_states.pt``.
 ``write_swap_index`` records, per ``*_optim_states.pt`` file, which swap file holds each sub-group's
-fp32 weights and how many elements are its own; ``swapped_flats`` reads them back.
+fp32 weights and how many elements are its own; ``swapped_flats`` reads them back, and
+``convert_for_resume`` writes an ordinary copy for a run without NVMe optimizer offload.
 
 With ``offload_optimizer.device: nvme`` DeepSpeed's ``load_checkpoint`` skips the ZeRO checkpoint
 files altogether and copies the saved swap files (``offloaded_tensors/rank*``) over the run's own.
@@ -57,11 +58,13 @@ def write_swap_index(engine, ckpt_dir: Path) -> None:
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
     swap_dir = f"offloaded_tensors/rank{dp_index_to_str(rank)}"
     groups = []
+    index = _state_index(opt)
     for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
         swapped = opt._swappable_optimizer_subgroup(sub)
         groups.append({
             "numel": int(opt.fp16_partitioned_groups_flat_numel[sub]),
             "swap": f"{swap_dir}/{flat.ds_id}.tensor.swp" if swapped else None,
+            "state_index": index[sub],
         })  # fmt: skip
     (ckpt_dir / INDEX).mkdir(exist_ok=True)
     (ckpt_dir / INDEX / f"{optim_file}.json").write_text(json.dumps({"sub_groups": groups}))
@@ -97,6 +100,62 @@ def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> 
         data = torch.from_file(str(ckpt_dir / g["swap"]), shared=False, size=g["numel"], dtype=torch.float32)
         out.append(data.clone())
     return out
+
+
+def _read_swap(path: Path, numel: int) -> torch.Tensor:
+    return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).clone()
+
+
+def convert_for_resume(plan, rank: int) -> tuple[Path, str]:
+    """A copy of ``plan``'s checkpoint whose ``*_optim_states.pt`` hold what DeepSpeed kept in NVMe
+    swap files (fp32 weights, Adam moments and step of every swapped sub-group), so that a run without
+    NVMe optimizer offload at the same layout loads it the ordinary way. Written once by rank 0 into
+    ``checkpoints/converted/<tag>`` (files other than the optimizer states are hard links); returns
+    (load_dir, tag). Collective."""
+    import json
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from .manifest import CheckpointError
+    from .safe import safe_torch_load
+
+    src = plan.path
+    out_root = src.parent / "converted"
+    dest = out_root / src.name
+    if rank == 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        files = plan.manifest["files"]
+        for name in files:
+            if name.startswith(("offloaded_tensors/", f"{INDEX}/")) or name.endswith("_optim_states.pt"):
+                continue
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            os.link(src / name, dest / name)
+        for name in sorted(n for n in files if n.endswith("_optim_states.pt")):
+            index = f"{INDEX}/{name}.json"
+            if index not in files:
+                raise CheckpointError(f"{src}: no {index}: cannot convert its NVMe optimizer states")
+            groups = json.loads((src / index).read_text())["sub_groups"]
+            sd = safe_torch_load(src / name)
+            zero = sd["optimizer_state_dict"]
+            state = zero["optimizer_state_dict"]["state"]
+            steps = [st["step"] for st in state.values() if "step" in st]
+            step = steps[0] if steps else plan.step
+            for sub, g in enumerate(groups):
+                if g["swap"] is None:
+                    continue
+                swap = src / g["swap"]
+                moments = {k: swap.with_name(f"{k}-{swap.name}") for k in ("exp_avg", "exp_avg_sq")}
+                zero["fp32_flat_groups"][sub] = _read_swap(swap, g["numel"])
+                state[g["state_index"]] = {
+                    "step": step,
+                    **{k: _read_swap(p, g["numel"]) for k, p in moments.items()},
+                }
+            torch.save(sd, dest / name)
+    dist.barrier()
+    return out_root, src.name
 
 
 def deepspeed_restores_nvme_states(opt) -> bool:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Layout, offload_resume_conflict
+from ..config import Layout, offload_resume_conflict, optimizer_device
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
@@ -74,12 +74,14 @@ class ResumePlan:
         now.pop("offload")  # where states live is not how they are partitioned (check_offload)
         return any(saved.get(k) != v for k, v in now.items())
 
-    def check_offload(self, layout: Layout) -> None:
-        """Refuse a resume across offload devices that DeepSpeed cannot load (NVMe optimizer states)."""
+    def check_offload(self, layout: Layout) -> bool:
+        """Refuse a resume across offload devices that DeepSpeed cannot load (NVMe optimizer states);
+        True when the checkpoint's NVMe optimizer states must be converted for this run."""
         saved = self.meta["layout"].get("offload", "none")  # checkpoints from before offload: none
         why = offload_resume_conflict(saved, layout.offload, self.layout_changed(layout))
         if why:
             raise CheckpointError(f"{self.path}: {why}")
+        return optimizer_device(saved) == "nvme" and optimizer_device(layout.offload) != "nvme"
 
 
 def candidates(resume: str, save_dir: str | Path) -> list[Path]:

@@ -88,8 +88,12 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     load_dir, tag = None, None
     same_layout = plan is None or not plan.layout_changed(layout)
     if plan is not None:
-        plan.check_offload(layout)
+        convert = plan.check_offload(layout)
         load_dir, tag = plan.path.parent, plan.path.name
+        if convert:  # NVMe-offloaded optimizer states into a run without: an ordinary checkpoint copy
+            from ..checkpoint.nvme_states import convert_for_resume
+
+            load_dir, tag = convert_for_resume(plan, rt.rank)
         if not same_layout:
             load_dir, tag = reshard.prepare(plan, run, layout, rt.rank)
     model = build_model(run, layout, rt, cfg, vocab, skip_init=bool(hf_path) or plan is not None)
