@@ -580,8 +580,9 @@ def offload_resume_conflict(saved: str, now: str, layout_changed: bool) -> str |
         )
     return (
         f"the checkpoint's optimizer states were saved with offload {saved!r} and this run uses {now!r}: "
-        "an NVMe run of DeepSpeed 0.19.8 reads its optimizer states only from swap files saved by an NVMe "
-        "run; resume with the checkpoint's offload_optimizer device, save, then switch to NVMe"
+        "an NVMe run of DeepSpeed 0.19.8 reads optimizer states only from swap files an NVMe run saved; "
+        "keep the checkpoint's offload_optimizer device, or export-hf and start the NVMe run from those "
+        "weights (model.from_hf: fresh optimizer states)"
     )
 
 
