@@ -571,12 +571,13 @@ def offload_resume_conflict(saved: str, now: str, layout_changed: bool) -> str |
     if was == will:
         return (
             "a checkpoint with NVMe-offloaded optimizer states resumes only at the layout it was saved "
-            "with (DeepSpeed keeps them as per-rank swap files): resume at that layout"
+            "with (DeepSpeed keeps them as per-rank swap files); for another layout, export-hf and start "
+            "from those weights (model.from_hf)"
         )
     if was == "nvme":
         return (
-            "a checkpoint with NVMe-offloaded optimizer states resumes without NVMe only at the layout it "
-            "was saved with: resume at that layout first, save, then change the layout"
+            "a checkpoint with NVMe-offloaded optimizer states resumes only at the layout it was saved "
+            "with; for another layout, export-hf and start from those weights (model.from_hf)"
         )
     return (
         f"the checkpoint's optimizer states were saved with offload {saved!r} and this run uses {now!r}: "
