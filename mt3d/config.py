@@ -158,6 +158,14 @@ class RunConfig:
         """The full JSON-able config (DeepSpeed keys + mt3d section)."""
         return {**self.ds, "mt3d": _to_plain(self.mt3d)}
 
+    @property
+    def precision(self) -> str:
+        """bf16, fp16 or fp32, from DeepSpeed's ``bf16``/``fp16`` sections."""
+        for name in ("bf16", "fp16"):
+            if (self.ds.get(name) or {}).get("enabled"):
+                return name
+        return "fp32"
+
 
 # --- loading -------------------------------------------------------------------------------
 def _to_plain(obj: Any) -> Any:

@@ -60,14 +60,8 @@ def run(args) -> dict:
     for label, m, n, k in shapes(args.smoke):
         measured = time_gemm(m, n, k, device, args.reps)
         row = {"shape": label, "m": m, "n": n, "k": k, "tflops": round(measured, 2)}
-        if dev is not None:  # the shape model at the preset's ceiling (GEMM_FRACTION not applied)
-            from ..planner import compute
-
-            saved, compute.GEMM_FRACTION = compute.GEMM_FRACTION, 1.0
-            try:
-                predicted = 2 * m * n * k / gemm_seconds(Gemm(m, n, k), dev) / 1e12
-            finally:
-                compute.GEMM_FRACTION = saved
+        if dev is not None:  # the shape model at the preset's full ceiling (no training fraction)
+            predicted = 2 * m * n * k / gemm_seconds(Gemm(m, n, k), dev, fraction=1.0) / 1e12
             row.update(model_tflops=round(predicted, 1), measured_over_model=round(measured / predicted, 3))
         rows.append(row)
     best = max(r["tflops"] for r in rows)

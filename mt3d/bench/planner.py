@@ -62,7 +62,6 @@ def published_flops(batch: int, layers: int, hidden: int) -> float:
 def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None) -> dict:
     """The planner's step time and TFLOP/s at one published layout (``fraction``: of the GEMM
     ceiling, instead of ``compute.GEMM_FRACTION``)."""
-    from ..planner import compute
     from ..planner.costs import Layout, step_time
     from ..planner.hardware import get_device
     from ..planner.search import Cluster, bandwidths
@@ -76,15 +75,11 @@ def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None
     lay = Layout(tp, pp, dp, micro, batch // (micro * dp), zero, True, False, v)
     dev = get_device(device)
     bw = bandwidths(Cluster(gpus, 8, dev), tp, pp)
-    saved, compute.GEMM_FRACTION = compute.GEMM_FRACTION, fraction or compute.GEMM_FRACTION
-    try:
-        t = step_time(
-            cfg, VOCAB, SEQ, batch, lay, peak_tflops=dev.peak_tflops, efficiency=None, bw=bw,
-            precision="fp16", device=dev, attention_kernel="materialized",
-            pp_scatter_gather=not label.startswith("MT-NLG"),
-        )  # fmt: skip
-    finally:
-        compute.GEMM_FRACTION = saved
+    t = step_time(
+        cfg, VOCAB, SEQ, batch, lay, peak_tflops=dev.peak_tflops, efficiency=None, bw=bw,
+        precision="fp16", device=dev, attention_kernel="materialized",
+        pp_scatter_gather=not label.startswith("MT-NLG"), gemm_fraction=fraction,
+    )  # fmt: skip
     tflops = published_flops(batch, layers, hidden) / gpus / t["step_time_s"] / 1e12
     return {
         "run": label,

@@ -70,6 +70,11 @@ def write_swap_index(engine, ckpt_dir: Path) -> None:
     (ckpt_dir / INDEX / f"{optim_file}.json").write_text(json.dumps({"sub_groups": groups}))
 
 
+def _read_swap(path: Path, numel: int) -> torch.Tensor:
+    """The first ``numel`` fp32 elements of a swap file (the rest is alignment padding)."""
+    return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).clone()
+
+
 def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> list:
     """``flats`` (the fp32 groups of ``optim_file``) with each swapped sub-group read from its swap file;
     ``files``: the checkpoint manifest's file table (every file read must be listed there)."""
@@ -97,13 +102,8 @@ def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> 
             continue
         if g["swap"] not in files:
             raise CheckpointError(f"{ckpt_dir / g['swap']} is missing (listed in {name})")
-        data = torch.from_file(str(ckpt_dir / g["swap"]), shared=False, size=g["numel"], dtype=torch.float32)
-        out.append(data.clone())
+        out.append(_read_swap(ckpt_dir / g["swap"], g["numel"]))
     return out
-
-
-def _read_swap(path: Path, numel: int) -> torch.Tensor:
-    return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).clone()
 
 
 def convert_for_resume(plan, rank: int) -> tuple[Path, str]:

@@ -61,9 +61,10 @@ class Gemm:
         return Gemm(self.m, self.k, self.n, self.batch), Gemm(self.k, self.n, self.m, self.batch)
 
 
-def gemm_seconds(g: Gemm, dev, elem: int = 2) -> float:
-    """Time of ``g`` on ``dev``: the slower of the quantised compute and the HBM traffic."""
-    per_sm = dev.gemm_tflops * GEMM_FRACTION * 1e12 / dev.sms
+def gemm_seconds(g: Gemm, dev, elem: int = 2, fraction: float = GEMM_FRACTION) -> float:
+    """Time of ``g`` on ``dev``: the slower of the quantised compute (at ``fraction`` of the device's
+    GEMM ceiling) and the HBM traffic."""
+    per_sm = dev.gemm_tflops * fraction * 1e12 / dev.sms
     best = math.inf
     for tm, tn in TILES:
         tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.batch
@@ -117,9 +118,11 @@ def micro_batch_seconds(
     keys: float | None = None,
     with_logits: bool = True,
     elem: int = 2,
+    fraction: float = GEMM_FRACTION,
 ) -> dict[str, float]:
     """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
-    GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer."""
+    GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer.
+    ``fraction``: of the GEMM ceiling the GEMMs reach (the calibration)."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     tokens = seq_len * micro_batch
@@ -129,26 +132,26 @@ def micro_batch_seconds(
     for g in block_gemms(cfg, tokens, tp):
         dgrad, wgrad = g.backward()
         gemm += (
-            fwd_passes * gemm_seconds(g, dev, elem)
-            + gemm_seconds(dgrad, dev, elem)
-            + gemm_seconds(wgrad, dev, elem)
+            fwd_passes * gemm_seconds(g, dev, elem, fraction)
+            + gemm_seconds(dgrad, dev, elem, fraction)
+            + gemm_seconds(wgrad, dev, elem, fraction)
         )
     heads = cfg.heads / tp
     if attention == "materialized":  # scores = q k^T and out = p v per head; backward two of each
         qk = Gemm(seq_len, keys, cfg.head_dim, micro_batch * heads)
         pv = Gemm(seq_len, cfg.head_dim, keys, micro_batch * heads)
-        one = gemm_seconds(qk, dev, elem) + gemm_seconds(pv, dev, elem)
+        one = gemm_seconds(qk, dev, elem, fraction) + gemm_seconds(pv, dev, elem, fraction)
         attn = (fwd_passes + 2) * one
     else:
         flops = 4.0 * tokens * keys * cfg.q_size / tp  # forward; backward 2x
-        attn = (fwd_passes + 2) * flops / (dev.gemm_tflops * GEMM_FRACTION * 1e12 * FLASH_FRACTION)
+        attn = (fwd_passes + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
     per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
     mem = (fwd_passes + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
     out = {"gemm_s": blocks * gemm, "attention_s": blocks * attn, "elementwise_s": blocks * mem}
     logits = 0.0
     if with_logits:
         g = Gemm(tokens, pad_vocab(vocab, tp) / tp, cfg.hidden)
-        logits = sum(gemm_seconds(x, dev, elem) for x in (g, *g.backward()))
+        logits = sum(gemm_seconds(x, dev, elem, fraction) for x in (g, *g.backward()))
         logits += 3 * tokens * pad_vocab(vocab, tp) / tp * 4 / (dev.hbm_gbps * 1e9 * HBM_FRACTION)  # fp32 CE
     out["logits_s"] = logits
     out["total_s"] = sum(out.values())

@@ -197,6 +197,7 @@ def step_time(
     device=None,
     attention_kernel: str = "flash",
     pp_scatter_gather: bool = False,
+    gemm_fraction: float | None = None,
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
@@ -208,6 +209,7 @@ def step_time(
     ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
     over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
     they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
+    ``gemm_fraction``: of the device's GEMM ceiling (default ``compute.GEMM_FRACTION``).
     ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     """
@@ -220,11 +222,12 @@ def step_time(
     grads = stage_params(cfg, vocab, t, lay.pp)
     optimizer = 0.0
     if efficiency is None and device is not None and getattr(device, "sms", 0):
-        from .compute import micro_batch_seconds, optimizer_seconds
+        from .compute import GEMM_FRACTION, micro_batch_seconds, optimizer_seconds
 
         per_micro = micro_batch_seconds(
             cfg, vocab, seq_len, lay.micro_batch, t, blocks, device, sp=lay.sequence_parallel and t > 1,
             recompute=lay.recompute, attention=attention_kernel, keys=seq_len * attention_fraction,
+            fraction=GEMM_FRACTION if gemm_fraction is None else gemm_fraction,
         )["total_s"]  # fmt: skip
         compute = m * per_micro
         if lay.offload == "none":

@@ -51,7 +51,22 @@ class Device:
 # Node defaults are those of NVIDIA's DGX systems (DGX A100: 1 TB RAM, 4 x 3.84 TB NVMe, PCIe 4,
 # 2 x 64 cores; DGX H100/H200: 2 TB RAM, 8 x 3.84 TB NVMe, PCIe 5, 2 x 56 cores); `mt3d plan`
 # overrides each with a flag.
-DEVICES = {
+_H100 = Device(
+    "H100-SXM5-80GB",
+    989.0,
+    80.0,
+    intra_gbps=360.0,
+    inter_gbps=50.0,
+    host_memory_gb=2000.0,
+    nvme_gb=30000.0,
+    pcie_gbps=50.0,
+    nvme_gbps=50.0,
+    cpu_cores_per_gpu=14,
+    sms=132,
+    gemm_tflops=794.5,
+    hbm_gbps=3350.0,
+)  # fmt: skip
+DEVICES: dict[str, Device] = {
     "a100-80gb": Device(
         "A100-SXM4-80GB",
         312.0,
@@ -62,36 +77,9 @@ DEVICES = {
         gemm_tflops=271.2,
         hbm_gbps=2039.0,
     ),
-    "h100": Device(
-        "H100-SXM5-80GB",
-        989.0,
-        80.0,
-        intra_gbps=360.0,
-        inter_gbps=50.0,
-        host_memory_gb=2000.0,
-        nvme_gb=30000.0,
-        pcie_gbps=50.0,
-        nvme_gbps=50.0,
-        cpu_cores_per_gpu=14,
-        sms=132,
-        gemm_tflops=794.5,
-        hbm_gbps=3350.0,
-    ),  # fmt: skip
-    "h200": Device(
-        "H200-SXM-141GB",
-        989.0,
-        141.0,
-        intra_gbps=360.0,
-        inter_gbps=50.0,
-        host_memory_gb=2000.0,
-        nvme_gb=30000.0,
-        pcie_gbps=50.0,
-        nvme_gbps=50.0,
-        cpu_cores_per_gpu=14,
-        sms=132,
-        gemm_tflops=794.5,  # the H100's figure: the same SMs and clocks, more and faster HBM
-        hbm_gbps=4800.0,
-    ),  # fmt: skip
+    "h100": _H100,
+    # the H100's SMs, clocks and node, with more and faster HBM (the GEMM ceiling is the H100's figure)
+    "h200": replace(_H100, name="H200-SXM-141GB", memory_gb=141.0, hbm_gbps=4800.0),
     "cpu": Device(
         "CPU (gloo)",
         0.1,

@@ -31,11 +31,8 @@ def nvme_bytes_per_rank(run: RunConfig, layout: Layout, model: ModelConfig) -> d
     from ..planner.offload import tier_bytes
 
     vocab = model.vocab_size or run.mt3d.data.vocab_size
-    precision = "bf16" if (run.ds.get("bf16") or {}).get("enabled") else "fp32"
-    if (run.ds.get("fp16") or {}).get("enabled"):
-        precision = "fp16"
     params = stage_params(model, vocab, layout.tp, layout.pp)
-    prec = Precision.of(precision, layout.zero_stage)
+    prec = Precision.of(run.precision, layout.zero_stage)
     total = tier_bytes(params, layout.dp, layout.zero_stage, prec, layout.offload)["nvme"]
     param = prec.param * params / layout.dp if Offload.of(run.ds).param == "nvme" else 0.0
     return {"param": param, "optimizer": total - param}

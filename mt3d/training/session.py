@@ -45,9 +45,7 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
             "seq_len": run.mt3d.data.seq_len,
             "global_batch": layout.global_batch,
             "micro_batch": layout.micro_batch,
-            "precision": "bf16"
-            if run.ds.get("bf16", {}).get("enabled")
-            else ("fp16" if run.ds.get("fp16", {}).get("enabled") else "fp32"),
+            "precision": run.precision,
             "data": {"corpus": run.mt3d.data.corpus, "tokenizer": data_info.get("tokenizer_dir")},
             "config": run.to_dict(),
         }
