@@ -34,6 +34,7 @@ TOPO_EXAMPLES = """examples:
   mt3d topo --world-size 2240 --gpus-per-node 8 --tp 8 --pp 35 --model mtnlg-530b --json
   mt3d topo --hostfile launch/hostfile.example --tp 2 --pp 2
   mt3d topo --world-size 8 --tp 2 --islands '0,2;1,3;4,6;5,7'
+  mt3d topo --world-size 64 --gpus-per-node 8 --tp 2 --cp 2 --ep 2 --pp 2
   nvidia-smi topo -m > topo.txt; mt3d topo --world-size 8 --tp 2 --nvidia-smi-topo topo.txt
 """
 
@@ -52,9 +53,15 @@ def _add_topo(sub) -> None:
         "--gpus-per-node", type=positive_int, help="ranks per host for uniform hosts (default: one host)"
     )
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N' per line); hosts may be uneven")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default 1)")
-    p.add_argument("--order", default="tp-dp-pp", help="axis nesting, innermost first (default tp-dp-pp)")
+    from .parallel.axes import AXES, DEFAULT_ORDER
+
+    for axis in AXES:
+        if axis.key:  # one flag per configured axis: --tp, --cp, --ep, --pp
+            p.add_argument(f"--{axis.name}", type=positive_int, default=1,
+                           help=f"{axis.key} degree: splits {axis.splits} (default 1)")  # fmt: skip
+    p.add_argument(
+        "--order", default=DEFAULT_ORDER, help=f"axis nesting, innermost first (default {DEFAULT_ORDER})"
+    )
     p.add_argument("--islands", help="NVLink islands as local ranks, e.g. '0,1;2,3;4,5;6,7'")
     p.add_argument(
         "--nvidia-smi-topo", metavar="FILE", help="file with 'nvidia-smi topo -m' output to find islands"
@@ -109,15 +116,16 @@ def cmd_topo(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"nvidia-smi topo file not found: {path}")
         islands = H.parse_nvidia_smi_topo(path.read_text())
+    from .parallel.axes import degree_keys
+
     topo = T.place(
         world,
-        args.tp,
-        args.pp,
         gpus_per_node=args.gpus_per_node,
         hosts=hosts,
         order=args.order,
         islands=islands,
         allow_crossing=args.allow_crossing,
+        **{name: getattr(args, name) for name in degree_keys().values()},
     )
     traffic = None
     if args.model:
@@ -616,7 +624,7 @@ def _plan_model(spec: str):
             resolve_model(run.mt3d.model),
             run.mt3d.model,
             {
-                "global_batch": run.ds.get("train_batch_size"),
+                "global_batch": run.deepspeed.batch_keys()["train_batch_size"],
                 "seq_len": d.seq_len,
                 "vocab": d.vocab_size if d.corpus != "indexed" else None,
             },

@@ -73,11 +73,11 @@ def preflight(run, layout, model_cfg) -> None:
     leftover lock of an interrupted DeepSpeed op build (which would hang the start for ever)."""
     import torch
 
+    from .ds.ops import check_op_locks
     from .training.offload import check_offload
-    from .training.op_locks import check_op_locks
 
-    check_offload(run, layout, model_cfg)
-    check_op_locks(run.ds, on_cpu=not torch.cuda.is_available())
+    check_offload(run.deepspeed.offload, layout, model_cfg, run.mt3d.data.vocab_size)
+    check_op_locks(run.deepspeed, on_cpu=not torch.cuda.is_available())
 
 
 def run(args: argparse.Namespace, prog: str = "mt3d train") -> int:
@@ -91,9 +91,8 @@ def run(args: argparse.Namespace, prog: str = "mt3d train") -> int:
         return EXIT_BAD_INPUT
     if args.check:
         print(
-            f"config OK: world {layout.world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "
-            f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} "
-            f"x dp {layout.dp}"
+            f"config OK: {layout.headline()}, global batch {layout.global_batch} = micro "
+            f"{layout.micro_batch} x accum {layout.grad_accum} x dp {layout.dp}"
         )
         return 0
     from .training.logs import configure_logging

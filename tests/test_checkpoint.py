@@ -346,10 +346,11 @@ def test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes(monkeypatch)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     with pytest.raises(ValueError, match="0a"):
         FusedAdamBuilder().compute_capability_args()
-    from mt3d.training.engine import deepspeed_config
+    from mt3d.ds.engine import deepspeed_config
 
     run = from_dict(tiny_config("/tmp/x"))
-    ds = deepspeed_config(run, validate(run, 1, resolve_model(run.mt3d.model)), on_cpu=False)
+    layout = validate(run, 1, resolve_model(run.mt3d.model))
+    ds = deepspeed_config(run.deepspeed, layout, sequence_parallel=False, on_cpu=False)
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True
 
 
@@ -391,9 +392,9 @@ def test_resume_refuses_another_model_and_warns_on_changed_hyperparameters(caplo
 
 def _unguarded_resume_worker(raw):
     """Resume without mt3d's reshard guard, to see what DeepSpeed itself does; (exit code, records)."""
-    from mt3d.checkpoint import reshard
+    from mt3d.ds import universal
 
-    reshard.unsupported_reshard = lambda saved, target: None
+    universal.unsupported_reshard = lambda saved, target: None
     try:
         return train_rc_worker(raw)
     except Exception:  # DeepSpeed's own failure is the point of the exercise
@@ -407,7 +408,7 @@ def test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly(tmp
     import torch
 
     from mt3d.checkpoint.reader import CheckpointReader
-    from mt3d.checkpoint.reshard import unsupported_reshard
+    from mt3d.ds.universal import unsupported_reshard
 
     z3 = tiny_config(tmp_path / "z3", steps=4, zero=3, save_interval=2)
     z2 = tiny_config(tmp_path / "z2", steps=4, zero=2, save_interval=2)

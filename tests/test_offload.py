@@ -88,9 +88,9 @@ def test_zero3_cpu_offload_matches_and_resumes_with_and_without_offload(tmp_path
 def test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly(tmp_path, zero3_runs):
     """Parameters and optimizer states on NVMe: the swap directory is really written, losses equal no
     offload; a rank killed mid-save leaves the previous checkpoint, which resumes bit for bit (through
-    checkpoint/nvme_states.py: without it DeepSpeed 0.19.8 resumes inexactly, checked here so that this
+    mt3d/ds/nvme.py: without it DeepSpeed 0.19.8 resumes inexactly, checked here so that this
     test notices the upstream fix), and without NVMe too (converted); the reverse is refused."""
-    from mt3d.checkpoint.nvme_states import DISABLE
+    from mt3d.ds.nvme import DISABLE
 
     base, got = zero3_runs
     nvme, run = tmp_path / "nvme", tmp_path / "run"
@@ -122,7 +122,7 @@ def test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly(tmp_path
     assert [rc for rc, _ in spawn(train_rc_worker, 4, to_nvme)] == [2] * 4
     alone = zero3(tmp_path / "alone", "nvme", tmp_path / "nvme2", resume=ckpt3)
     alone = losses(spawn(train_worker, 4, alone, timeout=900, env={DISABLE: "0"})[0])
-    assert alone != straight[3:], "DeepSpeed now resumes NVMe optimizer states itself: drop nvme_states.py"
+    assert alone != straight[3:], "DeepSpeed now resumes NVMe optimizer states itself: drop mt3d/ds/nvme.py"
     resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900)[0])
     assert resumed[-3:] == straight[3:]  # bit for bit, as if never killed
 
@@ -161,7 +161,7 @@ def test_cpu_adam_takes_torch_adamw_state_only_through_the_workaround():
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from mt3d.checkpoint.resume import optimizer_state_across_implementations
+    from mt3d.ds.optim_states import optimizer_state_across_implementations
 
     hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
     torch.manual_seed(0)
@@ -272,7 +272,7 @@ def test_a_lock_released_during_the_check_is_not_called_stale(tmp_path, monkeypa
     (a suite run once lost a rank to this race)."""
     import threading
 
-    from mt3d.training.op_locks import stale_locks
+    from mt3d.ds.ops import stale_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "cpu_adam" / "lock"
@@ -285,14 +285,14 @@ def test_a_lock_released_during_the_check_is_not_called_stale(tmp_path, monkeypa
 
 
 def test_torch_still_waits_on_build_locks_without_a_time_limit():
-    """Upstream watch for mt3d/training/op_locks.py: torch builds extensions under
+    """Upstream watch for mt3d/ds/ops.py: torch builds extensions under
     ``<_get_build_directory>/lock`` and waits for it with no time limit. When this fails, torch
     changed how it locks builds: revisit (or drop) the stale-lock check."""
     import inspect
 
     from torch.utils import cpp_extension
 
-    from mt3d.training.op_locks import extensions_root
+    from mt3d.ds.ops import extensions_root
 
     src = inspect.getsource(cpp_extension._jit_compile)
     assert "baton = FileBaton(os.path.join(build_directory, 'lock'))" in src and "baton.wait()" in src

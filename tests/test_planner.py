@@ -70,7 +70,7 @@ def test_in_flight_blocks_match_the_schedules_that_run(p):
     engines execute: DeepSpeed's TrainSchedule for v = 1, ours (PTD-P) for v > 1."""
     from deepspeed.runtime.pipe import schedule as ds
 
-    from mt3d.pipeline.schedule import deepspeed_schedule
+    from mt3d.ds.interleaved import deepspeed_schedule
 
     for m in (p, 2 * p, 3 * p):
         steps = ds.TrainSchedule(micro_batches=m, stages=p, stage_id=0).steps()

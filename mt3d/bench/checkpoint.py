@@ -44,7 +44,6 @@ def worker(size: str, root: str) -> dict:
     """One rank: a step, a timed save, a timed load, and the raw write of the same byte count."""
     import torch
 
-    from ..checkpoint import safe
     from ..checkpoint.manager import Checkpointer
     from ..checkpoint.manifest import read_manifest, verify_everywhere
     from ..data.loader import StepBatches
@@ -59,7 +58,6 @@ def worker(size: str, root: str) -> dict:
         vocab=512,
     )
     run, layout, rt, engine, data, cfg = build_engine(raw, fast_init=True)
-    safe.install(engine)
     engine.train_batch(
         data_iter=StepBatches(data.train, global_batch=1, micro_batch=1, grad_accum=1, dp_rank=0)
     )

@@ -103,7 +103,8 @@ def bench_run_config(
 
 
 def build_engine(raw: dict, fast_init: bool = False):
-    """Inside an initialised process group: (run, layout, runtime, engine, data, model config).
+    """Inside an initialised process group: (run, layout, runtime, engine, data, model config), set up
+    as ``mt3d train`` does (validation, preflight, the vocabulary check, safe loading).
 
     ``fast_init`` draws the weights with one ``normal_`` per tensor on the model's device instead of
     mt3d's layout-independent CPU init (minutes for 1B parameters; benchmarks do not need it).
@@ -111,25 +112,17 @@ def build_engine(raw: dict, fast_init: bool = False):
     import torch.distributed as dist
 
     from ..config import from_dict, resolve_model, validate
-    from ..data.loader import build_data
-    from ..training.engine import build_model, initialize
+    from ..train import preflight
+    from ..training import session
     from ..training.runtime import setup
 
     run = from_dict(raw)
     cfg = resolve_model(run.mt3d.model)
     layout = validate(run, dist.get_world_size(), cfg)
-    rt = setup(run)
-    data = build_data(run.mt3d.data, run.mt3d.train.seed)
-    if cfg.vocab_size is None:
-        cfg.vocab_size = data.tokenizer.vocab_size
-    model = build_model(run, layout, rt, cfg, cfg.vocab_size, skip_init=fast_init)
-    if fast_init:
-        import torch
-
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02)
-    engine = initialize(run, layout, rt, model)
+    preflight(run, layout, cfg)
+    rt = setup(run.mt3d.parallel, run.mt3d.train.seed)
+    data, vocab = session.prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg)
+    engine, _ = session.build_engine(run, layout, rt, cfg, vocab, fast_init=fast_init)
     return run, layout, rt, engine, data, cfg
 
 

@@ -94,8 +94,9 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
     """Seconds per step of mt3d at tp = pp = dp = 1 (inside a one-rank process group)."""
     from ..config import from_dict, resolve_model, validate
     from ..data.loader import StepBatches
-    from ..training.engine import build_model, initialize
+    from ..train import preflight
     from ..training.runtime import setup
+    from ..training.session import build_engine
 
     raw = {
         **_ds_config(micro, accum),
@@ -108,12 +109,10 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
     run = from_dict(raw)
     cfg = resolve_model(run.mt3d.model)
     layout = validate(run, 1, cfg)
-    rt = setup(run)
-    model = build_model(run, layout, rt, cfg, cfg.vocab_size, skip_init=True)
-    with torch.no_grad():  # random weights drawn on the device: the CPU init of 1B weights takes minutes
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    engine = initialize(run, layout, rt, model)
+    preflight(run, layout, cfg)
+    rt = setup(run.mt3d.parallel, run.mt3d.train.seed)
+    # random weights drawn on the device: the CPU init of 1B weights takes minutes
+    engine, _ = build_engine(run, layout, rt, cfg, cfg.vocab_size, fast_init=True)
     data = RandomTokens(cfg.vocab_size, seq)
     k = iter(range(10**9))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..ds.nvme import write_swap_index
 from .manifest import (
     CheckpointError,
     check_sizes,
@@ -31,7 +32,6 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
-from .nvme_states import write_swap_index
 from .rng import save_rng
 
 log = logging.getLogger("mt3d")

@@ -75,8 +75,8 @@ class CheckpointReader:
 
     def _zero3_module(self, tp_rank: int) -> dict:
         """TP rank ``tp_rank``'s module weights stitched from every DP rank's ZeRO-3 fp32 partitions
-        (sub-groups in order; NVMe-swapped ones from their swap files, ``nvme_states``)."""
-        from .nvme_states import swapped_flats
+        (sub-groups in order; NVMe-swapped ones from their swap files, ``mt3d.ds.nvme``)."""
+        from ..ds.nvme import swapped_flats
 
         shapes = self._load(f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt").get("param_shapes")
         if not isinstance(shapes, list):

@@ -16,14 +16,13 @@ loader, so a file carrying anything but tensors and plain data is refused before
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
+from ..ds import universal
 from .manifest import (
     CheckpointError,
     check_sizes,
@@ -59,32 +58,6 @@ def universal_dir(plan, save_dir: str | Path) -> Path:
     return Path(save_dir) / "checkpoints" / "universal" / f"{plan.path.name}-{source}"
 
 
-def convert(source: Path, out: Path, workers: int = 1) -> None:
-    """Run DeepSpeed's ds_to_universal in-process (no process group needed)."""
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    args = argparse.Namespace(
-        input_folder=str(source),
-        output_folder=str(tmp),
-        num_extract_workers=workers,
-        num_merge_workers=workers,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
-    try:
-        ds_to_universal(args)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"converting {source} to DeepSpeed's universal format failed: {e}") from e
-    (tmp.parent / "latest_universal").unlink(missing_ok=True)  # pointer the converter writes; not used
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-
-
 def _usable_cache(out: Path, source: Path, full: bool) -> bool:
     """Whether ``out`` is a complete conversion of ``source`` as it is now (``full``: sha256 too)."""
     try:
@@ -106,54 +79,24 @@ def _convert_on_rank0(plan, out: Path) -> None:
         return
     log.info("layout changed since %s: converting it to DeepSpeed's universal format", plan.path)
     scan(plan.path)
-    convert(plan.path, out)
+    universal.convert(plan.path, out)
     scan(out)
     files = describe_files(out, list_files(out))
     meta = {"universal_of": str(plan.path), "source_manifest_sha256": manifest_digest(plan.path)}
     write_manifest(out, files, meta)
 
 
-def unsupported_reshard(saved: dict, target: dict) -> str | None:
-    """Why mt3d refuses to move a checkpoint from layout ``saved`` to ``target`` (None: it does not).
-
-    Layouts are dicts with tp, pp, dp and zero_stage. Measured with DeepSpeed 0.19.8, every reshard
-    that involves ZeRO-3 goes wrong: a ZeRO-3 checkpoint has no module or layer files, so ZeRO 0-2
-    cannot load its universal form (``assert len(self.ckpt_list) > 0``); ZeRO-3's universal loader
-    looks for ZeRO-3 model files, so no ZeRO 0-2 checkpoint loads into it; it slices tensor
-    parallelism only for AutoTP modules (a size mismatch at another tp); and at another dp it loads
-    but training drifts from the second step on (grad norm 1.4066 instead of 1.3984 on the tiny
-    model; one cause is that it copies param group 0's settings, weight decay included, into every
-    group). Among ZeRO 0-2 every layout works and is tested. Refusing up front gives the way out
-    instead of an assertion or a silently different run; tests/test_checkpoint.py runs the refused
-    moves past this guard and fails when DeepSpeed starts getting them right.
-    """
-    if saved["zero_stage"] != 3 and target["zero_stage"] != 3:
-        return None
-    way = (
-        "or export it with `mt3d export-hf` and fine-tune from that directory with model.from_hf "
-        "(weights kept, optimizer state restarted)"
-    )
-    if saved["zero_stage"] == 3:
-        return (
-            f"DeepSpeed 0.19.8 cannot reshard ZeRO-3 states correctly: resume it in the layout it was saved "
-            f"in (zero_optimization.stage=3, tensor={saved['tp']} and dp={saved['dp']}, pipeline=1), {way}"
-        )
-    return (
-        f"it was saved with ZeRO-{saved['zero_stage']} and DeepSpeed 0.19.8 cannot load it into ZeRO-3: "
-        f"resume with zero_optimization.stage 1 or 2 (any tp/pp/dp), {way}"
-    )
-
-
-def prepare(plan, run, layout, rank: int) -> tuple[Path, str]:
-    """Make sure the universal form exists (rank 0 converts), enable universal loading; (load_dir, tag).
+def prepare(plan, layout, save_dir: str | Path, rank: int) -> tuple[Path, str]:
+    """Make sure the universal form exists (rank 0 converts); (load_dir, tag) for DeepSpeed's universal
+    loading (``checkpoint.load_universal``).
 
     Collective: a failure on rank 0 is raised on every rank (no rank is left waiting for it).
     """
-    target = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": layout.zero_stage}
-    why = unsupported_reshard(plan.meta["layout"], target)
+    target = {**layout.shown_degrees(), "zero_stage": layout.zero_stage}
+    why = universal.unsupported_reshard(plan.meta["layout"], target)
     if why:
         raise CheckpointError(f"cannot resume {plan.path} in this layout: {why}")
-    out = universal_dir(plan, run.mt3d.train.save_dir)
+    out = universal_dir(plan, save_dir)
     error = ""
     if rank == 0:
         try:
@@ -171,5 +114,4 @@ def prepare(plan, run, layout, rank: int) -> tuple[Path, str]:
             f"universal checkpoint {out} is missing or incomplete on this host; put save_dir (and the "
             "source checkpoint) on a filesystem every host shares"
         )
-    run.ds.setdefault("checkpoint", {})["load_universal"] = True
     return out.parent, out.name

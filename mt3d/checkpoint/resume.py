@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Layout, offload_resume_conflict, optimizer_device
+from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
 from .manager import checkpoints_dir, complete_checkpoints
@@ -206,38 +207,16 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     Random state belongs to a (pp, dp, tp) coordinate, so it is restored only when the degrees are
     unchanged (the rank order may differ); after a reshard every rank keeps its freshly seeded streams.
     """
-    base = getattr(engine, "basic_optimizer", None)
-    if base is not None:
-        base.register_load_state_dict_pre_hook(optimizer_state_across_implementations)
+    accept_adam_states_across_implementations(engine)
     path, client = engine.load_checkpoint(
         str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
-    from .nvme_states import finish_nvme_resume
+    from ..ds.nvme import finish_nvme_resume
 
     finish_nvme_resume(engine, Path(load_dir), tag)
     key = rng_key(rt.state)
     if same_layout and not load_rng(plan.path, key, rt.tracker):
         log.warning("%s has no random state for %s: keeping the seeded one", plan.path, key)
     return client or {}
-
-
-def optimizer_state_across_implementations(optimizer, state_dict: dict) -> dict:
-    """Workaround (DeepSpeed 0.19.8, torch 2.13): let Adam states move between torch's AdamW and
-    DeepSpeedCPUAdam, which DeepSpeed picks by whether the optimizer is offloaded.
-
-    ``Optimizer.load_state_dict`` takes the saved ``param_groups`` whole. torch's AdamW fills its
-    own missing keys (``__setstate__``) and turns integer steps into tensors, so a CPU-offloaded
-    checkpoint resumes without offload; DeepSpeedCPUAdam does neither and fails in its first step
-    with ``KeyError: 'bias_correction'`` (and would get tensor steps). Registered as a load pre-hook
-    on the engine's base optimizer; tests/test_offload.py notices when DeepSpeedCPUAdam stops needing it.
-    """
-    for group in state_dict.get("param_groups", []):
-        for key, value in optimizer.defaults.items():
-            group.setdefault(key, value)
-    if type(optimizer).__name__ == "DeepSpeedCPUAdam":
-        for st in state_dict.get("state", {}).values():
-            if "step" in st and hasattr(st["step"], "item"):
-                st["step"] = int(st["step"].item())
-    return state_dict

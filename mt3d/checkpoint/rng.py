@@ -1,8 +1,9 @@
 """Per-rank random state in checkpoints: python, numpy, torch (CPU and CUDA) and the TP tracker.
 
-Each rank writes ``rng/pp<P>_dp<D>_tp<T>.safetensors``, named by its coordinates in the layout
-rather than its global rank (a different rank order or hostfile with the same degrees maps ranks to
-other coordinates, and the streams belong to the coordinates): the torch generator states as uint8
+Each rank writes ``rng/pp<P>_dp<D>_tp<T>.safetensors`` (with its cp and ep coordinates too when those
+axes are used), named by its coordinates in the layout rather than its global rank (a different rank
+order or hostfile with the same degrees maps ranks to other coordinates, and the streams belong to
+the coordinates): the torch generator states as uint8
 tensors and the python/numpy states as JSON in the file's metadata. Nothing here is pickled.
 """
 
@@ -20,8 +21,12 @@ from ..parallel.state import ParallelState
 
 
 def rng_key(state: ParallelState) -> str:
-    """The name of this rank's random state: its (pp, dp, tp) coordinates."""
-    return f"pp{state.pp.rank:03d}_dp{state.dp.rank:05d}_tp{state.tp.rank:03d}"
+    """The name of this rank's random state: its coordinates, outermost axis first, on every axis the
+    layout shows (``pp000_dp00000_tp000`` for three axes; cp and ep join when above 1)."""
+    from ..parallel.axes import BY_NAME
+
+    coord = state.coordinate()
+    return "_".join(f"{ax}{coord[ax]:0{BY_NAME[ax].digits}d}" for ax in reversed(list(coord)))
 
 
 def rng_path(ckpt_dir: Path, key: str) -> Path:

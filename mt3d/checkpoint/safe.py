@@ -5,9 +5,10 @@ containers and primitive values load; a small list of DeepSpeed classes that its
 contain (loss scalers) are allowed by name; anything else, in particular a payload that would run
 code on load, is refused with the file named.
 
-DeepSpeed 0.19.8's own checkpoint engine loads with ``weights_only=False`` (DEEPSPEED_NOTES.md);
-``SafeCheckpointEngine`` replaces it on the engines mt3d builds, and ``only_safe_loads`` routes every
-other ``torch.load`` (the universal-checkpoint loaders and converter) through the same check.
+DeepSpeed's own checkpoint engine loads with ``weights_only=False`` (DEEPSPEED_NOTES.md);
+``mt3d.ds.engine.SafeCheckpointEngine`` replaces it on the engines mt3d builds, and
+``only_safe_loads`` routes every other ``torch.load`` (the universal-checkpoint loaders and
+converter) through the same check.
 """
 
 from __future__ import annotations
@@ -19,20 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..ds.pickles import allowed_globals
 from .manifest import CheckpointError
-
-
-def allowed_globals() -> list:
-    """Classes a DeepSpeed checkpoint may contain besides tensors and containers (plain data
-    holders: loss-scaler settings, the ZeRO stage enum, a parameter fragment's address, the
-    shape of a fused tensor's parts in universal checkpoints)."""
-    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, LossScalerBase
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScalerBase, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, SubparamShape]
-
 
 _REAL_LOAD = torch.load  # before only_safe_loads can replace it
 
@@ -58,7 +47,7 @@ def safe_torch_load(path: str | Path, map_location="cpu"):
 def only_safe_loads():
     """While open, every ``torch.load`` in this process goes through ``safe_torch_load``.
 
-    DeepSpeed 0.19.8 reads universal checkpoints (``load_hp_checkpoint_state``, the optimizer's
+    DeepSpeed reads universal checkpoints (``load_hp_checkpoint_state``, the optimizer's
     ``zero/optimizer_state.pt``) and runs its converter with ``torch.load(weights_only=False)``
     outside its checkpoint engine, so ``SafeCheckpointEngine`` alone does not cover them; they all
     look ``torch.load`` up when they call it. A training run holds this for its whole length: mt3d
@@ -74,23 +63,3 @@ def only_safe_loads():
         yield
     finally:
         torch.load = previous
-
-
-class SafeCheckpointEngine:
-    """Wraps DeepSpeed's torch checkpoint engine so every load goes through ``safe_torch_load``."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def load(self, path, map_location=None):
-        """DeepSpeed's CheckpointEngine.load, through the allow-list."""
-        return safe_torch_load(path, map_location=map_location or "cpu")
-
-
-def install(engine) -> None:
-    """Make a DeepSpeed engine load its checkpoints through the allow-list."""
-    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
-        engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)

@@ -18,7 +18,7 @@ from ..parallel.state import AxisGroup, ParallelState
 from .blocks import BuildContext
 from .config import ModelConfig
 from .hf import HFError, HFReader, config_from_hf, pieces, read_shard
-from .pipeline import LossFn, Mt3dPipeline, StackedModel, default_stage_blocks, layer_specs
+from .pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
 
 
 @dataclass
@@ -119,6 +119,8 @@ def build_model(
     if state.pp.size == 1:
         model = StackedModel(specs, loss_fn=loss)
     else:
+        from ..ds.pipe import Mt3dPipeline
+
         blocks = stage_blocks or default_stage_blocks(cfg.layers, state.pp.size)
         model = Mt3dPipeline(specs, topology=state.topology, loss_fn=loss, stage_blocks=blocks)
     return model.to(device=device, dtype=dtype)

@@ -1,15 +1,13 @@
-"""The model as a DeepSpeed PipelineModule (and, for pp = 1 without the pipeline engine, a plain module).
+"""The model as DeepSpeed layer specs, run by a pipeline module (``mt3d.ds.pipe``) or, without the
+pipeline engine, as one plain module (``StackedModel``).
 
 Layer list: word embedding, positions/dropout, ``layers`` transformer blocks, final norm, LM head.
 With tied embeddings the first and last entries are one ``TiedLayerSpec`` ("embed"), so DeepSpeed
 shares it between the first and last stage and all-reduces its gradient. Stages are cut by
 transformer blocks (``stage_blocks``; the embedding goes with stage 0 and the head with the last
-stage). Only the hidden-state tensor crosses stage boundaries. The PipelineModule receives the
-topology from the rank mapper, so its grid and mt3d's ParallelState describe the same groups.
-
-Activation checkpointing is done here rather than by DeepSpeed's interval mechanism: runs of up to
-``recompute_interval`` consecutive blocks are checkpointed on every stage (the embedding and head
-never are), with mt3d's TP-aware, recompute-safe ``checkpoint``.
+stage). Only the hidden-state tensor crosses stage boundaries. ``run_layers`` applies a stage's
+layers, checkpointing runs of up to ``recompute_interval`` consecutive blocks (the embedding and head
+never are) with mt3d's TP-aware, recompute-safe ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import functools
 import logging
 
 import torch
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..parallel.cross_entropy import mean_loss, vocab_parallel_cross_entropy
@@ -122,53 +120,6 @@ def _chain(funcs, x):
     for f in funcs:
         x = f(x)
     return x
-
-
-class Mt3dPipeline(PipelineModule):
-    """DeepSpeed PipelineModule with mt3d's block-based partitioning and recompute."""
-
-    def __init__(
-        self,
-        specs: list,
-        *,
-        topology,
-        loss_fn: LossFn,
-        stage_blocks: list[int],
-        recompute_interval: int = 0,
-        ckpt=None,
-    ) -> None:
-        self._stage_blocks = list(stage_blocks)
-        self.recompute_interval = recompute_interval
-        self._ckpt = ckpt or checkpoint
-        super().__init__(
-            layers=specs,
-            topology=topology,
-            loss_fn=loss_fn,
-            partition_method="mt3d-blocks",
-            activation_checkpoint_interval=0,
-        )
-
-    def _partition_layers(self, method="mt3d-blocks"):
-        # DeepSpeed's methods balance by type or parameters; mt3d cuts by explicit block counts so
-        # uneven first/last stages can be configured.
-        self.parts = stage_bounds(self._stage_blocks)
-        if len(self.parts) != self.num_stages + 1 or self.parts[-1] != len(self._layer_specs):
-            raise ValueError(f"stage_blocks {self._stage_blocks} do not fit {len(self._layer_specs)} layers")
-        stage = self._topo.get_coord(self.global_rank).pipe
-        if self.global_rank == 0:
-            log.info("pipeline stages (blocks per stage): %s", self._stage_blocks)
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    def _synchronize_tied_weights(self):
-        # DeepSpeed broadcasts the tied embedding in place with autograd recording; torch then warns
-        # on every backward that c10d::broadcast_ has no autograd kernel. The copy needs no graph.
-        with torch.no_grad():
-            super()._synchronize_tied_weights()
-
-    def forward(self, forward_input):
-        """Run this stage's layers (recomputing blocks in runs of ``recompute_interval``)."""
-        self.micro_offset += 1
-        return run_layers(self.forward_funcs, forward_input, self.recompute_interval, self._ckpt)
 
 
 class StackedModel(nn.Module):

@@ -6,24 +6,25 @@ from __future__ import annotations
 import json
 
 from ..planner.traffic import TrafficModel, cross_host_bytes
-from .topology import AXES, AXIS_DIM, MappedTopology, Placement
+from .topology import Placement
 
 
 def _placement(topo) -> Placement:
-    return topo.placement if isinstance(topo, MappedTopology) else topo
+    """The placement of a ``Placement`` or of a DeepSpeed topology wrapping one."""
+    return getattr(topo, "placement", topo)
 
 
-def summary(topo: MappedTopology | Placement, traffic: TrafficModel | None = None) -> dict:
-    """Everything of the ``mt3d topo --json`` report except the per-rank and per-group listings."""
+def summary(topo, traffic: TrafficModel | None = None) -> dict:
+    """Everything of the ``mt3d topo --json`` report except the per-rank and per-group listings;
+    ``topo``: a ``Placement`` or a ``MappedTopology``. Axes of size 1 that are optional (cp, ep) are
+    left out, so three-axis reports read as before they existed."""
     pl = _placement(topo)
     report = {
         "world_size": pl.world,
-        "tp": pl.tp,
-        "pp": pl.pp,
-        "dp": pl.dp,
+        **{ax: pl.size(ax) for ax in pl.axes},
         "order": pl.order,
         "hosts": [{"name": h.name, "slots": h.slots} for h in pl.hosts],
-        "crossing": {ax: pl.crossing(ax) for ax in AXES},
+        "crossing": {ax: pl.crossing(ax) for ax in pl.axes},
         "island_crossing": {"tp": pl.island_crossing_tp()},
         "notes": list(pl.notes),
     }
@@ -32,23 +33,23 @@ def summary(topo: MappedTopology | Placement, traffic: TrafficModel | None = Non
     return report
 
 
-def rank_rows(topo: MappedTopology | Placement, limit: int | None = None):
+def rank_rows(topo, limit: int | None = None):
     """The per-rank rows of the report, one at a time (``limit``: only the first ones)."""
     pl = _placement(topo)
     for r in range(pl.world if limit is None else min(limit, pl.world)):
         yield {"rank": r, "host": pl.host(r), "local_rank": pl.local_rank(r), **pl.coord(r)}
 
 
-def describe(topo: MappedTopology | Placement, traffic: TrafficModel | None = None) -> dict:
+def describe(topo, traffic: TrafficModel | None = None) -> dict:
     """The machine-readable report of a mapping (the ``mt3d topo --json`` contract), in memory."""
     pl = _placement(topo)
     report = summary(pl, traffic)
     report["ranks"] = list(rank_rows(pl))
-    report["groups"] = {ax: list(pl.groups(ax)) for ax in AXES}
+    report["groups"] = {ax: list(pl.groups(ax)) for ax in pl.axes}
     return report
 
 
-def write_report_json(topo: MappedTopology | Placement, traffic: TrafficModel | None, out) -> None:
+def write_report_json(topo, traffic: TrafficModel | None, out) -> None:
     """Stream ``describe``'s JSON to ``out`` row by row (bounded memory for any world size)."""
     pl = _placement(topo)
     head = summary(pl, traffic)
@@ -56,7 +57,7 @@ def write_report_json(topo: MappedTopology | Placement, traffic: TrafficModel | 
     for i, row in enumerate(rank_rows(pl)):
         out.write((", " if i else "") + json.dumps(row))
     out.write('], "groups": {')
-    for a, ax in enumerate(AXES):
+    for a, ax in enumerate(pl.axes):
         out.write((", " if a else "") + f'"{ax}": [')
         for i, g in enumerate(pl.groups(ax)):
             out.write((", " if i else "") + json.dumps(g))
@@ -80,34 +81,34 @@ def _short(group: list[int], keep: int = 8) -> str:
     return "[" + ", ".join(map(str, group[: keep - 2])) + f", ..., {group[-1]}] ({len(group)} ranks)"
 
 
-def format_report(
-    topo: MappedTopology | Placement, traffic: TrafficModel | None = None, max_rows: int = 64
-) -> str:
+def format_report(topo, traffic: TrafficModel | None = None, max_rows: int = 64) -> str:
     """Human-readable summary of a mapping: the first ranks and groups, crossings, traffic."""
     pl = _placement(topo)
     report = summary(pl, traffic)
+    axes = pl.axes
     lines = [
-        f"world {report['world_size']} = tp {report['tp']} x dp {report['dp']} x pp {report['pp']}"
-        f"   order {report['order']} (innermost first)   hosts {len(report['hosts'])}",
+        f"world {report['world_size']} = "
+        + " x ".join(f"{ax} {report[ax]}" for ax in axes)
+        + f"   order {report['order']} (innermost first)   hosts {len(report['hosts'])}",
         "",
-        f"{'rank':>6} {'host':<16} {'local':>5} {'tp':>4} {'dp':>4} {'pp':>4}",
+        f"{'rank':>6} {'host':<16} {'local':>5} " + " ".join(f"{ax:>4}" for ax in axes),
     ]
     for r in rank_rows(pl, max_rows):
         lines.append(
-            f"{r['rank']:>6} {r['host']:<16} {r['local_rank']:>5} {r['tp']:>4} {r['dp']:>4} {r['pp']:>4}"
+            f"{r['rank']:>6} {r['host']:<16} {r['local_rank']:>5} " + " ".join(f"{r[ax]:>4}" for ax in axes)
         )
     if pl.world > max_rows:
         lines.append(f"   ... {pl.world - max_rows} more ranks (use --json for all)")
     lines.append("")
-    for ax in AXES:
+    for ax in axes:
         count = pl.group_count(ax)
         first = [g for _, g in zip(range(8), pl.groups(ax))]
         shown = "  ".join(_short(g) for g in first) + ("  ..." if count > 8 else "")
-        lines.append(f"{ax} groups ({count} of size {pl.grid.shape[AXIS_DIM[ax]]}): {shown}")
+        lines.append(f"{ax} groups ({count} of size {pl.size(ax)}): {shown}")
     lines.append("")
     cross = report["crossing"]
     lines.append(
-        "groups crossing hosts: " + ", ".join(f"{ax} {cross[ax]}/{pl.group_count(ax)}" for ax in AXES)
+        "groups crossing hosts: " + ", ".join(f"{ax} {cross[ax]}/{pl.group_count(ax)}" for ax in axes)
     )
     if report["island_crossing"]["tp"]:
         lines.append(f"TP groups spanning several NVLink islands: {report['island_crossing']['tp']}")

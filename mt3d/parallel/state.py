@@ -1,12 +1,19 @@
 """ParallelState: the process groups of one rank, built once from one MappedTopology.
 
 It is handed explicitly to whoever needs a group (layers, loss, training loop); nothing here is a
-module-level global. It also satisfies DeepSpeed's ``mpu`` contract, including the
-``get_tensor_model_parallel_group`` that DeepSpeed's own PipelineParallelGrid lacks.
+module-level global. Groups are made for every axis of ``axes.AXES`` and for the combined groups
+reductions need (``topology.COMBINED``): ``model`` (pipe x tensor: one model replica), ``dense``
+(dp x cp: dense gradients and ZeRO partitions) and ``edp`` (dp / ep: expert gradients). An
+optional axis of size 1 gets no process group (its ``AxisGroup`` is the rank alone), and a combined
+group equal to another reuses it, so a three-axis run makes exactly the groups it always made.
 
-Naming follows DeepSpeed's grid: ``get_model_parallel_*`` is the pipe x tensor group (all ranks
-that hold one model replica: what DeepSpeed sums gradient norms over); ``get_tensor_model_parallel_*``
-and ``get_slice_parallel_*`` are the TP group.
+It also satisfies DeepSpeed's ``mpu`` contract (read in DeepSpeed's ``utils/groups.py`` and engine),
+including the ``get_tensor_model_parallel_group`` that DeepSpeed's own PipelineParallelGrid lacks
+and the sequence hooks its engine reads to average gradients over data x sequence parallelism.
+Naming follows DeepSpeed: ``get_model_parallel_*`` is the pipe x tensor group (what DeepSpeed sums
+gradient norms over); ``get_tensor_model_parallel_*`` and ``get_slice_parallel_*`` are the TP group;
+DeepSpeed's "sequence parallel" is context parallelism (Ulysses), not Megatron's sequence
+parallelism inside TP.
 """
 
 from __future__ import annotations
@@ -16,16 +23,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .topology import MappedTopology, map_ranks
+from .axes import AXES
+from .topology import COMBINED, map_ranks
+
+ALWAYS = ("tp", "dp", "pp", "model")
+"""Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world)."""
+REUSE = {"dense": ("cp", "dp"), "edp": ("ep", "dp")}
+"""A combined group equals another when an axis is 1: dense is dp without cp, edp is dp without ep."""
 
 
 @dataclass(frozen=True)
 class AxisGroup:
     """One group along one axis, seen from the calling rank.
 
-    ``group`` is a real process group whenever torch.distributed is initialised; it is ``None``
-    only in a single-process run (``ParallelState.single``), where size is 1 and no collective is
-    ever issued.
+    ``group`` is a real process group whenever torch.distributed is initialised and the group has
+    more than one rank (or is one of ``ALWAYS``); it is ``None`` only for a group of one rank, where
+    no collective is ever issued (every collective in ``mappings`` returns early for size 1).
     """
 
     name: str
@@ -44,24 +57,29 @@ class AxisGroup:
         return cls(name=name, ranks=(global_rank,), rank=0, group=None)
 
 
-class ParallelState:
-    """Ranks, sizes and process groups of the calling rank for tp, dp, pp (and pipe x tp)."""
+GROUPS = (*(a.name for a in AXES), *COMBINED)
 
-    def __init__(
-        self,
-        topology: MappedTopology,
-        global_rank: int,
-        tp: AxisGroup,
-        dp: AxisGroup,
-        pp: AxisGroup,
-        model: AxisGroup,
-    ) -> None:
+
+class ParallelState:
+    """Ranks, sizes and process groups of the calling rank on every axis (``state.tp``, ``state.cp``,
+    ...) and the combined groups (``state.model``, ``state.dense``, ``state.edp``)."""
+
+    def __init__(self, topology, global_rank: int, groups: dict[str, AxisGroup]) -> None:
+        missing = [g for g in GROUPS if g not in groups]
+        if missing:
+            raise ValueError(f"ParallelState needs every group; missing {missing}")
         self.topology = topology
         self.global_rank = global_rank
-        self.tp, self.dp, self.pp, self.model = tp, dp, pp, model
+        self.groups = dict(groups)
+
+    def __getattr__(self, name: str) -> AxisGroup:
+        groups = self.__dict__.get("groups")
+        if groups is not None and name in groups:
+            return groups[name]
+        raise AttributeError(name)
 
     @classmethod
-    def build(cls, topology: MappedTopology) -> ParallelState:
+    def build(cls, topology) -> ParallelState:
         """Create every group of the topology (a collective: all ranks must call it, same order)."""
         if not dist.is_initialized():
             raise RuntimeError(
@@ -71,28 +89,17 @@ class ParallelState:
         if world != topology.world:
             raise RuntimeError(
                 f"topology is for {topology.world} ranks but {world} processes were launched; "
-                "launch tp*pp*dp processes or change the degrees"
+                "launch as many processes as the degrees multiply to, or change the degrees"
             )
         mine: dict[str, AxisGroup] = {}
-        replica_groups = [sorted(topology.get_axis_list("data", d)) for d in range(topology.dp)]
-        for axis, lists in (
-            ("tp", topology.groups("tp")),
-            ("dp", topology.groups("dp")),
-            ("pp", topology.groups("pp")),
-            ("model", replica_groups),
-        ):
-            for ranks in lists:
-                # new_group is collective over the world: every rank creates every group.
-                group = dist.new_group(ranks=ranks)
-                if me in ranks:
-                    mine[axis] = AxisGroup(axis, tuple(ranks), ranks.index(me), group)
-        return cls(topology, me, mine["tp"], mine["dp"], mine["pp"], mine["model"])
+        for name in GROUPS:
+            mine[name] = _my_group(topology.placement, name, me, mine)
+        return cls(topology, me, mine)
 
     @classmethod
     def single(cls) -> ParallelState:
-        """State of a single-process run (tp = pp = dp = 1, no torch.distributed)."""
-        topo = map_ranks(1)
-        return cls(topo, 0, *(AxisGroup.alone(a) for a in ("tp", "dp", "pp", "model")))
+        """State of a single-process run (every axis 1, no torch.distributed)."""
+        return cls(map_ranks(1), 0, {g: AxisGroup.alone(g) for g in GROUPS})
 
     # --- convenience -------------------------------------------------------------------
     @property
@@ -110,11 +117,15 @@ class ParallelState:
         """True on the last pipeline stage."""
         return self.pp.rank == self.pp.size - 1
 
+    def coordinate(self) -> dict[str, int]:
+        """This rank's coordinate on every axis the layout shows."""
+        return self.topology.coord(self.global_rank)
+
     def __repr__(self) -> str:
-        return (
-            f"ParallelState(rank={self.global_rank}, tp={self.tp.rank}/{self.tp.size}, "
-            f"dp={self.dp.rank}/{self.dp.size}, pp={self.pp.rank}/{self.pp.size})"
+        parts = ", ".join(
+            f"{a}={self.groups[a].rank}/{self.groups[a].size}" for a in self.topology.placement.axes
         )
+        return f"ParallelState(rank={self.global_rank}, {parts})"
 
     # --- DeepSpeed mpu contract ------------------------------------------------------------
     def get_global_rank(self) -> int:
@@ -184,3 +195,48 @@ class ParallelState:
     get_pipeline_model_parallel_rank = get_pipe_parallel_rank
     get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
     get_pipeline_model_parallel_group = get_pipe_parallel_group
+
+    # DeepSpeed's engine and ZeRO read these (utils/groups.py) to partition ZeRO states and reduce
+    # gradients over data x sequence parallelism, and divide by the sequence size: gradients are
+    # summed over cp and averaged over dp.
+    def get_sequence_parallel_world_size(self) -> int:
+        """Context-parallel degree cp (DeepSpeed's "sequence parallel" is Ulysses)."""
+        return self.cp.size
+
+    def get_sequence_parallel_rank(self) -> int:
+        """Position in the context-parallel group."""
+        return self.cp.rank
+
+    def get_sequence_parallel_group(self):
+        """The context-parallel process group (DeepSpeed asks for it only when cp > 1)."""
+        return self.cp.group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        """Ranks that average dense gradients: dp x cp."""
+        return self.dense.size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        """Position in the dp x cp group."""
+        return self.dense.rank
+
+    def get_sequence_data_parallel_group(self):
+        """The dp x cp group ZeRO partitions over and dense gradients are reduced over."""
+        return self.dense.group
+
+
+def _my_group(placement, name: str, me: int, made: dict[str, AxisGroup]) -> AxisGroup:
+    """This rank's group ``name``, creating every group of that kind (collectively) if needed."""
+    if name in REUSE:
+        axis, same = REUSE[name]
+        if placement.degrees[axis] == 1:
+            return AxisGroup(name, made[same].ranks, made[same].rank, made[same].group)
+    lists = [sorted(g) for g in placement.groups(name)] if name == "model" else list(placement.groups(name))
+    if len(lists[0]) == 1 and name not in ALWAYS:
+        return AxisGroup.alone(name, me)
+    found = None
+    for ranks in lists:
+        group = dist.new_group(ranks=ranks)  # collective over the world: every rank makes every group
+        if me in ranks:
+            found = AxisGroup(name, tuple(ranks), ranks.index(me), group)
+    assert found is not None, f"rank {me} is in no {name} group"
+    return found

@@ -1,17 +1,20 @@
-"""Topology-aware rank mapper: (world, hosts, tp, pp, order, NVLink islands) -> ProcessTopology.
+"""Topology-aware rank mapper: (world, hosts, degrees, order, NVLink islands) -> Placement.
 
-Everything here is pure: no processes, no torch.distributed. The launcher decides which global
-ranks live on which host (host 0 gets ranks 0..slots0-1, host 1 the next slots1, ...); the mapper
-decides which (tp, dp, pp) coordinate each of those ranks plays, so that
+Everything here is pure: no processes, no torch.distributed, no DeepSpeed. The launcher decides
+which global ranks live on which host (host 0 gets ranks 0..slots0-1, host 1 the next slots1,
+...); the mapper decides which coordinate on every parallel axis (``axes.AXES``) each of those
+ranks plays. Axes are placed innermost first, in the run's order (default ``tp-cp-ep-dp-pp``):
 
 * every tensor-parallel group sits inside one host, and inside one NVLink island when islands are
   given and tp fits in one;
-* data-parallel groups sit inside a host when they fit (first-fit of whole groups);
-* pipeline stages, the lightest traffic, are what crosses hosts.
+* then, axis after axis, whole groups are kept inside a host when they fit (first-fit of whole
+  groups, host by host); what does not fit is assembled across hosts and counted as crossing;
+* the outermost axis (pipeline stages, the lightest traffic) is what crosses hosts.
 
-The result is a DeepSpeed ``ProcessTopology`` (axes ``pipe``, ``data``, ``model``) whose
-``mapping`` carries the placement, so DeepSpeed's PipelineModule, mt3d's ParallelState and the TP
-layers all read their groups from this one object.
+A ``Placement`` is a numpy grid (``axes.GRID`` order: pp, dp/ep, ep, cp, tp) of global ranks, so a
+million ranks take a second or two and tens of MB. ``map_ranks`` wraps it as the DeepSpeed
+``ProcessTopology`` that DeepSpeed's PipelineModule, mt3d's ParallelState and the TP layers all
+read their groups from (``mt3d.ds.topology``).
 """
 
 from __future__ import annotations
@@ -19,63 +22,111 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from ..inputs import MAX_WORLD
+from .axes import AXES, BY_NAME, DEFAULT_ORDER, GRID, AxisError, derive_degrees, grid_shape, order_label
+from .axes import parse_order as _parse_axes_order
+from .axes import shown as shown_axes
 from .hosts import Host, TopologyError, uniform_hosts
 
-AXES = ("tp", "dp", "pp")
-# mt3d axis name -> DeepSpeed axis name. DeepSpeed's "model" axis is tensor slicing.
-DS_AXIS = {"tp": "model", "dp": "data", "pp": "pipe"}
-DEFAULT_ORDER = "tp-dp-pp"
+DS_AXES = ("pipe", "data", "model")
+"""DeepSpeed's ProcessTopology axes, outermost first (each mt3d axis belongs to one: ``Axis.ds_axis``)."""
 
 
-def parse_order(order: str) -> tuple[str, str, str]:
-    """Validate an axis order such as ``"tp-dp-pp"`` (innermost first)."""
-    parts = tuple(p.strip().lower() for p in order.split("-"))
-    if sorted(parts) != sorted(AXES):
-        raise TopologyError(f"order must be a permutation of tp-dp-pp (innermost first), got {order!r}")
-    return parts  # type: ignore[return-value]
+def parse_order(order: str) -> tuple[str, ...]:
+    """Every axis in nesting order, innermost first (``axes.parse_order`` as a TopologyError)."""
+    try:
+        return _parse_axes_order(order)
+    except AxisError as e:
+        raise TopologyError(str(e)) from None
 
 
-AXIS_DIM = {"pp": 0, "dp": 1, "tp": 2}  # axes of Placement.grid
+def grid_dims(axis: str) -> tuple[str, ...]:
+    """The grid dimensions a group of ``axis`` spans, in grid order: its own, and those of the axes
+    within it (a dp group spans the dp/ep and ep dimensions, ep innermost)."""
+    own = {axis} | {a.name for a in AXES if a.within == axis}
+    return tuple(d for d in GRID if d in own)
+
+
+COMBINED = {
+    "model": ("pp", "tp"),
+    "dense": ("dp", "ep", "cp"),
+    "edp": ("dp",),
+}
+"""Groups that span several axes, by grid dimensions: ``model`` holds one model replica (pipe x
+tensor: what DeepSpeed sums gradient norms over), ``dense`` the ranks that average dense gradients
+and partition ZeRO states (dp x cp: DeepSpeed's 'data' axis), ``edp`` those that hold the same
+experts (dp / ep: expert gradients reduce over it)."""
 
 
 class Placement:
-    """Where every (tp, dp, pp) coordinate runs, as arrays (no per-rank Python objects).
+    """Where every coordinate runs, as arrays (no per-rank Python objects).
 
-    ``grid[pp, dp, tp]`` is the global rank at that coordinate; hosts hold consecutive ranks in
-    order. Summaries (group counts, crossings, traffic) are vectorised over the grid, so a million
-    ranks take well under a second and tens of MB.
+    ``grid`` (shape ``axes.grid_shape(degrees)``, dimensions ``axes.GRID``) holds the global rank at
+    each coordinate; hosts hold consecutive ranks in order. Summaries (group counts, crossings,
+    traffic) are vectorised over the grid. Degrees read as attributes: ``placement.tp``.
     """
 
-    def __init__(self, *, grid: np.ndarray, order: str, hosts: tuple[Host, ...], islands, notes=()) -> None:
+    def __init__(
+        self, *, grid: np.ndarray, order: tuple[str, ...], hosts: tuple[Host, ...], islands, notes=()
+    ) -> None:
         self.grid = grid
-        self.pp, self.dp, self.tp = grid.shape
-        self.order, self.hosts, self.islands, self.notes = order, hosts, islands, tuple(notes)
+        sizes = dict(zip(GRID, grid.shape))
+        self.degrees = {a.name: int(np.prod([sizes[d] for d in grid_dims(a.name)])) for a in AXES}
+        self.axis_order = tuple(order)
+        self.hosts, self.islands, self.notes = hosts, islands, tuple(notes)
         slots = np.array([h.slots for h in hosts], dtype=np.int64)
         self.host_of = np.repeat(np.arange(len(hosts)), slots)
         self.host_start = np.concatenate(([0], np.cumsum(slots)[:-1]))
         self._coords = None
 
+    def __getattr__(self, name: str) -> int:
+        if name in BY_NAME:  # the degree of an axis: placement.tp, placement.dp, ...
+            return self.degrees[name]
+        raise AttributeError(name)
+
+    @property
+    def order(self) -> str:
+        """The nesting order as reports print it (axes of size 1 that are optional left out)."""
+        return order_label(self.axis_order, self.degrees)
+
     @property
     def world(self) -> int:
         """Number of ranks."""
-        return self.tp * self.pp * self.dp
+        return int(self.grid.size)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes reports and coordinates name (optional axes only when larger than 1)."""
+        return shown_axes(self.degrees)
+
+    def size(self, axis: str) -> int:
+        """Ranks in one group along ``axis``."""
+        return self.degrees[axis]
 
     def coord(self, rank: int) -> dict[str, int]:
-        """The (tp, dp, pp) coordinate of a global rank."""
+        """The coordinate of a global rank on every shown axis."""
         if self._coords is None:  # inverse of the grid, built on first use
             inv = np.empty(self.world, dtype=np.int64)
             inv[self.grid.ravel()] = np.arange(self.world)
             self._coords = inv
-        p, rest = divmod(int(self._coords[rank]), self.dp * self.tp)
-        d, t = divmod(rest, self.tp)
-        return {"tp": t, "dp": d, "pp": p}
+        at = dict(zip(GRID, np.unravel_index(int(self._coords[rank]), self.grid.shape)))
+        out = {}
+        for ax in self.axes:
+            index = 0
+            for d in grid_dims(ax):
+                index = index * self.grid.shape[GRID.index(d)] + int(at[d])
+            out[ax] = index
+        return out
 
-    def rank_of(self, *, tp: int, dp: int, pp: int) -> int:
-        """Global rank at a (tp, dp, pp) coordinate."""
-        return int(self.grid[pp, dp, tp])
+    def rank_of(self, **coord: int) -> int:
+        """Global rank at a coordinate (axes left out are at 0)."""
+        index = {d: 0 for d in GRID}
+        for ax, value in coord.items():
+            for d in reversed(grid_dims(ax)):  # innermost dimension first
+                size = self.grid.shape[GRID.index(d)]
+                value, index[d] = divmod(value, size)
+        return int(self.grid[tuple(index[d] for d in GRID)])
 
     def host(self, rank: int) -> str:
         """Name of the host that runs ``rank``."""
@@ -85,25 +136,34 @@ class Placement:
         """Rank's position on its host (its LOCAL_RANK under the launcher)."""
         return int(rank - self.host_start[self.host_of[rank]])
 
-    def _axis_last(self, axis: str) -> np.ndarray:
-        """The grid with ``axis`` last and the others in DeepSpeed's (pipe, data, model) order."""
-        if axis not in AXIS_DIM:
-            raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
-        return np.moveaxis(self.grid, AXIS_DIM[axis], -1)
+    def _rows(self, dims: tuple[str, ...]) -> np.ndarray:
+        """[groups, group size]: the grid with ``dims`` last (grid order) and the others in order."""
+        if not dims or any(d not in GRID for d in dims):
+            raise ValueError(f"grid dimensions must be among {GRID}, got {dims!r}")
+        idx = [GRID.index(d) for d in dims]
+        rest = [i for i in range(len(GRID)) if i not in idx]
+        g = self.grid.transpose(rest + idx)
+        return g.reshape(-1, int(np.prod([self.grid.shape[i] for i in idx])))
+
+    def _dims_of(self, axis: str) -> tuple[str, ...]:
+        if axis in COMBINED:
+            return COMBINED[axis]
+        if axis not in BY_NAME:
+            raise ValueError(f"axis must be one of {tuple(BY_NAME)} or {tuple(COMBINED)}, got {axis!r}")
+        return grid_dims(axis)
 
     def groups(self, axis: str):
-        """Every group along ``axis``, in DeepSpeed's ``get_axis_comm_lists`` order (a generator)."""
-        g = self._axis_last(axis)
-        for row in g.reshape(-1, g.shape[-1]):
+        """Every group along ``axis`` (or a ``COMBINED`` group), in DeepSpeed's
+        ``get_axis_comm_lists`` order, each listed by its coordinate (a generator)."""
+        for row in self._rows(self._dims_of(axis)):
             yield row.tolist()
 
     def group_count(self, axis: str) -> int:
         """How many groups there are along ``axis``."""
-        return self.world // self.grid.shape[AXIS_DIM[axis]]
+        return self.world // self._rows(self._dims_of(axis)).shape[1]
 
     def _hosts_along(self, axis: str) -> np.ndarray:
-        g = self._axis_last(axis)
-        return self.host_of[g.reshape(-1, g.shape[-1])]
+        return self.host_of[self._rows(self._dims_of(axis))]
 
     def crossing(self, axis: str) -> int:
         """How many groups along ``axis`` span more than one host."""
@@ -128,101 +188,30 @@ class Placement:
             for lr in isl:
                 if lr < max_local:
                     island_of[lr] = i
-        ranks = self._axis_last("tp").reshape(-1, self.tp)
+        ranks = self._rows(("tp",))
         hosts = self.host_of[ranks]
         key = hosts * (2 * max_local + 1) + island_of[ranks - self.host_start[hosts]]
         return int((key.min(axis=1) != key.max(axis=1)).sum())
 
-
-class MappedTopology(ProcessTopology):
-    """A DeepSpeed ProcessTopology whose mapping carries a ``Placement``; see ``map_ranks``.
-
-    Axes are DeepSpeed's ``['pipe', 'data', 'model']``; ``mapping`` is rewritten with the placement.
-    Extra accessors use mt3d's names (``tp``, ``dp``, ``pp``) and delegate to the placement.
-    """
-
-    def __init__(self, placement: Placement) -> None:
-        pl = placement
-        super().__init__(axes=["pipe", "data", "model"], dims=[pl.pp, pl.dp, pl.tp])
-        self.placement = pl
-        self.tp, self.pp, self.dp = pl.tp, pl.pp, pl.dp
-        self.order, self.hosts = pl.order, pl.hosts
-        flat = pl.grid.ravel().tolist()  # row-major over (pipe, data, model), as DeepSpeed's coordinates
-        self.mapping = dict(zip(self.mapping.keys(), flat))
-        self._coord_of = dict(zip(flat, self.mapping.keys()))
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        """Warnings about the placement (groups that cross hosts or islands)."""
-        return self.placement.notes
-
-    @property
-    def islands(self):
-        """NVLink islands (local ranks) the placement was made for."""
-        return self.placement.islands
-
-    @islands.setter
-    def islands(self, value) -> None:
-        self.placement.islands = value
-
-    # DeepSpeed's get_coord scans the whole mapping per call; this is the same answer in O(1).
-    def get_coord(self, rank):
-        """The ProcessCoord of ``rank`` (DeepSpeed's API, by dictionary lookup)."""
-        try:
-            return self._coord_of[rank]
-        except KeyError:
-            raise ValueError(f"rank {rank} not found in topology.") from None
-
-    @property
-    def world(self) -> int:
-        """Number of ranks."""
-        return self.tp * self.pp * self.dp
-
-    def coord(self, rank: int) -> dict[str, int]:
-        """The (tp, dp, pp) coordinate of a global rank."""
-        c = self._coord_of[rank]
-        return {"tp": c.model, "dp": c.data, "pp": c.pipe}
-
-    def rank_of(self, *, tp: int, dp: int, pp: int) -> int:
-        """Global rank at a (tp, dp, pp) coordinate."""
-        return self.placement.rank_of(tp=tp, dp=dp, pp=pp)
-
-    def host_index(self, rank: int) -> int:
-        """Index into ``hosts`` of the host that runs ``rank``."""
-        return int(self.placement.host_of[rank])
-
-    def host(self, rank: int) -> str:
-        """Name of the host that runs ``rank``."""
-        return self.placement.host(rank)
-
-    def local_rank(self, rank: int) -> int:
-        """Rank's position on its host (its LOCAL_RANK under the launcher)."""
-        return self.placement.local_rank(rank)
-
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis`` ('tp', 'dp' or 'pp'), each listed by its axis coordinate."""
-        return list(self.placement.groups(axis))
-
-    def crossing(self, axis: str) -> int:
-        """How many groups along ``axis`` span more than one host."""
-        return self.placement.crossing(axis)
-
-    def island_crossing_tp(self) -> int:
-        """How many TP groups span more than one NVLink island (0 when no islands were given)."""
-        return self.placement.island_crossing_tp()
+    def deepspeed_grid(self) -> np.ndarray:
+        """The grid as DeepSpeed's ``[pipe, data, model]`` (each axis in its ``ds_axis``, grid order)."""
+        dims = {ds: [d for d in GRID if BY_NAME[d].ds_axis == ds] for ds in DS_AXES}
+        order = [GRID.index(d) for ds in DS_AXES for d in dims[ds]]
+        shape = [int(np.prod([self.grid.shape[GRID.index(d)] for d in dims[ds]])) for ds in DS_AXES]
+        return self.grid.transpose(order).reshape(shape)
 
 
-def _natural_grid(tp: int, dp: int, pp: int, order: tuple[str, str, str]) -> np.ndarray:
-    """Row-major placement in ``order`` (innermost first) as grid[pp, dp, tp]."""
-    dims = {"tp": tp, "dp": dp, "pp": pp}
-    stride, strides = 1, {}
+def _natural_grid(shape: tuple[int, ...], order: tuple[str, ...]) -> np.ndarray:
+    """Row-major placement in ``order`` (innermost first), as a grid."""
+    sizes = dict(zip(GRID, shape))
+    grid = np.zeros(shape, dtype=np.int64)
+    stride = 1
     for ax in order:
-        strides[ax] = stride
-        stride *= dims[ax]
-    p = np.arange(pp)[:, None, None] * strides["pp"]
-    d = np.arange(dp)[None, :, None] * strides["dp"]
-    t = np.arange(tp)[None, None, :] * strides["tp"]
-    return p + d + t
+        view = [1] * len(GRID)
+        view[GRID.index(ax)] = sizes[ax]
+        grid = grid + np.arange(sizes[ax], dtype=np.int64).reshape(view) * stride
+        stride *= sizes[ax]
+    return grid
 
 
 def _tp_chunks(
@@ -263,57 +252,87 @@ def _tp_chunks(
     return np.array(chunks, dtype=np.int64).reshape(-1, tp), np.array(owner, dtype=np.int64), leftovers
 
 
+def _group_units(tags: np.ndarray, size: int, n_hosts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group units (host-tagged, in host order, units that already cross hosts tagged -1 and last)
+    into blocks of ``size``: whole blocks of one host's units first, host after host (every block is
+    the same size, so the first-fit is computed per host, not per block), then the rest in order.
+
+    Returns the blocks as [blocks, size] unit indices and their host tags (-1: crossing), in the same
+    host order.
+    """
+    n = len(tags)
+    if size == 1:
+        return np.arange(n)[:, None], tags
+    per_host = np.bincount(tags[tags >= 0], minlength=n_hosts)
+    fits = per_host // size
+    first = np.concatenate(([0], np.cumsum(per_host)[:-1]))  # a host's first unit
+    hs = np.nonzero(fits)[0]
+    counts = fits[hs]
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = np.repeat(first[hs], counts) + within * size
+    placed = (starts[:, None] + np.arange(size)[None, :]).reshape(-1)
+    taken = np.zeros(n, dtype=bool)
+    taken[placed] = True
+    rest = np.nonzero(~taken)[0]  # host order, crossing units last
+    blocks = np.concatenate([placed, rest]).reshape(-1, size)
+    new_tags = np.concatenate([np.repeat(hs, counts), np.full(len(rest) // size, -1)])
+    return blocks, new_tags
+
+
+def _crossing_chunks(chunks, owner, leftovers, hosts, tp, allow_crossing, notes):
+    """Append the TP groups made of hosts' leftover ranks (crossing hosts), or refuse."""
+    if not leftovers:
+        return chunks, owner
+    detail = ", ".join(f"{hosts[h].name} ({hosts[h].slots} slots)" for h in leftovers)
+    if not allow_crossing:
+        raise TopologyError(
+            f"tp={tp} groups cannot all stay inside one host: {detail} not a multiple of tp; "
+            "use slots that are multiples of tp, a smaller tp, or allow_crossing (--allow-crossing)"
+        )
+    spill = np.array([r for h in sorted(leftovers) for r in leftovers[h]], dtype=np.int64)  # few hosts
+    extra = spill[: len(spill) // tp * tp].reshape(-1, tp)
+    notes.append(f"{len(extra)} TP group(s) cross hosts because of {detail}")
+    return np.concatenate([chunks, extra]), np.concatenate([owner, np.full(len(extra), -1)])
+
+
 def _packed_grid(
-    tp: int,
-    dp: int,
-    pp: int,
-    order: tuple[str, str, str],
+    shape: tuple[int, ...],
+    order: tuple[str, ...],
     hosts: tuple[Host, ...],
     islands: tuple[tuple[int, ...], ...] | None,
     allow_crossing: bool,
 ) -> tuple[np.ndarray, list[str]]:
-    """Place whole TP groups on hosts/islands; whole groups of the next axis first-fit per host.
-
-    A block (the TP groups forming one group along the next axis) goes to the first host with room
-    for it; as every block is the same size, that is each host in turn until it is full, so the
-    first-fit is computed per host, not per block. Blocks that fit no host take the remaining TP
-    groups in host order (and then the ones that cross hosts).
-    """
+    """Whole TP groups on hosts/islands; then, axis by axis in ``order``, whole groups of the units
+    placed so far first-fit per host (``_group_units``); the outermost axis enumerates the rest."""
     notes: list[str] = []
-    chunks, owner, leftovers = _tp_chunks(hosts, tp, islands)
-    if leftovers:
-        detail = ", ".join(f"{hosts[h].name} ({hosts[h].slots} slots)" for h in leftovers)
-        if not allow_crossing:
-            raise TopologyError(
-                f"tp={tp} groups cannot all stay inside one host: {detail} not a multiple of tp; "
-                "use slots that are multiples of tp, a smaller tp, or allow_crossing (--allow-crossing)"
-            )
-        spill = np.array(
-            [r for h in sorted(leftovers) for r in leftovers[h]], dtype=np.int64
-        )  # spans few hosts
-        extra = spill[: len(spill) // tp * tp].reshape(-1, tp)
-        chunks = np.concatenate([chunks, extra])
-        owner = np.concatenate([owner, np.full(len(extra), -1)])
-        notes.append(f"{len(extra)} TP group(s) cross hosts because of {detail}")
-    mid, outer = order[1], order[2]
-    dims = {"dp": dp, "pp": pp}
-    block, n_outer = dims[mid], dims[outer]
-    per_host = np.bincount(owner[owner >= 0], minlength=len(hosts))
-    fits = per_host // block  # whole blocks each host takes, host after host
-    first = np.concatenate(([0], np.cumsum(per_host)[:-1]))  # a host's first chunk (chunks in host order)
-    taken = np.zeros(len(chunks), dtype=bool)
-    hs = np.nonzero(fits)[0]
-    counts = fits[hs]
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts = (np.repeat(first[hs], counts) + within * block)[:n_outer]
-    placed = (starts[:, None] + np.arange(block)[None, :]).reshape(-1)
-    taken[placed] = True
-    rest = np.nonzero(~taken)[0]  # host order, crossing chunks last
-    need = (n_outer - len(starts)) * block
-    blocks = np.concatenate([placed, rest[:need]]).reshape(n_outer, block)  # [outer, mid] chunk ids
-    ranks = chunks[blocks]  # [outer, mid, tp]
-    grid = ranks if mid == "dp" else ranks.transpose(1, 0, 2)  # -> [pp, dp, tp]
-    return np.ascontiguousarray(grid), notes
+    sizes = dict(zip(GRID, shape))
+    chunks, owner, leftovers = _tp_chunks(hosts, sizes["tp"], islands)
+    chunks, owner = _crossing_chunks(chunks, owner, leftovers, hosts, sizes["tp"], allow_crossing, notes)
+    ranks, tags = chunks, owner  # ranks: [units, ...inner axes..., tp]
+    for ax in order[1:-1]:
+        blocks, tags = _group_units(tags, sizes[ax], len(hosts))
+        ranks = ranks[blocks]
+    # ranks: [outermost, order[-2], ..., order[1], tp] -> grid order
+    nested = list(reversed(order))
+    return np.ascontiguousarray(ranks.transpose([nested.index(d) for d in GRID])), notes
+
+
+def _check_inputs(world_size: int, hosts, gpus_per_node, islands):
+    if world_size > MAX_WORLD:
+        raise TopologyError(f"world size {world_size} exceeds mt3d's limit of {MAX_WORLD} ranks")
+    if hosts is None:
+        hosts = uniform_hosts(world_size, gpus_per_node or world_size)
+    hosts = tuple(hosts)
+    total = sum(h.slots for h in hosts)
+    if total != world_size:
+        raise TopologyError(f"hosts provide {total} slots but world size is {world_size}; make them agree")
+    isl = None
+    if islands:
+        isl = tuple(tuple(int(x) for x in g) for g in islands)
+        flat = [x for g in isl for x in g]
+        if len(flat) != len(set(flat)) or min(flat) < 0:
+            raise TopologyError(f"islands must be disjoint lists of local ranks, got {isl}")
+    return hosts, isl
 
 
 def place(
@@ -327,55 +346,40 @@ def place(
     islands: tuple[tuple[int, ...], ...] | list[list[int]] | None = None,
     allow_crossing: bool = False,
     warn: bool = True,
+    **degrees: int,
 ) -> Placement:
-    """The placement of ``world_size`` ranks with tensor ``tp`` x pipeline ``pp`` (dp derived).
+    """The placement of ``world_size`` ranks with tensor ``tp`` x pipeline ``pp`` and any other
+    configured axis by name (``cp=2``, ``ep=4``); dp is what remains (``axes.derive_degrees``).
 
     Args:
         world_size: total ranks (at most ``MAX_WORLD``).
-        tp, pp: tensor- and pipeline-parallel degrees; ``dp = world_size // (tp * pp)``.
+        tp, pp, **degrees: degrees of the configured axes.
         gpus_per_node: uniform node size (ignored when ``hosts`` is given; default: one host).
         hosts: per-host slots in launcher order (e.g. from ``read_hostfile``); may be uneven.
-        order: axis nesting, innermost first (any permutation of ``tp-dp-pp``). With tp innermost
-            (the default) TP groups are packed onto hosts and islands whatever the host sizes;
-            with another order the plain row-major layout is used and must keep TP inside hosts.
+        order: axis nesting, innermost first (any order of the axes; left-out axes take their
+            default place). With tp innermost (the default) TP groups are packed onto hosts and
+            islands whatever the host sizes, then each next axis's whole groups onto hosts; with
+            another order the plain row-major layout is used and must keep TP inside hosts.
         islands: NVLink islands as lists of local ranks, applied to every host.
         allow_crossing: when a TP group cannot stay inside one host, warn and minimise crossings
             instead of raising.
         warn: emit the placement's notes as warnings.
     """
-    for name, v in (("world_size", world_size), ("tp", tp), ("pp", pp)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise TopologyError(f"{name} must be a positive integer, got {v!r}")
-    if world_size > MAX_WORLD:
-        raise TopologyError(f"world size {world_size} exceeds mt3d's limit of {MAX_WORLD} ranks")
-    if world_size % (tp * pp):
-        raise TopologyError(
-            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-            f"pick tp and pp whose product divides {world_size}"
-        )
-    dp = world_size // (tp * pp)
+    try:
+        deg = derive_degrees(world_size, {"tp": tp, "pp": pp, **degrees})
+    except AxisError as e:
+        raise TopologyError(str(e)) from None
     axes = parse_order(order)
-    if hosts is None:
-        hosts = uniform_hosts(world_size, gpus_per_node or world_size)
-    hosts = tuple(hosts)
-    total = sum(h.slots for h in hosts)
-    if total != world_size:
-        raise TopologyError(f"hosts provide {total} slots but world size is {world_size}; make them agree")
-    isl = None
-    if islands:
-        isl = tuple(tuple(int(x) for x in g) for g in islands)
-        flat = [x for g in isl for x in g]
-        if len(flat) != len(set(flat)) or min(flat) < 0:
-            raise TopologyError(f"islands must be disjoint lists of local ranks, got {isl}")
-
+    hosts, isl = _check_inputs(world_size, hosts, gpus_per_node, islands)
+    shape = grid_shape(deg)
     notes: list[str] = []
     if axes[0] == "tp":
-        grid, notes = _packed_grid(tp, dp, pp, axes, hosts, isl, allow_crossing)
+        grid, notes = _packed_grid(shape, axes, hosts, isl, allow_crossing)
     else:
-        grid = _natural_grid(tp, dp, pp, axes)
+        grid = _natural_grid(shape, axes)
         if isl:
             notes.append(f"islands are only used when tp is innermost; order {order} ignores them")
-    pl = Placement(grid=grid, order="-".join(axes), hosts=hosts, islands=isl)
+    pl = Placement(grid=grid, order=axes, hosts=hosts, islands=isl)
     crossing = pl.crossing("tp")
     if crossing and axes[0] != "tp":
         msg = f"order {order} puts {crossing} TP group(s) across hosts"
@@ -395,37 +399,48 @@ def place(
     return pl
 
 
-def map_ranks(world_size: int, tp: int = 1, pp: int = 1, **kwargs) -> MappedTopology:
+def map_ranks(world_size: int, tp: int = 1, pp: int = 1, **kwargs):
     """The rank mapping as a DeepSpeed topology (process groups, PipelineModule); arguments as
     ``place``. Builds one Python object per rank: for summaries of large worlds use ``place``."""
+    from ..ds.topology import MappedTopology
+
     return MappedTopology(place(world_size, tp, pp, **kwargs))
 
 
-def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int) -> dict[str, bool]:
-    """Whether any tp, dp or pp group crosses hosts under ``place``'s default packing (order
-    tp-dp-pp, uniform hosts, no islands), in O(1): the planner asks this for every candidate.
+def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int, **degrees: int) -> dict[str, bool]:
+    """Whether any group of each shown axis crosses hosts under ``place``'s default packing (default
+    order, uniform hosts, no islands), in O(axes): the planner asks this for every candidate.
 
-    TP groups stay inside hosts (``gpus_per_node`` is a multiple of tp). Each host takes whole DP
-    groups of dp TP groups in turn; when the pp DP groups do not all fit that way, the rest are
-    assembled from what the hosts have left, across hosts. Pipeline stages sit on different hosts
-    as soon as there is more than one. (tests/test_topology.py checks this against ``place``.)
+    TP groups stay inside hosts (``gpus_per_node`` is a multiple of tp). Level by level, each host
+    takes the whole groups it can of the units placed so far; a level crosses hosts when it has more
+    groups than the hosts take whole. The outermost axis crosses as soon as there are several hosts.
+    (tests/test_topology.py checks this against ``place``.)
     """
     g = min(gpus_per_node, world)
     if g % tp:
         raise TopologyError(f"tp={tp} does not divide the {g} ranks of a host: TP groups would cross hosts")
-    hosts, dp = world // g, world // (tp * pp)
-    whole_per_host = (g // tp) // dp
-    return {"tp": False, "dp": hosts > 1 and pp > hosts * whole_per_host, "pp": hosts > 1 and pp > 1}
+    deg = derive_degrees(world, {"tp": tp, "pp": pp, **degrees})
+    sizes = dict(zip(GRID, grid_shape(deg)))
+    order = parse_order(DEFAULT_ORDER)
+    hosts = world // g
+    cross = {"tp": False}
+    whole, total = g // tp, world // tp  # units (TP groups) per host held whole, and in all
+    for ax in order[1:-1]:
+        blocks = total // sizes[ax]
+        cross[ax] = hosts > 1 and blocks > hosts * (whole // sizes[ax])
+        whole, total = whole // sizes[ax], blocks
+    cross[order[-1]] = hosts > 1 and sizes[order[-1]] > 1
+    out = {ax: cross["dp"] or cross["ep"] if ax == "dp" else cross[ax] for ax in shown_axes(deg)}
+    return out
 
 
 __all__ = [
-    "AXES",
-    "AXIS_DIM",
+    "COMBINED",
     "DEFAULT_ORDER",
     "MAX_WORLD",
-    "MappedTopology",
     "Placement",
     "TopologyError",
+    "grid_dims",
     "map_ranks",
     "parse_order",
     "place",

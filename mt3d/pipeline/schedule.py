@@ -221,39 +221,3 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
         counts["makespan"] = makespan
         counts["idle"] = [1 - b / makespan for b in busy]
     return dict(counts)
-
-
-def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True):
-    """The DeepSpeed ``PipeSchedule`` running ``rank_steps`` (instructions carry ``chunk=``)."""
-    from deepspeed.runtime.pipe import schedule as ds
-
-    kinds = {
-        LOAD: ds.LoadMicroBatch,
-        FWD: ds.ForwardPass,
-        BWD: ds.BackwardPass,
-        SEND_ACT: ds.SendActivation,
-        SEND_GRAD: ds.SendGrad,
-        RECV_ACT: ds.RecvActivation,
-        RECV_GRAD: ds.RecvGrad,
-    }
-
-    def instruction(o: Op):
-        if o.kind == COMMIT:
-            return ds.CommitP2P()
-        return kinds[o.kind](o.chunk * m + o.mb, chunk=o.chunk)
-
-    class InterleavedSchedule(ds.PipeSchedule):
-        """Interleaved 1F1B on DeepSpeed's instructions; buffer of (chunk, mb) = chunk * m + mb."""
-
-        def steps(self):
-            """One list of instructions per step; the reduction and optimizer step at the end."""
-            for ops in rank_steps(p, v, m, rank, train):
-                yield [instruction(o) for o in ops]
-            if train:
-                yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
-
-        def num_pipe_buffers(self):
-            """One slot per (chunk, micro-batch): inputs, outputs and grads live across the step."""
-            return v * m
-
-    return InterleavedSchedule(micro_batches=m, stages=p, stage_id=rank)

@@ -44,6 +44,31 @@ class Device:
     """HBM bandwidth, GB/s (data sheet)."""
 
 
+DENSE_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "V100": 125.0,  # fp16 tensor cores
+}
+"""Dense (non-sparse) bf16 tensor-core peaks in TFLOP/s, by a substring of the device name: the one
+table the planner's presets and the training metrics' MFU read."""
+
+
+def dense_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a device by its name (``torch.cuda.get_device_name()``), or None."""
+    for key, value in DENSE_PEAK_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
 # GEMM ceilings (gemm_tflops): maximum achievable matmul FLOPS measured with a shape sweep, bf16,
 # as published in Stas Bekman's ML Engineering book (A100 SXM 271.2 = 86.9% of peak, H100 SXM
 # 794.5 = 80.3%). `python -m mt3d.bench gemm` measures them on the GPU at hand; no sweep of
@@ -53,7 +78,7 @@ class Device:
 # overrides each with a flag.
 _H100 = Device(
     "H100-SXM5-80GB",
-    989.0,
+    DENSE_PEAK_TFLOPS["H100"],
     80.0,
     intra_gbps=360.0,
     inter_gbps=50.0,
@@ -69,7 +94,7 @@ _H100 = Device(
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device(
         "A100-SXM4-80GB",
-        312.0,
+        DENSE_PEAK_TFLOPS["A100"],
         80.0,
         intra_gbps=240.0,
         inter_gbps=25.0,

@@ -1,5 +1,5 @@
 """Where ZeRO keeps the model states of one rank: bytes on the GPU, in CPU memory and on NVMe, and
-the bytes that move between them per step (ZeRO-Offload, ZeRO-Infinity), as DeepSpeed 0.19.8
+the bytes that move between them per step (ZeRO-Offload, ZeRO-Infinity), as the pinned DeepSpeed
 lays them out.
 
 ``params`` is the rank's model slice Psi' = Psi / (tp * pp); ZeRO partitions it over dp ranks,
@@ -24,7 +24,7 @@ n = Psi' / d. With mixed-precision Adam a parameter has a 16-bit weight (p = 2 b
 from __future__ import annotations
 
 OFFLOAD_OPTIONS = ("none", "opt-cpu", "opt-nvme", "cpu", "nvme")
-# DeepSpeed 0.19.8 defaults (runtime/zero/config.py, offload_config.py)
+# the pinned DeepSpeed's defaults (runtime/zero/config.py, offload_config.py)
 MAX_LIVE_PARAMETERS = 1e9
 SUB_GROUP_SIZE = 1e9
 OPTIMIZER_SWAP_BUFFERS = 4
@@ -33,14 +33,11 @@ MAX_IN_CPU = 1e9
 
 
 def offload_rule(zero_stage: int, offload: str) -> str | None:
-    """Why ``offload`` cannot run at ``zero_stage`` (the planner's short form of config.offload_conflict)."""
-    if offload == "none":
-        return None
-    if zero_stage == 0:
-        return "offload needs ZeRO 1-3"
-    if offload != "opt-cpu" and zero_stage != 3:
-        return f"offload {offload} needs ZeRO-3"
-    return None
+    """Why ``offload`` (an ``Offload.label``) cannot run at ``zero_stage``: ``config.offload_conflict``'s
+    short phrasing (an NVMe path is assumed)."""
+    from ..config import Offload, offload_conflict
+
+    return offload_conflict(zero_stage, Offload.from_label(offload, "/nvme"), short=True)
 
 
 def tier_bytes(params: float, dp: int, zero_stage: int, prec, offload: str = "none",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.topology import AXIS_DIM, Placement, TopologyError
+from ..parallel.topology import Placement, TopologyError
 
 
 def ring_factor(n: int) -> float:
@@ -58,19 +58,28 @@ class TrafficModel:
                 raise TopologyError(f"{label} must be positive, got {getattr(self, name)}")
 
 
+def per_rank_bytes(pl: Placement, model: TrafficModel) -> dict[str, float]:
+    """Bytes one rank sends per step along each axis with a volume model (every axis a group of one
+    rank sends nothing along is 0)."""
+    e = model.bytes_per_element
+    act = model.micro_batch * model.seq_len * model.hidden * e
+    return {
+        "tp": tp_bytes(model.layers / pl.pp, model.micro_batches, act, pl.tp),
+        "dp": dp_bytes(model.params / (pl.tp * pl.pp), e, pl.dp, model.zero_stage),
+        "pp": pp_bytes(model.micro_batches, act),
+    }
+
+
+RING = {"tp": True, "dp": True, "pp": False}
+"""Whether an axis's collective goes round a ring (its last rank talks to its first)."""
+
+
 def cross_host_bytes(topo, model: TrafficModel) -> dict[str, float]:
     """Estimated bytes per training step that cross host boundaries, per axis and in total: each
     axis's per-rank volume times the edges of its groups (rings for TP and DP) that join two hosts.
     ``topo``: a ``Placement`` or a ``MappedTopology``."""
     pl: Placement = getattr(topo, "placement", topo)
-    e = model.bytes_per_element
-    act = model.micro_batch * model.seq_len * model.hidden * e
-    size = {ax: pl.grid.shape[AXIS_DIM[ax]] for ax in AXIS_DIM}
-    per_edge = {
-        "tp": tp_bytes(model.layers / pl.pp, model.micro_batches, act, size["tp"]),
-        "dp": dp_bytes(model.params / (pl.tp * pl.pp), e, size["dp"], model.zero_stage),
-        "pp": pp_bytes(model.micro_batches, act),
-    }
-    out = {ax: per_edge[ax] * pl.crossing_edges(ax, ring=ax != "pp") for ax in ("tp", "dp", "pp")}
-    out["total"] = out["tp"] + out["dp"] + out["pp"]
+    per_edge = per_rank_bytes(pl, model)
+    out = {ax: per_edge[ax] * pl.crossing_edges(ax, ring=RING[ax]) for ax in per_edge}
+    out["total"] = sum(out.values())
     return out

@@ -29,7 +29,7 @@ def _not_noise(record: logging.LogRecord) -> bool:
 
 
 def quiet_known_warnings() -> None:
-    """Silence warnings that DeepSpeed 0.19.8 triggers on torch 2.13 and users cannot act on."""
+    """Silence warnings that the pinned DeepSpeed triggers on torch 2.13 and users cannot act on."""
     # DeepSpeed's PartitionedTensor and ZeRO call the deprecated name of all_gather_single.
     warnings.filterwarnings(
         "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import Layout, RunConfig
+from ..config import Layout, TrainConfig
 from ..data.loader import DataBundle, StepBatches
 from ..model.config import ModelConfig
 from ..parallel.mappings import all_reduce
@@ -24,13 +24,14 @@ class Trainer:
 
     def __init__(
         self,
-        run: RunConfig,
+        train: TrainConfig,
         layout: Layout,
         rt: Runtime,
         engine,
         data: DataBundle,
         model_cfg: ModelConfig,
         vocab_size: int,
+        seq_len: int,
         *,
         wandb_run=None,
         start_step: int = 0,
@@ -38,19 +39,19 @@ class Trainer:
         preemption=None,
         faults=None,
     ) -> None:
-        self.run, self.layout, self.rt, self.engine, self.data = run, layout, rt, engine, data
-        self.train_cfg = run.mt3d.train
+        self.layout, self.rt, self.engine, self.data = layout, rt, engine, data
+        self.train_cfg = train
         self.pipe = uses_pipeline_engine(layout)
         self.step = start_step
         self.checkpointer = checkpointer
         self.preemption = preemption
         self.faults = faults
-        self.fp16 = bool((run.ds.get("fp16") or {}).get("enabled"))
+        self.fp16 = layout.precision == "fp16"
         self.bad_streak = 0
         self.status = "done"
         self.saved_step = start_step if start_step > 0 else None  # a resumed step is already on disk
         self.save_dir = Path(self.train_cfg.save_dir)
-        self.seq_len = run.mt3d.data.seq_len
+        self.seq_len = seq_len
         self.tokens_per_step = layout.global_batch * self.seq_len
         self.flops_per_token = model_cfg.flops_per_token(self.seq_len, vocab_size)
         self.logger = rt.rank == 0

@@ -16,21 +16,6 @@ from pathlib import Path
 
 import torch
 
-# Dense (non-sparse) bf16 tensor-core peaks in TFLOP/s, by substring of the device name.
-GPU_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "A10G": 125.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "V100": 125.0,  # fp16 tensor cores
-}
-
 log = logging.getLogger("mt3d")
 
 
@@ -51,10 +36,12 @@ def device_peak_tflops(configured: float | None) -> tuple[float, str]:
     if configured:
         return float(configured), "configured"
     if torch.cuda.is_available():
+        from ..planner.hardware import dense_peak_tflops
+
         name = torch.cuda.get_device_name()
-        for key, value in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return value, f"{name} dense bf16"
+        peak = dense_peak_tflops(name)
+        if peak is not None:
+            return peak, f"{name} dense bf16"
         return float("nan"), f"{name} (unknown peak; set mt3d.train.peak_tflops)"
     return measure_cpu_tflops(), "measured CPU fp32 matmul"
 
@@ -129,13 +116,13 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
-def start_wandb(ds_config: dict, run_name: str, mode: str, save_dir: Path, config: dict, stopping=None):
-    """Open the W&B run on rank 0 (``WandbSink``), or None when W&B is not enabled in the config.
+def start_wandb(wb: dict, run_name: str, mode: str, save_dir: Path, config: dict, stopping=None):
+    """Open the W&B run on rank 0 (``WandbSink``), or None when W&B is not enabled: ``wb`` is the
+    config's ``wandb`` section (DeepSpeed's keys: enabled, project, group, team).
 
     Offline unless the user configured otherwise (WANDB_MODE in the environment wins). mt3d logs
-    every figure itself; DeepSpeed's own W&B monitor is switched off (``engine.deepspeed_config``).
+    every figure itself; DeepSpeed's own W&B monitor is switched off (``mt3d.ds.engine.deepspeed_config``).
     """
-    wb = ds_config.get("wandb") or {}
     if not wb.get("enabled"):
         return None
     os.environ.setdefault("WANDB_MODE", mode)

@@ -1,6 +1,6 @@
 """Start-up checks of ZeRO-Offload / ZeRO-Infinity's surroundings, before any process group.
 
-The rules of which offload runs with which ZeRO stage are ``config.offload_conflict``; what is
+The rules of which offload runs with which ZeRO stage are ``config.rules.offload_conflict``; what is
 checked here is the machine: an NVMe directory that exists (or can be made), takes writes with
 O_DIRECT (DeepSpeed's aio opens its swap files that way; tmpfs refuses) and has room for the
 predicted swap files of every rank of this node (``planner.offload.tier_bytes``), and libaio for
@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..config import ConfigError, Layout, Offload, RunConfig
+from ..config import ConfigError, Layout, Offload, writable_dir
 from ..inputs import env_int
 from ..model.config import ModelConfig
 
@@ -24,17 +24,16 @@ LIBAIO_HELP = (
 )
 
 
-def nvme_bytes_per_rank(run: RunConfig, layout: Layout, model: ModelConfig) -> dict[str, float]:
+def nvme_bytes_per_rank(off: Offload, layout: Layout, model: ModelConfig, vocab: int) -> dict[str, float]:
     """Predicted swap-file bytes of one rank on NVMe, for parameters and for the optimizer
     (planner's ZeRO-Infinity accounting)."""
     from ..planner.costs import Precision, stage_params
     from ..planner.offload import tier_bytes
 
-    vocab = model.vocab_size or run.mt3d.data.vocab_size
-    params = stage_params(model, vocab, layout.tp, layout.pp)
-    prec = Precision.of(run.precision, layout.zero_stage)
+    params = stage_params(model, model.vocab_size or vocab, layout.tp, layout.pp)
+    prec = Precision.of(layout.precision, layout.zero_stage)
     total = tier_bytes(params, layout.dp, layout.zero_stage, prec, layout.offload)["nvme"]
-    param = prec.param * params / layout.dp if Offload.of(run.ds).param == "nvme" else 0.0
+    param = prec.param * params / layout.dp if off.param == "nvme" else 0.0
     return {"param": param, "optimizer": total - param}
 
 
@@ -61,10 +60,12 @@ def libaio_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
-def check_offload(run: RunConfig, layout: Layout, model: ModelConfig, local_ranks: int | None = None) -> None:
-    """Refuse an NVMe offload this machine cannot run (ConfigError: one line naming the fix)."""
-    off = Offload.of(run.ds)
-    need = nvme_bytes_per_rank(run, layout, model)
+def check_offload(
+    off: Offload, layout: Layout, model: ModelConfig, vocab: int, local_ranks: int | None = None
+) -> None:
+    """Refuse an NVMe offload this machine cannot run (ConfigError: one line naming the fix); ``vocab``
+    counts when the model leaves its vocabulary to the data."""
+    need = nvme_bytes_per_rank(off, layout, model, vocab)
     per_path: dict[str, float] = {}
     for key in ("param", "optimizer"):
         if getattr(off, key) == "nvme":
@@ -72,12 +73,10 @@ def check_offload(run: RunConfig, layout: Layout, model: ModelConfig, local_rank
             per_path[path] = per_path.get(path, 0.0) + need[key]
     if not per_path:
         return
-    from ..config import _writable_dir
-
     # ranks of this node: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE
     ranks = local_ranks or env_int("LOCAL_WORLD_SIZE", None) or env_int("LOCAL_SIZE", None) or layout.world
     for path, per_rank in sorted(per_path.items()):
-        _writable_dir(path, "zero_optimization nvme_path")
+        writable_dir(path, "zero_optimization nvme_path")
         existing = Path(path)
         while not existing.exists():
             existing = existing.parent

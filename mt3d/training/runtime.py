@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import RunConfig
+from ..config import ParallelConfig
+from ..ds.topology import MappedTopology
 from ..errors import UserError
 from ..inputs import env_int
 from ..parallel.hosts import Host, parse_islands, read_hostfile
 from ..parallel.random import RNGTracker, seed_everything
 from ..parallel.spawn import free_port
 from ..parallel.state import ParallelState
-from ..parallel.topology import MappedTopology, map_ranks
+from ..parallel.topology import map_ranks
 
 log = logging.getLogger("mt3d")
 
@@ -96,37 +97,32 @@ def discover_hosts() -> tuple[Host, ...]:
     return tuple(Host(n, s) for n, (_, s) in zip(names, hosts))
 
 
-def setup(run: RunConfig) -> Runtime:
-    """Threads, process groups, rank mapping and RNG for this rank."""
+def setup(par: ParallelConfig, seed: int) -> Runtime:
+    """Threads, process groups, rank mapping and RNG for this rank, from the run's parallel section."""
     set_threads()
     rank, local_rank, world = init_distributed()
-    par = run.mt3d.parallel
     hosts = read_hostfile(par.hostfile) if par.hostfile else discover_hosts()
     topo = map_ranks(
         world,
-        par.tensor,
-        par.pipeline,
         hosts=hosts,
         order=par.order,
         islands=parse_islands(par.islands) if par.islands else None,
         allow_crossing=par.allow_crossing,
+        **par.degrees(),
     )
     state = ParallelState.build(topo)
-    seed = run.mt3d.train.seed
     # Same default stream on every TP and DP rank of a stage (replicated dropout matches across TP);
     # stages differ so they do not repeat each other's masks.
     seed_everything(seed + 100 * state.pp.rank)
     tracker = RNGTracker.for_tp(seed + 100 * state.pp.rank, state.tp)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if rank == 0:
-        crossing = {ax: topo.crossing(ax) for ax in ("tp", "dp", "pp")}
+        pl = topo.placement
         log.info(
-            "layout: world %d = tp %d x dp %d x pp %d, %d host(s), groups crossing hosts %s",
+            "layout: world %d = %s, %d host(s), groups crossing hosts %s",
             world,
-            topo.tp,
-            topo.dp,
-            topo.pp,
+            " x ".join(f"{ax} {pl.size(ax)}" for ax in pl.axes),
             len(hosts),
-            crossing,
+            {ax: pl.crossing(ax) for ax in pl.axes},
         )
     return Runtime(rank, local_rank, world, device, topo, state, tracker)

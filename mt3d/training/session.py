@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -11,11 +10,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import __version__
-from ..checkpoint import reshard, resume, safe
+from ..checkpoint import reshard, resume
 from ..checkpoint.manager import Checkpointer
 from ..checkpoint.rng import rng_key
 from ..checkpoint.safe import only_safe_loads
-from ..config import Layout, RunConfig
+from ..config import DataConfig, Layout, RunConfig
 from ..data.loader import build_data
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED, UserError
 from ..inputs import env_int
@@ -45,7 +44,7 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
             "seq_len": run.mt3d.data.seq_len,
             "global_batch": layout.global_batch,
             "micro_batch": layout.micro_batch,
-            "precision": run.precision,
+            "precision": layout.precision,
             "data": {"corpus": run.mt3d.data.corpus, "tokenizer": data_info.get("tokenizer_dir")},
             "config": run.to_dict(),
         }
@@ -54,23 +53,23 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
 
 
 def write_run_info(save_dir: Path, run: RunConfig, layout: Layout, cfg: ModelConfig, data_info: dict) -> None:
-    """``<save_dir>/run.json``: the resolved config, layout, model and corpus facts of the run."""
+    """``<save_dir>/run.json``: the resolved config, layout (every axis shown), model and corpus facts."""
     info = {
         "config": run.to_dict(),
-        "layout": dataclasses.asdict(layout),
+        "layout": layout.describe(),
         "model": cfg.to_dict(),
         "data": data_info,
     }
     (save_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
 
 
-def prepare_data(run: RunConfig, cfg: ModelConfig):
+def prepare_data(data_cfg: DataConfig, seed: int, cfg: ModelConfig):
     """Build the corpus and fix the vocabulary size; returns (data bundle, vocab size)."""
     hf_path = cfg.extra.get("hf_path")
-    if hf_path and run.mt3d.data.tokenizer is None and run.mt3d.data.corpus == "builtin":
+    if hf_path and data_cfg.tokenizer is None and data_cfg.corpus == "builtin":
         if (Path(hf_path) / "tokenizer.json").is_file():
-            run.mt3d.data.tokenizer = hf_path  # fine-tuning: the model's own tokenizer
-    data = build_data(run.mt3d.data, run.mt3d.train.seed)
+            data_cfg.tokenizer = hf_path  # fine-tuning: the model's own tokenizer
+    data = build_data(data_cfg, seed)
     vocab = data.tokenizer.vocab_size
     if cfg.vocab_size is None:
         cfg.vocab_size = vocab
@@ -80,8 +79,12 @@ def prepare_data(run: RunConfig, cfg: ModelConfig):
     return data, cfg.vocab_size
 
 
-def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: int, plan):
-    """Model (HF weights when fine-tuning), DeepSpeed engine, and the resumed state when resuming."""
+def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: int, plan=None,
+                 fast_init: bool = False):  # fmt: skip
+    """Model (HF weights when fine-tuning), DeepSpeed engine, and the resumed state when resuming;
+    returns (engine, first step). ``fast_init`` (benchmarks) draws the weights with one ``normal_`` per
+    tensor on the model's device instead of mt3d's layout-independent CPU init (minutes for 1B
+    parameters)."""
     hf_path = cfg.extra.get("hf_path")
     load_dir, tag = None, None
     same_layout = plan is None or not plan.layout_changed(layout)
@@ -89,18 +92,27 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         convert = plan.check_offload(layout)
         load_dir, tag = plan.path.parent, plan.path.name
         if convert:  # NVMe-offloaded optimizer states into a run without: an ordinary checkpoint copy
-            from ..checkpoint.nvme_states import convert_for_resume
+            from ..ds.nvme import convert_for_resume
 
             load_dir, tag = convert_for_resume(plan, rt.rank)
         if not same_layout:
-            load_dir, tag = reshard.prepare(plan, run, layout, rt.rank)
-    model = build_model(run, layout, rt, cfg, vocab, skip_init=bool(hf_path) or plan is not None)
+            load_dir, tag = reshard.prepare(plan, layout, run.mt3d.train.save_dir, rt.rank)
+    sp = run.mt3d.parallel.sequence_parallel
+    model = build_model(cfg, layout, rt, vocab, train=run.mt3d.train, sequence_parallel=sp,
+                        skip_init=bool(hf_path) or plan is not None or fast_init)  # fmt: skip
+    if fast_init:
+        import torch
+
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
     if hf_path and plan is None:
         from ..model.loading import load_weights, open_source
 
         load_weights(model, open_source(hf_path), rt.state.tp)
-    engine = initialize(run, layout, rt, model)
-    safe.install(engine)
+    engine = initialize(
+        run.deepspeed, layout, rt, model, sequence_parallel=sp, load_universal=not same_layout
+    )
     start = 0
     if plan is not None:
         resume.restore(engine, plan, load_dir, tag, rt, same_layout)
@@ -136,8 +148,8 @@ def run_training(run: RunConfig, layout: Layout, cfg: ModelConfig, verbose: bool
 def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preemption, verbose: bool) -> int:
     save_dir = Path(run.mt3d.train.save_dir)
     with deepspeed_output(save_dir, verbose):
-        rt = setup(run)
-        data, vocab = prepare_data(run, cfg)
+        rt = setup(run.mt3d.parallel, run.mt3d.train.seed)
+        data, vocab = prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg)
         facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
         plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts)
         wandb_run = None
@@ -145,8 +157,9 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
             save_dir.mkdir(parents=True, exist_ok=True)
             name = run.mt3d.train.run_name or save_dir.name
             wandb_run = start_wandb(
-                run.ds, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict(), lambda: preemption.requested
-            )
+                run.deepspeed.wandb, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict(),
+                lambda: preemption.requested,
+            )  # fmt: skip
             write_run_info(save_dir, run, layout, cfg, data.info)
             log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
             if "entropy_floor" in data.info:
@@ -165,13 +178,14 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
         faults=faults,
     )
     trainer = Trainer(
-        run,
+        run.mt3d.train,
         layout,
         rt,
         engine,
         data,
         cfg,
         vocab,
+        run.mt3d.data.seq_len,
         wandb_run=wandb_run,
         start_step=start,
         checkpointer=checkpointer,

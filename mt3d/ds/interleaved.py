@@ -1,5 +1,5 @@
-"""DeepSpeed's pipeline engine running the interleaved schedule (``schedule.py``) on an
-``InterleavedPipeline``.
+"""DeepSpeed's pipeline engine running the interleaved schedule (``mt3d.pipeline.schedule``) on an
+``InterleavedPipeline`` (``pipe.py``).
 
 Everything but the schedule is DeepSpeed's: the optimizer (ZeRO-1, bf16/fp16 and its loss
 scaler), gradient reduction over data parallelism, tied-weight reduction, clipping and the
@@ -30,10 +30,56 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .module import InterleavedPipeline
-from .schedule import deepspeed_schedule
+from ..pipeline.schedule import (
+    BWD,
+    COMMIT,
+    FWD,
+    LOAD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    Op,
+    rank_steps,
+)
+from .pipe import InterleavedPipeline
 
 _RANK_VIEW = object()  # no chunk active: stage questions are about the rank
+
+
+def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True):
+    """The DeepSpeed ``PipeSchedule`` running ``rank_steps`` (instructions carry ``chunk=``)."""
+    ds = ds_schedule
+    kinds = {
+        LOAD: ds.LoadMicroBatch,
+        FWD: ds.ForwardPass,
+        BWD: ds.BackwardPass,
+        SEND_ACT: ds.SendActivation,
+        SEND_GRAD: ds.SendGrad,
+        RECV_ACT: ds.RecvActivation,
+        RECV_GRAD: ds.RecvGrad,
+    }
+
+    def instruction(o: Op):
+        if o.kind == COMMIT:
+            return ds.CommitP2P()
+        return kinds[o.kind](o.chunk * m + o.mb, chunk=o.chunk)
+
+    class InterleavedSchedule(ds.PipeSchedule):
+        """Interleaved 1F1B on DeepSpeed's instructions; buffer of (chunk, mb) = chunk * m + mb."""
+
+        def steps(self):
+            """One list of instructions per step; the reduction and optimizer step at the end."""
+            for ops in rank_steps(p, v, m, rank, train):
+                yield [instruction(o) for o in ops]
+            if train:
+                yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+
+        def num_pipe_buffers(self):
+            """One slot per (chunk, micro-batch): inputs, outputs and grads live across the step."""
+            return v * m
+
+    return InterleavedSchedule(micro_batches=m, stages=p, stage_id=rank)
 
 
 class InterleavedPipelineEngine(PipelineEngine):
@@ -178,7 +224,7 @@ class InterleavedPipelineEngine(PipelineEngine):
 def initialize(model: InterleavedPipeline, model_parameters, config: dict) -> InterleavedPipelineEngine:
     """``deepspeed.initialize`` building this engine instead of ``PipelineEngine``.
 
-    DeepSpeed 0.19.8 picks the pipeline engine class by name inside ``deepspeed.initialize``
+    DeepSpeed picks the pipeline engine class by name inside ``deepspeed.initialize``
     (``DualPipeVEngine`` for its own module type, else the module-level ``PipelineEngine``) and
     offers no way to pass another; the name is swapped for the call. tests/test_interleaved.py
     checks that the engine built is this one, so a DeepSpeed that stops honouring the swap fails

@@ -5,8 +5,8 @@ DeepSpeed JIT-builds its C++ ops (``cpu_adam``, ``async_io``, ``pin_memory``, th
 directory with a ``lock`` file (``torch.utils.file_baton.FileBaton``): created with O_EXCL, held
 open for the build, removed at the end. Every process takes it on its first load, even when the
 op is already built. A build killed half-way (a timeout, Ctrl-C, a preempted job) leaves the file
-behind, and every later process polls for it to vanish, forever and silently (torch 2.13,
-DeepSpeed 0.19.8 passes ``verbose=False``).
+behind, and every later process polls for it to vanish, forever and silently (torch 2.13;
+DeepSpeed's builders pass ``verbose=False``).
 
 A lock that no live process holds open is such a leftover; ``check_op_locks`` names it and the
 command that removes it before any process group exists. tests/test_offload.py checks the path
@@ -44,15 +44,13 @@ def extensions_root() -> Path:
     return Path(base) / f"{py}_{acc}"
 
 
-def ops_for(ds: dict, on_cpu: bool) -> list[str]:
-    """The DeepSpeed ops a run with this config JIT-loads."""
-    zero = ds.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    devices = {(zero.get(f"offload_{k}") or {}).get("device", "none") for k in ("param", "optimizer")}
+def ops_for(ds, on_cpu: bool) -> list[str]:
+    """The DeepSpeed ops a run with this config (a ``DeepSpeedSection``) JIT-loads."""
+    off = ds.offload
     ops = ["deepspeed_shm_comm"] if on_cpu else []
-    if (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+    if off.optimizer != "none":
         ops.append("cpu_adam")
-    if stage == 3 and "nvme" in devices:
+    if ds.zero_stage == 3 and "nvme" in (off.param, off.optimizer):
         ops += ["pin_memory", "async_io"]
     return ops
 
@@ -101,7 +99,7 @@ def stale_locks(ops: list[str], settle_s: float = 1.0) -> list[Path]:
     return sorted(_unheld(list(first), seen=first))
 
 
-def check_op_locks(ds: dict, on_cpu: bool) -> None:
+def check_op_locks(ds, on_cpu: bool) -> None:
     """Refuse to start when a DeepSpeed op's build lock is a leftover (UserError naming the fix)."""
     if not Path("/proc/self/fd").is_dir():  # no /proc: cannot tell a leftover from a live build
         return

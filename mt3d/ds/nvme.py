@@ -1,6 +1,6 @@
 """ZeRO-3 checkpoints whose optimizer states were offloaded to NVMe: an index written at save time
 so that mt3d's reader (export-hf, eval, generate) finds the fp32 weights in DeepSpeed's swap files,
-and a workaround (DeepSpeed 0.19.8) that finishes loading them on resume.
+and a workaround (of the pinned DeepSpeed) that finishes loading them on resume.
 
 DeepSpeed saves such states as a copy of each rank's swap files (``offloaded_tensors/rank<NN>/``,
 named after internal parameter ids) and leaves empty tensors in ``*_optim_states.pt``.
@@ -80,7 +80,7 @@ def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> 
     ``files``: the checkpoint manifest's file table (every file read must be listed there)."""
     import json
 
-    from .manifest import CheckpointError
+    from ..checkpoint.manifest import CheckpointError
 
     name = f"{INDEX}/{optim_file}.json"
     if name not in files:
@@ -118,8 +118,8 @@ def convert_for_resume(plan, rank: int) -> tuple[Path, str]:
 
     import torch.distributed as dist
 
-    from .manifest import CheckpointError
-    from .safe import safe_torch_load
+    from ..checkpoint.manifest import CheckpointError
+    from ..checkpoint.safe import safe_torch_load
 
     src = plan.path
     out_root = src.parent / "converted"
@@ -182,7 +182,7 @@ def finish_nvme_resume(engine, load_dir: Path, tag: str) -> bool:
     opt = engine.optimizer
     if deepspeed_restores_nvme_states(opt):
         return False
-    from .safe import safe_torch_load
+    from ..checkpoint.safe import safe_torch_load
 
     saved = safe_torch_load(engine._get_zero_ckpt_name(str(load_dir), tag))["optimizer_state_dict"]
     states = saved["optimizer_state_dict"]["state"]

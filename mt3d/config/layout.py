@@ -1,0 +1,160 @@
+"""The validated layout of a run, and ``validate``: every check that can run before a process
+group exists, in the order a user would fix them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..model.config import ModelConfig, ModelConfigError
+from . import preflight, rules
+from .deepspeed import check_sections, deepspeed_preflight
+from .errors import ConfigError
+from .schema import ParallelConfig, RunConfig
+
+
+@dataclass
+class Layout:
+    """Degrees and batch sizes after validation; an axis's degree reads as an attribute (``layout.tp``)."""
+
+    world: int
+    degrees: dict[str, int]
+    """Every axis's degree (``mt3d.parallel.axes.AXES``), dp derived."""
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    zero_stage: int
+    virtual_stages: int = 1
+    stage_blocks: tuple[int, ...] | None = None
+    """Blocks per (virtual) stage in virtual-stage order, when the model is known."""
+    offload: str = "none"
+    """Where ZeRO keeps parameters and optimizer states (``Offload.label``)."""
+    precision: str = field(default="fp32")
+    """bf16, fp16 or fp32."""
+
+    def __getattr__(self, name: str) -> int:
+        degrees = self.__dict__.get("degrees")
+        if degrees is not None and name in degrees:
+            return degrees[name]
+        raise AttributeError(name)
+
+    def shown_degrees(self) -> dict[str, int]:
+        """The degrees of the axes reports name (optional axes only when above 1)."""
+        from ..parallel.axes import shown
+
+        return {a: self.degrees[a] for a in shown(self.degrees)}
+
+    def saved(self) -> dict:
+        """The layout as checkpoints record it (what a resume compares)."""
+        return {
+            **self.shown_degrees(),
+            "zero_stage": self.zero_stage,
+            "virtual_stages": self.virtual_stages,
+            "stage_blocks": list(self.stage_blocks) if self.stage_blocks else None,
+            "offload": self.offload,
+        }
+
+    def describe(self) -> dict:
+        """Everything, flat (run.json)."""
+        batch = {
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "global_batch": self.global_batch,
+        }
+        return {"world": self.world, **self.saved(), **batch, "precision": self.precision}
+
+    def headline(self) -> str:
+        """``world 8 = tp 2 x pp 2 x dp 2``: the configured axes shown, then dp (what remains)."""
+        shown = self.shown_degrees()
+        order = [a for a in shown if a != "dp"] + ["dp"]
+        return f"world {self.world} = " + " x ".join(f"{a} {shown[a]}" for a in order)
+
+
+def _check_mapping(par: ParallelConfig, world: int) -> None:
+    """The rank-mapping keys (order, islands, hostfile) parse, and a hostfile's hosts fit the world."""
+    from ..parallel.hosts import parse_islands, read_hostfile
+    from ..parallel.topology import TopologyError, parse_order, place
+
+    try:
+        parse_order(par.order)
+        islands = parse_islands(par.islands) if par.islands else None
+        if par.hostfile:
+            place(world, hosts=read_hostfile(par.hostfile), order=par.order, islands=islands,
+                  allow_crossing=par.allow_crossing, warn=False, **par.degrees())  # fmt: skip
+    except TopologyError as e:
+        raise ConfigError(f"mt3d.parallel: {e}") from None
+
+
+def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None:
+    """Virtual stages, ZeRO with the pipeline, offload, sequence parallelism."""
+    par, pp, v = run.mt3d.parallel, degrees["pp"], run.mt3d.parallel.virtual_stages
+    if v < 1:
+        raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
+    why = (
+        rules.virtual_stage_conflict(pp, v)
+        or rules.zero_pipeline_conflict(pp, stage)
+        or rules.offload_conflict(stage, run.deepspeed.offload)
+    )
+    if why:
+        raise ConfigError(why)
+    tp, seq = degrees["tp"], run.mt3d.data.seq_len
+    if par.sequence_parallel and tp > 1 and seq % tp:
+        raise ConfigError(f"sequence parallelism needs seq_len ({seq}) divisible by tp ({tp})")
+
+
+def _check_model(model: ModelConfig, par: ParallelConfig, degrees: dict[str, int], seq_len: int) -> None:
+    """The model splits over the degrees and fits the sequence; stage_layers fill the chunks."""
+    pp, v = degrees["pp"], par.virtual_stages
+    try:
+        model.check_parallel(degrees["tp"], pp)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if model.position_limit is not None and seq_len > model.position_limit:
+        raise ConfigError(f"data.seq_len {seq_len} exceeds the model's max_seq_len {model.position_limit}")
+    chunks = pp * v
+    if par.stage_layers is not None:
+        what = f"{pp} stages" if v == 1 else f"{pp} x {v} chunks"
+        if len(par.stage_layers) != chunks or sum(par.stage_layers) != model.layers:
+            raise ConfigError(
+                f"parallel.stage_layers {par.stage_layers} must list {what} adding up to "
+                f"{model.layers} layers"
+            )
+        if min(par.stage_layers) < 1:
+            raise ConfigError("parallel.stage_layers: every stage needs at least one block")
+    elif model.layers < chunks:
+        raise ConfigError(
+            f"{model.layers} layers cannot fill pipeline {pp} x virtual_stages {v} = "
+            f"{chunks} chunks of at least one block; use fewer stages or chunks"
+        )
+
+
+def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) -> Layout:
+    """Check the run against ``world_size`` ranks before any process group exists; fill batch keys."""
+    par, data, train, ds = run.mt3d.parallel, run.mt3d.data, run.mt3d.train, run.deepspeed
+    check_sections(run.ds)
+    rules.check_data(data)
+    degrees = rules.degrees_for(par, world_size)
+    rules.check_unsupported(degrees)
+    _check_mapping(par, world_size)
+    stage = ds.zero_stage
+    _check_schedule(run, degrees, stage)
+    if model is not None:
+        _check_model(model, par, degrees, data.seq_len)
+    rules.check_train(train)
+    preflight.check_inputs(train, data)
+    preflight.check_device(ds.precision)
+    mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
+    run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
+    why = rules.virtual_stage_conflict(degrees["pp"], par.virtual_stages, micro_batches=ga)
+    if why:
+        raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
+    preflight.check_outputs(train, data)
+    deepspeed_preflight(run.ds, mb, ga, degrees["dp"])
+    blocks = None
+    if model is not None:
+        from ..model.pipeline import default_stage_blocks
+
+        blocks = tuple(
+            par.stage_layers or default_stage_blocks(model.layers, degrees["pp"] * par.virtual_stages)
+        )
+    return Layout(world_size, degrees, mb, ga, gb, stage, par.virtual_stages, blocks, ds.offload.label,
+                  ds.precision)  # fmt: skip

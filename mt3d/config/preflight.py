@@ -1,0 +1,74 @@
+"""What the machine must offer a run before any process group exists: its files and directories
+(data, tokenizer, resume checkpoint, writable run and cache directories) and its device (fp16)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ConfigError
+from .schema import DataConfig, TrainConfig
+
+
+def writable_dir(path: str | Path, what: str) -> None:
+    """``path`` is, or can become, a directory this process can write (probed with a real file)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{what} {p} exists and is not a directory")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {p}: {existing} is not a directory")
+    probe = existing / f".mt3d-write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {p} is not writable ({e.strerror} in {existing}); choose another"
+        ) from None
+
+
+def check_inputs(train: TrainConfig, data: DataConfig) -> None:
+    """The files a run reads exist: the resume checkpoint, indexed data and its tokenizer."""
+    if train.resume not in ("none", "auto") and not Path(train.resume).exists():
+        raise ConfigError(f"mt3d.train.resume: checkpoint not found: {train.resume}")
+    if data.corpus != "indexed":
+        return
+    if not data.prefixes:
+        raise ConfigError("mt3d.data.prefixes is empty: corpus 'indexed' needs .bin/.idx prefixes")
+    for pre in data.prefixes:
+        for ext in (".bin", ".idx"):
+            if not Path(pre + ext).is_file():
+                raise ConfigError(f"mt3d.data.prefixes: {pre + ext} not found (run 'mt3d preprocess' first)")
+    if data.tokenizer is None or not Path(data.tokenizer).is_dir():
+        raise ConfigError(f"mt3d.data.tokenizer: tokenizer directory not found: {data.tokenizer}")
+
+
+def check_outputs(train: TrainConfig, data: DataConfig) -> None:
+    """Where the run writes must be writable."""
+    writable_dir(train.save_dir, "mt3d.train.save_dir")
+    if data.cache_dir:
+        writable_dir(data.cache_dir, "mt3d.data.cache_dir")
+
+
+def fp16_supported() -> bool:
+    """Whether DeepSpeed can train in fp16 here (any CUDA GPU, or a CPU with fp16 support in oneDNN)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
+def check_device(precision: str) -> None:
+    """The device can train in ``precision``."""
+    if precision == "fp16" and not fp16_supported():
+        raise ConfigError(
+            "fp16 is not supported on this device (DeepSpeed's CPU accelerator needs AVX512-FP16/AMX); "
+            "use bf16.enabled or fp32, or run on a GPU"
+        )

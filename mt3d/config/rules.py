@@ -1,0 +1,234 @@
+"""Layout rules: what combinations of degrees, ZeRO stage, schedule, offload and batch sizes can run.
+
+The one home of each rule: ``mt3d.config`` applies them to a run before any process group exists,
+``mt3d.planner`` to every candidate it enumerates (short reasons), checkpoints to a resume.
+"""
+
+from __future__ import annotations
+
+from .deepspeed import Offload
+from .errors import ConfigError
+from .schema import DataConfig, ParallelConfig, TrainConfig
+
+
+def degrees_for(par: ParallelConfig, world: int) -> dict[str, int]:
+    """Every axis's degree for ``world`` ranks (dp derived), or the one-line reason it cannot be."""
+    from ..parallel.axes import AxisError, derive_degrees
+
+    for key, value in ((k, getattr(par, k)) for k in ("tensor", "context", "expert", "pipeline")):
+        if value <= 0:
+            raise ConfigError(f"mt3d.parallel.{key} must be positive, got {value}")
+    try:
+        return derive_degrees(world, par.degrees(), by_key=True, fix="change mt3d.parallel")
+    except AxisError as e:
+        raise ConfigError(str(e)) from None
+
+
+def zero_pipeline_conflict(pp: int, zero_stage: int) -> str | None:
+    """Why a ZeRO stage cannot run with ``pp`` pipeline stages (None: it can)."""
+    from ..ds import running_version
+
+    if pp > 1 and zero_stage >= 2:
+        return (
+            f"ZeRO stage {zero_stage} cannot be used with pipeline={pp} (DeepSpeed's pipeline engine "
+            "supports stages 0-1); use zero_optimization.stage 1, or pipeline 1 for ZeRO-2/3"
+        )
+    if pp > 1 and zero_stage == 0:
+        return (
+            f"ZeRO stage 0 with pipeline > 1 hits DeepSpeed {running_version()} bugs (wrong clipping norm, "
+            "bf16 resume crash); set zero_optimization.stage to 1"
+        )
+    return None
+
+
+def virtual_stage_conflict(
+    pp: int, v: int, micro_batches: int | None = None, layers: int | None = None
+) -> str | None:
+    """Why ``v`` virtual stages per rank cannot run (None: they can, as far as the inputs given tell)."""
+    if v == 1:
+        return None
+    if pp < 2:
+        return f"mt3d.parallel.virtual_stages {v} needs pipeline >= 2 (it interleaves stages)"
+    if micro_batches is not None and micro_batches % pp:
+        return (
+            f"the interleaved schedule needs micro-batches per step ({micro_batches} = "
+            f"gradient_accumulation_steps) to be a multiple of pipeline {pp}"
+        )
+    if layers is not None and layers < pp * v:
+        return f"{layers} layers cannot fill pipeline {pp} x virtual_stages {v} = {pp * v} chunks"
+    return None
+
+
+def offload_conflict(zero_stage: int, off: Offload, short: bool = False) -> str | None:
+    """Why this offload cannot run at ZeRO ``zero_stage`` (None: it can); ``short``: the planner's
+    phrasing of the same rule.
+
+    The running DeepSpeed accepts some of these and then ignores them: parameter offload below
+    ZeRO-3, and NVMe optimizer offload below ZeRO-3 (which it runs as CPU offload)."""
+    from ..ds import running_version
+
+    if not off.any:
+        return None
+    version = running_version()
+    missing = [
+        k for k in ("param", "optimizer") if getattr(off, k) == "nvme" and not getattr(off, f"{k}_path")
+    ]
+    if zero_stage == 0:
+        brief = "offload needs ZeRO 1-3"
+        full = (
+            "offloading needs ZeRO (zero_optimization.stage 1-3); stage 0 has nothing partitioned to offload"
+        )
+    elif off.param != "none" and zero_stage != 3:
+        brief = f"offload {off.label} needs ZeRO-3"
+        full = (
+            "zero_optimization.offload_param needs ZeRO stage 3 (DeepSpeed ignores it at stage "
+            f"{zero_stage}); "
+            "ZeRO-3 needs pipeline 1. Offload the optimizer only (offload_optimizer) at 1/2"
+        )
+    elif off.optimizer == "nvme" and zero_stage != 3:
+        brief = f"offload {off.label} needs ZeRO-3"
+        full = (
+            f"offload_optimizer.device nvme needs ZeRO stage 3 (DeepSpeed {version} runs it as cpu at "
+            f"stage {zero_stage}); use device cpu, or stage 3 with pipeline 1"
+        )
+    elif missing:
+        brief = f"offload {off.label} needs an nvme_path"
+        full = (
+            f"zero_optimization.offload_{missing[0]}.device nvme needs nvme_path (a directory on a local "
+            "NVMe disk)"
+        )
+    else:
+        return None
+    return brief if short else full
+
+
+def optimizer_device(label: str) -> str:
+    """The optimizer's device in an ``Offload.label`` (none, cpu, nvme)."""
+    return label.rsplit("opt-", 1)[1] if "opt-" in label else label
+
+
+def offload_resume_conflict(saved: str, now: str, layout_changed: bool) -> str | None:
+    """Why a checkpoint saved with offload ``saved`` cannot resume with offload ``now`` (labels).
+
+    Parameters and optimizer states on the CPU are saved in the same files as without offload, so
+    those resume either way. DeepSpeed saves NVMe-offloaded optimizer states as a copy of the swap
+    files (``offloaded_tensors/rank*``) and leaves empty tensors in ``*_optim_states.pt``; it restores
+    them only into the same NVMe layout, and reads nothing else then. mt3d converts such a checkpoint
+    for a run without NVMe optimizer offload at the same layout (``mt3d.ds.nvme.convert_for_resume``);
+    the other direction is refused."""
+    was, will = optimizer_device(saved), optimizer_device(now)
+    if "nvme" not in (was, will) or (was == will and not layout_changed):
+        return None
+    if was == "nvme" and not layout_changed:
+        return None  # converted on resume
+    if was == "nvme":
+        return (
+            "a checkpoint with NVMe-offloaded optimizer states resumes only at the layout it was saved "
+            + ("with (DeepSpeed keeps them as per-rank swap files); " if was == will else "with; ")
+            + "for another layout, export-hf and start from those weights (model.from_hf)"
+        )
+    return (
+        f"the checkpoint's optimizer states were saved with offload {saved!r} and this run uses {now!r}: "
+        "an NVMe run of DeepSpeed reads optimizer states only from swap files an NVMe run saved; "
+        "keep the checkpoint's offload_optimizer device, or export-hf and start the NVMe run from those "
+        "weights (model.from_hf: fresh optimizer states)"
+    )
+
+
+def batch_split(keys: dict, dp: int) -> tuple[int, int, int]:
+    """(micro-batch, accumulation steps, global batch) from DeepSpeed's batch keys for ``dp`` ranks."""
+    gb, mb, ga = (
+        keys["train_batch_size"],
+        keys["train_micro_batch_size_per_gpu"],
+        keys["gradient_accumulation_steps"],
+    )
+    for name, v in keys.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if mb is None and gb is not None and ga is not None:
+        if gb % (ga * dp):
+            raise ConfigError(
+                f"train_batch_size {gb} is not divisible by gradient_accumulation_steps*dp = {ga}*{dp}"
+            )
+        mb = gb // (ga * dp)
+    mb = mb or 1
+    if ga is None:
+        if gb is None:
+            ga = 1
+        elif gb % (mb * dp):
+            raise ConfigError(
+                f"train_batch_size {gb} is not divisible by micro-batch*dp = {mb}*{dp}; "
+                f"use a multiple of {mb * dp}"
+            )
+        else:
+            ga = gb // (mb * dp)
+    if gb is None:
+        gb = mb * ga * dp
+    if mb * ga * dp != gb:
+        raise ConfigError(
+            f"train_batch_size {gb} != micro-batch {mb} x gradient_accumulation_steps {ga} x dp {dp}; "
+            "fix one of them (or drop gradient_accumulation_steps to derive it)"
+        )
+    return mb, ga, gb
+
+
+def check_train(train: TrainConfig) -> None:
+    """Bounds of the training loop's keys."""
+    bounds = {
+        "steps": 0,
+        "log_interval": 1,
+        "eval_interval": 0,
+        "eval_batches": 0,
+        "save_interval": 0,
+        "keep_last": 0,
+        "max_bad_steps": 1,
+    }
+    for key, low in bounds.items():
+        if getattr(train, key) < low:
+            raise ConfigError(f"mt3d.train.{key} must be >= {low}, got {getattr(train, key)}")
+    if train.eval_interval > 0 and train.eval_batches == 0:
+        raise ConfigError("mt3d.train.eval_interval > 0 needs eval_batches >= 1 (or set eval_interval 0)")
+    if train.peak_tflops is not None and train.peak_tflops <= 0:
+        raise ConfigError(f"mt3d.train.peak_tflops must be positive, got {train.peak_tflops}")
+    if train.wandb_mode not in ("offline", "online", "disabled"):
+        raise ConfigError(
+            f"mt3d.train.wandb_mode must be offline, online or disabled, got {train.wandb_mode!r}"
+        )
+
+
+def check_data(data: DataConfig) -> None:
+    """Values of the data keys (files are ``preflight``'s)."""
+    if data.seq_len <= 0:
+        raise ConfigError(f"mt3d.data.seq_len must be positive, got {data.seq_len}")
+    if data.corpus not in ("builtin", "synthetic", "indexed"):
+        raise ConfigError(f"mt3d.data.corpus must be builtin, synthetic or indexed, got {data.corpus!r}")
+    if len(data.split) != 3 or min(data.split) < 0 or data.split[0] <= 0 or data.split[1] <= 0:
+        raise ConfigError(
+            f"mt3d.data.split must be 3 non-negative weights (train, valid, test) with train and valid "
+            f"> 0, got {data.split}"
+        )
+    if data.weights is not None and (min(data.weights, default=0) < 0 or sum(data.weights) <= 0):
+        raise ConfigError(f"mt3d.data.weights must be non-negative and not all zero, got {data.weights}")
+    if data.corpus == "indexed" and data.weights is not None and len(data.weights) != len(data.prefixes):
+        raise ConfigError("mt3d.data.weights must have one weight per prefix")
+    if data.corpus == "builtin" and data.tokenizer is None and data.vocab_size < 257:
+        raise ConfigError(
+            f"mt3d.data.vocab_size must be > 256 for the builtin corpus's BPE, got {data.vocab_size}"
+        )
+    if data.corpus == "synthetic" and data.vocab_size < 8:
+        raise ConfigError(
+            f"mt3d.data.vocab_size must be >= 8 for the synthetic corpus, got {data.vocab_size}"
+        )
+
+
+NOT_YET = {
+    "cp": "context parallelism (mt3d.parallel.context)",
+    "ep": "expert parallelism (mt3d.parallel.expert)",
+}
+
+
+def check_unsupported(degrees: dict[str, int]) -> None:
+    """Axes the rank mapper and process groups know but the model does not split over yet."""
+    for axis, what in NOT_YET.items():
+        if degrees.get(axis, 1) > 1:
+            raise ConfigError(f"{what} is not supported yet; set it to 1")

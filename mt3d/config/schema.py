@@ -1,0 +1,241 @@
+"""The typed "mt3d" section of a run config: dataclasses with a docstring under every field, and
+their parsing from JSON (unknown keys are errors with a "did you mean" hint, types are checked)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from .deepspeed import DeepSpeedSection
+from .errors import ConfigError
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation checkpointing (recompute) of transformer blocks."""
+
+    interval: int = 0
+    """Checkpoint every run of this many consecutive blocks (0: off; 1: every block)."""
+    partition_activations: bool = False
+    """Keep only 1/tp of each checkpointed input (sequence slice), all-gathered for the recompute."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split: one degree per configured axis (``mt3d.parallel.axes``); data
+    parallelism is what remains of the world."""
+
+    tensor: int = 1
+    """Tensor-parallel degree tp (heads, KV groups and MLP split over tp ranks)."""
+    context: int = 1
+    """Context-parallel degree cp (each sample's sequence split over cp ranks)."""
+    expert: int = 1
+    """Expert-parallel degree ep (experts of MoE layers split over ep ranks; ep divides dp)."""
+    pipeline: int = 1
+    """Pipeline stages pp (DeepSpeed's 1F1B pipeline engine)."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank nesting, innermost first; tp innermost keeps TP groups inside hosts. Axes left out take
+    their default place (so 'tp-dp-pp' still reads)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside TP regions (needs tp > 1 to have an effect)."""
+    stage_layers: list[int] | None = None
+    """Transformer blocks per pipeline stage, e.g. [5, 6, 6, 5] (default: as even as possible); with
+    virtual stages, per chunk in virtual-stage order (pipeline x virtual_stages entries)."""
+    virtual_stages: int = 1
+    """Chunks of layers per pipeline rank (PTD-P's interleaved 1F1B): rank r holds virtual stages
+    r, r + pipeline, ...; the bubble shrinks by this factor for as many times the point-to-point
+    traffic. Needs pipeline >= 2 and micro-batches per step a multiple of pipeline. 1: DeepSpeed's
+    own schedule, unchanged."""
+    hostfile: str | None = None
+    """Hostfile describing the hosts (default: discovered from the launcher's local ranks)."""
+    islands: str | None = None
+    """NVLink islands as local ranks, e.g. '0,1;2,3' (default: each host is one island)."""
+    allow_crossing: bool = False
+    """Allow TP groups across hosts when hosts cannot hold whole TP groups (slow; warns)."""
+
+    def degrees(self) -> dict[str, int]:
+        """The configured degree of every axis that has a key (``Axis.key``), by axis name."""
+        from ..parallel.axes import degree_keys
+
+        return {name: getattr(self, key) for key, name in degree_keys().items()}
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    corpus: str = "builtin"
+    """'builtin' (English text from the Python installation), 'synthetic' (stochastic grammar with
+    a known entropy floor), or 'indexed' (preprocessed .bin/.idx prefixes in ``prefixes``)."""
+    seq_len: int = 128
+    """Tokens per training sample (the model sees seq_len, predicts seq_len)."""
+    prefixes: list[str] = field(default_factory=list)
+    """Indexed dataset prefixes (P for P.bin + P.idx) for corpus 'indexed'."""
+    weights: list[float] | None = None
+    """Blend weights of ``prefixes`` (default: proportional to their sizes)."""
+    tokenizer: str | None = None
+    """HF tokenizer directory (required for 'indexed'; builtin/synthetic make their own)."""
+    split: list[float] = field(default_factory=lambda: [98.0, 1.0, 1.0])
+    """Train/valid/test split of the documents, as relative weights."""
+    vocab_size: int = 2048
+    """Vocabulary of the tokenizer trained for the builtin corpus."""
+    cache_dir: str | None = None
+    """Where built corpora, tokenizers and sample indices are cached (default ~/.cache/mt3d)."""
+    seed: int | None = None
+    """Seed of the sample order (default: train.seed)."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 100
+    """Optimizer steps to run (global batches)."""
+    seed: int = 1234
+    """Seed of the weight init, dropout and data order."""
+    log_interval: int = 10
+    """Print a log line (and write metrics.jsonl) every this many steps."""
+    eval_interval: int = 0
+    """Evaluate on the validation split every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Global batches per evaluation (0: no evaluation)."""
+    save_interval: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    save_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics.jsonl, W&B files."""
+    save_at_end: bool = True
+    """Save a checkpoint when training ends."""
+    resume: str = "none"
+    """'none', 'auto' (newest complete checkpoint in save_dir) or a checkpoint directory."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (0: keep all); the newest complete one is never deleted."""
+    max_bad_steps: int = 5
+    """Stop (after saving the last good state) after this many consecutive non-finite steps."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation checkpointing."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per device for MFU (default: the detected GPU's dense bf16 peak; on CPU a
+    matmul measured at start-up)."""
+    run_name: str | None = None
+    """W&B run name (default: the save_dir's name)."""
+    wandb_mode: str = "offline"
+    """W&B mode when enabled: 'offline' (default, no network), 'online' or 'disabled'.
+    The WANDB_MODE environment variable wins when set."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    compile: bool = False
+    """torch.compile each transformer block (fuses elementwise work on GPUs; first steps are slower)."""
+
+
+@dataclass
+class Mt3dConfig:
+    """The "mt3d" section of the run config."""
+
+    model: dict = field(default_factory=lambda: {"preset": "tiny"})
+    """A preset name, {"preset": name, <overrides>}, {"from_hf": dir}, or explicit dimensions."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data source."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: DeepSpeed's dict (without "mt3d") and mt3d's typed section.
+
+    Subsystems receive the part they need (``run.mt3d.parallel``, ``.train``, ``.data``, the model
+    section resolved to a ModelConfig, or ``run.deepspeed``: a read-only view of DeepSpeed's keys),
+    not the whole run; only the session that composes them holds a RunConfig.
+    """
+
+    ds: dict
+    mt3d: Mt3dConfig
+    path: str | None = None
+
+    def to_dict(self) -> dict:
+        """The full JSON-able config (DeepSpeed keys + mt3d section)."""
+        return {**self.ds, "mt3d": to_plain(self.mt3d)}
+
+    @property
+    def deepspeed(self) -> DeepSpeedSection:
+        """DeepSpeed's section, read through its typed view (the one home of raw DeepSpeed keys)."""
+        return DeepSpeedSection(self.ds)
+
+    @property
+    def precision(self) -> str:
+        """bf16, fp16 or fp32, from DeepSpeed's ``bf16``/``fp16`` sections."""
+        return self.deepspeed.precision
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclasses (nested) as plain dicts and lists."""
+    if is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, list):
+        return [to_plain(x) for x in obj]
+    return obj
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def build(cls: type, raw: Any, where: str) -> Any:
+    """Instantiate dataclass ``cls`` from a dict, checking keys and types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(names)})"
+            raise ConfigError(f"unknown key '{where}.{key}'{hint}")
+        tp = hints[key]
+        if is_dataclass(tp):
+            kwargs[key] = build(tp, value, f"{where}.{key}")
+            continue
+        if not _type_ok(value, tp):
+            raise ConfigError(
+                f"'{where}.{key}' must be {_type_name(tp)}, got {json.dumps(value)} ({type(value).__name__})"
+            )
+        kwargs[key] = float(value) if tp is float else value
+    return cls(**kwargs)
+
+
+def from_dict(raw: dict, path: str | None = None) -> RunConfig:
+    """Split a full config dict into DeepSpeed's part and the typed mt3d section."""
+    if not isinstance(raw, dict):
+        raise ConfigError("the config must be a JSON object")
+    ds = {k: v for k, v in raw.items() if k != "mt3d"}
+    section = raw.get("mt3d", {})
+    if isinstance(section, dict) and isinstance(section.get("model"), str):
+        section = {**section, "model": {"preset": section["model"]}}
+    return RunConfig(ds=ds, mt3d=build(Mt3dConfig, section, "mt3d"), path=path)

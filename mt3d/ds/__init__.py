@@ -1,0 +1,84 @@
+"""DeepSpeed behind one door: every subclass, override and patch of DeepSpeed's internals, and every
+workaround of its bugs, lives in this package; the rest of mt3d uses DeepSpeed's public API or this
+package (tests/test_deepspeed_door.py lists any reach outside it). A DeepSpeed upgrade is this
+folder's work: each reach below names the test that fails when upstream changes under it.
+
+The pinned DeepSpeed version lives in one place, the package's requirement in setup.cfg;
+``pinned_version`` reads it back from the installed metadata and messages name the running one.
+
+Each reach, why it exists and the test that watches it are listed in ``REACHES``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@functools.cache
+def running_version() -> str:
+    """The DeepSpeed version this process runs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:  # pragma: no cover - deepspeed is a hard requirement
+        return "unknown"
+
+
+@functools.cache
+def pinned_version() -> str | None:
+    """The DeepSpeed version mt3d's package requires (``deepspeed==X`` in setup.cfg), or None."""
+    import re
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = requires("mt3d") or []
+    except PackageNotFoundError:
+        return None
+    for req in reqs:
+        m = re.match(r"deepspeed\s*==\s*([\w.]+)", req)
+        if m:
+            return m.group(1)
+    return None
+
+
+@dataclass(frozen=True)
+class Reach:
+    """One place mt3d reaches into DeepSpeed's internals or works around its behaviour."""
+
+    module: str
+    """The module of this package that holds it."""
+    what: str
+    """What is overridden, patched or worked around, and why."""
+    watch: str
+    """The test (``file::name``) that fails when DeepSpeed changes under it."""
+
+
+REACHES = (
+    Reach("topology", "ProcessTopology with a rewritten mapping: the rank mapper's placement as its grid",
+          "test_topology.py::test_default_order_reproduces_deepspeed"),
+    Reach("pipe", "PipelineModule._partition_layers/_build/_set_bounds/_synchronize_tied_weights overridden: "
+          "stages by block counts, chunks of virtual stages, the tied broadcast without autograd",
+          "test_interleaved.py::test_every_interleaved_layout_matches_one_process"),
+    Reach("interleaved", "PipelineEngine's instruction handlers overridden, deepspeed.PipelineEngine "
+          "swapped during deepspeed.initialize: the interleaved schedule",
+          "test_interleaved.py::test_every_interleaved_layout_matches_one_process"),
+    Reach("engine", "FusedAdam's builder breaks on arch suffixes: torch's AdamW is asked for",
+          "test_checkpoint.py::test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes"),
+    Reach("engine", "fp32 without ZeRO: opt.step, clip_fp32_gradients and _global_grad_norm patched (a "
+          "kept norm, non-finite steps skipped)",
+          "test_checkpoint.py::test_nan_steps_are_skipped_without_zero_too"),
+    Reach("engine", "the checkpoint engine unpickles with weights_only=False: wrapped by the safe loader",
+          "test_checkpoint.py::test_deepspeed_workarounds_are_still_needed"),
+    Reach("optim_states", "DeepSpeedCPUAdam cannot load torch AdamW's state: a load pre-hook fills it in",
+          "test_offload.py::test_cpu_adam_takes_torch_adamw_state_only_through_the_workaround"),
+    Reach("nvme", "NVMe-offloaded ZeRO-3 states resume inexactly: mt3d restores what DeepSpeed leaves out",
+          "test_offload.py::test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly"),
+    Reach("universal", "reshards of ZeRO-3 states DeepSpeed gets wrong: refused up front",
+          "test_checkpoint.py::test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly"),
+    Reach("ops", "a JIT op build's stale lock makes every later run wait forever: named with its fix",
+          "test_offload.py::test_torch_still_waits_on_build_locks_without_a_time_limit"),
+)  # fmt: skip
+"""Every reach into DeepSpeed, with the test that watches it (tests/test_deepspeed_door.py checks they
+exist)."""

@@ -1,0 +1,127 @@
+"""The DeepSpeed engine as mt3d builds it: the config DeepSpeed gets, ``deepspeed.initialize`` (or
+the interleaved engine), and what mt3d patches on the engine afterwards, each with why.
+
+* ``deepspeed_config``: DeepSpeed's dict with mt3d's necessary adjustments (explained inline);
+  tests/test_checkpoint.py::test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes watches
+  the FusedAdam builder bug that makes mt3d pick torch's AdamW.
+* ``guard_fp32_without_zero``: fp32 without ZeRO, where DeepSpeed clips with a norm it does not keep
+  and applies non-finite gradients: ``opt.step``, ``clip_fp32_gradients`` and ``_global_grad_norm``
+  are replaced (tests/test_checkpoint.py::test_nan_steps_are_skipped_without_zero_too).
+* ``SafeCheckpointEngine``: DeepSpeed's checkpoint engine unpickles with ``weights_only=False``; the
+  engine's loader is wrapped so every load goes through mt3d's allow-list
+  (tests/test_checkpoint.py::test_deepspeed_workarounds_are_still_needed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import DeepSpeedSection, Layout
+
+
+def deepspeed_config(ds: DeepSpeedSection, layout: Layout, *, sequence_parallel: bool, on_cpu: bool) -> dict:
+    """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained)."""
+    out = ds.copy()
+    # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
+    out.setdefault("steps_per_print", 10**9)
+    # mt3d owns the W&B run (metrics.WandbSink: best effort, silent once a stop signal arrived);
+    # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
+    # killed W&B's helper during a preemption save.
+    out.pop("wandb", None)
+    if (sequence_parallel and layout.tp > 1) or layout.virtual_stages > 1:
+        # DeepSpeed's pipe/grad partitioning assumes activations identical across TP ranks, which
+        # sequence shards are not (DEEPSPEED_NOTES.md), and one exchange per neighbour at a time,
+        # which the interleaved schedule's batched ring exchange is not.
+        pipe = out.setdefault("pipeline", {})
+        pipe["pipe_partitioned"] = False
+        pipe["grad_partitioned"] = False
+    opt = out.get("optimizer")
+    if isinstance(opt, dict) and ds.optimizer_type in ("adam", "adamw"):
+        offload = ds.offload.optimizer in ("cpu", "nvme")
+        params = opt.setdefault("params", {})
+        if not offload and "torch_adam" not in params:
+            # DeepSpeed's FusedAdam is JIT-compiled on first use: ~30 s on a CPU, and on GPUs whose
+            # TORCH_CUDA_ARCH_LIST names an arch-specific target such as "9.0a" (Hopper images) the
+            # builder fails parsing it (ValueError: invalid literal for int(): '0a'). torch's AdamW is
+            # the same update, and its fused CUDA kernel is as fast.
+            params["torch_adam"] = True
+            if not on_cpu:
+                params.setdefault("fused", True)
+    return out
+
+
+def guard_fp32_without_zero(engine) -> None:
+    """Give DeepSpeed's fp32 path without ZeRO what its ZeRO optimizers already do.
+
+    There DeepSpeed clips with a norm it does not keep (``get_global_grad_norm()`` is None) and
+    applies non-finite gradients. mt3d computes the same TP/pipeline-aware norm with DeepSpeed's own
+    ``clip_grad_norm_`` before the optimizer step, records it, and on a non-finite norm skips the
+    step by setting the ``overflow`` flag DeepSpeed's engine already honours (counted in
+    ``skipped_steps``, no scheduler step). Only used with pipeline = 1 (ZeRO-0 with pp > 1 is refused).
+    """
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    opt = engine.optimizer
+    inner_step = opt.step
+    engine.clip_fp32_gradients = lambda: None  # replaced by the clipping below
+
+    def step(*args, **kwargs):
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        max_norm = engine.gradient_clipping() or float("inf")
+        norm = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
+        engine._global_grad_norm = norm
+        opt.overflow = not math.isfinite(norm)
+        if opt.overflow:
+            opt.zero_grad(set_to_none=True)
+            return None
+        return inner_step(*args, **kwargs)
+
+    opt.step = step
+
+
+class SafeCheckpointEngine:
+    """Wraps DeepSpeed's torch checkpoint engine so every load goes through ``safe_torch_load``."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path, map_location=None):
+        """DeepSpeed's CheckpointEngine.load, through the allow-list."""
+        from ..checkpoint.safe import safe_torch_load
+
+        return safe_torch_load(path, map_location=map_location or "cpu")
+
+
+def install_safe_loading(engine) -> None:
+    """Make a DeepSpeed engine load its checkpoints through the allow-list."""
+    if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
+        engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)
+
+
+def initialize(model: torch.nn.Module, param_groups: list[dict], config: dict, layout: Layout, mpu=None):
+    """``deepspeed.initialize`` (the interleaved engine at v > 1); returns the engine, its
+    checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
+    ParallelState for the regular engine (the pipeline engine uses the module's own grid)."""
+    import deepspeed
+
+    if layout.virtual_stages > 1:
+        from .interleaved import initialize as initialize_interleaved
+
+        engine = initialize_interleaved(model, param_groups, config)
+    else:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups, config=config, mpu=mpu
+        )
+    if layout.zero_stage == 0 and layout.precision == "fp32":
+        guard_fp32_without_zero(engine)
+    if mpu is None and layout.dp == 1 and layout.zero_stage == 0:
+        # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
+        # gradient each step even over a one-rank data-parallel group: exact no-op work, skipped.
+        engine.pipeline_enable_backward_allreduce = False
+    install_safe_loading(engine)
+    return engine
