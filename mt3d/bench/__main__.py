@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument(
         "--rows", type=positive_ints, default=None, help="run only these layouts (1-based: 10,12)"
     )
+    _add_device_and_model_parsers(sub)
+    return p
+
+
+def _add_device_and_model_parsers(sub) -> None:
+    """gpu, checkpoint, hfload, attention, planner and gemm."""
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
     gp.add_argument("--seq-len", type=int, default=2048)
     gp.add_argument("--micro", type=int, default=8)
@@ -107,7 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument(
         "--smoke", action="store_true", help="tiny fp32 shapes on the CPU (a check of the code path)"
     )
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

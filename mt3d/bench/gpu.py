@@ -170,6 +170,27 @@ def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: i
     return {"seconds": seconds, "peak_mem_gb": mem}
 
 
+def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_peak: float) -> list[dict]:
+    """One table row per framework measured on model ``name``."""
+    fpt = next(iter(results.values()))["flops_per_token"]
+    hf_tps = tokens / results["transformers+deepspeed"]["seconds"]
+    rows = []
+    for label, res in results.items():
+        tps = tokens / res["seconds"]
+        tflops = fpt * tps / 1e12
+        rows.append({
+            "model": name,
+            "framework": label,
+            "tokens_per_s": tps,
+            "tflops": tflops,
+            "mfu_dense": tflops / dense_peak,
+            "of_measured_peak": tflops / measured_peak,
+            "vs_transformers": tps / hf_tps,
+            "peak_mem_gb": res.get("peak_mem_gb"),
+        })  # fmt: skip
+    return rows
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench gpu``."""
     from ..parallel.spawn import spawn
@@ -201,24 +222,7 @@ def run(args) -> dict:
         results["transformers+deepspeed"] = spawn(
             hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
         )[0]
-        fpt = next(iter(results.values()))["flops_per_token"]
-        tokens = micro * accum * seq
-        hf_tps = tokens / results["transformers+deepspeed"]["seconds"]
-        for label, res in results.items():
-            tps = tokens / res["seconds"]
-            tflops = fpt * tps / 1e12
-            rows.append(
-                {
-                    "model": name,
-                    "framework": label,
-                    "tokens_per_s": tps,
-                    "tflops": tflops,
-                    "mfu_dense": tflops / dense_peak,
-                    "of_measured_peak": tflops / measured_peak,
-                    "vs_transformers": tps / hf_tps,
-                    "peak_mem_gb": res.get("peak_mem_gb"),
-                }
-            )
+        rows += _rows(name, results, micro * accum * seq, dense_peak, measured_peak)
     gpu = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     print(
         f"{gpu}: dense peak {dense_peak:.0f} TFLOP/s ({source}), measured matmul peak "

@@ -427,11 +427,12 @@ def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int, **degrees
     whole, total = g // tp, world // tp  # units (TP groups) per host held whole, and in all
     for ax in order[1:-1]:
         blocks = total // sizes[ax]
-        cross[ax] = hosts > 1 and blocks > hosts * (whole // sizes[ax])
+        cross[ax] = sizes[ax] > 1 and hosts > 1 and blocks > hosts * (whole // sizes[ax])
         whole, total = whole // sizes[ax], blocks
     cross[order[-1]] = hosts > 1 and sizes[order[-1]] > 1
-    out = {ax: cross["dp"] or cross["ep"] if ax == "dp" else cross[ax] for ax in shown_axes(deg)}
-    return out
+    # a dp group spans the dp/ep and ep dimensions: it crosses when either level does
+    cross["dp"] = deg["dp"] > 1 and (cross["dp"] or cross["ep"])
+    return {ax: cross[ax] for ax in shown_axes(deg)}
 
 
 __all__ = [

@@ -140,19 +140,28 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
     AssertionError on a deadlock, on a message that is not the one the receiver expects, and on a
     forward or backward whose input has not arrived.
     """
-    programs = [rank_steps(p, v, m, r, train) for r in range(p)]
-    pos = [0] * p
-    pending = [0] * p  # unmatched messages of each rank's posted step (-1: not posted yet)
-    sends: dict[tuple[int, int], list] = defaultdict(list)
-    recvs: dict[tuple[int, int], list] = defaultdict(list)
-    have: list[set] = [set() for _ in range(p)]
-    counts: dict[str, int] = defaultdict(int)
-    clock = [0.0] * p  # when each rank's current step's p2p was posted (after its compute)
-    done = [0.0] * p  # when the last message of that step completed
-    busy = [0.0] * p
+    return _Simulation(p, v, m, train, fwd_s, bwd_s).run()
 
-    def route(r: int, o: Op) -> tuple[int, int, tuple]:
+
+class _Simulation:
+    """The state of ``simulate``: each rank's program, position, posted messages and clock."""
+
+    def __init__(self, p: int, v: int, m: int, train: bool, fwd_s: float, bwd_s: float) -> None:
+        self.p, self.v, self.fwd_s, self.bwd_s = p, v, fwd_s, bwd_s
+        self.programs = [rank_steps(p, v, m, r, train) for r in range(p)]
+        self.pos = [0] * p
+        self.pending = [0] * p  # unmatched messages of each rank's posted step
+        self.sends: dict[tuple[int, int], list] = defaultdict(list)
+        self.recvs: dict[tuple[int, int], list] = defaultdict(list)
+        self.have: list[set] = [set() for _ in range(p)]
+        self.counts: dict[str, int] = defaultdict(int)
+        self.clock = [0.0] * p  # when each rank's current step's p2p was posted (after its compute)
+        self.done = [0.0] * p  # when the last message of that step completed
+        self.busy = [0.0] * p
+
+    def route(self, r: int, o: Op) -> tuple[int, int, tuple]:
         """(sender, receiver, message as the receiver names it) of a send or receive op."""
+        p = self.p
         kind = "act" if o.kind in (SEND_ACT, RECV_ACT) else "grad"
         if o.kind == SEND_ACT:  # to the next virtual stage
             return r, (r + 1) % p, (kind, o.chunk + (r == p - 1), o.mb)
@@ -161,63 +170,76 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
         src = (r - 1) % p if o.kind == RECV_ACT else (r + 1) % p
         return src, r, (kind, o.chunk, o.mb)
 
-    def post(r: int) -> None:
-        ops = programs[r][pos[r]]
-        for o in ops:  # compute uses what earlier steps received
+    def compute(self, r: int, ops: list[Op]) -> float:
+        """Check and record the compute ops of a step (they use what earlier steps received)."""
+        have = self.have[r]
+        for o in ops:
             if o.kind == LOAD:
-                have[r].add(("act", o.chunk, o.mb))
+                have.add(("act", o.chunk, o.mb))
             elif o.kind == FWD:
-                assert ("act", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its input"
-                have[r].add(("out", o.chunk, o.mb))
-                counts["fwd"] += 1
+                assert ("act", o.chunk, o.mb) in have, f"rank {r}: {o} before its input"
+                have.add(("out", o.chunk, o.mb))
+                self.counts["fwd"] += 1
             elif o.kind == BWD:
-                assert ("out", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its forward"
-                if not (r == p - 1 and o.chunk == v - 1):
-                    assert ("grad", o.chunk, o.mb) in have[r], f"rank {r}: {o} before its gradient"
-                counts["bwd"] += 1
-        work = sum(fwd_s if o.kind == FWD else bwd_s if o.kind == BWD else 0.0 for o in ops)
-        busy[r] += work
-        clock[r] = done[r] = clock[r] + work
-        p2p = [o for o in ops if o.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)]
-        pending[r] = len(p2p)
-        for o in p2p:
-            src, dst, msg = route(r, o)
-            (sends if o.kind in (SEND_ACT, SEND_GRAD) else recvs)[(src, dst)].append((msg, r, clock[r]))
+                assert ("out", o.chunk, o.mb) in have, f"rank {r}: {o} before its forward"
+                if not (r == self.p - 1 and o.chunk == self.v - 1):
+                    assert ("grad", o.chunk, o.mb) in have, f"rank {r}: {o} before its gradient"
+                self.counts["bwd"] += 1
+        return sum(self.fwd_s if o.kind == FWD else self.bwd_s if o.kind == BWD else 0.0 for o in ops)
 
-    def match() -> bool:
+    def post(self, r: int) -> None:
+        """Run rank ``r``'s current step's compute and post its messages."""
+        ops = self.programs[r][self.pos[r]]
+        work = self.compute(r, ops)
+        self.busy[r] += work
+        self.clock[r] = self.done[r] = self.clock[r] + work
+        p2p = [o for o in ops if o.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)]
+        self.pending[r] = len(p2p)
+        for o in p2p:
+            src, dst, msg = self.route(r, o)
+            queue = self.sends if o.kind in (SEND_ACT, SEND_GRAD) else self.recvs
+            queue[(src, dst)].append((msg, r, self.clock[r]))
+
+    def match(self) -> bool:
+        """Match posted sends with posted receives, pair by pair in posting order."""
         moved = False
-        for pair in list(sends):
-            while sends[pair] and recvs[pair]:
-                (sent, s_rank, s_t), (want, r_rank, r_t) = sends[pair].pop(0), recvs[pair].pop(0)
+        for pair in list(self.sends):
+            while self.sends[pair] and self.recvs[pair]:
+                (sent, s_rank, s_t), (want, r_rank, r_t) = self.sends[pair].pop(0), self.recvs[pair].pop(0)
                 assert sent == want, f"rank {r_rank} expected {want} from {pair[0]}, got {sent}"
-                have[r_rank].add(want)
+                self.have[r_rank].add(want)
                 for x in (s_rank, r_rank):  # a message completes once both sides have posted it
-                    done[x] = max(done[x], s_t, r_t)
-                pending[s_rank] -= 1
-                pending[r_rank] -= 1
-                counts["messages"] += 1
+                    self.done[x] = max(self.done[x], s_t, r_t)
+                self.pending[s_rank] -= 1
+                self.pending[r_rank] -= 1
+                self.counts["messages"] += 1
                 moved = True
         return moved
 
-    for r in range(p):
-        if programs[r]:
-            post(r)
-    while True:
-        moved = match()
-        for r in range(p):
-            if pos[r] < len(programs[r]) and pending[r] == 0:
-                pos[r] += 1
-                clock[r] = done[r]
+    def advance(self) -> bool:
+        """Move every rank whose step completed to its next step."""
+        moved = False
+        for r in range(self.p):
+            if self.pos[r] < len(self.programs[r]) and self.pending[r] == 0:
+                self.pos[r] += 1
+                self.clock[r] = self.done[r]
                 moved = True
-                if pos[r] < len(programs[r]):
-                    post(r)
-        if not moved:
-            break
-    stuck = [r for r in range(p) if pos[r] < len(programs[r])]
-    assert not stuck, f"deadlock: ranks {stuck} wait at steps {[pos[r] for r in stuck]}"
-    assert not any(sends.values()) and not any(recvs.values()), "unmatched messages"
-    makespan = max(clock)
-    if makespan > 0:
-        counts["makespan"] = makespan
-        counts["idle"] = [1 - b / makespan for b in busy]
-    return dict(counts)
+                if self.pos[r] < len(self.programs[r]):
+                    self.post(r)
+        return moved
+
+    def run(self) -> dict:
+        """Simulate to the end; the counts (and clock figures) of ``simulate``."""
+        for r in range(self.p):
+            if self.programs[r]:
+                self.post(r)
+        while self.match() | self.advance():
+            pass
+        stuck = [r for r in range(self.p) if self.pos[r] < len(self.programs[r])]
+        assert not stuck, f"deadlock: ranks {stuck} wait at steps {[self.pos[r] for r in stuck]}"
+        assert not any(self.sends.values()) and not any(self.recvs.values()), "unmatched messages"
+        makespan = max(self.clock)
+        if makespan > 0:
+            self.counts["makespan"] = makespan
+            self.counts["idle"] = [1 - b / makespan for b in self.busy]
+        return dict(self.counts)

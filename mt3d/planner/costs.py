@@ -220,22 +220,11 @@ def step_time(
     blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1))
     grads = stage_params(cfg, vocab, t, lay.pp)
-    optimizer = 0.0
-    if efficiency is None and device is not None and getattr(device, "sms", 0):
-        from .compute import GEMM_FRACTION, micro_batch_seconds, optimizer_seconds
-
-        per_micro = micro_batch_seconds(
-            cfg, vocab, seq_len, lay.micro_batch, t, blocks, device, sp=lay.sequence_parallel and t > 1,
-            recompute=lay.recompute, attention=attention_kernel, keys=seq_len * attention_fraction,
-            fraction=GEMM_FRACTION if gemm_fraction is None else gemm_fraction,
-        )["total_s"]  # fmt: skip
-        compute = m * per_micro
-        if lay.offload == "none":
-            optimizer = optimizer_seconds(grads / (d if lay.zero_stage >= 1 else 1), device)
-    else:
-        work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
-        executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
-        compute = executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5))
+    compute, optimizer = _compute_seconds(
+        cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
+        device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
+        gemm_fraction=gemm_fraction,
+    )  # fmt: skip
     bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
     act = seq_len * lay.micro_batch * cfg.hidden * comm_bytes
@@ -245,13 +234,7 @@ def step_time(
     dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage, gathers) / (bw["dp"] * 1e9)
     if lay.zero_stage == 3:
         dp = max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
-    # offload: PCIe and NVMe transfers and the CPU optimizer step, not overlapped with compute (an
-    # upper bound: DeepSpeed prefetches some of it behind the GPU's work)
-    offload = 0.0
-    if lay.offload != "none":
-        moved = offload_traffic(grads, d, lay.zero_stage, prec, lay.offload, lay.recompute)
-        offload = (moved["pcie"] / (bw["pcie"] * 1e9) + moved["nvme"] / (bw["nvme"] * 1e9)
-                   + moved["cpu_adam_elements"] / bw["cpu_adam"])  # fmt: skip
+    offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
     return {
@@ -266,3 +249,36 @@ def step_time(
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops,
     }
+
+
+def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *, peak_tflops, efficiency,
+                     device, attention_fraction, attention_kernel, gemm_fraction):  # fmt: skip
+    """(compute, GPU optimizer step) seconds of one step: the GEMM shape model with a calibrated
+    device, else the executed FLOPs at ``efficiency`` x peak (see ``step_time``)."""
+    gpus = lay.tp * lay.pp * lay.dp
+    if efficiency is None and device is not None and getattr(device, "sms", 0):
+        from .compute import GEMM_FRACTION, micro_batch_seconds, optimizer_seconds
+
+        per_micro = micro_batch_seconds(
+            cfg, vocab, seq_len, lay.micro_batch, lay.tp, blocks, device,
+            sp=lay.sequence_parallel and lay.tp > 1, recompute=lay.recompute, attention=attention_kernel,
+            keys=seq_len * attention_fraction,
+            fraction=GEMM_FRACTION if gemm_fraction is None else gemm_fraction,
+        )["total_s"]  # fmt: skip
+        optimizer = 0.0
+        if lay.offload == "none":
+            optimizer = optimizer_seconds(grads / (lay.dp if lay.zero_stage >= 1 else 1), device)
+        return lay.grad_accum * per_micro, optimizer
+    work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
+    executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
+    return executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5)), 0.0
+
+
+def _offload_seconds(grads: float, lay: Layout, prec: Precision, bw: dict[str, float]) -> float:
+    """PCIe and NVMe transfers and the CPU optimizer step, not overlapped with compute (an upper
+    bound: DeepSpeed prefetches some of it behind the GPU's work)."""
+    if lay.offload == "none":
+        return 0.0
+    moved = offload_traffic(grads, lay.dp, lay.zero_stage, prec, lay.offload, lay.recompute)
+    return (moved["pcie"] / (bw["pcie"] * 1e9) + moved["nvme"] / (bw["nvme"] * 1e9)
+            + moved["cpu_adam_elements"] / bw["cpu_adam"])  # fmt: skip

@@ -18,6 +18,7 @@ from itertools import product
 from ..config import Offload, virtual_stage_conflict, zero_pipeline_conflict
 from ..errors import UserError
 from ..model.config import ModelConfig
+from ..parallel.axes import AXES, NAMES, AxisError, derive_degrees, shown
 from ..parallel.topology import uniform_crossing
 from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
 from .hardware import Device
@@ -40,12 +41,12 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def bandwidths(cluster: Cluster, tp: int, pp: int) -> dict[str, float]:
+def bandwidths(cluster: Cluster, tp: int, pp: int, **degrees: int) -> dict[str, float]:
     """GB/s of each axis (NVLink when the mapper keeps its groups inside nodes, else the network),
     of each GPU's PCIe link and share of the node's NVMe, and the CPU optimizer's elements/s per GPU."""
     dev = cluster.device
-    cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp)
-    bw = {ax: dev.inter_gbps if cross[ax] else dev.intra_gbps for ax in ("tp", "pp", "dp")}
+    cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp, **degrees)
+    bw = {ax: dev.inter_gbps if crosses else dev.intra_gbps for ax, crosses in cross.items()}
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     return {**bw, "pcie": dev.pcie_gbps, "nvme": dev.nvme_gbps / per_node,
             "cpu_adam": dev.cpu_cores_per_gpu * CPU_ADAM_ELEMENTS_PER_CORE_S}  # fmt: skip
@@ -70,16 +71,24 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> s
     return None
 
 
-def _degrees(cfg: ModelConfig, cluster: Cluster, reject):
-    """Step 1: every (tp, pp, dp) the structural rules allow, with the bandwidths of its axes."""
-    for tp in divisors(cluster.gpus):
-        for pp in divisors(cluster.gpus // tp):
-            dp = cluster.gpus // (tp * pp)
-            why = structural_reason(cfg, cluster, tp, pp)
-            if why:
-                reject({"tp": tp, "pp": pp, "dp": dp}, why)
-            else:
-                yield tp, pp, dp, bandwidths(cluster, tp, pp)
+def _degrees(cfg: ModelConfig, cluster: Cluster, reject, choices: dict[str, tuple[int, ...]] | None = None):
+    """Step 1: every assignment of degrees to the configured axes (``axes.AXES``; dp what remains) that
+    the structural rules allow, with the bandwidths of its axes. ``choices`` limits an axis to some
+    degrees (axes the planner does not model yet are held at 1 by default)."""
+    choices = {"cp": (1,), "ep": (1,), **(choices or {})}
+    configured = [a.name for a in AXES if a.key]
+    options = [choices.get(ax) or divisors(cluster.gpus) for ax in configured]
+    for combo in product(*options):
+        try:
+            degrees = derive_degrees(cluster.gpus, dict(zip(configured, combo)))
+        except AxisError:
+            continue
+        tp, pp, dp = degrees["tp"], degrees["pp"], degrees["dp"]
+        why = structural_reason(cfg, cluster, tp, pp)
+        if why:
+            reject({ax: degrees[ax] for ax in shown(degrees)}, why)
+        else:
+            yield tp, pp, dp, bandwidths(cluster, tp, pp, **{ax: degrees[ax] for ax in ("cp", "ep")})
 
 
 # Step 2's rules, in order: the keys each depends on (a failure is reported once per distinct key)
@@ -142,6 +151,29 @@ def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_
                 yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off), bw
 
 
+def _check_inputs(
+    cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, vocab, efficiency
+) -> int:
+    """One line for each planner input that cannot be planned for; returns the vocabulary size."""
+    if vocab is not None and vocab <= 0:
+        raise UserError(f"--vocab must be positive, got {vocab}")
+    vocab = vocab or cfg.vocab_size
+    if not vocab:
+        raise UserError("the model has no vocabulary size; give --vocab")
+    if cluster.gpus <= 0 or cluster.gpus_per_node <= 0:
+        raise UserError("--gpus and --gpus-per-node must be positive")
+    for name, value in (("--global-batch", global_batch), ("--seq-len", seq_len)):
+        if value <= 0:
+            raise UserError(f"{name} must be positive, got {value}")
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise UserError(f"--efficiency is a fraction of peak in (0, 1], got {efficiency}")
+    if cluster.device.peak_tflops <= 0 or cluster.device.memory_gb <= 0:
+        raise UserError("--peak-tflops and --memory-gb must be positive")
+    if cluster.gpus % min(cluster.gpus_per_node, cluster.gpus):
+        raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
+    return vocab
+
+
 def plan(
     cfg: ModelConfig,
     cluster: Cluster,
@@ -159,22 +191,7 @@ def plan(
     max_rejected: int = 500,
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring."""
-    if vocab is not None and vocab <= 0:
-        raise UserError(f"--vocab must be positive, got {vocab}")
-    vocab = vocab or cfg.vocab_size
-    if not vocab:
-        raise UserError("the model has no vocabulary size; give --vocab")
-    if cluster.gpus <= 0 or cluster.gpus_per_node <= 0:
-        raise UserError("--gpus and --gpus-per-node must be positive")
-    for name, value in (("--global-batch", global_batch), ("--seq-len", seq_len)):
-        if value <= 0:
-            raise UserError(f"{name} must be positive, got {value}")
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise UserError(f"--efficiency is a fraction of peak in (0, 1], got {efficiency}")
-    if cluster.device.peak_tflops <= 0 or cluster.device.memory_gb <= 0:
-        raise UserError("--peak-tflops and --memory-gb must be positive")
-    if cluster.gpus % min(cluster.gpus_per_node, cluster.gpus):
-        raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
+    vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
     attention = attention_speedup(cfg, seq_len)
@@ -182,11 +199,11 @@ def plan(
     rejected_total = 0
 
     def reject(row: dict, reason: str) -> None:
-        # Whole (tp, pp) rejections are always kept (few, and the most telling); per-configuration
+        # Whole-degree rejections are always kept (few, and the most telling); per-configuration
         # ones are capped at max_rejected.
         nonlocal rejected_total
         rejected_total += 1
-        if len(row) == 3 or len(rejected) < max_rejected:
+        if set(row) <= set(NAMES) or len(rejected) < max_rejected:
             rejected.append({**row, "reason": reason})
 
     per_node = min(cluster.gpus, cluster.gpus_per_node)

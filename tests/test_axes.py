@@ -1,0 +1,206 @@
+"""The parallel axes declared once: the table, degrees and orders, and the rank mapper over four and
+five axes (pure: no processes), plus the groups ParallelState builds from them (spawned ranks)."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from mt3d.parallel.axes import AXES, DEFAULT_ORDER, AxisError, derive_degrees, parse_order, shown
+from mt3d.parallel.hosts import Host, TopologyError, parse_islands
+from mt3d.parallel.topology import COMBINED, place, uniform_crossing
+
+
+def test_the_table_declares_every_axis_once():
+    names = [a.name for a in AXES]
+    assert names == ["tp", "cp", "ep", "dp", "pp"] and DEFAULT_ORDER == "tp-cp-ep-dp-pp"
+    assert {a.ds_axis for a in AXES} == {"model", "data", "pipe"}
+    assert [a.name for a in AXES if a.within] == ["ep"]
+    assert shown({"tp": 2, "cp": 1, "ep": 1, "dp": 4, "pp": 2}) == ("tp", "dp", "pp")
+    assert shown({"tp": 1, "cp": 2, "ep": 4, "dp": 4, "pp": 1}) == ("tp", "cp", "ep", "dp", "pp")
+
+
+def test_degrees_and_orders():
+    assert derive_degrees(64, {"tp": 2, "cp": 2, "ep": 4, "pp": 2}) == {"tp": 2, "cp": 2, "ep": 4, "dp": 8, "pp": 2}
+    with pytest.raises(AxisError, match="world size 12 is not divisible by tp\\*cp\\*pp = 2\\*2\\*2"):
+        derive_degrees(12, {"tp": 2, "cp": 2, "pp": 2})
+    with pytest.raises(AxisError, match="ep = 4 must divide dp = 2"):
+        derive_degrees(8, {"tp": 2, "ep": 4, "pp": 2})
+    with pytest.raises(AxisError, match="expert = 4 must divide dp = 2"):
+        derive_degrees(8, {"tp": 2, "ep": 4, "pp": 2}, by_key=True)
+    assert parse_order("tp-dp-pp") == ("tp", "cp", "ep", "dp", "pp")  # left-out axes at their default place
+    assert parse_order("dp-tp-pp") == ("dp", "tp", "cp", "ep", "pp")
+    assert parse_order("tp-ep-cp-dp-pp") == ("tp", "ep", "cp", "dp", "pp")
+    for bad in ("tp-pp", "tp-dp-pp-dp", "tp-xp-dp-pp"):
+        with pytest.raises(AxisError, match="permutation of tp-dp-pp"):
+            parse_order(bad)
+
+
+def check_partitions(pl):
+    """Every axis and combined group partitions the ranks; ep groups sit inside dp groups; the
+    coordinate of every rank maps back to it."""
+    world = pl.world
+    for ax in (*pl.axes, *COMBINED):
+        flat = sorted(r for g in pl.groups(ax) for r in g)
+        assert flat == list(range(world)), ax
+    dp_of = {r: i for i, g in enumerate(pl.groups("dp")) for r in g}
+    for g in pl.groups("ep"):
+        assert len({dp_of[r] for r in g}) == 1  # an ep group is a subset of one dp group
+    for g in pl.groups("dense"):
+        assert len(g) == pl.dp * pl.cp
+    for r in range(world):
+        assert pl.rank_of(**pl.coord(r)) == r
+    for ax in pl.axes:  # the coordinate along an axis is the position in its group
+        for g in pl.groups(ax):
+            assert [pl.coord(r)[ax] for r in g] == list(range(len(g)))
+
+
+@pytest.mark.parametrize(
+    "world,gpn,degrees",
+    [
+        (32, 8, dict(tp=2, cp=2, pp=2)),  # four axes (dp 4)
+        (32, 8, dict(tp=2, ep=2, pp=2)),  # four axes, ep within dp
+        (64, 8, dict(tp=2, cp=2, ep=2, pp=2)),  # five axes
+        (64, 16, dict(tp=4, cp=2, ep=4, pp=1)),
+        (48, 8, dict(tp=2, cp=3, ep=2, pp=2)),  # cp groups of 3 do not fill a host
+    ],
+)
+def test_four_and_five_axes_partition_the_ranks_and_keep_heavy_axes_inside_hosts(world, gpn, degrees):
+    pl = place(world, gpus_per_node=gpn, warn=False, **degrees)
+    check_partitions(pl)
+    assert pl.crossing("tp") == 0
+    per_host_tp_groups = gpn // pl.tp
+    if per_host_tp_groups % pl.cp == 0:
+        assert pl.crossing("cp") == 0  # whole cp groups fit: none crosses
+    if per_host_tp_groups % (pl.cp * pl.ep) == 0:
+        assert pl.crossing("ep") == 0
+    cp_hosts = [len({pl.host(r) for r in g}) for g in pl.groups("cp")]
+    assert pl.crossing("cp") == sum(n > 1 for n in cp_hosts)  # counted when they cannot fit
+
+
+def test_cp_groups_that_cannot_fit_are_counted_and_tp_keeps_its_islands():
+    islands = parse_islands("0,2;1,3;4,6;5,7")
+    pl = place(32, 2, 2, gpus_per_node=8, islands=islands, cp=2, warn=False)
+    check_partitions(pl)
+    assert pl.island_crossing_tp() == 0 and [0, 2] in list(pl.groups("tp"))
+    hosts = (Host("a", 6), Host("b", 6), Host("c", 4))  # 3, 3 and 2 TP pairs: cp 2 leaves one pair alone
+    pl = place(16, 2, 1, hosts=hosts, cp=2, warn=False)
+    check_partitions(pl)
+    # one cp block is assembled from the leftover pairs of a and b: its two cp groups (one per tp rank) cross
+    assert pl.crossing("tp") == 0 and pl.crossing("cp") == 2
+    assert [pl.host(r) for r in next(g for g in pl.groups("cp") if pl.host(g[0]) != pl.host(g[1]))] == ["a", "b"]
+
+
+def test_any_order_of_five_axes_is_a_bijection():
+    for order in itertools.permutations(("cp", "ep", "dp", "pp")):
+        pl = place(32, 2, 2, gpus_per_node=32, order="-".join(("tp", *order)), cp=2, ep=2, warn=False)
+        check_partitions(pl)
+        assert pl.order == "-".join(("tp", *order))
+    natural = place(16, 2, 1, gpus_per_node=16, order="cp-tp-dp-pp", cp=2, warn=False)
+    check_partitions(natural)
+    assert list(natural.groups("tp"))[0] == [0, 2]  # cp innermost: TP partners two apart
+
+
+def test_deepspeed_sees_cp_and_ep_inside_its_data_axis():
+    from mt3d.parallel.topology import map_ranks
+
+    topo = map_ranks(32, 2, 2, gpus_per_node=8, cp=2, ep=2)
+    assert topo.get_dim("data") == topo.dp * topo.cp and topo.get_dim("model") == 2
+    assert sorted(map(sorted, topo.get_axis_comm_lists("data"))) == sorted(map(sorted, topo.groups("dense")))
+    assert sorted(map(sorted, topo.get_axis_comm_lists("model"))) == sorted(map(sorted, topo.groups("tp")))
+    for r in range(32):
+        c = topo.coord(r)
+        assert topo.get_coord(r).data == c["dp"] * topo.cp + c["cp"]
+
+
+def test_a_million_ranks_on_five_axes_in_seconds():
+    t0 = time.perf_counter()
+    pl = place(2**20, 8, 16, gpus_per_node=8, cp=4, ep=8)
+    crossing = {ax: pl.crossing(ax) for ax in pl.axes}
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 5, elapsed
+    assert crossing["tp"] == 0 and crossing["pp"] == pl.group_count("pp")
+    assert crossing["cp"] == pl.group_count("cp")  # 4 x tp 8 = 32 GPUs: no cp group fits an 8-GPU host
+    assert pl.grid.shape == (16, 256, 8, 4, 8)
+    assert np.array_equal(np.sort(pl.grid.ravel()), np.arange(2**20))
+
+
+@pytest.mark.parametrize("cp,ep", [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_the_planners_closed_form_crossing_agrees_on_uniform_hosts(cp, ep):
+    checked = 0
+    for gpn in (4, 8, 16):
+        for world in (gpn, 2 * gpn, 4 * gpn, 8 * gpn):
+            for tp, pp in itertools.product((1, 2, 4), (1, 2, 4)):
+                if gpn % tp or world % (tp * cp * pp) or (world // (tp * cp * pp)) % ep:
+                    continue
+                pl = place(world, tp, pp, gpus_per_node=gpn, cp=cp, ep=ep, warn=False)
+                want = {ax: pl.crossing(ax) > 0 for ax in pl.axes}
+                assert uniform_crossing(world, gpn, tp, pp, cp=cp, ep=ep) == want, (world, gpn, tp, pp)
+                checked += 1
+    assert checked > 10
+
+
+def test_topo_command_shows_cp_and_ep(capsys):
+    import json
+
+    from mt3d.cli import main
+
+    assert main(["topo", "--world-size", "32", "--gpus-per-node", "8", "--tp", "2", "--cp", "2", "--ep", "2",
+                 "--pp", "2", "--json"]) == 0  # fmt: skip
+    rep = json.loads(capsys.readouterr().out)
+    assert (rep["tp"], rep["cp"], rep["ep"], rep["dp"], rep["pp"]) == (2, 2, 2, 4, 2)
+    assert rep["order"] == "tp-cp-ep-dp-pp" and set(rep["groups"]) == {"tp", "cp", "ep", "dp", "pp"}
+    assert set(rep["crossing"]) == {"tp", "cp", "ep", "dp", "pp"} and rep["crossing"]["cp"] == 0
+    assert all({"tp", "cp", "ep", "dp", "pp"} <= set(r) for r in rep["ranks"])
+    dp_groups = [set(g) for g in rep["groups"]["dp"]]
+    assert all(any(set(g) <= d for d in dp_groups) for g in rep["groups"]["ep"])
+    assert main(["topo", "--world-size", "32", "--tp", "2", "--cp", "2", "--ep", "2", "--pp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "world 32 = tp 2 x cp 2 x ep 2 x dp 4 x pp 2" in text and "cp groups (16 of size 2)" in text
+    with pytest.raises(TopologyError, match="ep = 4 must divide dp = 2"):
+        place(8, 2, 2, ep=4)
+
+
+def _state_worker(degrees):
+    import torch
+    import torch.distributed as dist
+
+    from mt3d.parallel.state import ParallelState
+    from mt3d.parallel.topology import map_ranks
+
+    topo = map_ranks(dist.get_world_size(), **degrees)
+    state = ParallelState.build(topo)
+    me = dist.get_rank()
+    out = {name: state.groups[name].ranks for name in state.groups}
+    # each group really is a process group over its ranks: a sum over it counts its members
+    for name in ("cp", "ep", "dense", "edp"):
+        g = state.groups[name]
+        x = torch.ones(1)
+        if g.size > 1:
+            dist.all_reduce(x, group=g.group)
+        out[f"{name}_sum"] = int(x.item())
+    out["hooks"] = (
+        state.get_sequence_parallel_world_size(),
+        state.get_sequence_data_parallel_world_size(),
+        state.get_data_parallel_world_size(),
+    )
+    out["rank"] = me
+    return out
+
+
+def test_parallel_state_builds_every_axis_and_the_combined_groups():
+    from mt3d.parallel.spawn import spawn
+    from mt3d.parallel.topology import place
+
+    degrees = {"tp": 1, "pp": 1, "cp": 2, "ep": 2}
+    pl = place(8, **degrees)
+    results = spawn(_state_worker, 8, degrees, timeout=120)
+    for res in results:
+        me = res["rank"]
+        for name in ("tp", "cp", "ep", "dp", "pp", "dense", "edp"):
+            want = next(g for g in pl.groups(name) if me in g)
+            assert list(res[name]) == want, (name, me)
+            if f"{name}_sum" in res:
+                assert res[f"{name}_sum"] == len(want)
+        assert res["hooks"] == (2, 8, 4)  # cp, dp x cp, dp
