@@ -22,7 +22,8 @@ def test_the_table_declares_every_axis_once():
 
 
 def test_degrees_and_orders():
-    assert derive_degrees(64, {"tp": 2, "cp": 2, "ep": 4, "pp": 2}) == {"tp": 2, "cp": 2, "ep": 4, "dp": 8, "pp": 2}
+    want = {"tp": 2, "cp": 2, "ep": 4, "dp": 8, "pp": 2}
+    assert derive_degrees(64, {"tp": 2, "cp": 2, "ep": 4, "pp": 2}) == want
     with pytest.raises(AxisError, match="world size 12 is not divisible by tp\\*cp\\*pp = 2\\*2\\*2"):
         derive_degrees(12, {"tp": 2, "cp": 2, "pp": 2})
     with pytest.raises(AxisError, match="ep = 4 must divide dp = 2"):
@@ -89,7 +90,8 @@ def test_cp_groups_that_cannot_fit_are_counted_and_tp_keeps_its_islands():
     check_partitions(pl)
     # one cp block is assembled from the leftover pairs of a and b: its two cp groups (one per tp rank) cross
     assert pl.crossing("tp") == 0 and pl.crossing("cp") == 2
-    assert [pl.host(r) for r in next(g for g in pl.groups("cp") if pl.host(g[0]) != pl.host(g[1]))] == ["a", "b"]
+    crossing = next(g for g in pl.groups("cp") if pl.host(g[0]) != pl.host(g[1]))
+    assert [pl.host(r) for r in crossing] == ["a", "b"]
 
 
 def test_any_order_of_five_axes_is_a_bijection():
