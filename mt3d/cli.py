@@ -28,6 +28,21 @@ class UsageError(UserError):
 KNOWN_ERRORS = (UserError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
+def writable_output(path: str | None, flag: str, directory: bool = False) -> None:
+    """Refuse an output a command could not write, before any work: ``path`` (a file, or with
+    ``directory`` a directory) must be creatable in a writable place."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    from .config import writable_dir
+
+    if directory:
+        writable_dir(Path(path), flag)
+    else:
+        writable_dir(Path(path).parent, f"{flag} {path}: its directory")
+
+
 # --- topo ----------------------------------------------------------------------------------
 TOPO_EXAMPLES = """examples:
   mt3d topo --world-size 16 --gpus-per-node 8 --tp 2 --pp 2
@@ -115,7 +130,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         path = Path(args.nvidia_smi_topo)
         if not path.is_file():
             raise FileNotFoundError(f"nvidia-smi topo file not found: {path}")
-        islands = H.parse_nvidia_smi_topo(path.read_text())
+        islands = H.parse_nvidia_smi_topo(read_text(path, "nvidia-smi topo output"))
     from .parallel.axes import degree_keys
 
     topo = T.place(
@@ -165,6 +180,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from .training.plot import plot_run
 
     try:
+        writable_output(args.out, "--out")
         print(plot_run(args.run_dir, args.out))
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -268,6 +284,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     """``mt3d preprocess``."""
     from .data.preprocess import preprocess
 
+    writable_output(args.output_prefix, "--output-prefix")
     stats = preprocess(
         args.input,
         args.tokenizer,
@@ -317,6 +334,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from .data.preprocess import Stats, check_inputs, read_documents
     from .data.tokenizer import train_bpe
 
+    writable_output(args.out, "--out", directory=True)
     docs = read_documents(
         check_inputs(args.input), jsonl_key=args.jsonl_key, on_bad_line="skip", stats=Stats()
     )
@@ -357,14 +375,21 @@ def _load(args, pp: int = 1):
     ), device
 
 
-def _tokenizer_for(model):
+def _tokenizer_for(model, vocab: int):
+    """The model's tokenizer, refused when it has ids the model's ``vocab`` does not."""
     from .data.tokenizer import load_tokenizer
 
     if not model.tokenizer_dir:
         raise UsageError(
             "the model has no tokenizer (an HF dir needs tokenizer.json; a checkpoint records its own)"
         )
-    return load_tokenizer(model.tokenizer_dir)
+    tok = load_tokenizer(model.tokenizer_dir)
+    if tok.vocab_size > vocab:
+        raise UsageError(
+            f"the tokenizer in {model.tokenizer_dir} has {tok.vocab_size} ids but the model's vocabulary "
+            f"only {vocab}: it is not this model's tokenizer"
+        )
+    return tok
 
 
 def _add_eval(sub) -> None:
@@ -406,7 +431,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
     model, device = _load(args, args.pp)
-    tok = _tokenizer_for(model)
+    tok = _tokenizer_for(model, model.vocab_size)
     ids = torch.tensor(tok.encode(text, eos=False), dtype=torch.long, device=device)
     if ids.numel() < 2:
         raise UsageError(f"{args.text} has fewer than 2 tokens")
@@ -448,7 +473,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .model.inference import generate
 
     _positive(tp=args.tp, max_new_tokens=args.max_new_tokens)
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+    import math
+
+    finite = math.isfinite(args.temperature)
+    if not finite or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError(
             f"need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got {args.temperature}, "
             f"{args.top_k}, {args.top_p}"
@@ -456,7 +484,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .model.loading import open_source
 
     source = open_source(args.model, verify=False)  # config and tokenizer: check before any weight is read
-    tok = _tokenizer_for(source)
+    tok = _tokenizer_for(source, source.vocab)
     ids = tok.encode(args.prompt, eos=False)
     if not ids:
         raise UsageError("the prompt is empty")
@@ -477,6 +505,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         eos_id=tok.eos_id,
     )
     if model.state.global_rank == 0:
+        new = out.shape[1] - len(ids)
+        if limit is not None and out.shape[1] >= limit and new < args.max_new_tokens:
+            print(f"note: generation stopped at the model's {limit} positions after {new} of "
+                  f"{args.max_new_tokens} new tokens", file=sys.stderr)  # fmt: skip
         ids = out[0].tolist()
         text = tok.decode(ids)
         print(json.dumps({"text": text, "ids": ids}) if args.json else text)
@@ -506,6 +538,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``mt3d export-hf``."""
     from .model.export import export_hf
 
+    writable_output(args.out, "--out", directory=True)
     print(export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size))
     return 0
 
@@ -639,6 +672,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner.hardware import get_device
     from .planner.search import Cluster, explain_infeasible, format_plan, plan, write_config
 
+    writable_output(args.write_config, "--write-config")
     cfg, section, defaults = _plan_model(args.model)
     overrides = {
         field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in DEVICE_FLAGS.items()

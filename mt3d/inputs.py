@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -72,6 +73,8 @@ def positive_float(text: str, least: float = 0.0, inclusive: bool = False) -> fl
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     if not (v >= least if inclusive else v > least):
         raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {least:g}, got {text}")
     return v
@@ -119,6 +122,23 @@ def launcher_world() -> int:
     return env_int("WORLD_SIZE", 1, minimum=1)
 
 
+def check_launcher(world: int) -> None:
+    """Before processes meet: the launcher's variables agree. A stray WORLD_SIZE without RANK (left in
+    a shell), a rank outside the world, or a MASTER_PORT that is no port would otherwise fail deep
+    inside torch.distributed. (``mt3d train --check`` reads WORLD_SIZE alone: the world to check.)"""
+    rank = env_int("RANK", None)
+    if world > 1 and rank is None:
+        raise UserError(
+            f"WORLD_SIZE={world} is set but RANK is not: launch with deepspeed, torchrun or accelerate "
+            "(they set both), or unset WORLD_SIZE for a single process"
+        )
+    if rank is not None and rank >= world:
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}: fix the launch command")
+    port = os.environ.get("MASTER_PORT")
+    if port is not None and not (port.strip().isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"environment variable MASTER_PORT={port!r} is not a TCP port (1-65535)")
+
+
 # --- files ------------------------------------------------------------------------------------------
 def read_text(path: str | Path, what: str = "text file") -> str:
     """A UTF-8 text file; a binary or mis-encoded one is refused with the offset of the first bad byte."""
@@ -148,6 +168,26 @@ def read_json(path: str | Path, what: str = "JSON file", expect: type | None = d
     if expect is not None and not isinstance(value, expect):
         raise UserError(f"{p} must hold a JSON {expect.__name__}, got {type(value).__name__}")
     return value
+
+
+def entry_inside(root: str | Path, entry: Any, listed_in: str, error: type[UserError] = UserError) -> Path:
+    """The file ``entry`` names inside ``root`` (a name read from a file list: a checkpoint manifest,
+    an NVMe swap index, an HF shard index), or ``error``.
+
+    The one rule for every file list mt3d reads: an entry is a relative path whose real location,
+    symbolic links followed, stays inside ``root``. An absolute path, ``..`` climbing out, or a link
+    to another directory (another model, a secret) is refused with the list that named it.
+    """
+    if not isinstance(entry, str) or not entry or "\x00" in entry or Path(entry).is_absolute():
+        raise error(f"{listed_in} lists {entry!r}, not a relative path inside {root}: refusing to read it")
+    path = Path(root) / entry
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise error(
+            f"{listed_in} lists {entry!r}, which leads outside {root} (to {real}): refusing to read it "
+            "(a tampered or foreign file list; use a copy you trust)"
+        )
+    return path
 
 
 def fail(prog: str, message: str) -> int:

@@ -58,12 +58,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def prepare(args: argparse.Namespace):
     """Load and validate the config for this world size (no process groups yet)."""
     from .config import load, resolve_model, validate
-    from .inputs import launcher_world
+    from .config.preflight import check_accelerate
+    from .inputs import check_launcher, launcher_world
 
     world = launcher_world()
     run = load(args.config, args.set)
     model_cfg = resolve_model(run.mt3d.model)
     layout = validate(run, world, model_cfg)
+    check_accelerate(run.deepspeed)
+    if not args.check:
+        check_launcher(world)
     preflight(run, layout, model_cfg)
     return run, layout, model_cfg
 

@@ -53,9 +53,15 @@ def close(got, ref, rtol):
         assert abs(a - b) <= rtol * abs(b) and abs(ga - gb) <= rtol * abs(gb), (s, got, ref)
 
 
-def zero3(d, offload, nvme=None, steps=6, **kw):
-    """tp 2 x dp 2, ZeRO-3, fp32, checkpoint every 3 steps."""
-    return offload_config(d, offload, nvme, steps=steps, save_interval=3, **kw)
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 8}}
+
+
+def zero3(d, offload, nvme=None, steps=6, scheduler=WARMUP, **kw):
+    """tp 2 x dp 2, ZeRO-3, fp32, checkpoint every 3 steps; the learning rate changes every step (an LR
+    scheduler's resume is part of what is checked)."""
+    raw = offload_config(d, offload, nvme, steps=steps, save_interval=3, **kw)
+    raw["scheduler"] = scheduler
+    return raw
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +131,18 @@ def test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly(tmp_path
     assert alone != straight[3:], "DeepSpeed now resumes NVMe optimizer states itself: drop mt3d/ds/nvme.py"
     resumed = losses(spawn(train_worker, 4, zero3(run, "nvme", nvme, resume="auto"), timeout=900)[0])
     assert resumed[-3:] == straight[3:]  # bit for bit, as if never killed
+
+
+@needs_libaio
+def test_nvme_resume_is_exact_with_another_scheduler_at_dp2(tmp_path):
+    """tp 1 x dp 2 with a cosine schedule: NVMe-offloaded optimizer states resume bit for bit (DeepSpeed
+    alone restores neither the moments nor the learning rate the scheduler set: mt3d.ds.nvme)."""
+    cosine = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 8}}
+    straight = losses(spawn(train_worker, 2, zero3(tmp_path / "a", "nvme", tmp_path / "nvme_a", tp=1,
+                                                   scheduler=cosine), timeout=900)[0])  # fmt: skip
+    step3 = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    resumed = zero3(tmp_path / "b", "nvme", tmp_path / "nvme_b", tp=1, scheduler=cosine, resume=step3)
+    assert losses(spawn(train_worker, 2, resumed, timeout=900)[0]) == straight[3:]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

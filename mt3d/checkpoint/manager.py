@@ -40,6 +40,9 @@ TAG_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 SUPERSEDED = "superseded"
 TOKENIZER = "tokenizer"  # the run's tokenizer files inside each checkpoint
+DERIVED = ("universal", "converted")
+"""Folders beside the checkpoints that hold forms derived from one (``checkpoint.reshard.derived_dir``):
+removed with their source when it is rotated away or superseded."""
 
 
 def tag_for(step: int) -> str:
@@ -108,7 +111,7 @@ def supersede(root: Path, step: int) -> list[Path]:
             n += 1
         dest = dest_root / f"{d.name}-{n}"
         os.replace(d, dest)
-        shutil.rmtree(root / "universal" / d.name, ignore_errors=True)  # cache of the old content
+        _remove_derived(root, d.name)  # made from the old content
         moved.append(dest)
     if moved:
         fsync_dir(root)
@@ -129,8 +132,14 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
     doomed = complete[: max(0, len(complete) - keep_last)]
     for d in doomed:
         shutil.rmtree(d, ignore_errors=True)
-        shutil.rmtree(root / "universal" / d.name, ignore_errors=True)  # its resharding cache
+        _remove_derived(root, d.name)
     return doomed
+
+
+def _remove_derived(root: Path, tag: str) -> None:
+    """Delete what was derived from checkpoint ``tag`` (its universal form, its NVMe-converted copy)."""
+    for kind in DERIVED:
+        shutil.rmtree(root / kind / tag, ignore_errors=True)
 
 
 def _mount_of(path: Path) -> tuple[str, str]:
@@ -155,6 +164,8 @@ WRITE_ERRORS = (
     "No space left",
     "Disk quota exceeded",
     "file write failed",
+    "basic_ios::clear",  # torch.save's stream failing as the file is closed (the last bytes flushed)
+    "iostream error",
 )
 
 
@@ -183,6 +194,74 @@ def write_failure(e: BaseException, tmp: Path, rank: int) -> str:
     )
     why = f"no space left on {mount} ({device})" if full else f"writing failed ({type(e).__name__}: {e})"
     return f"saving {tmp.name[:-4]} failed: {why}; the previous checkpoints are intact, {left}"
+
+
+def on_rank0(rank: int, what: str, work) -> None:
+    """Run ``work()`` on rank 0 and raise its failure, as a CheckpointError naming ``what``, on every
+    rank (collective: no rank is left waiting for rank 0)."""
+    error = ""
+    if rank == 0:
+        try:
+            work()
+        except Exception as e:  # every rank must learn of it, whatever it is
+            error = str(e) if isinstance(e, CheckpointError) else f"{what} failed: {e!r}"
+            log.exception("%s failed", what)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise CheckpointError(box[0])
+
+
+LOCK = ".mt3d-run.lock"
+REPLACED = "replaced"
+
+
+def claim_save_dir(save_dir: str | Path, rank: int, overwrite: bool):
+    """Rank 0 holds ``<save_dir>/.mt3d-run.lock`` for the whole run, so two runs never write one save_dir
+    at once (the second is refused, on every rank); with ``overwrite`` the previous run's checkpoints
+    and metrics are moved to ``replaced/<n>/`` first. Collective. Returns the open lock file (keep it)."""
+    import fcntl
+
+    root = Path(save_dir)
+    held: list = []
+
+    def claim() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        f = open(root / LOCK, "a+")  # noqa: SIM115 - held open (locked) until the process ends
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            owner = f.read().strip() or "another process"
+            f.close()
+            raise CheckpointError(
+                f"save_dir {root} is in use by another run ({owner} holds {root / LOCK}): wait for it to end "
+                "or choose another save_dir"
+            ) from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        f.flush()
+        held.append(f)
+        if overwrite:
+            _set_aside(root)
+
+    on_rank0(rank, f"claiming save_dir {root}", claim)
+    return held[0] if held else None
+
+
+def _set_aside(root: Path) -> None:
+    """Move a previous run's checkpoints and metrics to ``replaced/<n>/`` (nothing is deleted)."""
+    moving = [root / n for n in ("checkpoints", "metrics.jsonl", "run.json") if (root / n).exists()]
+    if not moving:
+        return
+    n = 0
+    while (root / REPLACED / str(n)).exists():
+        n += 1
+    dest = root / REPLACED / str(n)
+    dest.mkdir(parents=True)
+    for p in moving:
+        os.replace(p, dest / p.name)
+    log.warning("overwrite: moved the previous run's %s to %s", ", ".join(p.name for p in moving), dest)
 
 
 class Checkpointer:
@@ -222,6 +301,8 @@ class Checkpointer:
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        if self.faults:
+            self.faults.before_save(step, self.root)
         dist.barrier()
         try:
             self.engine.save_checkpoint(

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
+from ..inputs import entry_inside
 
 MANIFEST = "manifest.json"
 FORMAT = "mt3d-checkpoint-1"
@@ -110,6 +111,8 @@ def read_manifest(root: Path) -> dict:
         or not all(isinstance(v, dict) and {"size", "sha256"} <= v.keys() for v in data["files"].values())
     ):
         raise CheckpointError(f"{p}: not an mt3d checkpoint manifest")
+    for name in data["files"]:
+        entry_inside(root, name, str(p), CheckpointError)
     return data
 
 

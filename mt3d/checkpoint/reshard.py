@@ -20,9 +20,8 @@ import hashlib
 import logging
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ..ds import universal
+from .manager import on_rank0
 from .manifest import (
     CheckpointError,
     check_sizes,
@@ -46,16 +45,17 @@ def scan(root: Path) -> int:
     return len(files)
 
 
-def universal_dir(plan, save_dir: str | Path) -> Path:
-    """Where the universal form of ``plan``'s checkpoint is cached: beside it when that directory is
-    writable (every later reshard of it reuses the conversion), else in this run's save_dir."""
+def derived_dir(plan, save_dir: str | Path, kind: str = "universal") -> Path:
+    """Where a form derived from ``plan``'s checkpoint (``kind``: one of ``manager.DERIVED``, the
+    universal form or the NVMe-converted copy) is kept: beside it when that directory is writable
+    (every later resume of it reuses the work; rotation removes it with its source), else in this
+    run's save_dir (a read-only mount)."""
     import os
 
-    beside = plan.path.parent / "universal"
     if os.access(plan.path.parent, os.W_OK):
-        return beside / plan.path.name
+        return plan.path.parent / kind / plan.path.name
     source = hashlib.sha1(str(plan.path.resolve()).encode()).hexdigest()[:8]
-    return Path(save_dir) / "checkpoints" / "universal" / f"{plan.path.name}-{source}"
+    return Path(save_dir) / "checkpoints" / kind / f"{plan.path.name}-{source}"
 
 
 def _usable_cache(out: Path, source: Path, full: bool) -> bool:
@@ -96,18 +96,10 @@ def prepare(plan, layout, save_dir: str | Path, rank: int) -> tuple[Path, str]:
     why = universal.unsupported_reshard(plan.meta["layout"], target)
     if why:
         raise CheckpointError(f"cannot resume {plan.path} in this layout: {why}")
-    out = universal_dir(plan, save_dir)
-    error = ""
-    if rank == 0:
-        try:
-            _convert_on_rank0(plan, out)
-        except Exception as e:  # every rank must learn of it, whatever it is
-            error = str(e) if isinstance(e, CheckpointError) else f"converting {plan.path} failed: {e!r}"
-            log.exception("universal conversion failed")
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise CheckpointError(box[0])
+    out = derived_dir(plan, save_dir, "universal")
+    on_rank0(
+        rank, f"converting {plan.path} to DeepSpeed's universal format", lambda: _convert_on_rank0(plan, out)
+    )
     # Rank 0 verified every byte (or just wrote it); the others check that they see the same files.
     if rank != 0 and not _usable_cache(out, plan.path, full=False):
         raise CheckpointError(

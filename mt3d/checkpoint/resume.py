@@ -17,7 +17,7 @@ from ..config import Layout, offload_resume_conflict, optimizer_device
 from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
-from .manager import checkpoints_dir, complete_checkpoints
+from .manager import SUPERSEDED, checkpoints_dir, complete_checkpoints
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
 from .rng import load_rng, rng_key
 
@@ -98,10 +98,16 @@ def candidates(resume: str, save_dir: str | Path) -> list[Path]:
         if not found:
             root = checkpoints_dir(save_dir)
             bad = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+            old = sorted(p.name for p in (root / SUPERSEDED).glob("step_*")) if root.is_dir() else []
             if bad:
                 log.warning(
                     "resume auto: no complete checkpoint in %s (incomplete: %s); starting fresh", root, bad
                 )
+            if old:
+                log.warning(
+                    "resume auto: %s holds only superseded checkpoints of an abandoned history (%s); "
+                    "starting fresh (resume one of them by its path to continue it)", root, ", ".join(old),
+                )  # fmt: skip
         return found
     p = Path(resume)
     if (p / "manifest.json").is_file() or p.name.startswith("step_"):
@@ -139,9 +145,47 @@ def _check_model(path: Path, meta: dict, model: ModelConfig, run_facts: dict | N
         log.warning("resuming %s with %s changed: %s -> %s", path.name, k, old, new)
 
 
+def _check_data(path: Path, meta: dict, data_info: dict | None) -> None:
+    """Refuse a resume whose tokenizer differs from the checkpoint's (token ids would change meaning);
+    warn when the corpus differs (documents or tokens), which may be meant (a new data mixture)."""
+    if not data_info:
+        return
+    import hashlib
+
+    from .manager import TOKENIZER
+
+    def digest(d) -> str | None:
+        f = Path(d) / "tokenizer.json" if d else None
+        return hashlib.sha256(f.read_bytes()).hexdigest() if f is not None and f.is_file() else None
+
+    saved, now = digest(path / TOKENIZER), digest(data_info.get("tokenizer_dir"))
+    if saved and now and saved != now:
+        raise CheckpointError(
+            f"{path} was trained with another tokenizer (its {TOKENIZER}/ differs from "
+            f"{data_info.get('tokenizer_dir')}): token ids would change meaning; resume with "
+            f"mt3d.data.tokenizer={path / TOKENIZER}"
+        )
+    was = meta.get("data") or {}
+    changed = [
+        k for k in ("corpus", "documents", "tokens") if k in was and was[k] != data_info.get(k, was[k])
+    ]
+    quiet = dist_rank() != 0
+    if changed and not quiet:
+        log.warning("resuming %s with another corpus (%s changed): the data order continues from step %s",
+                    path.name, ", ".join(changed), meta.get("step"))  # fmt: skip
+
+
+def dist_rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def plan_resume(
-    resume: str, save_dir: str | Path, model: ModelConfig, run_facts: dict | None = None
-) -> ResumePlan | None:
+    resume: str, save_dir: str | Path, model: ModelConfig, run_facts: dict | None = None,
+    data_info: dict | None = None,
+) -> ResumePlan | None:  # fmt: skip
     """The verified checkpoint to resume from (collective: every rank hashes a share of the files).
 
     With ``auto`` a checkpoint whose files do not match their manifest (bit flip, truncation) is
@@ -150,6 +194,7 @@ def plan_resume(
     for path in candidates(resume, save_dir):
         manifest = read_manifest(path)
         _check_model(path, manifest["meta"], model, run_facts)
+        _check_data(path, manifest["meta"], data_info)
         plan = ResumePlan(path, manifest["meta"], manifest)
         try:
             verify_everywhere(plan.path, plan.manifest)

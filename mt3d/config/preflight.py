@@ -47,10 +47,30 @@ def check_inputs(train: TrainConfig, data: DataConfig) -> None:
 
 
 def check_outputs(train: TrainConfig, data: DataConfig) -> None:
-    """Where the run writes must be writable."""
+    """Where the run writes must be writable, and a fresh run does not mix into another run's record."""
     writable_dir(train.save_dir, "mt3d.train.save_dir")
     if data.cache_dir:
         writable_dir(data.cache_dir, "mt3d.data.cache_dir")
+    found = previous_run(train.save_dir) if train.resume == "none" and not train.overwrite else None
+    if found:
+        raise ConfigError(
+            f"mt3d.train.save_dir {train.save_dir} holds another run ({found}): continue it with "
+            "mt3d.train.resume=auto, start afresh there with mt3d.train.overwrite=true (its files are moved "
+            "to replaced/, not deleted), or choose another save_dir"
+        )
+
+
+def previous_run(save_dir: str | Path) -> str | None:
+    """What of an earlier run ``save_dir`` holds (checkpoints, metrics), or None when nothing."""
+    d = Path(save_dir)
+    found = []
+    ckpts = d / "checkpoints"
+    if ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+        found.append("checkpoints")
+    metrics = d / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    return " and ".join(found) or None
 
 
 def fp16_supported() -> bool:
@@ -72,3 +92,34 @@ def check_device(precision: str) -> None:
             "fp16 is not supported on this device (DeepSpeed's CPU accelerator needs AVX512-FP16/AMX); "
             "use bf16.enabled or fp32, or run on a GPU"
         )
+
+
+ACCELERATE_KEYS = {
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": ("zero_stage", "zero_optimization.stage", lambda ds: ds.zero_stage),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": (
+        "offload_optimizer_device",
+        "zero_optimization.offload_optimizer.device",
+        lambda ds: ds.offload.optimizer,
+    ),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": (
+        "offload_param_device",
+        "zero_optimization.offload_param.device",
+        lambda ds: ds.offload.param,
+    ),
+}
+"""DeepSpeed settings an accelerate yaml can carry (accelerate passes them to the ranks as variables):
+mt3d reads DeepSpeed's settings from its --config alone, so a yaml that says otherwise is refused."""
+
+
+def check_accelerate(ds) -> None:
+    """Refuse DeepSpeed settings in an accelerate yaml that differ from the run config's (``ds``: its
+    ``DeepSpeedSection``); equal ones are fine."""
+    for var, (yaml_key, key, ours) in ACCELERATE_KEYS.items():
+        given = (os.environ.get(var) or "").strip().lower()
+        mine = str(ours(ds)).lower()
+        if given and given != mine:
+            raise ConfigError(
+                f"the accelerate config sets {yaml_key}: {given} but the run config has {key} {mine}: "
+                f"mt3d takes DeepSpeed's settings from --config only; drop {yaml_key} from the accelerate "
+                "yaml or make them agree"
+            )

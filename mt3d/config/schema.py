@@ -111,6 +111,9 @@ class TrainConfig:
     """Save a checkpoint when training ends."""
     resume: str = "none"
     """'none', 'auto' (newest complete checkpoint in save_dir) or a checkpoint directory."""
+    overwrite: bool = False
+    """Start afresh (resume 'none') in a save_dir that holds another run's checkpoints or metrics: they
+    are moved to ``<save_dir>/replaced/<n>/``, never deleted. Without it such a save_dir is refused."""
     keep_last: int = 0
     """Keep only this many newest checkpoints (0: keep all); the newest complete one is never deleted."""
     max_bad_steps: int = 5

@@ -88,11 +88,27 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> int:
     return n
 
 
+def refuse_custom_code(d: Path) -> None:
+    """Refuse a tokenizer directory that asks for Python code of its own (``auto_map`` in
+    ``tokenizer_config.json``, the way transformers finds custom classes): mt3d never runs code that
+    comes with a model or a checkpoint, and never offers to."""
+    f = d / "tokenizer_config.json"
+    if f.is_file():
+        config = read_json(f, "tokenizer config")
+        if config.get("auto_map"):
+            raise TokenizerError(
+                f"{f} asks for custom tokenizer code (auto_map {config['auto_map']!r}); mt3d never runs code "
+                "from a model or checkpoint directory: save the tokenizer as a plain tokenizer.json "
+                "(PreTrainedTokenizerFast) without auto_map"
+            )
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load an HF tokenizer directory (``tokenizer.json`` + config; other formats via transformers)."""
     d = Path(path)
     if not d.is_dir():
         raise TokenizerError(f"tokenizer directory not found: {d}")
+    refuse_custom_code(d)
     from tokenizers import Tokenizer as Backend
 
     tj = d / "tokenizer.json"
@@ -107,7 +123,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         try:
             from transformers import AutoTokenizer
 
-            backend = AutoTokenizer.from_pretrained(str(d), local_files_only=True).backend_tokenizer
+            backend = AutoTokenizer.from_pretrained(
+                str(d), local_files_only=True, trust_remote_code=False
+            ).backend_tokenizer
         except Exception as e:
             raise TokenizerError(f"{d}: no tokenizer.json and transformers could not load it ({e})") from None
     eos = None

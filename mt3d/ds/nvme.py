@@ -18,7 +18,10 @@ What that restores is only the fp32 master weights of the swapped sub-groups:
 * sub-groups too small to swap (below its 1 MiB threshold: typically the no-weight-decay group of
   norms and biases) are kept in memory and saved in ``*_optim_states.pt`` as usual, but never loaded:
   their weights, moments and step count stay at their initial values;
-* parameters that were gathered before the load keep their initial full values until released.
+* parameters that were gathered before the load keep their initial full values until released;
+* the optimizer's parameter groups keep the hyper-parameters the fresh scheduler gave them, not the
+  saved ones (the learning rate of the next step): with any LR scheduler the resumed run drifts
+  from its second step (tp 2 x dp 2: step 6's loss 6.0731 instead of 5.9837).
 
 Measured (tests/test_offload.py): the resumed losses differ from an unstopped run's from the first
 resumed step (tp 1 x dp 2: 6.0931 vs 6.0964, then 6.395 vs 6.172; tp 2 x dp 2: 6.0948 vs 6.0964).
@@ -75,11 +78,49 @@ def _read_swap(path: Path, numel: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).clone()
 
 
+def read_index(ckpt_dir: Path, name: str, files: dict) -> list[dict]:
+    """The sub-groups an NVMe swap index (``name``, checkpoint-relative) lists, checked against the
+    checkpoint's manifest ``files``: every swap file it names (and its moments' files) is listed
+    there, so inside the checkpoint (``inputs.entry_inside``), and holds the elements it claims."""
+    import json
+
+    from ..checkpoint.manifest import CheckpointError
+
+    where = ckpt_dir / name
+    try:
+        groups = json.loads(where.read_text())["sub_groups"]
+        if not isinstance(groups, list):
+            raise TypeError("sub_groups is not a list")
+        for g in groups:
+            if not (isinstance(g["numel"], int) and g["numel"] > 0 and isinstance(g["state_index"], int)):
+                raise TypeError(f"bad sub-group entry {g!r}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{where} is not an mt3d NVMe swap index ({e}); use another checkpoint"
+        ) from None
+    for g in groups:
+        if g.get("swap") is None:
+            continue
+        swap = g["swap"]
+        for entry in (swap, *(str(Path(swap).with_name(f"{k}-{Path(swap).name}")) for k in MOMENTS)):
+            if entry not in files:
+                raise CheckpointError(f"{where} lists {entry!r}, which the checkpoint's manifest does not")
+            size = (ckpt_dir / entry).stat().st_size
+            if size < 4 * g["numel"]:
+                raise CheckpointError(
+                    f"{where} says {entry} holds {g['numel']} fp32 elements but it has {size} bytes "
+                    "(tampered)"
+                )
+    return groups
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's states, which DeepSpeed swaps beside each fp32 weight file as ``<state>-<file>``."""
+
+
 def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> list:
     """``flats`` (the fp32 groups of ``optim_file``) with each swapped sub-group read from its swap file;
     ``files``: the checkpoint manifest's file table (every file read must be listed there)."""
-    import json
-
     from ..checkpoint.manifest import CheckpointError
 
     name = f"{INDEX}/{optim_file}.json"
@@ -90,72 +131,76 @@ def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> 
                 "written by another tool; resume it with the same NVMe offload and save again"
             )
         return flats
-    groups = json.loads((ckpt_dir / name).read_text())["sub_groups"]
+    groups = read_index(ckpt_dir, name, files)
     if len(groups) != len(flats):
         raise CheckpointError(
             f"{ckpt_dir / name} lists {len(groups)} sub-groups, {optim_file} has {len(flats)}"
         )
-    out = []
-    for flat, g in zip(flats, groups):
-        if g["swap"] is None:
-            out.append(flat)
+    return [flat if g.get("swap") is None else _read_swap(ckpt_dir / g["swap"], g["numel"])
+            for flat, g in zip(flats, groups)]  # fmt: skip
+
+
+def _converted_optimizer_states(src: Path, name: str, files: dict, step_default: int) -> dict:
+    """``src/name`` (a ``*_optim_states.pt``) with the fp32 weights, moments and step of every swapped
+    sub-group read in from its swap files."""
+    from ..checkpoint.manifest import CheckpointError
+    from ..checkpoint.safe import safe_torch_load
+
+    index = f"{INDEX}/{name}.json"
+    if index not in files:
+        raise CheckpointError(f"{src}: no {index}: cannot convert its NVMe optimizer states")
+    groups = read_index(src, index, files)
+    sd = safe_torch_load(src / name)
+    zero = sd["optimizer_state_dict"]
+    state = zero["optimizer_state_dict"]["state"]
+    steps = [st["step"] for st in state.values() if "step" in st]
+    step = steps[0] if steps else step_default
+    for sub, g in enumerate(groups):
+        if g.get("swap") is None:
             continue
-        if g["swap"] not in files:
-            raise CheckpointError(f"{ckpt_dir / g['swap']} is missing (listed in {name})")
-        out.append(_read_swap(ckpt_dir / g["swap"], g["numel"]))
-    return out
+        swap = src / g["swap"]
+        zero["fp32_flat_groups"][sub] = _read_swap(swap, g["numel"])
+        state[g["state_index"]] = {
+            "step": step,
+            **{k: _read_swap(swap.with_name(f"{k}-{swap.name}"), g["numel"]) for k in MOMENTS},
+        }
+    return sd
 
 
-def convert_for_resume(plan, rank: int) -> tuple[Path, str]:
+def convert_for_resume(plan, save_dir: str | Path, rank: int) -> tuple[Path, str]:
     """A copy of ``plan``'s checkpoint whose ``*_optim_states.pt`` hold what DeepSpeed kept in NVMe
     swap files (fp32 weights, Adam moments and step of every swapped sub-group), so that a run without
     NVMe optimizer offload at the same layout loads it the ordinary way. Written once by rank 0 into
-    ``checkpoints/converted/<tag>`` (files other than the optimizer states are hard links); returns
-    (load_dir, tag). Collective."""
-    import json
+    ``checkpoints/converted/<tag>`` beside the source (in this run's save_dir when the source is on a
+    read-only mount); files other than the optimizer states are hard links (copies across
+    filesystems). Returns (load_dir, tag). Collective: a failure is raised on every rank."""
     import os
     import shutil
 
     import torch.distributed as dist
 
-    from ..checkpoint.manifest import CheckpointError
-    from ..checkpoint.safe import safe_torch_load
+    from ..checkpoint.reshard import derived_dir, on_rank0
 
-    src = plan.path
-    out_root = src.parent / "converted"
-    dest = out_root / src.name
-    if rank == 0:
+    src, files = plan.path, plan.manifest["files"]
+    dest = derived_dir(plan, save_dir, "converted")
+
+    def convert() -> None:
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
-        files = plan.manifest["files"]
         for name in files:
             if name.startswith(("offloaded_tensors/", f"{INDEX}/")) or name.endswith("_optim_states.pt"):
                 continue
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            os.link(src / name, dest / name)
+            try:
+                os.link(src / name, dest / name)
+            except OSError:  # another filesystem
+                shutil.copy2(src / name, dest / name)
         for name in sorted(n for n in files if n.endswith("_optim_states.pt")):
-            index = f"{INDEX}/{name}.json"
-            if index not in files:
-                raise CheckpointError(f"{src}: no {index}: cannot convert its NVMe optimizer states")
-            groups = json.loads((src / index).read_text())["sub_groups"]
-            sd = safe_torch_load(src / name)
-            zero = sd["optimizer_state_dict"]
-            state = zero["optimizer_state_dict"]["state"]
-            steps = [st["step"] for st in state.values() if "step" in st]
-            step = steps[0] if steps else plan.step
-            for sub, g in enumerate(groups):
-                if g["swap"] is None:
-                    continue
-                swap = src / g["swap"]
-                moments = {k: swap.with_name(f"{k}-{swap.name}") for k in ("exp_avg", "exp_avg_sq")}
-                zero["fp32_flat_groups"][sub] = _read_swap(swap, g["numel"])
-                state[g["state_index"]] = {
-                    "step": step,
-                    **{k: _read_swap(p, g["numel"]) for k, p in moments.items()},
-                }
-            torch.save(sd, dest / name)
+            torch.save(_converted_optimizer_states(src, name, files, plan.step), dest / name)
+
+    on_rank0(rank, f"converting the NVMe optimizer states of {src}", convert)
     dist.barrier()
-    return out_root, src.name
+    return dest.parent, dest.name
 
 
 def deepspeed_restores_nvme_states(opt) -> bool:
@@ -174,17 +219,33 @@ def _state_index(opt) -> dict[int, int]:
     return out
 
 
+def restore_param_groups(optimizer, saved_groups: list[dict]) -> None:
+    """Put the saved hyper-parameters of every parameter group (the learning rate the scheduler set
+    for the next step, betas, weight decay, ...) back into ``optimizer``. DeepSpeed skips the
+    optimizer's ``load_state_dict`` altogether with NVMe offload, so its groups keep the values the
+    freshly built scheduler gave them: the first resumed step's loss still matches (it is computed
+    before that step's update), every later one drifts."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
 def finish_nvme_resume(engine, load_dir: Path, tag: str) -> bool:
     """After ``engine.load_checkpoint``: restore what DeepSpeed left out (see the module doc).
     Returns whether anything was restored (False: no NVMe optimizer offload, or nothing missing)."""
     if not engine.zero_nvme_offload_optimizer() or os.environ.get(DISABLE) == "0":
         return False
     opt = engine.optimizer
-    if deepspeed_restores_nvme_states(opt):
-        return False
     from ..checkpoint.safe import safe_torch_load
 
     saved = safe_torch_load(engine._get_zero_ckpt_name(str(load_dir), tag))["optimizer_state_dict"]
+    restore_param_groups(opt.optimizer, saved["optimizer_state_dict"]["param_groups"])
+    if deepspeed_restores_nvme_states(opt):
+        return True
     states = saved["optimizer_state_dict"]["state"]
     flats = saved["fp32_flat_groups"]
     steps = [s["step"] for s in states.values() if "step" in s]

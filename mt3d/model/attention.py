@@ -140,6 +140,11 @@ def layer_patterns(spec: dict | None, layers: int) -> list[LocalPattern | None]:
         raise AttentionConfigError("model.attention: give layer_types or global_every, not both")
     if "global_every" in spec:
         k = _positive_int(spec["global_every"], "global_every")
+        if k > layers:
+            raise AttentionConfigError(
+                f"model.attention.global_every {k} is larger than the {layers} layers: no layer would be "
+                f"global (use a value <= {layers}, or drop global_every for an all-local model)"
+            )
         return [None if (i + 1) % k == 0 else local for i in range(layers)]
     types = spec.get("layer_types")
     if types is None:

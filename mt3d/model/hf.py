@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..inputs import entry_inside
 from .config import ModelConfig
 from .families import HFError, Piece, family_for_hf, get_family
 from .families.base import source_name
@@ -213,8 +214,11 @@ class HFReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-                self.where = {k: self.dir / v for k, v in weight_map.items()}
+                files = {v: entry_inside(self.dir, v, str(index), HFError) for v in set(weight_map.values())}
+                self.where = {k: files[v] for k, v in weight_map.items()}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
+                if isinstance(e, HFError):
+                    raise
                 raise HFError(f"{index} is not a valid safetensors index ({e!r})") from None
         elif (self.dir / "model.safetensors").is_file():
             f = self.dir / "model.safetensors"
@@ -316,3 +320,69 @@ def hf_state_dict(cfg: ModelConfig, vocab: int, full: dict[str, torch.Tensor]) -
         t = torch.cat([c[1] for c in chunks])
         result[hf_name] = (t.t() if chunks[0][2] else t).contiguous()
     return result
+
+
+_CONFIG_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def check_weights(reader: HFReader, cfg: ModelConfig, vocab: int, where: str) -> list[str]:
+    """The HF files agree with the config before anything is allocated (headers only): every tensor an
+    mt3d parameter needs exists with the shape the config implies, the stored dtype is the one the
+    config names, and a tied model holds no separately trained ``lm_head``. Returns the names of the
+    tensors no parameter uses (a layer the config does not have, say)."""
+    from .sharding import sharding_table
+
+    used: set[str] = set()
+    for name, spec in sharding_table(cfg, vocab).items():
+        ps = pieces(cfg, name)
+        used.update(p.name for p in ps)
+        shapes = [reader.shape(p) for p in ps]
+        rows = sum(s[0] for s in shapes)
+        got = (rows, *shapes[0][1:])
+        if any(list(s[1:]) != list(shapes[0][1:]) for s in shapes) or tuple(got) != tuple(spec.shape):
+            detail = ", ".join(f"{p.name} {tuple(s)}" for p, s in zip(ps, shapes))
+            raise HFError(
+                f"{where}: config.json implies {name} of shape {tuple(spec.shape)} but the weights hold "
+                f"{detail}; the config does not describe these weights"
+            )
+    _check_dtype(reader, cfg, where)
+    used |= _check_tied_head(reader, cfg, where)
+    return sorted(set(reader.where) - used)
+
+
+def _check_dtype(reader: HFReader, cfg: ModelConfig, where: str) -> None:
+    """A config naming one 16-bit type over weights stored as the other is ambiguous (the bytes of one
+    read as the other give wrong numbers without an error): refused."""
+    hf = cfg.extra.get("hf_config") or {}
+    named = _CONFIG_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"))
+    stored = {reader._file(n).entries[n]["dtype"] for n in reader.where}
+    floats = stored & set(_CONFIG_DTYPES.values())
+    if named in ("F16", "BF16") and floats and named not in floats and floats <= {"F16", "BF16"}:
+        raise HFError(
+            f"{where}: config.json says {hf.get('dtype') or hf.get('torch_dtype')} but the weights are "
+            f"stored as {', '.join(sorted(floats))}: the two 16-bit formats cannot be told apart from their "
+            "bytes; fix the config's dtype or re-save the weights"
+        )
+
+
+def _check_tied_head(reader: HFReader, cfg: ModelConfig, where: str) -> set[str]:
+    """transformers keeps a stored ``lm_head.weight`` even when the config ties it to the embedding;
+    mt3d would tie them: refused unless the stored head is the embedding. Returns the stored head's
+    name when it is such a copy (it is then used, as the embedding)."""
+    if not cfg.tie_embeddings:
+        return set()
+    family = get_family(cfg.family)
+    embed = family.pieces(cfg, "embed", -1, "embed.weight")[0]
+    head = family.pieces(cfg, "head", -1, "weight")[0]
+    if head.name == embed.name or head.name not in reader.where:
+        return set()
+    rows = reader.shape(embed)[0]
+    for lo in range(0, rows, 4096):
+        span = (lo, min(rows, lo + 4096))
+        if not torch.equal(reader.read(embed, rows=span), reader.read(head, rows=span)):
+            raise HFError(
+                f"{where}: config.json ties the output layer to the embedding (tie_word_embeddings) but the "
+                f"weights hold a different {head.name}, which transformers uses: set tie_word_embeddings to "
+                "false in config.json"
+            )
+    return {head.name}

@@ -7,6 +7,7 @@ fills a built module (a pipeline stage or a whole StackedModel) with this rank's
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from ..errors import UserError
 from ..parallel.state import AxisGroup, ParallelState
 from .blocks import BuildContext
 from .config import ModelConfig
-from .hf import HFError, HFReader, config_from_hf, pieces, read_shard
+from .hf import HFError, HFReader, check_weights, config_from_hf, pieces, read_shard
 from .pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
+
+log = logging.getLogger("mt3d")
 
 
 @dataclass
@@ -58,7 +61,12 @@ def open_source(path: str | Path, verify: bool = True) -> WeightSource:
         raise UserError(f"model not found: {p}")
     if (p / "config.json").is_file():
         cfg = config_from_hf(p)
-        return WeightSource("hf", p, cfg, cfg.vocab_size, str(p) if _has_tokenizer(p) else None)
+        reader = HFReader(p)
+        unused = check_weights(reader, cfg, cfg.vocab_size, str(p))
+        if unused:
+            log.warning("%s: %d stored tensor(s) are not part of the model config.json describes (e.g. %s): "
+                        "ignored", p, len(unused), unused[0])  # fmt: skip
+        return WeightSource("hf", p, cfg, cfg.vocab_size, str(p) if _has_tokenizer(p) else None, reader)
     from ..checkpoint.manager import newest_complete
     from ..checkpoint.reader import CheckpointReader
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..inputs import read_text
 
 
 class TopologyError(UserError):
@@ -65,7 +66,7 @@ def read_hostfile(path: str | Path) -> tuple[Host, ...]:
     p = Path(path)
     if not p.is_file():
         raise TopologyError(f"hostfile not found: {p}")
-    return parse_hostfile(p.read_text(), source=str(p))
+    return parse_hostfile(read_text(p, "hostfile"), source=str(p))
 
 
 def parse_islands(spec: str) -> tuple[tuple[int, ...], ...]:

@@ -332,6 +332,12 @@ def _check_inputs(world_size: int, hosts, gpus_per_node, islands):
         flat = [x for g in isl for x in g]
         if len(flat) != len(set(flat)) or min(flat) < 0:
             raise TopologyError(f"islands must be disjoint lists of local ranks, got {isl}")
+        slots = max(h.slots for h in hosts)
+        if max(flat) >= slots:
+            raise TopologyError(
+                f"islands name local rank {max(flat)}, but no host has more than {slots} ranks (local ranks "
+                f"0-{slots - 1}); give the islands of one host"
+            )
     return hosts, isl
 
 

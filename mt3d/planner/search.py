@@ -165,10 +165,16 @@ def _check_inputs(
     for name, value in (("--global-batch", global_batch), ("--seq-len", seq_len)):
         if value <= 0:
             raise UserError(f"{name} must be positive, got {value}")
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise UserError(f"--efficiency is a fraction of peak in (0, 1], got {efficiency}")
-    if cluster.device.peak_tflops <= 0 or cluster.device.memory_gb <= 0:
+    if efficiency is not None and not 0.01 <= efficiency <= 1:
+        raise UserError(f"--efficiency is a fraction of peak in [0.01, 1], got {efficiency:g}")
+    dev = cluster.device
+    if dev.peak_tflops <= 0 or dev.memory_gb <= 0:
         raise UserError("--peak-tflops and --memory-gb must be positive")
+    if dev.gemm_tflops > dev.peak_tflops:
+        raise UserError(
+            f"--gemm-tflops {dev.gemm_tflops:g} exceeds the device's dense peak {dev.peak_tflops:g} TFLOP/s: "
+            "a GEMM cannot beat the peak (give --peak-tflops too, or measure with python -m mt3d.bench gemm)"
+        )
     if cluster.gpus % min(cluster.gpus_per_node, cluster.gpus):
         raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
     return vocab
@@ -273,8 +279,10 @@ def tier_overflow(mem: dict, per_node: int, budget: float, dev: Device) -> str |
 
 
 def explain_infeasible(result: dict) -> str:
-    """One line on why nothing fits."""
-    mem = [r for r in result["rejected"] if "memory_gb" in r]
+    """One line on why nothing fits: the reasons of the candidates that got furthest (memory, then the
+    batch and schedule rules, then the degrees themselves)."""
+    rejected = result["rejected"]
+    mem = [r for r in rejected if "memory_gb" in r]
     if mem:
         best = min(mem, key=lambda r: r["memory_gb"])
         return (
@@ -282,7 +290,16 @@ def explain_infeasible(result: dict) -> str:
             f"(tp {best['tp']} pp {best['pp']} dp {best['dp']}, ZeRO {best['zero_stage']}, "
             f"recompute {best['recompute']}); use more GPUs, a larger device, or a smaller model/batch"
         )
-    reasons = sorted({r["reason"] for r in result["rejected"]})[:3]
+    scheduled = [r for r in rejected if "micro_batch" in r]
+    batch = [r for r in scheduled if r["reason"].startswith("global batch")]
+    if batch and len(batch) == len(scheduled):
+        least = min(r["dp"] for r in batch)
+        return (
+            f"no feasible layout: the global batch {result['global_batch']} cannot be split over the data "
+            f"parallelism of any layout the model and nodes allow (dp >= {least}); raise --global-batch to "
+            f"a multiple of {least}, or use fewer GPUs"
+        )
+    reasons = sorted({r["reason"] for r in (scheduled or rejected)})[:3]
     return "no feasible layout: " + "; ".join(reasons)
 
 

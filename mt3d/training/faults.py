@@ -6,6 +6,8 @@ Steps are numbered as in metrics.jsonl (the first step is 1):
 * ``nan_grad@3:1``      rank 1 poisons one gradient with NaN during step 3
 * ``sigterm@4:0``       rank 0 sends itself SIGTERM after step 4 (like a scheduler preempting it)
 * ``kill_in_save@6:1``  rank 1 is SIGKILLed in the middle of writing the checkpoint of step 6
+* ``fill_disk@4:0``     rank 0 fills the disk under save_dir (leaving 8 KiB) as the checkpoint of step 4
+  starts: the save then fails wherever the disk runs out, as when another job eats the space
 
 The recovery code under test is the real one; only the fault is synthetic.
 """
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("nan_grad", "sigterm", "kill_in_save")
+KINDS = ("nan_grad", "sigterm", "kill_in_save", "fill_disk")
+FILLER = ".mt3d-fault-filler"
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,19 @@ class FaultInjector:
         """Die abruptly in the middle of a checkpoint write when planned."""
         if self._hit("kill_in_save", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_save(self, step: int, directory) -> None:
+        """Fill the disk under ``directory`` to 8 KiB of free space when planned."""
+        if not self._hit("fill_disk", step):
+            return
+        import shutil
+
+        free = shutil.disk_usage(directory).free - 8192
+        with open(os.path.join(directory, FILLER), "ab") as f:
+            chunk = b"\0" * (1 << 20)
+            while free > 0:
+                try:
+                    free -= f.write(chunk[: min(len(chunk), free)])
+                    f.flush()
+                except OSError:
+                    break

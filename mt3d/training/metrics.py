@@ -170,6 +170,11 @@ class WandbSink:
         """wandb.log."""
         self._call("log", self.run.log, data, step=step)
 
+    def abandon(self) -> None:
+        """Finish a failed run's W&B run quietly and switch W&B off (nothing more is logged)."""
+        self._call("finish", self.run.finish, exit_code=1)
+        self.failed = True
+
     def finish(self, summary: dict | None = None) -> None:
         """Update the run summary and finish the run (skipped while stopping: the files stay offline)."""
         if summary:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import ConfigError, Layout, Offload, writable_dir
 from ..inputs import env_int
 from ..model.config import ModelConfig
+from ..parallel.report import human_bytes
 
 LIBAIO_HELP = (
     "NVMe offload needs libaio for DeepSpeed's async_io op: apt-get install libaio-dev "
@@ -90,8 +91,8 @@ def check_offload(
         total = per_rank * ranks
         if free < total:
             raise ConfigError(
-                f"nvme_path {path} has {free / 1e9:.1f} GB free; the swap files of {ranks} ranks need "
-                f"about {total / 1e9:.1f} GB: free space, or use a larger disk"
+                f"nvme_path {path} has {human_bytes(free)} free; the swap files of {ranks} ranks need "
+                f"about {human_bytes(total)}: free space, or use a larger disk"
             )
     if not libaio_available():
         raise ConfigError(LIBAIO_HELP)

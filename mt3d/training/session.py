@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..checkpoint import reshard, resume
-from ..checkpoint.manager import Checkpointer
+from ..checkpoint.manager import Checkpointer, claim_save_dir
 from ..checkpoint.rng import rng_key
 from ..checkpoint.safe import only_safe_loads
 from ..config import DataConfig, Layout, RunConfig
@@ -45,7 +45,11 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
             "global_batch": layout.global_batch,
             "micro_batch": layout.micro_batch,
             "precision": layout.precision,
-            "data": {"corpus": run.mt3d.data.corpus, "tokenizer": data_info.get("tokenizer_dir")},
+            "data": {
+                "corpus": run.mt3d.data.corpus,
+                "tokenizer": data_info.get("tokenizer_dir"),
+                **{k: data_info[k] for k in ("documents", "tokens") if k in data_info},
+            },
             "config": run.to_dict(),
         }
 
@@ -94,7 +98,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         if convert:  # NVMe-offloaded optimizer states into a run without: an ordinary checkpoint copy
             from ..ds.nvme import convert_for_resume
 
-            load_dir, tag = convert_for_resume(plan, rt.rank)
+            load_dir, tag = convert_for_resume(plan, run.mt3d.train.save_dir, rt.rank)
         if not same_layout:
             load_dir, tag = reshard.prepare(plan, layout, run.mt3d.train.save_dir, rt.rank)
     sp = run.mt3d.parallel.sequence_parallel
@@ -149,22 +153,16 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
     save_dir = Path(run.mt3d.train.save_dir)
     with deepspeed_output(save_dir, verbose):
         rt = setup(run.mt3d.parallel, run.mt3d.train.seed)
+        lock = claim_save_dir(save_dir, rt.rank, run.mt3d.train.overwrite)  # noqa: F841 - held for the run
         data, vocab = prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg)
         facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
-        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts)
-        wandb_run = None
-        if rt.rank == 0:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            name = run.mt3d.train.run_name or save_dir.name
-            wandb_run = start_wandb(
-                run.deepspeed.wandb, name, run.mt3d.train.wandb_mode, save_dir, run.to_dict(),
-                lambda: preemption.requested,
-            )  # fmt: skip
-            write_run_info(save_dir, run, layout, cfg, data.info)
-            log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
-            if "entropy_floor" in data.info:
-                log.info("synthetic corpus: entropy floor %.4f nats/token", data.info["entropy_floor"])
-        engine, start = build_engine(run, layout, rt, cfg, vocab, plan)
+        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts, data.info)
+        wandb_run = _open_run(run, layout, cfg, data.info, vocab, preemption) if rt.rank == 0 else None
+        try:
+            engine, start = build_engine(run, layout, rt, cfg, vocab, plan)
+        except BaseException:
+            _abandon(wandb_run)
+            raise
     faults = FaultInjector(rt.rank)
     checkpointer = Checkpointer(
         engine,
@@ -178,26 +176,44 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
         faults=faults,
     )
     trainer = Trainer(
-        run.mt3d.train,
-        layout,
-        rt,
-        engine,
-        data,
-        cfg,
-        vocab,
-        run.mt3d.data.seq_len,
-        wandb_run=wandb_run,
-        start_step=start,
-        checkpointer=checkpointer,
-        preemption=preemption,
-        faults=faults,
-    )
-    summary = trainer.train()
+        run.mt3d.train, layout, rt, engine, data, cfg, vocab, run.mt3d.data.seq_len, wandb_run=wandb_run,
+        start_step=start, checkpointer=checkpointer, preemption=preemption, faults=faults,
+    )  # fmt: skip
+    try:
+        summary = trainer.train()
+    except BaseException:
+        _abandon(wandb_run)
+        raise
     if rt.rank == 0:
         report(summary, data.info, wandb_run)
     dist.barrier()  # without it rank 0 can abort at exit while others still finish (DEEPSPEED_NOTES.md)
     dist.destroy_process_group()
     return {"done": 0, "preempted": EXIT_PREEMPTED, "diverged": EXIT_DIVERGED}[summary["status"]]
+
+
+def _open_run(run: RunConfig, layout: Layout, cfg: ModelConfig, data_info: dict, vocab: int, preemption):
+    """Rank 0: the W&B run (or None), run.json and the opening log lines."""
+    save_dir = Path(run.mt3d.train.save_dir)
+    name = run.mt3d.train.run_name or save_dir.name
+    wandb_run = start_wandb(
+        run.deepspeed.wandb,
+        name,
+        run.mt3d.train.wandb_mode,
+        save_dir,
+        run.to_dict(),
+        lambda: preemption.requested,
+    )
+    write_run_info(save_dir, run, layout, cfg, data_info)
+    log.info("model %s: %.2fM parameters, vocab %d", cfg.name, cfg.num_params(vocab) / 1e6, vocab)
+    if "entropy_floor" in data_info:
+        log.info("synthetic corpus: entropy floor %.4f nats/token", data_info["entropy_floor"])
+    return wandb_run
+
+
+def _abandon(wandb_run) -> None:
+    """Close the W&B run of a failed run quietly (its files may be on the disk that just filled up)."""
+    if wandb_run is not None:
+        wandb_run.abandon()
 
 
 def report(summary: dict, data_info: dict, wandb_run) -> None:

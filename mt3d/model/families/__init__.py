@@ -52,10 +52,11 @@ def get_family(name: str) -> Family:
 
 
 def family_for_hf(hf: dict, where: str) -> Family:
-    """The family reading an HF config (by ``model_type``); unsupported architectures are refused."""
+    """The family reading an HF config (``Family.reads``: by ``model_type``); unsupported architectures
+    are refused."""
     kind = hf.get("model_type")
     for fam in families():
-        if kind in fam.model_types:
+        if fam.reads(hf):
             return fam
     arch = ", ".join(hf.get("architectures") or []) or kind
     names = ", ".join(f"{f.architecture} ({f.model_types[0]})" for f in families() if f.model_types)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...errors import UserError
 from ..attention import FULL, SLIDING
+from .keys import COMMON, Key, check_keys
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -38,22 +39,6 @@ class Piece:
     size: int | None = None
 
 
-# HF config keys of features mt3d does not implement: a truthy value is refused by name.
-UNSUPPORTED_KEYS = {
-    "num_local_experts": "mixture-of-experts layers",
-    "num_experts": "mixture-of-experts layers",
-    "n_routed_experts": "mixture-of-experts layers",
-    "moe_intermediate_size": "mixture-of-experts layers",
-    "num_experts_per_tok": "mixture-of-experts layers",
-    "attention_sinks": "attention sinks",
-    "attention_sink_size": "attention sinks",
-    "num_attention_sinks": "attention sinks",
-    "sink_tokens": "attention sinks",
-    "use_bidirectional_attention": "bidirectional attention",
-    "attention_chunk_size": "chunked attention",
-    "cross_attention_hidden_size": "cross attention",
-    "add_cross_attention": "cross attention",
-}
 SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
 
 
@@ -85,6 +70,19 @@ class Family:
     infer_rank: ClassVar[int] = 50
     """Order in which ``infer_family`` tries families for configs that name none (configs saved
     before ``ModelConfig.family`` existed are GPT-2 or Llama, tried first)."""
+    hf_keys: ClassVar[dict[str, Key]] = COMMON
+    """Every key of its HF config that transformers' modeling code reads: read, inert or refused
+    (``keys.py``; tests/test_hf.py checks the table against transformers' source)."""
+    transformers_module: ClassVar[str | None] = None
+    """The transformers model package whose modeling file the table is checked against."""
+
+    def reads(self, hf: dict) -> bool:
+        """Whether this family reads the HF config ``hf`` (by its ``model_type``)."""
+        return hf.get("model_type") in self.model_types
+
+    def check_hf_keys(self, hf: dict, where: str) -> None:
+        """Refuse, by name, a key that switches on what mt3d lacks or holds a value of the wrong type."""
+        check_keys(hf, self.hf_keys, where, HFError)
 
     # --- consistency ------------------------------------------------------------------------
     def check(self, cfg: ModelConfig) -> None:
@@ -159,13 +157,6 @@ def positive(hf: dict, key: str, where: str, default: Any = None, *, integer: bo
     return v
 
 
-def refuse_unsupported(hf: dict, where: str) -> None:
-    """One-line refusal of any feature in ``UNSUPPORTED_KEYS`` that the config switches on."""
-    for key, feature in UNSUPPORTED_KEYS.items():
-        if hf.get(key):
-            raise HFError(f"{where}: {key}={hf[key]!r} asks for {feature}, which mt3d does not implement")
-
-
 def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers 5's ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
@@ -179,7 +170,23 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
         raise HFError(
             f"{where}: {key}.rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})"
         )
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise HFError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    for name in ROPE_NEEDS.get(kind, ()):
+        v = params.get(name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise HFError(f"{where}: {key} of type {kind!r} needs {name} as a positive number, got {v!r}")
+    if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise HFError(f"{where}: {key}.high_freq_factor must be larger than low_freq_factor")
     return float(theta), (None if kind == "default" else params)
+
+
+ROPE_NEEDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The numbers each RoPE scaling type needs (missing or not positive: refused, not NaN)."""
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:

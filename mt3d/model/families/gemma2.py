@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import register
 from .base import SLIDING, attention_from_hf, attention_to_hf, get, positive
+from .keys import COMMON, LLAMA_LIKE, WINDOWED, read
 from .llama import LLAMA_BLOCK, LlamaLike
 
 
@@ -54,6 +55,17 @@ class Gemma2(LlamaLike):
         "sliding_window": 4096,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
+    }
+    transformers_module = "gemma2"
+    hf_keys = {
+        **COMMON,
+        **{k: v for k, v in LLAMA_LIKE.items() if k != "hidden_act"},
+        **WINDOWED,
+        "hidden_activation": read("str"),
+        "attention_bias": read("bool"),
+        **dict.fromkeys(
+            ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"), read("num+")
+        ),
     }
 
     def options_from_hf(self, hf, where, layers):

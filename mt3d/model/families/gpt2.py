@@ -7,7 +7,8 @@ one fused ``c_attn`` tensor, whose row ranges are mt3d's q, k and v parts.
 from __future__ import annotations
 
 from . import register
-from .base import Family, HFError, Piece, get, need, refuse_unsupported
+from .base import Family, HFError, Piece, get, need
+from .keys import COMMON, inert, read, refused
 
 _MODULES = {
     "norm1": "ln_1",
@@ -30,6 +31,37 @@ class GPT2(Family):
     defaults = dict(position="learned", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
     variable = frozenset({"tie_embeddings"})
     hf_defaults = {"n_positions": 1024, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
+    transformers_module = "gpt2"
+    hf_keys = {
+        **COMMON,
+        **dict.fromkeys(("n_embd", "n_layer", "n_head", "n_positions", "n_inner"), read("int+")),
+        # GPT2Config's aliases of the four above
+        **dict.fromkeys(
+            ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"),
+            read("int+"),
+        ),
+        "activation_function": read("str"),
+        "layer_norm_epsilon": read("num+"),
+        **dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), read("num0+")),
+        "hidden_dropout": inert("used by the classification head, not by the causal language model"),
+        **dict.fromkeys(
+            (
+                "summary_type",
+                "summary_use_proj",
+                "summary_activation",
+                "summary_proj_to_labels",
+                "summary_first_dropout",
+                "summary_last_dropout",
+            ),
+            inert("the multiple-choice head of GPT2DoubleHeadsModel"),
+        ),  # fmt: skip
+        "reorder_and_upcast_attn": inert(
+            "the same scores, computed in fp32 (mt3d's softmax is fp32 already)"
+        ),
+        "scale_attn_weights": refused("attention scores without the 1/sqrt(head_dim) scale", True, None),
+        "scale_attn_by_inverse_layer_idx": refused("attention scores scaled by 1/(layer index + 1)"),
+        "n_ctx": inert("not read by the model (n_positions sizes the position table)"),
+    }
 
     def limits(self, cfg):
         """c_attn splits into three hidden-wide parts: q, k and v must each be ``hidden`` wide."""
@@ -39,12 +71,16 @@ class GPT2(Family):
 
     def config_kwargs(self, hf, where):
         """ModelConfig fields of a GPT2Config."""
-        refuse_unsupported(hf, where)
+        self.check_hf_keys(hf, where)
         act = get(hf, "activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise HFError(f"{where}: activation_function {act!r} is not supported (gelu_new)")
-        if hf.get("scale_attn_by_inverse_layer_idx"):
-            raise HFError(f"{where}: scale_attn_by_inverse_layer_idx is not supported")
+        resid, embd = get(hf, "resid_pdrop", 0.0), get(hf, "embd_pdrop", get(hf, "resid_pdrop", 0.0))
+        if embd != resid:
+            raise HFError(
+                f"{where}: embd_pdrop {embd} differs from resid_pdrop {resid}; mt3d has one dropout for the "
+                "embedding and the residual branches: make them equal"
+            )
         h = need(hf, "n_embd", where)
         return dict(
             hidden=h,

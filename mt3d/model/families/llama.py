@@ -17,10 +17,10 @@ from .base import (
     attention_to_hf,
     common_kwargs,
     get,
-    refuse_unsupported,
     rope_from_hf,
     rope_to_hf,
 )
+from .keys import COMMON, LLAMA_LIKE, read
 
 LLAMA_BLOCK = {
     "norm1": ("input_layernorm",),
@@ -44,7 +44,7 @@ class LlamaLike(Family):
 
     def config_kwargs(self, hf, where):
         """Sizes, RoPE and the family's options (``options_from_hf``)."""
-        refuse_unsupported(hf, where)
+        self.check_hf_keys(hf, where)
         key, want = self.activation
         if get(hf, key, want) != want:
             raise HFError(f"{where}: {key} {hf[key]!r} is not supported ({want})")
@@ -112,6 +112,8 @@ class Llama(LlamaLike):
     )
     variable = frozenset({"bias", "mlp_bias", "tie_embeddings"})
     hf_defaults = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    transformers_module = "llama"
+    hf_keys = {**COMMON, **LLAMA_LIKE, "attention_bias": read("bool"), "mlp_bias": read("bool")}
 
     def options_from_hf(self, hf, where, layers):
         """attention_bias, mlp_bias."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import register
 from .base import FULL, SLIDING, attention_from_hf, attention_to_hf, get, positive
+from .keys import COMMON, LLAMA_LIKE, WINDOWED, read
 from .llama import LlamaLike
 
 
@@ -58,6 +59,9 @@ class Qwen2(LlamaLike):
     )
     variable = frozenset({"attention", "tie_embeddings"})
     hf_defaults = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    transformers_module = "qwen2"
+    hf_keys = {**COMMON, **LLAMA_LIKE, **WINDOWED, "use_sliding_window": read("bool"),
+               "max_window_layers": read("int0+")}  # fmt: skip
 
     def options_from_hf(self, hf, where, layers):
         """Sliding-window layers."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from . import register
 from .base import get
+from .keys import read
 from .llama import LlamaLike
-from .qwen2 import windowed_layers_from_hf, windowed_layers_to_hf
+from .qwen2 import Qwen2, windowed_layers_from_hf, windowed_layers_to_hf
 
 
 @register
@@ -36,6 +37,8 @@ class Qwen3(LlamaLike):
         "tie_word_embeddings": False,
         "head_dim": 128,
     }
+    transformers_module = "qwen3"
+    hf_keys = {**Qwen2.hf_keys, "attention_bias": read("bool")}
 
     def options_from_hf(self, hf, where, layers):
         """attention_bias and sliding-window layers."""

@@ -1,0 +1,220 @@
+"""Faults and bad input from the second hardening campaign: a save_dir is owned by one run at a time,
+NVMe swap indexes are checked against the manifest, a full disk while a file is closed is one line,
+resumes notice another tokenizer or corpus, and the campaign's weak inputs are one line each."""
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mt3d.checkpoint.manifest import CheckpointError
+from mt3d.parallel.spawn import WorkerError, spawn
+
+from helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "ds_configs" / "cpu_demo_3d.json")
+
+
+def _claim_worker(save_dir, overwrite):
+    import torch.distributed as dist
+
+    from mt3d.checkpoint.manager import claim_save_dir
+
+    claim_save_dir(save_dir, dist.get_rank(), overwrite)
+    return sorted(p.name for p in Path(save_dir).iterdir())
+
+
+def test_one_run_owns_a_save_dir_and_overwrite_keeps_the_old_one(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with open(tmp_path / "run" / ".mt3d-run.lock", "a") as held:  # another run is going on
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(WorkerError, match="is in use by another run"):
+            spawn(_claim_worker, 2, str(run), False, timeout=60)
+    names = spawn(_claim_worker, 2, str(run), True, timeout=60)[0]
+    assert names == [".mt3d-run.lock", "replaced"]  # the old run moved aside, not deleted
+    assert (run / "replaced" / "0" / "checkpoints" / "step_00000002").is_dir()
+    assert (run / "replaced" / "0" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_fresh_run_in_a_used_save_dir_is_refused(tmp_path):
+    from mt3d.config import ConfigError, from_dict, resolve_model, validate
+
+    raw = tiny_config(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    run = from_dict(raw)
+    with pytest.raises(ConfigError, match="holds another run \\(metrics.jsonl\\): continue it with"):
+        validate(run, 1, resolve_model(run.mt3d.model))
+    for key, value in (("resume", "auto"), ("overwrite", True)):
+        again = from_dict({**raw, "mt3d": {**raw["mt3d"], "train": {**raw["mt3d"]["train"], key: value}}})
+        validate(again, 1, resolve_model(again.mt3d.model))
+
+
+def test_an_nvme_index_is_checked_against_the_manifest(tmp_path):
+    from mt3d.ds.nvme import read_index
+
+    ckpt = tmp_path / "step_00000001"
+    swap = "offloaded_tensors/rank00/7.tensor.swp"
+    (ckpt / "offloaded_tensors" / "rank00").mkdir(parents=True)
+    for name in (swap, swap.replace("7.", "exp_avg-7."), swap.replace("7.", "exp_avg_sq-7.")):
+        (ckpt / name).write_bytes(b"\0" * 400)
+    files = {n: {} for n in (swap, swap.replace("7.", "exp_avg-7."), swap.replace("7.", "exp_avg_sq-7."))}
+
+    def index(**group):
+        (ckpt / "i.json").write_text(json.dumps({"sub_groups": [{"numel": 100, "state_index": 0, **group}]}))
+        return read_index(ckpt, "i.json", files)
+
+    assert index(swap=swap)[0]["numel"] == 100
+    with pytest.raises(CheckpointError, match="lists '../../../../secret/secret.bin', which the .* manifest"):
+        index(swap="../../../../secret/secret.bin")
+    with pytest.raises(CheckpointError, match="holds 1000 fp32 elements but it has 400 bytes"):
+        index(swap=swap, numel=1000)
+    with pytest.raises(CheckpointError, match="not an mt3d NVMe swap index"):
+        index(swap=swap, numel="100")
+
+
+def test_resuming_with_another_tokenizer_is_refused(tmp_path):
+    from mt3d.checkpoint.resume import _check_data
+
+    ckpt, mine = tmp_path / "step_00000003", tmp_path / "tok"
+    (ckpt / "tokenizer").mkdir(parents=True)
+    mine.mkdir()
+    (ckpt / "tokenizer" / "tokenizer.json").write_text('{"model": "a"}')
+    (mine / "tokenizer.json").write_text('{"model": "a"}')
+    _check_data(ckpt, {"step": 3}, {"tokenizer_dir": str(mine)})
+    (mine / "tokenizer.json").write_text('{"model": "b"}')
+    with pytest.raises(CheckpointError, match="trained with another tokenizer .* mt3d.data.tokenizer="):
+        _check_data(ckpt, {"step": 3}, {"tokenizer_dir": str(mine)})
+
+
+def test_rotation_removes_what_was_derived_from_a_checkpoint(tmp_path):
+    from mt3d.checkpoint.manager import rotate
+    from mt3d.checkpoint.manifest import describe_files, write_manifest
+
+    for step in (1, 2):
+        d = tmp_path / f"step_{step:08d}"
+        d.mkdir()
+        (d / "w.pt").write_bytes(b"x")
+        write_manifest(d, describe_files(d, ["w.pt"]), {"step": step})
+        for kind in ("universal", "converted"):
+            (tmp_path / kind / d.name).mkdir(parents=True)
+    assert [p.name for p in rotate(tmp_path, 1)] == ["step_00000001"]
+    assert sorted(p.name for p in (tmp_path / "converted").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "universal").iterdir()) == ["step_00000002"]
+
+
+def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_wandb_stays_quiet(tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        raw = tiny_config(disk / "run", steps=4, save_interval=2)
+        raw["wandb"] = {"enabled": True, "project": "mt3d-test"}
+        raw["mt3d"]["data"]["cache_dir"] = str(tmp_path / "cache")
+        cfg = tmp_path / "c.json"
+        cfg.write_text(json.dumps(raw))
+        env = {**os.environ, "MT3D_FAULTS": "fill_disk@4:0", "WANDB_MODE": "offline"}
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        out = subprocess.run([sys.executable, "-m", "mt3d.train", "--config", str(cfg)], capture_output=True,
+                             text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not ln.startswith("[mt3d] ")]  # logs
+        assert len(lines) == 1 and "saving step_00000004 failed: no space left on" in lines[0], out.stderr[-3000:]
+        assert "Traceback" not in out.stderr and "W&B" not in out.stderr and "wandb" not in out.stderr.lower()
+        ckpts = disk / "run" / "checkpoints"
+        assert [p.name for p in ckpts.iterdir() if p.name.startswith("step_")] == ["step_00000002"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def _main(argv, env=None, monkeypatch=None):
+    from mt3d.cli import main
+
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    return main(argv)
+
+
+def _train(*sets, check=True):
+    argv = ["train", "--config", DEMO, "--set", "mt3d.parallel.tensor=1", "--set", "mt3d.parallel.pipeline=1"]
+    for s in sets:
+        argv += ["--set", s]
+    return argv + (["--check"] if check else [])
+
+
+CASES = [
+    ("zero stage true", _train("zero_optimization.stage=true"), {}, "zero_optimization.stage must be 0, 1, 2 or 3, got true"),
+    ("global_every > layers", _train('mt3d.model={"preset": "tiny", "attention": {"window": 4, "global_every": 9}}'), {},
+     "global_every 9 is larger than the 4 layers"),
+    ("stray WORLD_SIZE", _train(check=False), {"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not"),
+    ("RANK outside", _train(check=False), {"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is outside WORLD_SIZE=2"),
+    ("MASTER_PORT abc", _train(check=False), {"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a TCP port"),
+    ("MASTER_PORT 99999", _train(check=False), {"MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a TCP port"),
+    ("accelerate zero stage", _train(), {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+     "the accelerate config sets zero_stage: 3 but the run config has zero_optimization.stage 1"),
+    ("accelerate offload", _train(), {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
+     "sets offload_optimizer_device: cpu but the run config has zero_optimization.offload_optimizer.device none"),
+    ("plan --efficiency 1e-300", ["plan", "--model", "llama-7b", "--gpus", "8", "--efficiency", "1e-300"], {},
+     "--efficiency is a fraction of peak in [0.01, 1]"),
+    ("plan --gemm-tflops > peak", ["plan", "--model", "llama-7b", "--gpus", "8", "--gemm-tflops", "5000"], {},
+     "--gemm-tflops 5000 exceeds the device's dense peak 989"),
+    ("plan --write-config read-only", ["plan", "--model", "llama-7b", "--gpus", "8", "--write-config", "/proc/x.json"],
+     {}, "--write-config /proc/x.json: its directory /proc is not writable"),
+    ("topo island past the host", ["topo", "--world-size", "8", "--tp", "2", "--islands", "0,9"], {},
+     "islands name local rank 9, but no host has more than 8 ranks"),
+    ("topo binary hostfile", ["topo", "--hostfile", "{bin}", "--tp", "2"], {}, "is not UTF-8 text"),
+    ("topo binary nvidia-smi", ["topo", "--world-size", "8", "--nvidia-smi-topo", "{bin}"], {}, "is not UTF-8 text"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, env, expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_weak_inputs_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch, argv, env, expect):
+    binary = tmp_path / "binary"
+    binary.write_bytes(bytes(range(256)) * 4)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    argv = [a.replace("{bin}", str(binary)) for a in argv]
+    argv = [a if not a.startswith("mt3d.train.save_dir") else a for a in argv]
+    if argv[0] == "train":
+        argv += ["--set", f"mt3d.train.save_dir={tmp_path / 'run'}"]
+    assert _main(argv, env, monkeypatch) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expect in err[0], err
+
+
+def test_an_infeasible_plan_names_the_batch_when_the_batch_is_the_blocker(capsys):
+    from mt3d.cli import main
+
+    assert main(["plan", "--model", "llama-7b", "--gpus", "1048576", "--gpus-per-node", "8"]) == 1  # infeasible
+    out = capsys.readouterr().out
+    assert "the global batch 512 cannot be split over the data parallelism" in out and "(dp >= 4096)" in out
+
+
+def test_generation_says_when_it_stops_at_the_position_limit(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mt3d.cli import main
+    from mt3d.data.tokenizer import train_bpe
+
+    tok = train_bpe(["the quick brown fox jumps over the lazy dog"] * 40, 300, tmp_path / "hf")
+    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=tok.vocab_size)
+                    ).save_pretrained(tmp_path / "hf")  # fmt: skip
+    assert (
+        main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "the quick", "--max-new-tokens", "20"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "note: generation stopped at the model's 8 positions after" in err and "of 20 new tokens" in err
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "the", "--temperature", "nan"]) == 2
