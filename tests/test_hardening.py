@@ -131,7 +131,9 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_wandb_stays_q
                              text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
         assert out.returncode == 2, out.stderr[-3000:]
         lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not ln.startswith("[mt3d] ")]  # logs
-        assert len(lines) == 1 and "saving step_00000004 failed: no space left on" in lines[0], out.stderr[-3000:]
+        assert len(lines) == 1 and "saving step_00000004 failed: no space left on" in lines[0], out.stderr[
+            -3000:
+        ]
         assert "Traceback" not in out.stderr and "W&B" not in out.stderr and "wandb" not in out.stderr.lower()
         ckpts = disk / "run" / "checkpoints"
         assert [p.name for p in ckpts.iterdir() if p.name.startswith("step_")] == ["step_00000002"]
@@ -197,7 +199,9 @@ def test_weak_inputs_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch,
 def test_an_infeasible_plan_names_the_batch_when_the_batch_is_the_blocker(capsys):
     from mt3d.cli import main
 
-    assert main(["plan", "--model", "llama-7b", "--gpus", "1048576", "--gpus-per-node", "8"]) == 1  # infeasible
+    assert (
+        main(["plan", "--model", "llama-7b", "--gpus", "1048576", "--gpus-per-node", "8"]) == 1
+    )  # infeasible
     out = capsys.readouterr().out
     assert "the global batch 512 cannot be split over the data parallelism" in out and "(dp >= 4096)" in out
 
