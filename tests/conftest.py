@@ -27,3 +27,21 @@ if "MT3D_CACHE" not in os.environ:
             shutil.rmtree(_CACHE, ignore_errors=True)
 
     _OWNER = os.getpid()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """Single-process fp32 runs of the tiny GPT-2 and Llama (``helpers.tiny_config``): the reference
+    every parity test compares a layout with, run once per session."""
+    from mt3d.parallel.spawn import spawn
+
+    from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_worker
+
+    base = tmp_path_factory.mktemp("reference")
+    return {
+        name: step_records(spawn(train_worker, 1, tiny_config(base / name, model=model), timeout=300)[0])
+        for name, model in (("gpt", TINY_GPT), ("llama", TINY_LLAMA))
+    }

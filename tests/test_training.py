@@ -37,13 +37,9 @@ def assert_same(got, ref, rtol=1e-5, keys=("loss", "grad_norm")):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Single-process fp32 runs of both architectures."""
-    tmp = tmp_path_factory.mktemp("ref")
-    return {
-        "gpt": train(tmp, "gpt", 1, model=TINY_GPT),
-        "llama": train(tmp, "llama", 1, model=TINY_LLAMA),
-    }
+def reference(reference_runs):
+    """Single-process fp32 runs of both architectures (shared: tests/conftest.py)."""
+    return reference_runs
 
 
 def test_sequence_parallel_inside_the_pipeline(tmp_path, reference):

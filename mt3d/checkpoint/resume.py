@@ -228,14 +228,15 @@ def check_engine_state(path: Path, meta: dict) -> None:
         raise CheckpointError(f"{path} has no engine state file ({' or '.join(ENGINE_STATE_FILES)})")
     state = safe_torch_load(path / name)
     layout = meta.get("layout") or {}
+    cp = layout.get("cp", 1)  # DeepSpeed counts the cp ranks in its data axis (mt3d.ds.engine)
     claims = {
         "step": (meta.get("step"), state.get("global_steps")),
         "step (mt3d client state)": (meta.get("step"), (state.get("mt3d") or {}).get("step")),
         "samples seen": (
-            meta.get("step", 0) * meta.get("global_batch", 0) if meta.get("global_batch") else None,
+            meta.get("step", 0) * meta.get("global_batch", 0) * cp if meta.get("global_batch") else None,
             state.get("global_samples") if meta.get("global_batch") else None,
         ),
-        "dp": (layout.get("dp"), state.get("dp_world_size")),
+        "dp": (layout.get("dp", 0) * cp, state.get("dp_world_size")),
         "tp x pp": (layout.get("tp", 0) * layout.get("pp", 0), state.get("mp_world_size")),
     }
     for what, (manifest_says, engine_says) in claims.items():

@@ -99,6 +99,9 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
     tp, seq = degrees["tp"], run.mt3d.data.seq_len
     if par.sequence_parallel and tp > 1 and seq % tp:
         raise ConfigError(f"sequence parallelism needs seq_len ({seq}) divisible by tp ({tp})")
+    why = rules.context_conflict(par, degrees, seq, stage)
+    if why:
+        raise ConfigError(why)
 
 
 def _check_model(model: ModelConfig, par: ParallelConfig, degrees: dict[str, int], seq_len: int) -> None:
@@ -139,6 +142,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     _check_schedule(run, degrees, stage)
     if model is not None:
         _check_model(model, par, degrees, data.seq_len)
+        why = rules.context_conflict(par, degrees, data.seq_len, stage, model)
+        if why:
+            raise ConfigError(why)
     rules.check_train(train)
     preflight.check_inputs(train, data)
     preflight.check_device(ds.precision)

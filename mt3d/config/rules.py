@@ -222,7 +222,6 @@ def check_data(data: DataConfig) -> None:
 
 
 NOT_YET = {
-    "cp": "context parallelism (mt3d.parallel.context)",
     "ep": "expert parallelism (mt3d.parallel.expert)",
 }
 
@@ -232,3 +231,36 @@ def check_unsupported(degrees: dict[str, int]) -> None:
     for axis, what in NOT_YET.items():
         if degrees.get(axis, 1) > 1:
             raise ConfigError(f"{what} is not supported yet; set it to 1")
+
+
+def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int, zero_stage: int,
+                     model=None) -> str | None:  # fmt: skip
+    """Why context parallelism cannot run as configured (None: it can, as far as the inputs tell)."""
+    from ..parallel.context import EXCHANGES, ulysses_heads_ok
+
+    if par.context_exchange not in EXCHANGES:
+        got = par.context_exchange
+        return f"mt3d.parallel.context_exchange must be one of {', '.join(EXCHANGES)}, got {got!r}"
+    cp, tp = degrees["cp"], degrees["tp"]
+    if cp == 1:
+        return None
+    if zero_stage >= 2:
+        return (
+            "context parallelism runs inside DeepSpeed's pipeline engine, which averages gradients over "
+            "dp x cp: use zero_optimization.stage 0 or 1 (ZeRO-2/3 are not supported with it yet)"
+        )
+    if seq_len % (2 * cp):
+        return (
+            f"context parallelism needs seq_len ({seq_len}) divisible by 2 x cp = {2 * cp} (rank i holds "
+            f"chunks i and {2 * cp - 1}-i of every sample)"
+        )
+    if par.sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+        return f"sequence parallelism needs seq_len / cp ({seq_len // cp}) divisible by tp ({tp})"
+    if model is not None and par.context_exchange == "alltoall":
+        heads, kv = model.heads // tp, model.kv_heads // tp
+        if not ulysses_heads_ok(heads, kv, cp):
+            return (
+                f"context_exchange alltoall needs heads / tp ({heads}) divisible by cp ({cp}) and kv_heads / "
+                f"tp ({kv}) dividing or divisible by cp; use context_exchange allgather (or auto)"
+            )
+    return None

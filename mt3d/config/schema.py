@@ -32,7 +32,13 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel degree tp (heads, KV groups and MLP split over tp ranks)."""
     context: int = 1
-    """Context-parallel degree cp (each sample's sequence split over cp ranks)."""
+    """Context-parallel degree cp: each sample's sequence is cut into 2 cp chunks and cp rank i holds
+    chunks i and 2cp-1-i (every rank the same attention work); needs seq_len divisible by 2 cp."""
+    context_exchange: str = "auto"
+    """How attention reaches the other cp ranks' tokens: 'alltoall' (Ulysses: DeepSpeed's
+    DistributedAttention; needs heads / tp divisible by cp), 'allgather' (every rank gathers keys
+    and values), or 'auto' (all-to-all when the heads divide, else all-gather). Local layers whose
+    W*d - 1 keys fit in one chunk receive only that halo from the neighbouring rank, whatever this says."""
     expert: int = 1
     """Expert-parallel degree ep (experts of MoE layers split over ep ranks; ep divides dp)."""
     pipeline: int = 1

@@ -89,6 +89,8 @@ class StepBatches:
 
     Yields ``(inputs, labels)`` for DeepSpeed's ``train_batch`` / ``eval_batch``. ``step`` is the
     step whose micro-batches come next, so the data position is saved and restored as one integer.
+    With a context-parallel group ``cp`` every cp rank reads the same samples and keeps its two
+    chunks of each (``parallel.context.split_sequence``).
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class StepBatches:
         dp_rank: int,
         start_step: int = 0,
         device: str | torch.device = "cpu",
+        cp=None,
     ) -> None:
         self.samples = samples
         self.kw = dict(
@@ -108,6 +111,7 @@ class StepBatches:
         )
         self.step, self.micro = start_step, 0
         self.device = device
+        self.cp = cp  # context parallelism: this rank keeps its chunks of every sample
 
     def __iter__(self):
         return self
@@ -118,4 +122,8 @@ class StepBatches:
         if self.micro == self.kw["grad_accum"]:
             self.step, self.micro = self.step + 1, 0
         x, y = to_batch([self.samples[i] for i in ids])
+        if self.cp is not None and self.cp.size > 1:
+            from ..parallel.context import split_sequence
+
+            x, y = split_sequence(x, self.cp), split_sequence(y, self.cp)
         return x.to(self.device), y.to(self.device)

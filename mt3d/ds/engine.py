@@ -26,6 +26,12 @@ def deepspeed_config(ds: DeepSpeedSection, layout: Layout, *, sequence_parallel:
     out = ds.copy()
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
+    if layout.cp > 1:
+        # DeepSpeed's pipeline grid counts the cp ranks in its 'data' axis (they average gradients
+        # with dp) and checks train_batch_size = micro-batch x accumulation x its data size: each cp
+        # rank's chunks of a sample count as a sample of their own (global_samples grows by
+        # global_batch x cp per step).
+        out["train_batch_size"] = layout.global_batch * layout.cp
     # mt3d owns the W&B run (metrics.WandbSink: best effort, silent once a stop signal arrived);
     # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
     # killed W&B's helper during a preemption save.

@@ -422,14 +422,16 @@ def attend(
     k_start: int = 0,
     block: int | None = None,
     kernel: str = "auto",
+    n: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j`` (the
-    sequence ends with the last query).
+    """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j`` in a
+    sequence of ``n`` tokens (default: it ends with the last query).
 
     q: [b, hq, s, d]; k, v: [b, hk, t, d] (hq a multiple of hk). Returns [b, hq, s, d].
     """
     s, t = q.shape[2], k.shape[2]
-    whole = q_start == 0 and k_start == 0 and s == t
+    n = q_start + s if n is None else n
+    whole = q_start == 0 and k_start == 0 and s == t == n
     if whole and pattern is not None and pattern.dilation == 1 and pattern.window >= s:
         pattern = None  # every window reaches the first token: global attention
     if whole:
@@ -451,7 +453,7 @@ def attend(
             )
     qpos = torch.arange(q_start, q_start + s, device=q.device)[:, None]
     kpos = torch.arange(k_start, k_start + t, device=q.device)[None, :]
-    mask = (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos, q_start + s)
+    mask = (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos, n)
     if bool(mask.all()):
         mask = None  # e.g. one decoding step over a cache that holds just its window
     return dense_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import context
 from ..parallel.layers import (
     ColumnParallelLinear,
     NoInit,
@@ -52,6 +53,8 @@ class BuildContext:
         vocab_multiple: pad the vocabulary to a multiple of this times tp.
         dtype, device: of the parameters.
         skip_init: leave weights uninitialised (they are about to be loaded from a checkpoint).
+        cp: the context-parallel group (None or one rank: each rank holds whole sequences).
+        cp_exchange: how attention reaches the other cp ranks' tokens (``parallel.context``).
     """
 
     tp: AxisGroup
@@ -62,6 +65,8 @@ class BuildContext:
     dtype: torch.dtype = torch.float32
     device: str | None = None
     skip_init: bool = False
+    cp: AxisGroup | None = None
+    cp_exchange: str = "auto"
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
@@ -77,6 +82,20 @@ class BuildContext:
     def tp_region_rng(self):
         """Context for random ops whose result must differ per TP rank."""
         return self.tracker.fork() if self.tracker is not None else contextlib.nullcontext()
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel degree (1: whole sequences)."""
+        return self.cp.size if self.cp is not None else 1
+
+    def positions(self, local_len: int, offset: int = 0, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens (its cp chunks; ``offset`` + arange
+        without context parallelism)."""
+        if self.cp_size == 1:
+            return torch.arange(offset, offset + local_len, device=device)
+        from ..parallel.context import local_positions
+
+        return local_positions(self.cp, local_len, device)
 
 
 class RMSNorm(nn.Module):
@@ -202,10 +221,16 @@ class Attention(nn.Module):
         # than on the host in every layer of every micro-batch (a host-device copy each time).
         key = (past, s, like.device, like.dtype)
         if getattr(self, "_rope_key", None) != key:
-            pos = torch.arange(past, past + s, device=like.device)
-            self._rope_tables = rope_cos_sin(self.cfg, pos, past + s, like.dtype)
+            pos = self.ctx.positions(s, past, like.device)
+            self._rope_tables = rope_cos_sin(self.cfg, pos, past + s * self.ctx.cp_size, like.dtype)
             self._rope_key = key
         return self._rope_tables
+
+    def cp_kind(self, local_len: int) -> str:
+        """This layer's context-parallel exchange for ``local_len`` local tokens (two chunks)."""
+        return context.exchange_for(
+            self.ctx.cp_exchange, self.pattern, local_len // 2, self.heads, self.kv_heads, self.ctx.cp_size
+        )
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
@@ -228,20 +253,16 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, k_start = cache.update(self, k, v, self.pattern)
         drop = self.cfg.attention_dropout if self.training else 0.0
+        kernel = functools.partial(attend, block=self.block, kernel=self.kernel)
         with self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext():
-            o = attend(
-                q,
-                k,
-                v,
-                pattern=self.pattern,
-                scale=self.scale,
-                softcap=self.cfg.attn_softcap,
-                dropout=drop,
-                q_start=past,
-                k_start=k_start,
-                block=self.block,
-                kernel=self.kernel,
-            )
+            if self.ctx.cp_size > 1 and cache is None:
+                o = context.attention(
+                    q, k, v, self.ctx.cp, self.cp_kind(s), pattern=self.pattern, scale=self.scale,
+                    softcap=self.cfg.attn_softcap, dropout=drop, attend=kernel,
+                )  # fmt: skip
+            else:
+                o = kernel(q, k, v, pattern=self.pattern, scale=self.scale, softcap=self.cfg.attn_softcap,
+                           dropout=drop, q_start=past, k_start=k_start)  # fmt: skip
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.out(o)
 
@@ -384,10 +405,15 @@ class PositionsAndDropout(nn.Module):
             x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.pos is not None:
             s = x.shape[1]
-            start = offset + (self.ctx.tp.rank * s if self.ctx.sp else 0)
-            if start + s > self.pos.shape[0]:
-                raise ValueError(f"sequence of {start + s} tokens exceeds max_seq_len {self.pos.shape[0]}")
-            x = x + self.pos[start : start + s]
+            tp = self.ctx.tp.size if self.ctx.sp else 1
+            pos = self.ctx.positions(s * tp, offset, x.device)
+            if tp > 1:  # this rank's sequence shard of its tokens
+                pos = pos[self.ctx.tp.rank * s : (self.ctx.tp.rank + 1) * s]
+            if int(pos.max()) >= self.pos.shape[0]:
+                raise ValueError(
+                    f"sequence of {int(pos.max()) + 1} tokens exceeds max_seq_len {self.pos.shape[0]}"
+                )
+            x = x + (self.pos[pos] if self.ctx.cp_size > 1 else self.pos[int(pos[0]) : int(pos[0]) + s])
         if self.training and self.p > 0:
             with self.ctx.tp_region_rng() if self.ctx.sp else contextlib.nullcontext():
                 x = F.dropout(x, self.p, True)

@@ -19,7 +19,8 @@ import torch
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from ..parallel.cross_entropy import mean_loss, vocab_parallel_cross_entropy
+from ..parallel.cross_entropy import IGNORE_INDEX, mean_loss, vocab_parallel_cross_entropy
+from ..parallel.mappings import all_reduce
 from ..parallel.random import checkpoint
 from ..parallel.state import AxisGroup
 from .blocks import BuildContext, FinalNorm, LMHead, PositionsAndDropout, TransformerBlock, WordEmbedding
@@ -89,14 +90,25 @@ def stage_bounds(stage_blocks: list[int]) -> list[int]:
 
 
 class LossFn:
-    """Mean vocab-parallel cross entropy over the non-ignored tokens of a micro-batch."""
+    """Mean vocab-parallel cross entropy over the non-ignored tokens of a micro-batch.
 
-    def __init__(self, tp: AxisGroup, vocab_size: int) -> None:
-        self.tp, self.vocab_size = tp, vocab_size
+    With context parallelism each rank holds some tokens of every sample: its loss is its share of the
+    micro-batch's token-weighted mean (its sum over the tokens of all cp ranks), times cp, because
+    DeepSpeed's pipeline engine averages gradients and losses over dp x cp (its 'data' groups): the
+    mean over the cp ranks is the loss of cp = 1.
+    """
+
+    def __init__(self, tp: AxisGroup, vocab_size: int, cp: AxisGroup | None = None) -> None:
+        self.tp, self.vocab_size, self.cp = tp, vocab_size, cp
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Scalar loss (identical on every TP rank)."""
-        return mean_loss(vocab_parallel_cross_entropy(logits, labels, self.tp, self.vocab_size), labels)
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.tp, self.vocab_size)
+        if self.cp is None or self.cp.size == 1:
+            return mean_loss(per_token, labels)
+        count = (labels != IGNORE_INDEX).sum().float()
+        all_reduce(count, self.cp)
+        return per_token.sum() * self.cp.size / count.clamp(min=1)
 
 
 def run_layers(funcs, x: torch.Tensor, interval: int, ckpt) -> torch.Tensor:

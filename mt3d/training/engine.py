@@ -49,6 +49,7 @@ def build_model(
     train: TrainConfig,
     sequence_parallel: bool = False,
     skip_init: bool = False,
+    cp_exchange: str = "auto",
 ):
     """This rank's part of the model (pipeline stage or whole stacked model).
 
@@ -64,9 +65,11 @@ def build_model(
         sequence_parallel=sequence_parallel,
         tracker=rt.tracker,
         skip_init=skip_init,
+        cp=rt.state.cp,
+        cp_exchange=cp_exchange,
     )
     specs = layer_specs(cfg, ctx, vocab_size)
-    loss_fn = LossFn(rt.state.tp, vocab_size)
+    loss_fn = LossFn(rt.state.tp, vocab_size, rt.state.cp)
     ckpt = functools.partial(
         checkpoint, tracker=rt.tracker, tp=rt.state.tp, partition=rec.partition_activations
     )

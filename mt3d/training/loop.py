@@ -72,6 +72,7 @@ class Trainer:
             dp_rank=self.rt.state.dp.rank,
             start_step=step,
             device=self.rt.device,
+            cp=self.rt.state.cp,
         )
 
     def _dp_mean(self, value: torch.Tensor) -> float:

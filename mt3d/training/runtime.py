@@ -112,9 +112,10 @@ def setup(par: ParallelConfig, seed: int) -> Runtime:
     )
     state = ParallelState.build(topo)
     # Same default stream on every TP and DP rank of a stage (replicated dropout matches across TP);
-    # stages differ so they do not repeat each other's masks.
-    seed_everything(seed + 100 * state.pp.rank)
-    tracker = RNGTracker.for_tp(seed + 100 * state.pp.rank, state.tp)
+    # stages, and cp ranks (which hold other tokens), differ so they do not repeat each other's masks.
+    stream = seed + 100 * state.pp.rank + 1_000_003 * state.cp.rank
+    seed_everything(stream)
+    tracker = RNGTracker.for_tp(stream, state.tp)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if rank == 0:
         pl = topo.placement

@@ -103,7 +103,8 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
             load_dir, tag = reshard.prepare(plan, layout, run.mt3d.train.save_dir, rt.rank)
     sp = run.mt3d.parallel.sequence_parallel
     model = build_model(cfg, layout, rt, vocab, train=run.mt3d.train, sequence_parallel=sp,
-                        skip_init=bool(hf_path) or plan is not None or fast_init)  # fmt: skip
+                        skip_init=bool(hf_path) or plan is not None or fast_init,
+                        cp_exchange=run.mt3d.parallel.context_exchange)  # fmt: skip
     if fast_init:
         import torch
 
