@@ -370,8 +370,9 @@ def _load(args, pp: int = 1):
         import os
 
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    cp = getattr(args, "cp", 1)
     return from_pretrained(
-        args.model, tp=args.tp, pp=pp, dtype=getattr(torch, args.dtype), device=device
+        args.model, tp=args.tp, pp=pp, cp=cp, dtype=getattr(torch, args.dtype), device=device
     ), device
 
 
@@ -400,11 +401,18 @@ def _add_eval(sub) -> None:
         "(stride = seq-len) or sliding windows (smaller stride: each token scored once, with context).",
         epilog="examples:\n  mt3d eval --model runs/x --text wiki.txt --seq-len 512 --stride 256 --json\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text wiki.txt --seq-len 1024 \\\n"
-        "      --tp 2 --pp 2",
+        "      --tp 2 --pp 2\n"
+        "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text book.txt --seq-len 32768 --cp 4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(p)
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="context-parallel ranks: each window cut over them (long documents)",
+    )
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--seq-len", type=positive_int, required=True, help="window length in tokens")
     p.add_argument("--stride", type=positive_int, help="window step (default seq-len: non-overlapping)")
@@ -421,7 +429,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .model.loading import open_source
 
     stride = args.stride or args.seq_len
-    _positive(tp=args.tp, pp=args.pp, seq_len=args.seq_len, stride=stride)
+    _positive(tp=args.tp, pp=args.pp, cp=args.cp, seq_len=args.seq_len, stride=stride)
     if stride > args.seq_len:
         raise UsageError(
             f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"

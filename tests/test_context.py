@@ -128,3 +128,95 @@ LAYOUTS = [  # (model, world, parallel keys): each exchange that applies, with t
 def test_context_parallel_training_matches_one_process(tmp_path, reference_runs, name, world, parallel):
     ref = reference_runs[name] if name in reference_runs else _train(tmp_path, "ref", 1, _model(name))
     _same(_train(tmp_path, "cp", world, _model(name), **parallel), ref, f"{name} {parallel}")
+
+
+def test_context_parallel_checkpoints_resume_exactly_and_reshard(tmp_path):
+    """cp 2 resumes bit for bit; its checkpoint reshards to cp 1, and a cp 1 checkpoint to cp 4 (the cp
+    ranks count in DeepSpeed's data axis: a reshard across cp is one across its dp)."""
+    from helpers import TINY_LLAMA, step_records, tiny_config, train_worker
+
+    def run(name, world, steps=6, **kw):
+        raw = tiny_config(tmp_path / name, model=TINY_LLAMA, steps=steps, save_interval=3, **kw)
+        raw["mt3d"]["parallel"]["context"] = world
+        return [
+            (r["step"], r["loss"], r["grad_norm"])
+            for r in step_records(spawn(train_worker, world, raw, timeout=600)[0])
+        ]
+
+    one, two = run("cp1", 1), run("cp2", 2)
+    step3 = lambda name: str(tmp_path / name / "checkpoints" / "step_00000003")  # noqa: E731
+    assert run("cp2again", 2, resume=step3("cp2")) == two[3:]  # bit for bit
+    for got, want in (
+        (run("to1", 1, resume=step3("cp2")), two[3:]),
+        (run("to4", 4, resume=step3("cp1")), one[3:]),
+    ):
+        for (s, loss, gn), (s2, loss2, gn2) in zip(got, want, strict=True):
+            assert s == s2 and abs(loss - loss2) <= RTOL * loss2 and abs(gn - gn2) <= RTOL * gn2, (got, want)
+
+
+@pytest.mark.parametrize(
+    "parallel,extra,match",
+    [
+        (dict(context=3), {}, "seq_len \\(32\\) divisible by 2 x cp = 6"),
+        (
+            dict(context=2, context_exchange="alltoall"),
+            {"heads": 3, "hidden": 48},
+            "heads / tp \\(3\\) divisible by cp",
+        ),
+        (
+            dict(context=2, context_exchange="ring"),
+            {},
+            "context_exchange must be one of auto, alltoall, allgather",
+        ),
+        (dict(context=2), {"zero": 2}, "context parallelism runs inside DeepSpeed's pipeline engine"),
+        (dict(context=2), {"seq_len": 128}, "exceeds the model's max_seq_len 64"),
+        (
+            dict(context=2, tensor=4, sequence_parallel=True),
+            {"seq_len": 36, "world": 8},
+            "seq_len / cp \\(18\\) divisible by tp \\(4\\)",
+        ),
+        (dict(context=2, expert=2), {"world": 8}, "expert parallelism"),
+    ],
+)
+def test_bad_context_parallel_configs_are_one_line_before_process_groups(tmp_path, parallel, extra, match):
+    from mt3d.config import ConfigError, from_dict, resolve_model, validate
+
+    from helpers import TINY_GPT, tiny_config
+
+    model = {**TINY_GPT, **{k: extra[k] for k in ("heads", "hidden") if k in extra}}
+    raw = tiny_config(tmp_path, model=model, zero=extra.get("zero", 1))
+    raw["mt3d"]["parallel"].update(parallel)
+    raw["mt3d"]["data"]["seq_len"] = extra.get("seq_len", 32)
+    run = from_dict(raw)
+    world = extra.get("world", parallel["context"])
+    with pytest.raises(ConfigError, match=match) as info:
+        validate(run, world, resolve_model(run.mt3d.model))
+    assert "\n" not in str(info.value)
+
+
+def _eval_worker(path, text_ids, cp):
+    from mt3d.model.inference import evaluate_tokens
+    from mt3d.model.loading import from_pretrained
+
+    model = from_pretrained(path, cp=cp)
+    return evaluate_tokens(model, text_ids, model.state, 24, 16)
+
+
+def test_eval_at_cp_equals_one_process(tmp_path):
+    """``mt3d eval --cp``: windows cut over the cp ranks (the last one padded) score the same loss."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from mt3d.model.inference import evaluate_tokens
+    from mt3d.model.loading import from_pretrained
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=100, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 100, (70,), generator=torch.Generator().manual_seed(1))
+    want = evaluate_tokens(
+        from_pretrained(tmp_path / "hf"), ids, None or from_pretrained(tmp_path / "hf").state, 24, 16
+    )
+    for got in spawn(_eval_worker, 2, str(tmp_path / "hf"), ids, 2, timeout=300):
+        assert got["tokens"] == want["tokens"] == 69
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

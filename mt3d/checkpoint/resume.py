@@ -73,6 +73,11 @@ class ResumePlan:
         if now["stage_blocks"] is None:
             now.pop("stage_blocks")
         now.pop("offload")  # where states live is not how they are partitioned (check_offload)
+        from ..parallel.axes import NAMES
+
+        for axis in NAMES:  # an optional axis of size 1 is left out of either record
+            saved.setdefault(axis, 1)
+            now.setdefault(axis, 1)
         return any(saved.get(k) != v for k, v in now.items())
 
     def check_offload(self, layout: Layout) -> bool:

@@ -21,7 +21,7 @@ from .blocks import Attention, PositionsAndDropout, TransformerBlock
 
 def _neighbour(state: ParallelState, stage: int) -> int:
     coord = state.topology.coord(state.global_rank)
-    return state.topology.rank_of(tp=coord["tp"], dp=coord["dp"], pp=stage)
+    return state.topology.rank_of(**{**coord, "pp": stage})
 
 
 @torch.no_grad()
@@ -57,26 +57,46 @@ def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _window_batch(tokens, begin: int, end: int, scored: int, cp) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids, next-token targets, targets scored) of one window: position p predicts token p + 1,
+    scored when that token is in the window's ``scored`` tail. With context parallelism padded to a
+    multiple of 2 cp (padding at the end changes no earlier position under causal attention) and cut
+    into this rank's chunks."""
+    ids = tokens[begin:end].unsqueeze(0)
+    target = torch.full_like(ids, IGNORE_INDEX)
+    target[:, :-1] = ids[:, 1:]
+    target[:, : max(0, ids.shape[1] - scored - 1)] = IGNORE_INDEX
+    count = int((target != IGNORE_INDEX).sum())
+    if cp.size > 1:
+        from ..parallel.context import split_sequence
+
+        pad = -ids.shape[1] % (2 * cp.size)
+        ids = F.pad(ids, (0, pad), value=0)
+        target = F.pad(target, (0, pad), value=IGNORE_INDEX)
+        ids, target = split_sequence(ids, cp), split_sequence(target, cp)
+    return ids, target, count
+
+
 @torch.no_grad()
 def evaluate_tokens(model, tokens: torch.Tensor, state: ParallelState, seq_len: int, stride: int) -> dict:
-    """Loss and perplexity of a 1-D token tensor (identical on every rank)."""
+    """Loss and perplexity of a 1-D token tensor (identical on every rank); with context parallelism
+    each window is cut over the cp ranks and their sums added."""
     if stride <= 0 or stride > seq_len:
         raise ValueError(f"stride must be in 1..seq_len ({seq_len}), got {stride}")
     nll, count = torch.zeros((), dtype=torch.float64, device=tokens.device), 0
     hidden = model.config.hidden
     for begin, end, scored in windows(tokens.numel(), seq_len, stride):
-        ids = tokens[begin:end].unsqueeze(0)
-        labels = ids.clone()
-        labels[:, : ids.shape[1] - scored] = IGNORE_INDEX
+        ids, target, scored_here = _window_batch(tokens, begin, end, scored, state.cp)
         out = logits(model, ids, state, hidden)
         if out is not None:
-            target = labels[:, 1:]
             loss = F.cross_entropy(
-                out[:, :-1].float().reshape(-1, out.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
+                out.float().reshape(-1, out.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
                 reduction="sum",
             )  # fmt: skip
             nll += loss.double()
-        count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        count += scored_here
+    if state.cp.size > 1:
+        dist.all_reduce(nll, group=state.cp.group)
     if state.pp.size > 1:  # the last stage has the sum: share it with every stage
         dist.broadcast(nll, src=_neighbour(state, state.pp.size - 1), group=state.pp.group)
     loss = nll.item() / max(count, 1)

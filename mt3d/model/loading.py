@@ -121,7 +121,7 @@ def build_model(
     skip_init: bool = False,
 ) -> nn.Module:
     """An inference/fine-tuning model for this rank: StackedModel at pp = 1, else a pipeline stage."""
-    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init)
+    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init, cp=state.cp)
     specs = layer_specs(cfg, ctx, vocab)
     loss = LossFn(state.tp, vocab)
     if state.pp.size == 1:
@@ -134,8 +134,8 @@ def build_model(
     return model.to(device=device, dtype=dtype)
 
 
-def inference_state(tp: int, pp: int) -> ParallelState:
-    """Process groups for a tp x pp model: none for one rank, else from the launcher's ranks."""
+def inference_state(tp: int, pp: int, cp: int = 1) -> ParallelState:
+    """Process groups for a tp x pp (x cp) model: none for one rank, else from the launcher's ranks."""
     import os
 
     import torch.distributed as dist
@@ -143,17 +143,18 @@ def inference_state(tp: int, pp: int) -> ParallelState:
     from ..parallel.topology import map_ranks
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if tp * pp == 1 and world == 1 and not dist.is_initialized():
+    if tp * pp * cp == 1 and world == 1 and not dist.is_initialized():
         return ParallelState.single()
-    if world != tp * pp:
-        raise UserError(f"tp={tp} x pp={pp} needs exactly {tp * pp} ranks; the launcher started {world}")
+    if world != tp * pp * cp:
+        what = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
+        raise UserError(f"{what} needs exactly {tp * pp * cp} ranks; the launcher started {world}")
     if not dist.is_initialized():
         import deepspeed
 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(verbose=False)
-    return ParallelState.build(map_ranks(tp * pp, tp, pp))
+    return ParallelState.build(map_ranks(tp * pp * cp, tp, pp, cp=cp))
 
 
 def from_pretrained(
@@ -161,21 +162,22 @@ def from_pretrained(
     *,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     state: ParallelState | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
 ) -> nn.Module:
     """Load an HF directory or mt3d checkpoint for the calling rank, ready to run.
 
-    Without torch.distributed (or with tp = pp = 1) this is a single-process model. Under a
-    launcher with ``tp * pp`` ranks, each rank gets its TP shard of its pipeline stage (pass
-    ``state`` to reuse existing process groups). The model carries ``.config`` (ModelConfig),
-    ``.state`` (ParallelState) and ``.tokenizer_dir``.
+    Without torch.distributed (or with tp = pp = cp = 1) this is a single-process model. Under a
+    launcher with ``tp * pp * cp`` ranks, each rank gets its TP shard of its pipeline stage and, with
+    ``cp`` > 1, runs its chunks of every sequence (pass ``state`` to reuse existing process groups).
+    The model carries ``.config`` (ModelConfig), ``.state`` (ParallelState) and ``.tokenizer_dir``.
     """
     source = open_source(path)
     source.cfg.check_parallel(tp, pp)
     if state is None:
-        state = ParallelState.single() if tp * pp == 1 else inference_state(tp, pp)
+        state = ParallelState.single() if tp * pp * cp == 1 else inference_state(tp, pp, cp)
     model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
     load_weights(model, source, state.tp)
     model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir
