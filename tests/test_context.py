@@ -85,10 +85,10 @@ RTOL = 1e-5
 GNA = {"window": 4, "stride": 2, "dilation": 2, "global_every": 2}  # W d - 1 = 7 keys: fits a chunk of 8
 
 
-def _train(tmp_path, name, world, model, **parallel):
+def _train(tmp_path, name, world, model, zero=1, tile_len=0, **parallel):
     from helpers import step_records, tiny_config, train_worker
 
-    raw = tiny_config(tmp_path / name, model=model)
+    raw = tiny_config(tmp_path / name, model=model, zero=zero, recompute={"tile_len": tile_len})
     raw["mt3d"]["parallel"].update(parallel)
     return step_records(spawn(train_worker, world, raw, timeout=600)[0])
 
@@ -116,9 +116,12 @@ LAYOUTS = [  # (model, world, parallel keys): each exchange that applies, with t
     ("llama", 4, dict(context=4)),  # auto: all-to-all (8 heads, 4 kv heads)
     ("llama", 4, dict(tensor=2, context=2, sequence_parallel=True, context_exchange="allgather")),
     ("llama", 4, dict(context=2, pipeline=2, virtual_stages=2)),  # interleaved 1F1B
-    ("gpt", 8, dict(tensor=2, context=2, pipeline=2, sequence_parallel=True)),
-    ("gemma", 2, dict(context=2)),  # Gemma 2: local (halo) and global layers, soft-capping
+    # sequence tiles (train.recompute.tile_len) in the MLP (SP shards of 8 in tiles of 3, 3, 2) and
+    # the loss (16 positions in tiles of 6, 5, 5), tied head
+    ("gpt", 8, dict(tensor=2, context=2, pipeline=2, sequence_parallel=True, tile_len=6)),
+    ("gemma", 2, dict(context=2, tile_len=5)),  # Gemma 2: local (halo) and global layers, soft-capping
     ("gna", 2, dict(context=2)),  # strided + dilated pattern through the halo
+    ("llama", 2, dict(zero=2, tile_len=5)),  # tiles under ZeRO-2's gradient hooks (dp 2), untied head
 ]
 
 

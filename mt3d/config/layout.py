@@ -93,6 +93,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
         rules.virtual_stage_conflict(pp, v)
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)
+        or rules.tiles_conflict(run.mt3d.train.recompute.tile_len, stage)
     )
     if why:
         raise ConfigError(why)

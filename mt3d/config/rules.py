@@ -186,6 +186,9 @@ def check_train(train: TrainConfig) -> None:
     for key, low in bounds.items():
         if getattr(train, key) < low:
             raise ConfigError(f"mt3d.train.{key} must be >= {low}, got {getattr(train, key)}")
+    for key in ("interval", "tile_len"):
+        if getattr(train.recompute, key) < 0:
+            raise ConfigError(f"mt3d.train.recompute.{key} must be >= 0, got {getattr(train.recompute, key)}")
     if train.eval_interval > 0 and train.eval_batches == 0:
         raise ConfigError("mt3d.train.eval_interval > 0 needs eval_batches >= 1 (or set eval_interval 0)")
     if train.peak_tflops is not None and train.peak_tflops <= 0:
@@ -194,6 +197,16 @@ def check_train(train: TrainConfig) -> None:
         raise ConfigError(
             f"mt3d.train.wandb_mode must be offline, online or disabled, got {train.wandb_mode!r}"
         )
+
+
+def tiles_conflict(tile_len: int, zero_stage: int) -> str | None:
+    """Why sequence tiles cannot run with this ZeRO stage (None: they can)."""
+    if tile_len > 0 and zero_stage == 3:
+        return (
+            "mt3d.train.recompute.tile_len is not supported with ZeRO-3 yet (its weight gathering is not "
+            "wired into the tiles' recompute): use ZeRO stage 0-2, or tile_len 0"
+        )
+    return None
 
 
 def check_data(data: DataConfig) -> None:

@@ -22,6 +22,12 @@ class RecomputeConfig:
     """Checkpoint every run of this many consecutive blocks (0: off; 1: every block)."""
     partition_activations: bool = False
     """Keep only 1/tp of each checkpointed input (sequence slice), all-gathered for the recompute."""
+    tile_len: int = 0
+    """Run every MLP and the loss over at most this many sequence positions at a time, recomputing one
+    tile at a time in the backward (0: whole sequences). For long sequences: the MLP's inner
+    activations and the logits (positions x vocabulary / tp) never exist whole, for about one more
+    forward pass of the MLPs and the head. Counted as the layer sees the sequence: this cp rank's
+    positions, all-gathered over tp with sequence parallelism."""
 
 
 @dataclass

@@ -38,6 +38,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.state import AxisGroup
 from .attention import attend
 from .config import GATED_MLPS, ModelConfig
+from .tiled import tile_count, tiled
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class BuildContext:
         skip_init: leave weights uninitialised (they are about to be loaded from a checkpoint).
         cp: the context-parallel group (None or one rank: each rank holds whole sequences).
         cp_exchange: how attention reaches the other cp ranks' tokens (``parallel.context``).
+        tile_len: run the MLP and the loss over at most this many sequence positions at a time
+            (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its (gathered) input and
+            weight instead of logits, and ``LossFn`` projects tile by tile.
     """
 
     tp: AxisGroup
@@ -67,6 +71,7 @@ class BuildContext:
     skip_init: bool = False
     cp: AxisGroup | None = None
     cp_exchange: str = "auto"
+    tile_len: int = 0
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
@@ -274,6 +279,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
         super().__init__()
         self.gated = cfg.mlp in GATED_MLPS
+        self.tile_len = ctx.tile_len
         self.act = F.silu if cfg.mlp == "swiglu" else functools.partial(F.gelu, approximate="tanh")
         parts = (cfg.ffn, cfg.ffn) if self.gated else (cfg.ffn,)
         self.up = ColumnParallelLinear(
@@ -298,8 +304,17 @@ class MLP(nn.Module):
             device=ctx.device,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, s, h] -> [b, s, h] (sequence shards with SP)."""
+    def forward(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """[b, s, h] -> [b, s, h] (sequence shards with SP); in tiles of ``tile_len`` positions (as the
+        up projection sees them: all-gathered over TP with SP) unless ``whole``."""
+        gathered = x.shape[1] * (self.up.tp.size if self.up.sequence_parallel else 1)
+        n = 1 if whole else tile_count(gathered, self.tile_len)
+        if n == 1:
+            return self._mlp(x)
+        names = [name for name, _ in self.named_parameters()]
+        return tiled(functools.partial(_module_tile, self, names), x, list(self.parameters()), n)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         y = self.up(x)
         if self.gated:
             gate, up = y.chunk(2, dim=-1)
@@ -307,6 +322,11 @@ class MLP(nn.Module):
         else:
             y = self.act(y)
         return self.down(y)
+
+
+def _module_tile(module: nn.Module, names: list[str], x: torch.Tensor, aux, params) -> torch.Tensor:
+    """``module(x, whole=True)`` computed with ``params`` in place of its parameters (a tile)."""
+    return torch.func.functional_call(module, dict(zip(names, params, strict=True)), (x,), {"whole": True})
 
 
 class TransformerBlock(nn.Module):
@@ -378,8 +398,17 @@ class WordEmbedding(nn.Module):
 
 def lm_logits(x: torch.Tensor, weight: torch.Tensor, ctx: BuildContext, softcap: float | None = None):
     """Vocab-parallel output projection (the input gradient is summed over TP), optionally
-    soft-capped: cap * tanh(logits / cap), elementwise, so each rank caps its vocabulary slice."""
+    soft-capped (``project``). With ``ctx.tile_len`` the projection is left to the loss, which runs
+    it tile by tile: the result is then the pair (gathered hidden states, weight)."""
     x = gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp)
+    if ctx.tile_len > 0:
+        return x, weight
+    return project(x, weight, softcap)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits, soft-capped (cap * tanh(logits / cap), elementwise,
+    so each rank caps its own slice) when ``softcap`` is set."""
     logits = F.linear(x, weight)
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
@@ -460,6 +489,7 @@ __all__ = [
     "TransformerBlock",
     "WordEmbedding",
     "lm_logits",
+    "project",
     "make_norm",
     "rope_cos_sin",
     "rope_inv_freq",

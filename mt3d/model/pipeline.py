@@ -23,8 +23,17 @@ from ..parallel.cross_entropy import IGNORE_INDEX, mean_loss, vocab_parallel_cro
 from ..parallel.mappings import all_reduce
 from ..parallel.random import checkpoint
 from ..parallel.state import AxisGroup
-from .blocks import BuildContext, FinalNorm, LMHead, PositionsAndDropout, TransformerBlock, WordEmbedding
+from .blocks import (
+    BuildContext,
+    FinalNorm,
+    LMHead,
+    PositionsAndDropout,
+    TransformerBlock,
+    WordEmbedding,
+    project,
+)
 from .config import ModelConfig
+from .tiled import tile_count, tiled
 
 log = logging.getLogger("mt3d")
 
@@ -96,14 +105,39 @@ class LossFn:
     micro-batch's token-weighted mean (its sum over the tokens of all cp ranks), times cp, because
     DeepSpeed's pipeline engine averages gradients and losses over dp x cp (its 'data' groups): the
     mean over the cp ranks is the loss of cp = 1.
+
+    The head's output is this rank's logits, or, when the model was built with ``tile_len``, the pair
+    (hidden states, head weight): the projection, soft-capping and cross entropy then run
+    ``tile_len`` positions at a time (``mt3d.model.tiled``), so the logits never exist whole.
     """
 
-    def __init__(self, tp: AxisGroup, vocab_size: int, cp: AxisGroup | None = None) -> None:
+    def __init__(
+        self,
+        tp: AxisGroup,
+        vocab_size: int,
+        cp: AxisGroup | None = None,
+        *,
+        softcap: float | None = None,
+        tile_len: int = 0,
+    ) -> None:
         self.tp, self.vocab_size, self.cp = tp, vocab_size, cp
+        self.softcap, self.tile_len = softcap, tile_len
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def per_token(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        """Cross entropy of every position [b, s] (at least fp32)."""
+        if not isinstance(outputs, tuple):
+            return vocab_parallel_cross_entropy(outputs, labels, self.tp, self.vocab_size)
+        hidden, weight = outputs
+
+        def tile(x: torch.Tensor, target: torch.Tensor, params) -> torch.Tensor:
+            logits = project(x, params[0], self.softcap)
+            return vocab_parallel_cross_entropy(logits, target, self.tp, self.vocab_size)
+
+        return tiled(tile, hidden, [weight], tile_count(hidden.shape[1], self.tile_len), aux=labels)
+
+    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
         """Scalar loss (identical on every TP rank)."""
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.tp, self.vocab_size)
+        per_token = self.per_token(logits, labels)
         if self.cp is None or self.cp.size == 1:
             return mean_loss(per_token, labels)
         count = (labels != IGNORE_INDEX).sum().float()

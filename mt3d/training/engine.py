@@ -67,9 +67,10 @@ def build_model(
         skip_init=skip_init,
         cp=rt.state.cp,
         cp_exchange=cp_exchange,
+        tile_len=rec.tile_len,
     )
     specs = layer_specs(cfg, ctx, vocab_size)
-    loss_fn = LossFn(rt.state.tp, vocab_size, rt.state.cp)
+    loss_fn = LossFn(rt.state.tp, vocab_size, rt.state.cp, softcap=cfg.logit_softcap, tile_len=rec.tile_len)
     ckpt = functools.partial(
         checkpoint, tracker=rt.tracker, tp=rt.state.tp, partition=rec.partition_activations
     )
