@@ -641,6 +641,12 @@ def _add_plan(sub) -> None:
         default=(1, 2, 4),
         help="interleaved-schedule chunks per pipeline rank to try (default 1,2,4)",
     )
+    p.add_argument(
+        "--context",
+        type=positive_ints,
+        default=None,
+        help="context-parallel degrees to try (default: every divisor of --gpus the sequence allows; 1: none)",
+    )
     for flag, (_, helptext) in DEVICE_FLAGS.items():
         p.add_argument(flag, type=nonnegative_float if flag == "--nvme-gb" else positive_float, help=helptext)
     p.add_argument("--top", type=positive_int, default=10, help="rows to show")
@@ -702,6 +708,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         precision=args.precision,
         efficiency=args.efficiency,
         virtual_stages=args.virtual_stages,
+        context=args.context,
     )
     if args.write_config:
         write_config(result, args.write_config, section)

@@ -258,3 +258,47 @@ def test_planner_fidelity_against_published_runs():
     small, large = predict(PTDP_TABLE1[0]), predict(PTDP_TABLE1[-2])
     assert large["predicted"] / small["predicted"] > 1.15  # large models run closer to peak, as published
     assert calibrate() == pytest.approx(GEMM_FRACTION, abs=0.01)
+
+
+def test_a_million_token_sequence_is_planned_with_context_parallelism(tmp_path):
+    """Llama-7B at 1M tokens on 64 H100s: nothing fits without cp (the smallest layout needs 115 GB per
+    GPU), and the plan answers with a cp layout that fits, its exchange counted on the cp links."""
+    from mt3d.planner.search import explain_infeasible
+
+    cfg, cluster = get_preset("llama-7b"), Cluster(64, 8, get_device("h100"))
+    without = plan(cfg, cluster, global_batch=8, seq_len=2**20, context=(1,))
+    assert not without["feasible"]
+    assert re.search(r"the smallest needs 1[01][0-9]\.\d GB per GPU", explain_infeasible(without))
+    result = plan(cfg, cluster, global_batch=8, seq_len=2**20)
+    best = result["feasible"][0]
+    assert best["cp"] > 1 and best["memory_gb"] < 80 and best["cp_comm_s"] > 0
+    assert all(r["cp"] > 1 and r["zero_stage"] <= 1 for r in result["feasible"])
+    assert {"context parallelism runs inside DeepSpeed's pipeline engine"} <= {
+        r["reason"].split(",")[0] for r in result["rejected"] if r.get("zero_stage", 0) >= 2
+    }
+    assert f"{best['cp']:>3}" in format_plan(result).splitlines()[3][3:8]
+    write_config(result, str(tmp_path / "c.json"), {"preset": "llama-7b"})
+    layout = validate(load(tmp_path / "c.json"), 64, cfg)  # the written config is a valid cp run
+    assert (layout.cp, layout.tp, layout.micro_batch) == (best["cp"], best["tp"], best["micro_batch"])
+
+
+def test_context_parallel_costs_divide_activations_and_count_each_exchange():
+    from mt3d.planner.traffic import cp_bytes, cp_layer_elements
+
+    cfg = get_preset("llama-7b")
+    prec = Precision.of("bf16", 1)
+    acts = {
+        cp: memory_bytes(cfg, 32000, 65536, Layout(1, 1, 8 // cp, 1, 1, 1, True, False, cp=cp), prec)[
+            "activations"
+        ]
+        for cp in (1, 2, 4)
+    }
+    assert 1.9 < acts[1] / acts[2] < 2.1 and 1.9 < acts[2] / acts[4] < 2.1  # ~1/cp (the logits too)
+    # a local layer whose W d - 1 keys fit in a chunk takes the halo: its volume does not grow with s
+    local = resolve_model({"preset": "tiny-llama", "attention": {"window": 64}})
+    halo = [cp_bytes(local, s, 1, 1, 4, 1, 2, local.layers) for s in (4096, 8192)]
+    assert halo[0] == halo[1] == 8 * 0.75 * 63 * local.kv_heads * local.head_dim * 2 * local.layers
+    whole = resolve_model({"preset": "tiny-llama"})
+    gathered = [cp_bytes(whole, s, 1, 1, 4, 1, 2, whole.layers, exchange="allgather") for s in (4096, 8192)]
+    assert gathered[1] == 2 * gathered[0]
+    assert cp_layer_elements("alltoall", 4, 1, 64, 8, 2, 8, 0) == 2 * 0.75 * 16 * (16 + 8) * 8  # kv 2 -> 4

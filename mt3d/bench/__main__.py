@@ -15,13 +15,16 @@ BENCHES = {
     "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
     "bubble": "measured pipeline idle fraction per stage vs (p-1)/(v m+p-1), 1F1B and interleaved",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
-    "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP)",
+    "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP); "
+    "with --cp, each context-parallel exchange (all-to-all, all-gather, halo) vs its volume",
     "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute, offload)",
     "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
     "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
     "attention": "local vs global layers as n grows (n*W vs n^2), and each local pattern's kernel vs dense "
     "causal beside its speed-of-light bound",
+    "longctx": "one long sequence at cp 1/2/4 with and without sequence tiles: per-rank peak memory vs the "
+    "planner, and one process vs cp 4 under an address-space cap",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
     "gemm": "a GEMM sweep of transformer shapes beside the planner's shape model (--smoke: CPU)",
 }
@@ -57,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
     pr.add_argument("--mb", type=float, default=50.0, help="size of the generated jsonl input")
     c = sub.add_parser("comm", help=BENCHES["comm"])
-    c.add_argument("--tp", default="2,4")
+    c.add_argument("--tp", default="2,4", help="TP degrees ('' for none)")
+    c.add_argument("--cp", default="", help="context-parallel degrees to measure each exchange at, e.g. 2,4")
+    c.add_argument("--cp-seq-len", type=int, default=64, help="sequence of the cp rows (the halo also at 2x)")
     c.add_argument("--layers", type=int, default=2)
     c.add_argument("--hidden", type=int, default=64)
     c.add_argument("--seq-len", type=int, default=32)
@@ -76,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_device_and_model_parsers(sub) -> None:
-    """gpu, checkpoint, hfload, attention, planner and gemm."""
+    """gpu, checkpoint, hfload, attention, longctx, planner and gemm."""
+    from ..inputs import positive_ints
+
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
     gp.add_argument("--seq-len", type=int, default=2048)
     gp.add_argument("--micro", type=int, default=8)
@@ -107,6 +114,15 @@ def _add_device_and_model_parsers(sub) -> None:
     )
     at.add_argument("--dilation", type=int, default=2, help="patterns: the dilated row's d (1: none)")
     at.add_argument("--head-dim", type=int, default=None, help="patterns: head size (default 64; GPU 128)")
+    lc = sub.add_parser("longctx", help=BENCHES["longctx"])
+    lc.add_argument("--part", choices=["memory", "cap", "both"], default="both")
+    lc.add_argument("--cp", type=positive_ints, default=(1, 2, 4), help="memory: cp degrees")
+    lc.add_argument("--seq-len", type=int, default=4096, help="memory: tokens of the one sample")
+    lc.add_argument("--tile-len", type=int, default=512, help="memory: the tiled rows' tile_len")
+    lc.add_argument("--cap-seq-len", type=int, default=8192, help="cap: tokens of the one sample")
+    lc.add_argument(
+        "--cap-mb", type=float, default=None, help="cap: MB per rank (default: measured midpoint)"
+    )
     sub.add_parser("planner", help=BENCHES["planner"])
     gm = sub.add_parser("gemm", help=BENCHES["gemm"])
     gm.add_argument("--reps", type=int, default=20)

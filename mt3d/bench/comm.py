@@ -1,4 +1,5 @@
-"""``comm``: every collective of a training step, against 8*b*s*h*(t-1)/t elements per layer.
+"""``comm``: every collective of a training step, against 8*b*s*h*(t-1)/t elements per layer (TP),
+and against the volume of each context-parallel exchange (``--cp``).
 
 Each configuration trains one step of a model with L blocks and one with 2L blocks under
 ``CollectiveLog`` (which records what really goes through torch.distributed, DeepSpeed's calls
@@ -6,24 +7,95 @@ included). The difference between the two runs is exactly the blocks' traffic, s
 micro-batch: calls by operation, and elements each rank moves (ring: 2(t-1)/t of the buffer for
 all-reduce, (t-1)/t for all-gather and reduce-scatter), against the theory. Collectives outside the
 blocks (embedding, LM head, loss, gradient reduction) are listed per step.
+
+Context parallelism (``--cp``): per layer and micro-batch, the elements each cp rank sends (mean
+over the ranks) for each exchange, beside ``planner.traffic.cp_layer_elements`` (the planner's
+volumes): all-to-all 2 f (b s/cp)(2q + 2kv') d, all-gather 4 f b s kv d, halo 8 f b (W d - 1) kv d,
+f = (cp-1)/cp; the halo is measured at two sequence lengths (its volume does not grow with s).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from ..planner.traffic import cp_layer_elements
 from .common import bench_run_config, build_engine, emit, table
 
 
 def moved(op: str, numel: int, n: int) -> float:
-    """Elements one rank sends in a ring implementation of ``op`` over ``n`` ranks."""
-    if n <= 1:
+    """Elements one rank sends in a ring implementation of ``op`` over ``n`` ranks (an all-to-all
+    keeps 1/n of its input; a receive sends nothing)."""
+    if n <= 1 or op in ("recv", "irecv"):
         return 0.0
     if op.startswith("all_reduce"):
         return 2 * (n - 1) / n * numel
-    if op.startswith(("all_gather", "reduce_scatter")):
+    if op.startswith(("all_gather", "reduce_scatter", "all_to_all")):
         return (n - 1) / n * numel
     return float(numel)
+
+
+CP_MODEL = dict(preset="tiny-llama", hidden=64, heads=8, kv_heads=2, ffn=128)  # head_dim 8, GQA
+CP_WINDOW = 4  # the halo rows' model: every layer local with W = 4, so W d - 1 = 3 keys
+CP_KINDS = ("alltoall", "allgather", "halo")
+CP_OPS = ("all_to_all_single", "all_gather", "all_gather_single", "all_gather_into_tensor",
+          "reduce_scatter_single", "reduce_scatter_tensor", "isend", "irecv")  # fmt: skip
+
+
+def cp_worker(kind: str, cp: int, layers: int, seq: int, micro: int, accum: int) -> dict:
+    """One step under the collective recorder at cp ranks; each rank's exchange calls in its cp group."""
+    from ..data.loader import StepBatches
+    from ..parallel.commlog import CollectiveLog
+
+    model = {**CP_MODEL, "layers": layers}
+    if kind == "halo":
+        model["attention"] = {"window": CP_WINDOW}
+    raw = bench_run_config(model=model, seq_len=seq, micro=micro, global_batch=micro * accum, zero=0,
+                           context=cp, exchange="auto" if kind == "halo" else kind)  # fmt: skip
+    _, layout, rt, engine, data, cfg = build_engine(raw)
+
+    def step(k):
+        it = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=micro,
+                         grad_accum=layout.grad_accum, dp_rank=0, start_step=k, cp=rt.state.cp)  # fmt: skip
+        engine.train_batch(data_iter=it)
+
+    step(0)
+    with CollectiveLog() as log:
+        step(1)
+    ranks = tuple(rt.state.cp.ranks)
+    calls = [(c.op, c.numel) for c in log.calls if c.ranks == ranks and c.op in CP_OPS]
+    return {
+        "calls": calls,
+        "head_dim": cfg.head_dim,
+        "history": cfg.patterns[0].history() if kind == "halo" else 0,
+    }
+
+
+def cp_rows(args) -> list[dict]:
+    """Per layer and micro-batch: elements each cp rank sends (mean over the ranks) for each exchange
+    at each cp, beside ``cp_layer_elements``; the halo also at twice the sequence (its volume does not
+    grow)."""
+    rows = []
+    for cp in (int(x) for x in args.cp.split(",")):
+        for kind in CP_KINDS:
+            for s in (args.cp_seq_len, 2 * args.cp_seq_len) if kind == "halo" else (args.cp_seq_len,):
+                rows.append(_cp_row(kind, cp, s, args.micro, args.accum, args.layers))
+    return rows
+
+
+def _cp_row(kind: str, cp: int, s: int, b: int, m: int, layers: int) -> dict:
+    """One exchange at one cp: runs with ``layers`` and twice as many blocks; the difference per block."""
+    from ..parallel.spawn import spawn
+
+    res = {n: spawn(cp_worker, cp, kind, cp, n, s, b, m, timeout=600) for n in (layers, 2 * layers)}
+    sent = {n: sum(moved(op, k, cp) for r in res[n] for op, k in r["calls"]) / cp for n in res}
+    per_layer = (sent[2 * layers] - sent[layers]) / (layers * m)
+    info = res[layers][0]
+    q, kv = CP_MODEL["heads"], CP_MODEL["kv_heads"]
+    theory = cp_layer_elements(kind, cp, b, s, q, kv, info["head_dim"], info["history"])
+    calls = [Counter(op for op, _ in res[n][0]["calls"]) for n in (layers, 2 * layers)]
+    per_call = " ".join(f"{k}:{v / (layers * m):g}" for k, v in sorted((calls[1] - calls[0]).items()))
+    return {"cp": cp, "kind": kind, "seq_len": s, "elements_per_layer": per_layer, "theory": theory,
+            "ratio": per_layer / theory, "calls_per_layer_per_micro": per_call}  # fmt: skip
 
 
 def worker(tp: int, sp: bool, layers: int, hidden: int, seq: int, micro: int, accum: int) -> dict:
@@ -56,10 +128,31 @@ def run(args) -> dict:
     """Entry from ``python -m mt3d.bench comm``."""
     from ..parallel.spawn import spawn
 
+    cp = []
+    if args.cp:
+        cp = cp_rows(args)
+        heads = f"{CP_MODEL['heads']} heads, {CP_MODEL['kv_heads']} kv heads"
+        print(
+            f"cp exchange per layer and micro-batch, elements sent per rank (mean), b={args.micro}, {heads}"
+        )
+        print(
+            table(
+                cp,
+                [
+                    "cp",
+                    "kind",
+                    "seq_len",
+                    "calls_per_layer_per_micro",
+                    "elements_per_layer",
+                    "theory",
+                    "ratio",
+                ],
+            )
+        )
     rows, out = [], []
     b, s, h, m, L = args.micro, args.seq_len, args.hidden, args.accum, args.layers
     bsh = b * s * h
-    for tp in (int(x) for x in args.tp.split(",")):
+    for tp in (int(x) for x in args.tp.split(",") if x):
         for sp in (False, True):
             res = {n: spawn(worker, tp, tp, sp, n, h, s, b, m, timeout=600)[0] for n in (L, 2 * L)}
             c1, c2 = Counter(res[L]["calls"]), Counter(res[2 * L]["calls"])
@@ -82,16 +175,32 @@ def run(args) -> dict:
                 f"{op}x{numel}": n for (op, numel), n in (c1 - diff).items()
             }  # c1 = L layers + the rest
             out.append({**row, "per_layer": per_layer, "tp_calls_outside_blocks_per_step": outside})
-    print(f"TP collectives per transformer layer and micro-batch (b={b}, s={s}, h={h}; theory 8bsh(t-1)/t)")
-    print(table(rows, ["tp", "sp", "calls_per_layer_per_micro", "elements_per_layer", "theory", "ratio",
-                       "norm_grad_elements"]))  # fmt: skip
-    return emit("comm", {"rows": out, "b": b, "s": s, "h": h, "accum": m, "layers": L})
+    if rows:
+        print(
+            f"TP collectives per transformer layer and micro-batch (b={b}, s={s}, h={h}; theory 8bsh(t-1)/t)"
+        )
+        print(table(rows, ["tp", "sp", "calls_per_layer_per_micro", "elements_per_layer", "theory", "ratio",
+                           "norm_grad_elements"]))  # fmt: skip
+    return emit("comm", {"rows": out, "cp_rows": cp, "b": b, "s": s, "h": h, "accum": m, "layers": L})
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:
-    """Headers and rows of this benchmark's table in the README."""
+    """Headers and rows of this benchmark's table in the README (the cp table when only cp was run)."""
     from .report import _f
 
+    if r.get("cp_rows") and not r["rows"]:
+        keys = ("cp", "kind", "seq_len", "calls_per_layer_per_micro")
+        rows = [[*(x[k] for k in keys), _f(x["elements_per_layer"]), _f(x["theory"]), f"{x['ratio']:.2f}"]
+                for x in r["cp_rows"]]  # fmt: skip
+        return [
+            "cp",
+            "exchange",
+            "seq",
+            "calls per layer per micro-batch",
+            "elements sent",
+            "theory",
+            "ratio",
+        ], rows
     rows = [
         [
             x["tp"],

@@ -72,6 +72,9 @@ def bench_run_config(
     recompute: int = 0,
     sequence_parallel: bool = False,
     torch_adam_fused: bool = False,
+    context: int = 1,
+    exchange: str = "auto",
+    tile_len: int = 0,
 ) -> dict:
     """A run config dict for benchmark engines (synthetic data, no eval, no saving)."""
     params = {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}
@@ -85,7 +88,13 @@ def bench_run_config(
         "zero_optimization": {"stage": zero},
         "mt3d": {
             "model": model,
-            "parallel": {"tensor": tp, "pipeline": pp, "sequence_parallel": sequence_parallel},
+            "parallel": {
+                "tensor": tp,
+                "pipeline": pp,
+                "sequence_parallel": sequence_parallel,
+                "context": context,
+                "context_exchange": exchange,
+            },  # fmt: skip
             "data": {"corpus": corpus, "vocab_size": vocab, "seq_len": seq_len},
             "train": {
                 "steps": 0,
@@ -93,7 +102,7 @@ def bench_run_config(
                 "save_at_end": False,
                 "eval_batches": 0,
                 "progress": False,
-                "recompute": {"interval": recompute},
+                "recompute": {"interval": recompute, "tile_len": tile_len},
             },
         },
     }

@@ -38,22 +38,29 @@ LAYOUTS = [  # tp, pp, dp, zero, recompute, sequence parallel, offload
 prediction is both tiers (``memory_bytes`` total + cpu); what goes to NVMe leaves the RSS."""
 
 
-def _rss_kb() -> int:
+def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
-def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none", nvme=None) -> dict:
-    """Train two steps; return peak RSS above the pre-model baseline (bytes)."""
+def _rss_kb() -> int:
+    return _status_kb("VmRSS")
+
+
+def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none", nvme=None, *, cp=1, tile_len=0,
+           vocab=512, cap=None) -> dict:  # fmt: skip
+    """Train two steps; return peak RSS above the pre-model baseline (bytes). ``cap``: bytes of address
+    space the process may add to what it holds before the model is built (RLIMIT_AS); a run that
+    needs more fails, and ``ok`` says whether it did."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
-    from ..data.loader import StepBatches
 
     raw = bench_run_config(model=model, tp=tp, pp=pp, seq_len=seq, micro=micro, global_batch=0, zero=zero,
-                           recompute=1 if recompute else 0, sequence_parallel=sp, vocab=512)  # fmt: skip
+                           recompute=1 if recompute else 0, sequence_parallel=sp, vocab=vocab, context=cp,
+                           tile_len=tile_len)  # fmt: skip
     import torch.distributed as dist
 
-    dp = dist.get_world_size() // (tp * pp)
+    dp = dist.get_world_size() // (tp * pp * cp)
     raw["train_batch_size"] = micro * accum * dp
     buckets = dict(
         reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET, stage3_prefetch_bucket_size=BUCKET
@@ -68,33 +75,50 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     from ..data.loader import build_data
 
     build_data(
-        DataConfig(corpus="synthetic", vocab_size=512, seq_len=seq), 1234
+        DataConfig(corpus="synthetic", vocab_size=vocab, seq_len=seq), 1234
     )  # corpus cached before baseline
-    base = _rss_kb()
-    _, layout, rt, engine, data, _ = build_engine(raw)
-    for k in range(2):
-        it = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=micro,
-                         grad_accum=layout.grad_accum, dp_rank=rt.state.dp.rank, start_step=k)  # fmt: skip
-        if layout.zero_stage >= 2:  # the regular engine: micro-batches by hand
-            for _ in range(layout.grad_accum):
-                x, y = next(it)
-                engine.backward(engine(x, y))
-                engine.step()
-        else:
-            engine.train_batch(data_iter=it)
+    base, base_vm = _rss_kb(), _status_kb("VmSize")
+    if cap is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (base_vm * 1024 + cap, resource.RLIM_INFINITY))
+    try:
+        _, layout, rt, engine, data, _ = build_engine(raw)
+        for k in range(2):
+            _train_step(engine, layout, rt, data, micro, k)
+    except (MemoryError, RuntimeError) as e:
+        if cap is None or "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+            raise
+        return {"ok": False, "error": str(e).splitlines()[0][:200], "stage": 0, "measured": None}
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"measured": (peak - base) * 1024, "stage": rt.state.pp.rank}
+    vm_added = (_status_kb("VmPeak") - base_vm) * 1024
+    return {"ok": True, "measured": (peak - base) * 1024, "vm_added": vm_added, "stage": rt.state.pp.rank}
 
 
-def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="none") -> dict:
+def _train_step(engine, layout, rt, data, micro: int, k: int) -> None:
+    from ..data.loader import StepBatches
+
+    it = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=micro, grad_accum=layout.grad_accum,
+                     dp_rank=rt.state.dp.rank, start_step=k, cp=rt.state.cp)  # fmt: skip
+    if layout.zero_stage >= 2:  # the regular engine: micro-batches by hand
+        for _ in range(layout.grad_accum):
+            x, y = next(it)
+            engine.backward(engine(x, y))
+            engine.step()
+    else:
+        engine.train_batch(data_iter=it)
+
+
+def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="none", *, cp=1, tile_len=0,
+            vocab=512) -> dict:  # fmt: skip
     """The planner's bytes (by component) for the heaviest stage of this layout; ``rss``: what a
     CPU run holds in RAM (the accelerator's share and the CPU tier)."""
-    from ..model.config import ModelConfig
+    from ..config import resolve_model
     from ..planner.costs import Layout, Precision, memory_bytes
 
-    cfg = ModelConfig(**{k: v for k, v in model.items() if k != "preset"}, vocab_size=512)
-    lay = Layout(tp, pp, dp, micro, accum, zero, recompute, sp, offload=offload)
-    mem = memory_bytes(cfg, 512, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET,
+    cfg = resolve_model(model)
+    lay = Layout(tp, pp, dp, micro, accum, zero, recompute, sp, offload=offload, cp=cp, tile_len=tile_len)
+    mem = memory_bytes(cfg, vocab, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET,
                        sub_group_size=SUB_GROUP if "nvme" in offload else None)  # fmt: skip
     return {**mem, "rss": mem["total"] + mem["cpu"]}
 

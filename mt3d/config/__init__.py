@@ -21,6 +21,8 @@ from .models import MODEL_KEYS, resolve_model
 from .overrides import apply_overrides, load, parse_override
 from .preflight import fp16_supported, writable_dir
 from .rules import (
+    context_sequence_conflict,
+    context_zero_conflict,
     degrees_for,
     offload_conflict,
     offload_resume_conflict,
@@ -53,6 +55,8 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "apply_overrides",
+    "context_sequence_conflict",
+    "context_zero_conflict",
     "degrees_for",
     "fp16_supported",
     "from_dict",

@@ -246,6 +246,28 @@ def check_unsupported(degrees: dict[str, int]) -> None:
             raise ConfigError(f"{what} is not supported yet; set it to 1")
 
 
+def context_zero_conflict(cp: int, zero_stage: int) -> str | None:
+    """Why this ZeRO stage cannot run with context parallelism (None: it can)."""
+    if cp > 1 and zero_stage >= 2:
+        return (
+            "context parallelism runs inside DeepSpeed's pipeline engine, which averages gradients over "
+            "dp x cp: use zero_optimization.stage 0 or 1 (ZeRO-2/3 are not supported with it yet)"
+        )
+    return None
+
+
+def context_sequence_conflict(cp: int, tp: int, seq_len: int, sequence_parallel: bool) -> str | None:
+    """Why a sequence cannot be cut into this rank's chunks (and SP shards) (None: it can)."""
+    if cp > 1 and seq_len % (2 * cp):
+        return (
+            f"context parallelism needs seq_len ({seq_len}) divisible by 2 x cp = {2 * cp} (rank i holds "
+            f"chunks i and {2 * cp - 1}-i of every sample)"
+        )
+    if cp > 1 and sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+        return f"sequence parallelism needs seq_len / cp ({seq_len // cp}) divisible by tp ({tp})"
+    return None
+
+
 def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int, zero_stage: int,
                      model=None) -> str | None:  # fmt: skip
     """Why context parallelism cannot run as configured (None: it can, as far as the inputs tell)."""
@@ -257,18 +279,11 @@ def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int,
     cp, tp = degrees["cp"], degrees["tp"]
     if cp == 1:
         return None
-    if zero_stage >= 2:
-        return (
-            "context parallelism runs inside DeepSpeed's pipeline engine, which averages gradients over "
-            "dp x cp: use zero_optimization.stage 0 or 1 (ZeRO-2/3 are not supported with it yet)"
-        )
-    if seq_len % (2 * cp):
-        return (
-            f"context parallelism needs seq_len ({seq_len}) divisible by 2 x cp = {2 * cp} (rank i holds "
-            f"chunks i and {2 * cp - 1}-i of every sample)"
-        )
-    if par.sequence_parallel and tp > 1 and (seq_len // cp) % tp:
-        return f"sequence parallelism needs seq_len / cp ({seq_len // cp}) divisible by tp ({tp})"
+    why = context_zero_conflict(cp, zero_stage) or context_sequence_conflict(
+        cp, tp, seq_len, par.sequence_parallel
+    )
+    if why:
+        return why
     if model is not None and par.context_exchange == "alltoall":
         heads, kv = model.heads // tp, model.kv_heads // tp
         if not ulysses_heads_ok(heads, kv, cp):

@@ -57,8 +57,8 @@ class BuildContext:
         cp: the context-parallel group (None or one rank: each rank holds whole sequences).
         cp_exchange: how attention reaches the other cp ranks' tokens (``parallel.context``).
         tile_len: run the MLP and the loss over at most this many sequence positions at a time
-            (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its (gathered) input and
-            weight instead of logits, and ``LossFn`` projects tile by tile.
+            (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its
+            (gathered) input and weight instead of logits, and ``LossFn`` projects tile by tile.
     """
 
     tp: AxisGroup

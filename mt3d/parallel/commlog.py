@@ -33,7 +33,10 @@ _OPS = {
     "irecv": 0,
     "all_to_all_single": 1,
     "barrier": None,
+    "batch_isend_irecv": "p2p",
 }
+"""``batch_isend_irecv`` is recorded as one ``isend`` or ``irecv`` per ``P2POp`` in its list (its ops
+hold torch's own isend/irecv, which P2POp insists on, so wrapping those does not see them)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class CollectiveLog:
         self._saved.clear()
 
     def _wrap(self, name, index, orig):
+        if index == "p2p":
+            return self._wrap_batch(orig)
+
         @functools.wraps(orig)
         def recorded(*args, **kwargs):
             group = kwargs.get("group")
@@ -97,6 +103,21 @@ class CollectiveLog:
             numel, nbytes = _message(args, kwargs, index)
             self.calls.append(Collective(name, numel, nbytes, ranks))
             return orig(*args, **kwargs)
+
+        return recorded
+
+    def _wrap_batch(self, orig):
+        from torch.distributed import distributed_c10d as c10d
+
+        @functools.wraps(orig)
+        def recorded(ops, *args, **kwargs):
+            for op in ops:
+                name = "isend" if op.op is c10d.isend else "irecv"
+                ranks = tuple(dist.get_process_group_ranks(op.group))
+                self.calls.append(
+                    Collective(name, op.tensor.numel(), op.tensor.numel() * op.tensor.element_size(), ranks)
+                )
+            return orig(ops, *args, **kwargs)
 
         return recorded
 

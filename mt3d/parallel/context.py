@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from .mappings import _gather, _reduce_scatter
 from .state import AxisGroup
@@ -94,8 +95,10 @@ def gather_sequence(x: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
 
 def _exchange(cp: AxisGroup, sends: list, recvs: list) -> None:
     """Post point-to-point sends ``(tensor, group rank)`` and receives together, then wait."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), cp.ranks[r]) for t, r in sends]
-    ops += [dist.P2POp(dist.irecv, t, cp.ranks[r]) for t, r in recvs]
+    # torch's own isend/irecv objects: P2POp refuses any other callable, such as a wrapper that
+    # CollectiveLog puts in their place on torch.distributed (it records batch_isend_irecv instead).
+    ops = [dist.P2POp(c10d.isend, t.contiguous(), cp.ranks[r], group=cp.group) for t, r in sends]
+    ops += [dist.P2POp(c10d.irecv, t, cp.ranks[r], group=cp.group) for t, r in recvs]
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()

@@ -16,7 +16,7 @@ from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
 from .offload import offload_traffic, tier_bytes
-from .traffic import dp_bytes, pp_bytes, tp_bytes
+from .traffic import cp_bytes, dp_bytes, pp_bytes, tp_bytes
 
 # DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
 # project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
@@ -79,12 +79,14 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, re
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: bool, elem: int) -> float:
+def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: bool, elem: int,
+                     tiled: bool = False) -> float:  # fmt: skip
     """Activation bytes one of mt3d's blocks keeps for backward (no dropout masks; SDPA attention).
 
     Per token: the two norm inputs (sequence shards with SP), the inputs of the QKV and MLP-in
     linears (full sequence: SP all-gathers them), q/k/v and the attention output for the local
-    heads, and the MLP's local inner activations (2 x ffn/t for GELU, 4 x ffn/t for SwiGLU).
+    heads, and the MLP's local inner activations (2 x ffn/t for GELU, 4 x ffn/t for SwiGLU; none
+    with sequence tiles, ``tiled``: they are rebuilt a tile at a time in the backward).
     With full recompute only the block input stays.
     """
     tokens = s * b
@@ -94,8 +96,13 @@ def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompu
     norms = 2 * h / (t if sp else 1)
     linear_inputs = 2 * h
     attn = (2 * cfg.q_size + 2 * cfg.kv_size) / t
-    mlp = (4 if cfg.mlp in GATED_MLPS else 2) * cfg.ffn / t
+    mlp = 0.0 if tiled else mlp_inner_elements(cfg, t)
     return tokens * (norms + linear_inputs + attn + mlp) * elem
+
+
+def mlp_inner_elements(cfg: ModelConfig, t: int) -> float:
+    """Per token: the MLP's inner activations one TP rank keeps (2 x ffn/t GELU, 4 x ffn/t gated)."""
+    return (4 if cfg.mlp in GATED_MLPS else 2) * cfg.ffn / t
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,20 @@ class Layout:
     virtual_stages: int = 1
     offload: str = "none"
     """none, opt-cpu, opt-nvme, cpu or nvme (``offload.OFFLOAD_OPTIONS``)."""
+    cp: int = 1
+    """Context-parallel degree: each rank holds seq_len / cp tokens of every sample."""
+    tile_len: int = 0
+    """Sequence tiles of the MLP and the loss (``train.recompute.tile_len``; 0: none)."""
+
+    @property
+    def data(self) -> int:
+        """Ranks DeepSpeed averages gradients over and ZeRO partitions over: dp x cp (its data axis)."""
+        return self.dp * self.cp
+
+    @property
+    def gpus(self) -> int:
+        """Ranks of the layout."""
+        return self.tp * self.pp * self.dp * self.cp
 
 
 def in_flight_blocks(blocks: int, p: int, m: int, v: int) -> float:
@@ -141,6 +162,31 @@ def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int) -> float:
     return max(first, last)
 
 
+def logit_bytes(tp: int, elem: int) -> float:
+    """Peak bytes per logit in the loss's backward, when every block's activations are still held.
+
+    tp = 1 (torch's cross entropy): the logits, the fp32 log-softmax it keeps, and in the backward
+    the fp32 gradients of the NLL and of the log-softmax: elem + 12. tp > 1 (mt3d's vocab-parallel
+    cross entropy): the logits and the fp32 softmax, whose buffer becomes the gradient in place, cast
+    to 16-bit logits' dtype: elem + 4 (+ elem). Measured: ``python -m mt3d.bench longctx``."""
+    if tp == 1:
+        return elem + 12
+    return elem + 4 + (elem if elem < 4 else 0)
+
+
+def cp_gathered_bytes(cfg: ModelConfig, seq_len: int, b: int, tp: int, cp: int, elem: int) -> float:
+    """Per layer, averaged over the layers: the other cp ranks' keys and values an all-gather layer
+    keeps for its backward (the all-to-all keeps as many elements as it sends away; the halo's few
+    W d - 1 rows are left out)."""
+    if cp <= 1:
+        return 0.0
+    from ..parallel.context import exchange_for
+
+    q, kv, chunk = cfg.heads // tp, cfg.kv_heads // tp, seq_len // (2 * cp)
+    gathering = sum(exchange_for("auto", p, chunk, q, kv, cp) == "allgather" for p in cfg.patterns)
+    return gathering / cfg.layers * 2 * cfg.kv_size / tp * (seq_len - seq_len // cp) * b * elem
+
+
 def memory_bytes(
     cfg: ModelConfig,
     vocab: int,
@@ -156,22 +202,29 @@ def memory_bytes(
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p)
-    tiers = tier_bytes(params, lay.dp, lay.zero_stage, prec, lay.offload, sub_group_size)
+    tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
     states = tiers["gpu"]
     sp = lay.sequence_parallel and t > 1
+    local = seq_len // lay.cp  # tokens of each sample on this rank
     if activation_model == "korthikanti":
         heads = cfg.heads
-        per_layer = korthikanti_layer_bytes(seq_len, lay.micro_batch, cfg.hidden, heads, t, sp, lay.recompute)
-        full_layer = korthikanti_layer_bytes(seq_len, lay.micro_batch, cfg.hidden, heads, t, sp, False)
+        per_layer = korthikanti_layer_bytes(local, lay.micro_batch, cfg.hidden, heads, t, sp, lay.recompute)
+        full_layer = korthikanti_layer_bytes(local, lay.micro_batch, cfg.hidden, heads, t, sp, False)
     else:
-        e = prec.activation
-        per_layer = mt3d_layer_bytes(cfg, seq_len, lay.micro_batch, t, sp, lay.recompute, e)
-        full_layer = mt3d_layer_bytes(cfg, seq_len, lay.micro_batch, t, sp, False, e)
+        e, tiled = prec.activation, lay.tile_len > 0
+        per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled)
+        full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled)
+        if tiled:  # the tile being rebuilt in the backward, and its gradient
+            full_layer += 2 * min(local, lay.tile_len) * lay.micro_batch * mlp_inner_elements(cfg, t) * e
+        gathered = cp_gathered_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, e)
+        per_layer += 0.0 if lay.recompute else gathered
+        full_layer += gathered
     blocks = math.ceil(cfg.layers / p)
     # recompute: one block's activations are rebuilt at a time, and its backward briefly holds
     # gradients of the same size (measured on CPU, mt3d.bench memory)
     working = 2 * full_layer if lay.recompute else 0.0
-    logits = seq_len * lay.micro_batch * pad_vocab(vocab, t) / t * (prec.activation + 4)  # + fp32 loss copy
+    rows = min(local, lay.tile_len) if lay.tile_len > 0 else local  # sequence tiles: one tile's logits
+    logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
     first = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages) * per_layer + working
     last = blocks * per_layer + working + logits
@@ -213,10 +266,10 @@ def step_time(
     ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     """
-    gpus = lay.tp * lay.pp * lay.dp
+    gpus = lay.gpus
     tokens = global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
-    v, m, t, d = lay.virtual_stages, lay.grad_accum, lay.tp, lay.dp
+    v, m, t, d = lay.virtual_stages, lay.grad_accum, lay.tp, lay.data
     blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1))
     grads = stage_params(cfg, vocab, t, lay.pp)
@@ -227,20 +280,25 @@ def step_time(
     )  # fmt: skip
     bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
-    act = seq_len * lay.micro_batch * cfg.hidden * comm_bytes
+    act = seq_len // lay.cp * lay.micro_batch * cfg.hidden * comm_bytes
     tp = tp_bytes(blocks, m, act, t) / (bw["tp"] * 1e9)
+    cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
+    cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
     pp = pp_bytes(m, act / (t if pp_scatter_gather else 1), v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
     gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
-    dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage, gathers) / (bw["dp"] * 1e9)
+    # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
+    dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
+    dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage, gathers) / (dense_bw * 1e9)
     if lay.zero_stage == 3:
         dp = max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     offload = _offload_seconds(grads, lay, prec, bw)
-    total = compute + bubble + tp + pp + dp + offload + optimizer
+    total = compute + bubble + tp + cp + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
     return {
         "compute_s": compute,
         "bubble_s": bubble,
         "tp_comm_s": tp,
+        "cp_comm_s": cp,
         "pp_comm_s": pp,
         "dp_comm_s": dp,
         "offload_s": offload,
@@ -255,19 +313,20 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
                      device, attention_fraction, attention_kernel, gemm_fraction):  # fmt: skip
     """(compute, GPU optimizer step) seconds of one step: the GEMM shape model with a calibrated
     device, else the executed FLOPs at ``efficiency`` x peak (see ``step_time``)."""
-    gpus = lay.tp * lay.pp * lay.dp
+    gpus = lay.gpus
     if efficiency is None and device is not None and getattr(device, "sms", 0):
         from .compute import GEMM_FRACTION, micro_batch_seconds, optimizer_seconds
 
+        # with cp a rank computes seq_len / cp tokens, each against as many keys as at cp = 1
         per_micro = micro_batch_seconds(
-            cfg, vocab, seq_len, lay.micro_batch, lay.tp, blocks, device,
+            cfg, vocab, seq_len // lay.cp, lay.micro_batch, lay.tp, blocks, device,
             sp=lay.sequence_parallel and lay.tp > 1, recompute=lay.recompute, attention=attention_kernel,
             keys=seq_len * attention_fraction,
             fraction=GEMM_FRACTION if gemm_fraction is None else gemm_fraction,
         )["total_s"]  # fmt: skip
         optimizer = 0.0
         if lay.offload == "none":
-            optimizer = optimizer_seconds(grads / (lay.dp if lay.zero_stage >= 1 else 1), device)
+            optimizer = optimizer_seconds(grads / (lay.data if lay.zero_stage >= 1 else 1), device)
         return lay.grad_accum * per_micro, optimizer
     work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
     executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
@@ -279,6 +338,6 @@ def _offload_seconds(grads: float, lay: Layout, prec: Precision, bw: dict[str, f
     bound: DeepSpeed prefetches some of it behind the GPU's work)."""
     if lay.offload == "none":
         return 0.0
-    moved = offload_traffic(grads, lay.dp, lay.zero_stage, prec, lay.offload, lay.recompute)
+    moved = offload_traffic(grads, lay.data, lay.zero_stage, prec, lay.offload, lay.recompute)
     return (moved["pcie"] / (bw["pcie"] * 1e9) + moved["nvme"] / (bw["nvme"] * 1e9)
             + moved["cpu_adam_elements"] / bw["cpu_adam"])  # fmt: skip

@@ -1,7 +1,7 @@
 """``mt3d plan``: enumerate layouts, predict memory and step time, rank the feasible ones.
 
-For a model, a global batch and sequence length, and a cluster, every (tp, pp, dp, micro-batch,
-ZeRO stage, recompute, sequence parallel) is either rejected with a reason (divisibility, TP
+For a model, a global batch and sequence length, and a cluster, every (tp, cp, pp, dp, micro-batch,
+ZeRO stage, recompute, sequence parallel, offload) is either rejected with a reason (divisibility, TP
 outside a node, DeepSpeed's engine limits, memory) or predicted: memory per GPU
 (``costs.memory_bytes``) and step time (``costs.step_time``, with each axis's bandwidth chosen by
 where the rank mapper puts its groups). Feasible layouts are ranked by step time.
@@ -15,7 +15,13 @@ import re
 from dataclasses import asdict, dataclass
 from itertools import product
 
-from ..config import Offload, virtual_stage_conflict, zero_pipeline_conflict
+from ..config import (
+    Offload,
+    context_sequence_conflict,
+    context_zero_conflict,
+    virtual_stage_conflict,
+    zero_pipeline_conflict,
+)
 from ..errors import UserError
 from ..model.config import ModelConfig
 from ..parallel.axes import AXES, NAMES, AxisError, derive_degrees, shown
@@ -52,8 +58,9 @@ def bandwidths(cluster: Cluster, tp: int, pp: int, **degrees: int) -> dict[str, 
             "cpu_adam": dev.cpu_cores_per_gpu * CPU_ADAM_ELEMENTS_PER_CORE_S}  # fmt: skip
 
 
-def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> str | None:
-    """Why (tp, pp) cannot work at all, or None."""
+def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, cp: int = 1,
+                      seq_len: int | None = None) -> str | None:  # fmt: skip
+    """Why (tp, pp, cp) cannot work at all, or None."""
     if tp > cluster.gpus_per_node:
         return f"tp {tp} > {cluster.gpus_per_node} GPUs per node: TP groups would cross nodes"
     if min(cluster.gpus_per_node, cluster.gpus) % tp:
@@ -68,14 +75,17 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int) -> s
         return f"ffn {cfg.ffn} not divisible by tp {tp}"
     if pp > cfg.layers:
         return f"{cfg.layers} layers cannot fill {pp} stages"
+    if seq_len is not None:
+        return _short(context_sequence_conflict(cp, tp, seq_len, False))
     return None
 
 
-def _degrees(cfg: ModelConfig, cluster: Cluster, reject, choices: dict[str, tuple[int, ...]] | None = None):
+def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
+             choices: dict[str, tuple[int, ...]] | None = None):  # fmt: skip
     """Step 1: every assignment of degrees to the configured axes (``axes.AXES``; dp what remains) that
     the structural rules allow, with the bandwidths of its axes. ``choices`` limits an axis to some
     degrees (axes the planner does not model yet are held at 1 by default)."""
-    choices = {"cp": (1,), "ep": (1,), **(choices or {})}
+    choices = {"ep": (1,), **(choices or {})}
     configured = [a.name for a in AXES if a.key]
     options = [choices.get(ax) or divisors(cluster.gpus) for ax in configured]
     for combo in product(*options):
@@ -83,12 +93,12 @@ def _degrees(cfg: ModelConfig, cluster: Cluster, reject, choices: dict[str, tupl
             degrees = derive_degrees(cluster.gpus, dict(zip(configured, combo)))
         except AxisError:
             continue
-        tp, pp, dp = degrees["tp"], degrees["pp"], degrees["dp"]
-        why = structural_reason(cfg, cluster, tp, pp)
+        tp, pp = degrees["tp"], degrees["pp"]
+        why = structural_reason(cfg, cluster, tp, pp, degrees["cp"], seq_len)
         if why:
             reject({ax: degrees[ax] for ax in shown(degrees)}, why)
         else:
-            yield tp, pp, dp, bandwidths(cluster, tp, pp, **{ax: degrees[ax] for ax in ("cp", "ep")})
+            yield degrees, bandwidths(cluster, tp, pp, **{ax: degrees[ax] for ax in ("cp", "ep")})
 
 
 # Step 2's rules, in order: the keys each depends on (a failure is reported once per distinct key)
@@ -104,6 +114,7 @@ SCHEDULE_RULES = (
         ),
     ),
     (("micro_batch", "zero_stage"), lambda c: _short(zero_pipeline_conflict(c["pp"], c["zero_stage"]))),
+    (("micro_batch", "zero_stage"), lambda c: _short(context_zero_conflict(c["cp"], c["zero_stage"]))),
     (
         ("micro_batch", "zero_stage", "virtual_stages"),
         lambda c: virtual_stage_conflict(
@@ -118,13 +129,15 @@ def _short(reason: str | None) -> str | None:
     return reason.split(" (")[0].split(";")[0] if reason else None
 
 
-def _schedules(cfg, tp, pp, dp, global_batch, micro_batches, zero_stages, virtual_stages, reject):
-    """Step 2: every (micro-batch, ZeRO stage, virtual stages) of one (tp, pp, dp) that the batch,
-    ZeRO/pipeline and interleaving rules (``SCHEDULE_RULES``) allow."""
+def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject):
+    """Step 2: every (micro-batch, ZeRO stage, virtual stages) of one set of degrees that the batch,
+    ZeRO/pipeline, ZeRO/context and interleaving rules (``SCHEDULE_RULES``) allow."""
     failed: set = set()
+    tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
     for b, zero, v in product(micro_batches, zero_stages, virtual_stages if pp > 1 else (1,)):
-        c = {"tp": tp, "pp": pp, "dp": dp, "micro_batch": b, "zero_stage": zero, "virtual_stages": v,
-             "grad_accum": global_batch // (b * dp), "cfg": cfg, "global_batch": global_batch}  # fmt: skip
+        c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "micro_batch": b, "zero_stage": zero,
+             "virtual_stages": v, "grad_accum": global_batch // (b * dp), "cfg": cfg,
+             "global_batch": global_batch}  # fmt: skip
         for keys, rule in SCHEDULE_RULES:
             key = (keys, *(c[k] for k in keys))
             if key in failed:  # already reported for these values
@@ -132,23 +145,28 @@ def _schedules(cfg, tp, pp, dp, global_batch, micro_batches, zero_stages, virtua
             why = rule(c)
             if why:
                 failed.add(key)
-                reject({"tp": tp, "pp": pp, "dp": dp, **{k: c[k] for k in keys}}, why)
+                reject({**{ax: degrees[ax] for ax in shown(degrees)}, **{k: c[k] for k in keys}}, why)
                 break
         else:
             yield b, c["grad_accum"], zero, v
 
 
-def _candidates(cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject):
+def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads,
+                reject, choices=None):  # fmt: skip
     """Every layout that passes the structural and schedule rules, with the bandwidths of its axes;
     the others go to ``reject`` with their reason. Step 3: offload, recompute and SP choices."""
-    for tp, pp, dp, bw in _degrees(cfg, cluster, reject):
-        schedules = _schedules(
-            cfg, tp, pp, dp, global_batch, micro_batches, zero_stages, virtual_stages, reject
-        )
+    for degrees, bw in _degrees(cfg, cluster, seq_len, reject, choices):
+        tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
+        schedules = _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject)
+        sps = [
+            sp
+            for sp in (False, True)
+            if not sp or (tp > 1 and not context_sequence_conflict(cp, tp, seq_len, sp))
+        ]
         for b, m, zero, v in schedules:
             allowed = [o for o in offloads if not offload_rule(zero, o)]
-            for off, recompute, sp in product(allowed, (False, True), (False, True) if tp > 1 else (False,)):
-                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off), bw
+            for off, recompute, sp in product(allowed, (False, True), sps):
+                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off, cp), bw
 
 
 def _check_inputs(
@@ -195,8 +213,10 @@ def plan(
     offloads: tuple[str, ...] = OFFLOAD_OPTIONS,
     activation_model: str = "mt3d",
     max_rejected: int = 500,
+    context: tuple[int, ...] | None = None,
 ) -> dict:
-    """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring."""
+    """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
+    ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows)."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
@@ -215,8 +235,9 @@ def plan(
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     smallest = math.inf  # GB per GPU of the smallest layout without offload
     candidates = _candidates(
-        cfg, cluster, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject
-    )
+        cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject,
+        {"cp": tuple(context)} if context else None,
+    )  # fmt: skip
     for lay, bw in candidates:
         row = {**asdict(lay)}
         mem = memory_bytes(cfg, vocab, seq_len, lay, Precision.of(precision, lay.zero_stage),
@@ -287,7 +308,7 @@ def explain_infeasible(result: dict) -> str:
         best = min(mem, key=lambda r: r["memory_gb"])
         return (
             f"no feasible layout: the smallest needs {best['memory_gb']:.1f} GB per GPU "
-            f"(tp {best['tp']} pp {best['pp']} dp {best['dp']}, ZeRO {best['zero_stage']}, "
+            f"(tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']}, ZeRO {best['zero_stage']}, "
             f"recompute {best['recompute']}); use more GPUs, a larger device, or a smaller model/batch"
         )
     scheduled = [r for r in rejected if "micro_batch" in r]
@@ -308,7 +329,7 @@ def interleaving_note(feasible: list[dict]) -> str:
     best = feasible[0]
     if best["virtual_stages"] == 1:
         return "virtual stages: no interleaved layout beats the best 1F1B one"
-    same = lambda r: all(r[k] == best[k] for k in ("tp", "pp", "dp", "micro_batch", "zero_stage"))  # noqa: E731
+    same = lambda r: all(r[k] == best[k] for k in ("tp", "cp", "pp", "dp", "micro_batch", "zero_stage"))  # noqa: E731
     plain = next((r for r in feasible if r["virtual_stages"] == 1 and same(r)), None)
     if plain is None:
         return f"virtual stages: v = {best['virtual_stages']} wins (no 1F1B layout with these degrees fits)"
@@ -350,9 +371,10 @@ def format_plan(result: dict, top: int = 10) -> str:
         f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
         f"tokens, {result['precision']}, " + compute_model(result),
         "",
-        f"{'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'offload':>8} {'rc':>3} "
+        f"{'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'offload':>8} "
+        f"{'rc':>3} "
         f"{'sp':>3} {'GPU GB':>8} {'CPU GB/n':>9} {'NVMe GB/n':>10} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  "
-        "bubble/tp/pp/dp/offload share",
+        "bubble/tp/cp/pp/dp/offload share",
     ]
     attn = result.get("attention") or {}
     if attn.get("tile_fraction", 1.0) < 1.0:
@@ -363,10 +385,11 @@ def format_plan(result: dict, top: int = 10) -> str:
             f"{attn['attention_speedup_bound']:.2f}x",
         )
     for r in result["feasible"][:top]:
-        shares = ("bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s")
+        shares = ("bubble_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s")
         parts = [r[k] / r["step_time_s"] for k in shares]
         lines.append(
-            f"{r['tp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} {r['micro_batch']:>3} "
+            f"{r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} "
+            f"{r['micro_batch']:>3} "
             f"{r['grad_accum']:>5} {r['zero_stage']:>4} {r['offload']:>8} "
             f"{'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
             f"{r['memory_gb']:>8.1f} {r['cpu_gb_per_node']:>9.0f} {r['nvme_gb_per_node']:>10.0f} "
@@ -424,6 +447,7 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
             "model": cfg_section,
             "parallel": {
                 "tensor": best["tp"],
+                "context": best["cp"],
                 "pipeline": best["pp"],
                 "virtual_stages": best["virtual_stages"],
                 "sequence_parallel": best["sequence_parallel"],

@@ -24,6 +24,53 @@ def tp_bytes(blocks: float, micro_batches: int, act_bytes: float, t: int) -> flo
     return 4 * blocks * micro_batches * ring_factor(t) * act_bytes
 
 
+def cp_layer_elements(
+    kind: str, cp: int, b: int, s: int, q: int, kv: int, head_dim: int, history: int
+) -> float:
+    """Elements one rank sends per layer and micro-batch (forward + backward) for one context-parallel
+    exchange; b samples of s tokens, ``q`` and ``kv`` heads per TP rank, f = (cp-1)/cp:
+
+    * all-to-all (Ulysses): q, k, v and the output once each way, keeping 1/cp of this rank's
+      b s/cp tokens' heads: 2 f (b s/cp)(2q + 2kv') d, kv' = cp when fewer key/value heads than
+      cp are repeated up to cp;
+    * all-gather: K and V gathered forward, their gradients reduce-scattered backward: 4 f b s kv d;
+    * halo: the ``history`` = W d - 1 keys and values before each chunk from its neighbour, and
+      their gradients back: 2 (cp-1) sends of each over cp ranks, 8 f b history kv d per rank on
+      average, whatever s is.
+
+    ``python -m mt3d.bench comm --cp 2,4`` measures each against this."""
+    if cp <= 1:
+        return 0.0
+    f = (cp - 1) / cp
+    if kind == "alltoall":
+        return 2 * f * b * s / cp * (2 * q + 2 * (cp if kv < cp else kv)) * head_dim
+    if kind == "allgather":
+        return 4 * f * b * s * kv * head_dim
+    if kind == "halo":
+        return 8 * f * b * history * kv * head_dim
+    raise ValueError(f"unknown context-parallel exchange {kind!r}")
+
+
+def cp_bytes(cfg, seq_len: int, b: int, tp: int, cp: int, micro_batches: int, elem_bytes: int, blocks: float,
+             exchange: str = "auto", recompute: bool = False) -> float:  # fmt: skip
+    """Bytes one rank sends per step over the cp group: the exchange of each layer as the model
+    chooses it (``parallel.context.exchange_for``: the halo for local layers whose W d - 1 keys fit
+    in a chunk), averaged over the layers, for the stage's ``blocks`` and each micro-batch; recompute
+    repeats the forward half."""
+    from ..parallel.context import exchange_for
+
+    if cp <= 1:
+        return 0.0
+    q, kv, chunk = cfg.heads // tp, cfg.kv_heads // tp, seq_len // (2 * cp)
+    total = 0.0
+    for pattern in cfg.patterns:
+        kind = exchange_for(exchange, pattern, chunk, q, kv, cp)
+        history = pattern.history() if kind == "halo" else 0
+        total += cp_layer_elements(kind, cp, b, seq_len, q, kv, cfg.head_dim, history)
+    per_layer = total / cfg.layers
+    return per_layer * blocks * micro_batches * elem_bytes * (1.5 if recompute else 1.0)
+
+
 def pp_bytes(micro_batches: int, act_bytes: float, virtual_stages: int = 1) -> float:
     """Over each stage boundary: b*s*h forward and back per micro-batch, once per chunk."""
     return 2 * virtual_stages * micro_batches * act_bytes
