@@ -645,7 +645,7 @@ def _add_plan(sub) -> None:
         "--context",
         type=positive_ints,
         default=None,
-        help="context-parallel degrees to try (default: every divisor of --gpus the sequence allows; 1: none)",
+        help="context-parallel degrees to try (default: every divisor of --gpus the sequence allows; 1: off)",
     )
     for flag, (_, helptext) in DEVICE_FLAGS.items():
         p.add_argument(flag, type=nonnegative_float if flag == "--nvme-gb" else positive_float, help=helptext)

@@ -85,10 +85,13 @@ RTOL = 1e-5
 GNA = {"window": 4, "stride": 2, "dilation": 2, "global_every": 2}  # W d - 1 = 7 keys: fits a chunk of 8
 
 
-def _train(tmp_path, name, world, model, zero=1, tile_len=0, **parallel):
+def _train(tmp_path, name, world, model, zero=1, tile_len=0, offload="none", **parallel):
+    from mt3d.config import Offload
+
     from helpers import step_records, tiny_config, train_worker
 
     raw = tiny_config(tmp_path / name, model=model, zero=zero, recompute={"tile_len": tile_len})
+    raw["zero_optimization"].update(Offload.from_label(offload, None).ds_keys())
     raw["mt3d"]["parallel"].update(parallel)
     return step_records(spawn(train_worker, world, raw, timeout=600)[0])
 
@@ -112,7 +115,7 @@ def _model(name):
 
 LAYOUTS = [  # (model, world, parallel keys): each exchange that applies, with tp (SP), pp and v
     ("gpt", 2, dict(context=2, context_exchange="alltoall")),
-    ("gpt", 2, dict(context=2, context_exchange="allgather")),
+    ("gpt", 2, dict(context=2, context_exchange="allgather", offload="opt-cpu")),  # DeepSpeedCPUAdam too
     ("llama", 4, dict(context=4)),  # auto: all-to-all (8 heads, 4 kv heads)
     ("llama", 4, dict(tensor=2, context=2, sequence_parallel=True, context_exchange="allgather")),
     ("llama", 4, dict(context=2, pipeline=2, virtual_stages=2)),  # interleaved 1F1B
@@ -179,6 +182,8 @@ def test_context_parallel_checkpoints_resume_exactly_and_reshard(tmp_path):
             "seq_len / cp \\(18\\) divisible by tp \\(4\\)",
         ),
         (dict(context=2, expert=2), {"world": 8}, "expert parallelism"),
+        (dict(context=1), {"zero": 3, "tile_len": 8}, "tile_len is not supported with ZeRO-3 yet"),
+        (dict(context=1), {"tile_len": -1}, "recompute.tile_len must be >= 0, got -1"),
     ],
 )
 def test_bad_context_parallel_configs_are_one_line_before_process_groups(tmp_path, parallel, extra, match):
@@ -187,7 +192,9 @@ def test_bad_context_parallel_configs_are_one_line_before_process_groups(tmp_pat
     from helpers import TINY_GPT, tiny_config
 
     model = {**TINY_GPT, **{k: extra[k] for k in ("heads", "hidden") if k in extra}}
-    raw = tiny_config(tmp_path, model=model, zero=extra.get("zero", 1))
+    raw = tiny_config(
+        tmp_path, model=model, zero=extra.get("zero", 1), recompute={"tile_len": extra.get("tile_len", 0)}
+    )
     raw["mt3d"]["parallel"].update(parallel)
     raw["mt3d"]["data"]["seq_len"] = extra.get("seq_len", 32)
     run = from_dict(raw)

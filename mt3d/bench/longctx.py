@@ -99,9 +99,8 @@ def run(args) -> dict:
         out.update(rows=rows, seq_len=args.seq_len)
     if args.part in ("cap", "both"):
         rows, cap = cap_rows(args)
-        print(
-            f"\nunder an address-space cap of {cap / 1e6:.0f} MB per rank (RLIMIT_AS), {args.cap_seq_len} tokens"
-        )
+        where = f"{cap / 1e6:.0f} MB per rank (RLIMIT_AS), {args.cap_seq_len} tokens"
+        print(f"\nunder an address-space cap of {where}")
         print(table(rows, ["cp", "seq_len", "cap_mb", "trained", "peak_mb", "error"]))
         out.update(cap_rows=rows, cap_mb=cap / 1e6)
     return emit("longctx", out)

@@ -47,8 +47,8 @@ def _rss_kb() -> int:
     return _status_kb("VmRSS")
 
 
-def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none", nvme=None, *, cp=1, tile_len=0,
-           vocab=512, cap=None) -> dict:  # fmt: skip
+def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none", nvme=None, *, cp=1,
+           tile_len=0, vocab=512, cap=None) -> dict:  # fmt: skip
     """Train two steps; return peak RSS above the pre-model baseline (bytes). ``cap``: bytes of address
     space the process may add to what it holds before the model is built (RLIMIT_AS); a run that
     needs more fails, and ``ok`` says whether it did."""
@@ -98,8 +98,8 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
 def _train_step(engine, layout, rt, data, micro: int, k: int) -> None:
     from ..data.loader import StepBatches
 
-    it = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=micro, grad_accum=layout.grad_accum,
-                     dp_rank=rt.state.dp.rank, start_step=k, cp=rt.state.cp)  # fmt: skip
+    split = dict(global_batch=layout.global_batch, micro_batch=micro, grad_accum=layout.grad_accum)
+    it = StepBatches(data.train, **split, dp_rank=rt.state.dp.rank, start_step=k, cp=rt.state.cp)
     if layout.zero_stage >= 2:  # the regular engine: micro-batches by hand
         for _ in range(layout.grad_accum):
             x, y = next(it)

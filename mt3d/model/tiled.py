@@ -3,7 +3,7 @@ that at long sequences neither the MLP's [b, s, ffn/tp] intermediate nor the [b,
 exist whole (ALST's tiling, Bekman et al. 2025). Each tile's intermediates are freed as soon as its
 output is written; the backward recomputes one tile at a time and backpropagates it.
 
-Why not DeepSpeed's own (``deepspeed.runtime.sequence_parallel.ulysses_sp``, 0.19.8):
+Why not DeepSpeed's own (``deepspeed.runtime.sequence_parallel.ulysses_sp``, in the pinned version):
 
 * ``TiledMLP`` flattens its input to [tokens, hidden] for the recompute in the backward; mt3d's
   column- and row-parallel linears with sequence parallelism gather and reduce-scatter along the
