@@ -199,11 +199,14 @@ def test_weak_inputs_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch,
 def test_an_infeasible_plan_names_the_batch_when_the_batch_is_the_blocker(capsys):
     from mt3d.cli import main
 
-    assert (
-        main(["plan", "--model", "llama-7b", "--gpus", "1048576", "--gpus-per-node", "8"]) == 1
-    )  # infeasible
+    argv = ["plan", "--model", "llama-7b", "--gpus", "1048576", "--gpus-per-node", "8"]
+    assert main([*argv, "--context", "1"]) == 1  # infeasible without context parallelism
     out = capsys.readouterr().out
     assert "the global batch 512 cannot be split over the data parallelism" in out and "(dp >= 4096)" in out
+    assert "try context parallelism (--context)" in out
+    assert main(argv) == 0  # cp takes the GPUs dp cannot use
+    best = capsys.readouterr().out.split("share\n", 1)[1].split()
+    assert int(best[1]) > 1, best[:6]  # the cp column of the best row
 
 
 def test_generation_says_when_it_stops_at_the_position_limit(tmp_path, capsys):

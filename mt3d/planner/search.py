@@ -315,10 +315,12 @@ def explain_infeasible(result: dict) -> str:
     batch = [r for r in scheduled if r["reason"].startswith("global batch")]
     if batch and len(batch) == len(scheduled):
         least = min(r["dp"] for r in batch)
+        # context parallelism takes GPUs off dp without touching the batch: offer it when none was tried
+        cp = ", try context parallelism (--context)" if all(r.get("cp", 1) == 1 for r in batch) else ""
         return (
             f"no feasible layout: the global batch {result['global_batch']} cannot be split over the data "
             f"parallelism of any layout the model and nodes allow (dp >= {least}); raise --global-batch to "
-            f"a multiple of {least}, or use fewer GPUs"
+            f"a multiple of {least}{cp}, or use fewer GPUs"
         )
     reasons = sorted({r["reason"] for r in (scheduled or rejected)})[:3]
     return "no feasible layout: " + "; ".join(reasons)
