@@ -276,30 +276,33 @@ class MLP(nn.Module):
     """GELU (tanh) 2-layer MLP, or a gated one (SwiGLU: SiLU gate; GeGLU: tanh-GELU gate) whose gate
     and up projections are one fused column-parallel linear; inner dimension split over TP."""
 
-    def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ctx: BuildContext, layer: int, ffn: int | None = None, name: str = "mlp"
+    ) -> None:
         super().__init__()
         self.gated = cfg.mlp in GATED_MLPS
         self.tile_len = ctx.tile_len
         self.act = F.silu if cfg.mlp == "swiglu" else functools.partial(F.gelu, approximate="tanh")
-        parts = (cfg.ffn, cfg.ffn) if self.gated else (cfg.ffn,)
+        ffn = ffn or cfg.ffn
+        parts = (ffn, ffn) if self.gated else (ffn,)
         self.up = ColumnParallelLinear(
             cfg.hidden,
             sum(parts),
             tp=ctx.tp,
             bias=cfg.mlp_bias,
             sequence_parallel=ctx.sp,
-            init=ctx.init(layer, "mlp.up", cfg.init_std),
+            init=ctx.init(layer, f"{name}.up", cfg.init_std),
             parts=parts,
             dtype=ctx.dtype,
             device=ctx.device,
         )
         self.down = RowParallelLinear(
-            cfg.ffn,
+            ffn,
             cfg.hidden,
             tp=ctx.tp,
             bias=cfg.mlp_bias,
             sequence_parallel=ctx.sp,
-            init=ctx.init(layer, "mlp.down", cfg.init_std / math.sqrt(2 * cfg.layers)),
+            init=ctx.init(layer, f"{name}.down", cfg.init_std / math.sqrt(2 * cfg.layers)),
             dtype=ctx.dtype,
             device=ctx.device,
         )
@@ -329,9 +332,21 @@ def _module_tile(module: nn.Module, names: list[str], x: torch.Tensor, aux, para
     return torch.func.functional_call(module, dict(zip(names, params, strict=True)), (x,), {"whole": True})
 
 
+def split_stream(x) -> tuple[torch.Tensor, tuple | None]:
+    """(hidden states, router statistics or None) of a residual stream: a sparse model's stream is the
+    tuple (hidden, stats_f, stats_i) (``mt3d.model.moe``), a dense model's the hidden tensor."""
+    return (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, None)
+
+
+def join_stream(x: torch.Tensor, stats: tuple | None):
+    """The inverse of ``split_stream``."""
+    return x if stats is None else (x, *stats)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))); with ``post_norms`` each
-    branch output is normalised again before it joins the residual stream (Gemma 2)."""
+    branch output is normalised again before it joins the residual stream (Gemma 2). A sparse layer
+    (``cfg.is_sparse``) has a mixture-of-experts MLP (``mt3d.model.moe``)."""
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext, layer: int) -> None:
         super().__init__()
@@ -340,7 +355,13 @@ class TransformerBlock(nn.Module):
         self.norm1 = make_norm(cfg, ctx)
         self.attn = Attention(cfg, ctx, layer)
         self.norm2 = make_norm(cfg, ctx)
-        self.mlp = MLP(cfg, ctx, layer)
+        if cfg.is_sparse(layer):
+            from .moe import SparseMoE
+
+            self.mlp = SparseMoE(cfg, ctx, layer)
+        else:
+            self.mlp = MLP(cfg, ctx, layer)
+        self.sparse = cfg.is_sparse(layer)
         self.post_attn_norm = make_norm(cfg, ctx) if cfg.post_norms else None
         self.post_mlp_norm = make_norm(cfg, ctx) if cfg.post_norms else None
 
@@ -352,16 +373,21 @@ class TransformerBlock(nn.Module):
         with self.ctx.tp_region_rng() if self.ctx.sp else contextlib.nullcontext():
             return F.dropout(x, self.p, True)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        """[b, s, h] -> [b, s, h] (sequence shards with SP)."""
+    def forward(self, x, cache=None):
+        """[b, s, h] -> [b, s, h] (sequence shards with SP); a sparse model's stream carries its router
+        statistics along (``split_stream``)."""
+        x, stats = split_stream(x)
         a = self.attn(self.norm1(x), cache)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         x = x + self._drop(a)
-        m = self.mlp(self.norm2(x))
+        if self.sparse:
+            m, stats = self.mlp(self.norm2(x), stats)
+        else:
+            m = self.mlp(self.norm2(x))
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return x + self._drop(m)
+        return join_stream(x + self._drop(m), stats)
 
 
 class WordEmbedding(nn.Module):
@@ -391,19 +417,24 @@ class WordEmbedding(nn.Module):
         """[b, s] ids -> [b, s, h] ([b, s/tp, h] with SP)."""
         return self.embed(ids)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x):
         """Hidden states -> this rank's vocabulary slice of the logits [b, s, V_pad/tp]."""
         return lm_logits(x, self.weight, self.ctx, self.softcap)
 
 
-def lm_logits(x: torch.Tensor, weight: torch.Tensor, ctx: BuildContext, softcap: float | None = None):
+def lm_logits(x, weight: torch.Tensor, ctx: BuildContext, softcap: float | None = None):
     """Vocab-parallel output projection (the input gradient is summed over TP), optionally
     soft-capped (``project``). With ``ctx.tile_len`` the projection is left to the loss, which runs
-    it tile by tile: the result is then the pair (gathered hidden states, weight)."""
+    it tile by tile: the result is then the pair (gathered hidden states, weight). A sparse model's
+    stream gives a ``moe.Routed`` holding that result and the router statistics."""
+    x, stats = split_stream(x)
     x = gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp)
-    if ctx.tile_len > 0:
-        return x, weight
-    return project(x, weight, softcap)
+    out = (x, weight) if ctx.tile_len > 0 else project(x, weight, softcap)
+    if stats is None:
+        return out
+    from .moe import Routed
+
+    return Routed(out, *stats)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
@@ -420,6 +451,7 @@ class PositionsAndDropout(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext) -> None:
         super().__init__()
         self.ctx, self.p = ctx, cfg.hidden_dropout
+        self.moe = cfg.moe_spec
         self.scale = cfg.hidden**0.5 if cfg.scale_embedding else None
         self.pos = None
         if cfg.position == "learned":
@@ -428,8 +460,17 @@ class PositionsAndDropout(nn.Module):
             if ctx.sp:  # each rank adds the rows of its own positions: partial gradients
                 mark_sequence_parallel(self.pos, ctx.tp)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Hidden [b, s', h] (s' = s/tp with SP) -> same shape."""
+    def forward(self, x: torch.Tensor, offset: int = 0):
+        """Hidden [b, s', h] (s' = s/tp with SP) -> same shape; a sparse model's stream starts its
+        router statistics here (``moe.start_stats``)."""
+        x = self._embed(x, offset)
+        if self.moe is None:
+            return x
+        from .moe import start_stats
+
+        return (x, *start_stats(self.moe, x))
+
+    def _embed(self, x: torch.Tensor, offset: int) -> torch.Tensor:
         if self.scale is not None:  # rounded to the activation dtype first, as Gemma does
             x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.pos is not None:
@@ -461,7 +502,7 @@ class LMHead(nn.Module):
         )
         self.weight = mark_vocab(mark_tp(nn.Parameter(w.to(ctx.device)), 0), vocab_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         """Hidden -> local logits [b, s, V_pad/tp]."""
         return lm_logits(x, self.weight, self.ctx, self.softcap)
 
@@ -473,9 +514,10 @@ class FinalNorm(nn.Module):
         super().__init__()
         self.norm = make_norm(cfg, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the residual stream."""
-        return self.norm(x)
+    def forward(self, x):
+        """Normalise the residual stream (router statistics pass through)."""
+        x, stats = split_stream(x)
+        return join_stream(self.norm(x), stats)
 
 
 __all__ = [
@@ -488,8 +530,10 @@ __all__ = [
     "RMSNorm",
     "TransformerBlock",
     "WordEmbedding",
+    "join_stream",
     "lm_logits",
     "project",
+    "split_stream",
     "make_norm",
     "rope_cos_sin",
     "rope_inv_freq",

@@ -39,6 +39,7 @@ BLOCK_OPTIONS = (
     "query_pre_attn_scalar",
     "attention",
     "tie_embeddings",
+    "moe",
 )
 
 
@@ -99,6 +100,10 @@ class ModelConfig:
     'full_attention') or "global_every": k to keep some layers global. None: all layers global."""
     tie_embeddings: bool = True
     """Share the input embedding with the output (LM head) weight."""
+    moe: dict | None = None
+    """Mixture-of-experts MLPs (``mt3d.model.moe.MoESpec``): {"experts": E, "top_k": k, "expert_ffn": f}
+    plus optional "norm_topk_prob", "shared_ffn", "sparse_step", "dense_layers", "aux_loss_coef",
+    "z_loss_coef", "capacity_factor". None: every MLP dense."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     rope_theta: float = 10000.0
@@ -177,10 +182,31 @@ class ModelConfig:
                     f"model.attention: dilation {p.dilation} x window {p.window} exceeds max_seq_len "
                     f"{self.max_seq_len} (a dilated window must fit in the sequence)"
                 )
+        if self.moe is not None:
+            self.moe_spec.check_layers(self.layers)
         if self.family is not None:
             from .families import get_family
 
             get_family(self.family).check(self)
+
+    @property
+    def moe_spec(self):
+        """The parsed ``moe`` option (``MoESpec``), or None for a dense model."""
+        if self.moe is None:
+            return None
+        from .moe import MoESpec
+
+        return MoESpec.parse(self.moe)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture-of-experts MLP."""
+        spec = self.moe_spec
+        return spec is not None and spec.sparse(layer)
+
+    @property
+    def sparse_layers(self) -> int:
+        """How many blocks have a mixture-of-experts MLP."""
+        return sum(self.is_sparse(i) for i in range(self.layers))
 
     @property
     def patterns(self) -> list:
@@ -207,6 +233,10 @@ class ModelConfig:
             )
         if self.ffn % tp:
             raise ModelConfigError(f"ffn size ({self.ffn}) is not divisible by tp={tp}")
+        spec = self.moe_spec
+        for key in ("expert_ffn", "shared_ffn"):
+            if spec is not None and getattr(spec, key) % tp:
+                raise ModelConfigError(f"model.moe.{key} ({getattr(spec, key)}) is not divisible by tp={tp}")
         if self.layers < pp:
             raise ModelConfigError(
                 f"{self.layers} layers cannot fill {pp} pipeline stages; use pp <= {self.layers}"
@@ -223,13 +253,28 @@ class ModelConfig:
         """Width of all key (or value) heads."""
         return self.kv_heads * self.head_dim
 
-    def block_params(self) -> int:
-        """Parameters of one transformer block."""
+    def mlp_params(self, ffn: int | None = None) -> int:
+        """Parameters of one dense MLP of inner size ``ffn`` (default: the model's)."""
+        ffn = self.ffn if ffn is None else ffn
+        inner = ffn * (2 if self.mlp in GATED_MLPS else 1)
+        return self.hidden * inner + ffn * self.hidden + self.mlp_bias * (inner + self.hidden)
+
+    def block_params(self, layer: int | None = None, active: bool = False) -> int:
+        """Parameters of transformer block ``layer`` (None: an average block of the model); ``active``:
+        only those one token uses (its top-k experts, the shared expert and the router)."""
+        if layer is None:
+            return round(sum(self.block_params(i, active) for i in range(self.layers)) / self.layers)
         h = self.hidden
         qkv = self.q_size + 2 * self.kv_size
         attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h
-        inner = self.ffn * (2 if self.mlp in GATED_MLPS else 1)
-        mlp = h * inner + self.ffn * h + self.mlp_bias * (inner + h)
+        spec = self.moe_spec
+        if spec is not None and spec.sparse(layer):
+            used = spec.top_k if active else spec.experts
+            mlp = used * self.mlp_params(spec.expert_ffn) + spec.experts * h
+            if spec.shared_ffn:
+                mlp += self.mlp_params(spec.shared_ffn) + h
+        else:
+            mlp = self.mlp_params()
         per_norm = h * (2 if self.norm == "layernorm" else 1)
         norms = per_norm * (4 if self.post_norms else 2) + (2 * self.head_dim if self.qk_norm else 0)
         return attn + mlp + norms
@@ -244,7 +289,13 @@ class ModelConfig:
         v = vocab or self.vocab_size or 0
         final_norm = self.hidden * (2 if self.norm == "layernorm" else 1)
         head = 0 if self.tie_embeddings else v * self.hidden
-        return self.embedding_params(v) + self.layers * self.block_params() + final_norm + head
+        blocks = sum(self.block_params(i) for i in range(self.layers))
+        return self.embedding_params(v) + blocks + final_norm + head
+
+    def active_params(self, vocab: int | None = None) -> int:
+        """Parameters one token uses (dense models: all of them; MoE: top-k experts plus shared)."""
+        blocks = sum(self.block_params(i, active=True) for i in range(self.layers))
+        return self.num_params(vocab) - sum(self.block_params(i) for i in range(self.layers)) + blocks
 
     def attended_keys(self, seq_len: int) -> float:
         """Keys per query averaged over layers, as counted for FLOPs: ``seq_len`` for a global layer
@@ -266,10 +317,18 @@ class ModelConfig:
         h = self.hidden
         # forward matmul FLOPs per token per layer: 2 * (weights) + attention scores/values 4*keys*q
         dense = 2 * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
-        dense += 2 * (3 if self.mlp in GATED_MLPS else 2) * h * self.ffn
+        mats = 3 if self.mlp in GATED_MLPS else 2
+        spec = self.moe_spec
+        mlp = 0.0
+        for i in range(self.layers):  # MoE layers: the router, the k experts a token visits, the shared one
+            if spec is not None and spec.sparse(i):
+                mlp += 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn))
+                mlp += 2 * h * bool(spec.shared_ffn)
+            else:
+                mlp += 2 * mats * h * self.ffn
         attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * self.q_size
         logits = 2 * h * v
-        return 3.0 * (self.layers * (dense + attn) + logits)
+        return 3.0 * (self.layers * (dense + attn) + mlp + logits)
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-serialisable) of every field."""

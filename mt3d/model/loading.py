@@ -123,7 +123,7 @@ def build_model(
     """An inference/fine-tuning model for this rank: StackedModel at pp = 1, else a pipeline stage."""
     ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init, cp=state.cp)
     specs = layer_specs(cfg, ctx, vocab)
-    loss = LossFn(state.tp, vocab)
+    loss = LossFn.of(cfg, state.tp, vocab)
     if state.pp.size == 1:
         model = StackedModel(specs, loss_fn=loss)
     else:

@@ -33,6 +33,7 @@ from .blocks import (
     project,
 )
 from .config import ModelConfig
+from .moe import Routed, router_losses
 from .tiled import tile_count, tiled
 
 log = logging.getLogger("mt3d")
@@ -119,9 +120,22 @@ class LossFn:
         *,
         softcap: float | None = None,
         tile_len: int = 0,
+        moe=None,
+        sparse_layers: int = 0,
     ) -> None:
         self.tp, self.vocab_size, self.cp = tp, vocab_size, cp
         self.softcap, self.tile_len = softcap, tile_len
+        self.moe, self.sparse_layers = moe, sparse_layers
+        self.router_log: list[dict] = []
+        """Per training micro-batch of a sparse model: aux, z, tokens per expert, dropped (metrics)."""
+
+    @classmethod
+    def of(
+        cls, cfg: ModelConfig, tp: AxisGroup, vocab_size: int, cp: AxisGroup | None = None, tile_len: int = 0
+    ):
+        """The loss of model ``cfg`` (its logit soft-cap, its router losses when it is sparse)."""
+        return cls(tp, vocab_size, cp, softcap=cfg.logit_softcap, tile_len=tile_len, moe=cfg.moe_spec,
+                   sparse_layers=cfg.sparse_layers)  # fmt: skip
 
     def per_token(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         """Cross entropy of every position [b, s] (at least fp32)."""
@@ -136,13 +150,24 @@ class LossFn:
         return tiled(tile, hidden, [weight], tile_count(hidden.shape[1], self.tile_len), aux=labels)
 
     def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
-        """Scalar loss (identical on every TP rank)."""
+        """Scalar loss (identical on every TP rank). A sparse model's training loss adds the router's
+        load-balancing and z losses (``mt3d.model.moe``); evaluation reports the language-model loss."""
+        routed = logits if isinstance(logits, Routed) else None
+        if routed is not None:
+            logits = routed.out
         per_token = self.per_token(logits, labels)
         if self.cp is None or self.cp.size == 1:
-            return mean_loss(per_token, labels)
-        count = (labels != IGNORE_INDEX).sum().float()
-        all_reduce(count, self.cp)
-        return per_token.sum() * self.cp.size / count.clamp(min=1)
+            loss = mean_loss(per_token, labels)
+        else:
+            count = (labels != IGNORE_INDEX).sum().float()
+            all_reduce(count, self.cp)
+            loss = per_token.sum() * self.cp.size / count.clamp(min=1)
+        if routed is None or not torch.is_grad_enabled():
+            return loss
+        aux, z = router_losses(self.moe, routed, labels.numel(), self.sparse_layers)
+        counts = routed.stats_i.detach()
+        self.router_log.append({"aux": aux.detach(), "z": z.detach(), "counts": counts})
+        return loss + self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
 
 
 def run_layers(funcs, x: torch.Tensor, interval: int, ckpt) -> torch.Tensor:
@@ -154,7 +179,10 @@ def run_layers(funcs, x: torch.Tensor, interval: int, ckpt) -> torch.Tensor:
             while j < len(funcs) and j - i < interval and isinstance(funcs[j], TransformerBlock):
                 j += 1
             chunk = funcs[i:j]
-            x = ckpt(functools.partial(_chain, chunk), x)
+            if isinstance(x, tuple):  # a sparse model's stream: the router statistics are inputs too
+                x = ckpt(functools.partial(_chain_stream, chunk), *x)
+            else:
+                x = ckpt(functools.partial(_chain, chunk), x)
             i = j
         else:
             x = funcs[i](x)
@@ -166,6 +194,10 @@ def _chain(funcs, x):
     for f in funcs:
         x = f(x)
     return x
+
+
+def _chain_stream(funcs, *stream):
+    return _chain(funcs, tuple(stream))
 
 
 class StackedModel(nn.Module):
@@ -198,4 +230,6 @@ class StackedModel(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (this rank's vocabulary slice), or the mean loss when ``labels`` are given."""
         logits = run_layers(self.forward_funcs, ids, self.recompute_interval, self._ckpt)
-        return self.loss_fn(logits, labels) if labels is not None else logits
+        if labels is not None:
+            return self.loss_fn(logits, labels)
+        return logits.out if isinstance(logits, Routed) else logits

@@ -99,6 +99,7 @@ class _Checkpoint(torch.autograd.Function):
         if partition:
             saved_x = _split(saved_x, tp, SEQ_DIM)  # keep 1/tp of the input; all-gathered at recompute
         ctx.x_requires_grad = x.requires_grad
+        ctx.rest_requires_grad = [torch.is_tensor(r) and r.requires_grad for r in rest]
         ctx.save_for_backward(saved_x, *[r.detach() if torch.is_tensor(r) else r for r in rest])
         return out
 
@@ -107,6 +108,7 @@ class _Checkpoint(torch.autograd.Function):
         saved_x, *rest = ctx.saved_tensors
         x = _gather(saved_x, ctx.tp, SEQ_DIM) if ctx.partition else saved_x
         x = x.detach().requires_grad_(ctx.x_requires_grad)
+        rest = [r.detach().requires_grad_(g) for r, g in zip(rest, ctx.rest_requires_grad)]
         now = (_device_states(), ctx.tracker.get_states() if ctx.tracker is not None else None)
         _set_device_states(ctx.rng[0])
         if ctx.tracker is not None:
@@ -124,7 +126,8 @@ class _Checkpoint(torch.autograd.Function):
         ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *([None] * len(rest)))
+        rest_grads = [r.grad if g else None for r, g in zip(rest, ctx.rest_requires_grad)]
+        return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *rest_grads)
 
 
 def checkpoint(

@@ -70,7 +70,7 @@ def build_model(
         tile_len=rec.tile_len,
     )
     specs = layer_specs(cfg, ctx, vocab_size)
-    loss_fn = LossFn(rt.state.tp, vocab_size, rt.state.cp, softcap=cfg.logit_softcap, tile_len=rec.tile_len)
+    loss_fn = LossFn.of(cfg, rt.state.tp, vocab_size, rt.state.cp, tile_len=rec.tile_len)
     ckpt = functools.partial(
         checkpoint, tracker=rt.tracker, tp=rt.state.tp, partition=rec.partition_activations
     )

@@ -1,0 +1,306 @@
+"""Mixture-of-experts MLPs: a softmax top-k router, routed experts, an optional gated shared expert.
+
+One implementation that the MoE families map onto (Mixtral, Qwen2-MoE, Qwen3-MoE), with
+transformers' semantics: the router's logits are computed in the model dtype, the softmax in fp32,
+the k largest probabilities are the expert weights (renormalised to sum to 1 with
+``norm_topk_prob``), each token's output is the weighted sum of its experts' gated MLPs, plus
+``sigmoid(shared_gate(x)) * shared_mlp(x)`` where there is a shared expert (Qwen2-MoE). Routing is
+dropless unless ``capacity_factor`` is set: then each expert takes at most
+``ceil(capacity_factor * tokens * top_k / experts)`` of the (token, slot) assignments, first come in
+token order, and the rest are dropped (counted).
+
+Tensor parallelism: each expert's inner dimension is split over TP (gate/up column-, down
+row-parallel, as a dense MLP), so every TP rank holds a slice of every expert and an expert's
+weights never cross ranks. Experts stay whole per TP group rather than whole per rank because mt3d
+places TP inside an NVLink island: splitting every expert keeps the per-rank expert memory at
+1/tp with no extra all-to-all, and the load of a skewed router lands evenly on the TP ranks. The
+router (replicated, tiny) runs on the residual stream outside the TP region (on the sequence shard
+under SP); its top-k weights and indices enter the region with the hidden states.
+
+The auxiliary load-balancing loss is transformers' ``load_balancing_loss_func``: with C_e the
+top-k assignments to expert e and P_e the sum of its router probabilities, both summed over every
+sparse layer of the model and every token of the micro-batch (R tokens, L sparse layers),
+``aux = E * sum_e (C_e / (R L)) * (P_e / (R L))``. It couples all layers, which live on different
+pipeline stages, so the sums travel with the hidden states: a sparse model's residual stream is the
+tuple ``(hidden, stats_f, stats_i)`` (``start_stats``); ``stats_f`` = [P_1..P_E, sum of z^2]
+(differentiable: the router gradient of the aux loss flows back through DeepSpeed's pipeline like the
+hidden states' own), ``stats_i`` = [C_1..C_E, dropped] (integers: no gradient). The head returns them
+in a ``Routed`` and ``LossFn`` adds ``aux_loss_coef * aux + z_loss_coef * z`` during training.
+
+DeepSpeed's AutoEP router (``deepspeed.moe``) is not used: it scores experts inside its own
+``MoE`` layer that owns the expert weights, with its own gate and capacity rules (its top-k
+gating's capacity, noise and load-balancing loss are Switch/GShard-style per layer), while mt3d must
+reproduce transformers' routing and cross-layer aux loss exactly, split experts over TP and carry
+the aux statistics through the pipeline; the few lines of routing above are mt3d's own for that
+reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from ..parallel.mappings import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
+from .config import ModelConfigError
+
+
+class MoEConfigError(ModelConfigError):
+    """A ``model.moe`` option that cannot be built."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The ``model.moe`` option, parsed."""
+
+    experts: int
+    """Routed experts E."""
+    top_k: int
+    """Experts per token k."""
+    expert_ffn: int
+    """Inner size of each routed expert's gated MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the k weights to sum to 1 (Mixtral always; Qwen per config)."""
+    shared_ffn: int = 0
+    """Inner size of the shared expert (0: none); its output is gated by sigmoid(x . w) (Qwen2-MoE)."""
+    sparse_step: int = 1
+    """Block i is sparse when (i + 1) % sparse_step == 0 (transformers' decoder_sparse_step)."""
+    dense_layers: tuple[int, ...] = ()
+    """Blocks kept dense whatever the step (transformers' mlp_only_layers)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss in the training loss (transformers' router_aux_loss_coef,
+    applied when output_router_logits is on)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss: mean over tokens and sparse layers of logsumexp(router logits)^2."""
+    capacity_factor: float | None = None
+    """None: dropless (transformers). Else, in training, each expert takes at most
+    ceil(cf * tokens * k / E) assignments per micro-batch and the rest are dropped (counted in the
+    metrics); evaluation and generation stay dropless."""
+
+    @classmethod
+    def parse(cls, d: dict) -> MoESpec:
+        """From the ``model.moe`` dict; one-line errors naming the key."""
+        if isinstance(d, MoESpec):
+            return d
+        if not isinstance(d, dict):
+            raise MoEConfigError(f"model.moe must be an object, got {d!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise MoEConfigError(f"unknown model.moe keys {unknown}; valid keys: {sorted(names)}")
+        for key in ("experts", "top_k", "expert_ffn"):
+            if key not in d:
+                raise MoEConfigError(f"model.moe needs {key!r}")
+        kw = dict(d)
+        kw["dense_layers"] = tuple(kw.get("dense_layers") or ())
+        spec = cls(**kw)
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """Values in range (the layer list is checked against the model by ``check_layers``)."""
+
+        def whole(key, low):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise MoEConfigError(f"model.moe.{key} must be an integer >= {low}, got {v!r}")
+
+        whole("experts", 2), whole("top_k", 1), whole("expert_ffn", 1), whole("shared_ffn", 0)
+        whole("sparse_step", 1)
+        if self.top_k > self.experts:
+            raise MoEConfigError(f"model.moe.top_k {self.top_k} exceeds the {self.experts} experts")
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise MoEConfigError(f"model.moe.{key} must be a non-negative number, got {v!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not cf > 0):
+            raise MoEConfigError(f"model.moe.capacity_factor must be a positive number or null, got {cf!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise MoEConfigError(
+                f"model.moe.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}"
+            )
+
+    def check_layers(self, layers: int) -> None:
+        """The dense-layer list names blocks of the model, and some block is sparse."""
+        bad = [
+            i
+            for i in self.dense_layers
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+        ]
+        if bad:
+            raise MoEConfigError(
+                f"model.moe.dense_layers entry {bad[0]!r} is not a block index (0..{layers - 1})"
+            )
+        if not any(self.sparse(i) for i in range(layers)):
+            raise MoEConfigError(
+                "model.moe leaves every block dense (sparse_step / dense_layers): drop 'moe'"
+            )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether block ``layer`` routes over experts."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments one expert takes from ``tokens`` tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
+
+
+class Routed(NamedTuple):
+    """What the head of a sparse model returns: its usual output and the router statistics."""
+
+    out: object
+    stats_f: torch.Tensor
+    stats_i: torch.Tensor
+
+
+def start_stats(spec: MoESpec, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed router statistics for the start of a sparse model's residual stream.
+
+    ``stats_f`` is a leaf that requires grad (while grad is on) so that a pipeline stage without a
+    sparse layer still returns a differentiable tensor DeepSpeed can backpropagate into.
+    """
+    f = torch.zeros(spec.experts + 1, dtype=torch.float32, device=like.device)
+    if torch.is_grad_enabled():
+        f.requires_grad_()
+    return f, torch.zeros(spec.experts + 1, dtype=torch.int64, device=like.device)
+
+
+def router_losses(spec: MoESpec, routed: Routed, tokens: int, sparse_layers: int) -> tuple:
+    """(aux, z) of a micro-batch of ``tokens`` tokens from its statistics (transformers' aux loss)."""
+    rows = float(tokens * sparse_layers)
+    e = spec.experts
+    frac = routed.stats_i[:e].float() / rows
+    prob = routed.stats_f[:e] / rows
+    return e * (frac * prob).sum(), routed.stats_f[e] / rows
+
+
+class Router(nn.Module):
+    """The replicated [experts, hidden] scoring matrix (no bias)."""
+
+    def __init__(self, cfg, ctx, layer: int, rows: int, name: str) -> None:
+        super().__init__()
+        w = ctx.init(layer, name, cfg.init_std).rows(0, rows, cfg.hidden, ctx.dtype)
+        self.weight = nn.Parameter(w.to(ctx.device))
+        if ctx.sp:  # computed on this rank's sequence shard: partial gradients, summed over TP
+            mark_sequence_parallel(self.weight, ctx.tp)
+
+
+class Expert(nn.Module):
+    """One routed expert: a gated MLP (fused gate/up, down), its inner dimension split over TP."""
+
+    def __init__(self, cfg, ctx, layer: int, index: int, ffn: int) -> None:
+        super().__init__()
+        common = dict(tp=ctx.tp, bias=False, dtype=ctx.dtype, device=ctx.device)
+        name = f"mlp.experts.{index}"
+        self.up = ColumnParallelLinear(
+            cfg.hidden, 2 * ffn, parts=(ffn, ffn), init=ctx.init(layer, f"{name}.up", cfg.init_std), **common
+        )
+        std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        self.down = RowParallelLinear(ffn, cfg.hidden, init=ctx.init(layer, f"{name}.down", std), **common)
+
+    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
+        """[n, h] rows (already inside the TP region) -> this rank's partial [n, h] output."""
+        gate, up = F.linear(x, self.up.weight).chunk(2, dim=-1)
+        return F.linear(act(gate) * up, self.down.weight)
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a sparse block: router, routed experts, optional gated shared expert."""
+
+    def __init__(self, cfg, ctx, layer: int) -> None:
+        super().__init__()
+        from .blocks import MLP
+
+        spec = cfg.moe_spec
+        self.spec, self.tp, self.sp = spec, ctx.tp, ctx.sp
+        self.act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
+        self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router")
+        self.experts = nn.ModuleDict(
+            {str(j): Expert(cfg, ctx, layer, j, spec.expert_ffn) for j in range(spec.experts)}
+        )
+        self.shared = self.shared_gate = None
+        if spec.shared_ffn:
+            self.shared = MLP(cfg, ctx, layer, ffn=spec.shared_ffn, name="mlp.shared")
+            self.shared_gate = Router(cfg, ctx, layer, 1, "mlp.shared_gate")
+
+    def forward(self, x: torch.Tensor, stats: tuple | None = None):
+        """x [b, s, h] (SP: the sequence shard) -> (output like x, updated ``stats`` or None)."""
+        spec = self.spec
+        logits = F.linear(x, self.router.weight)
+        probs = logits.float().softmax(dim=-1)
+        weights, index = probs.topk(spec.top_k, dim=-1)
+        if spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.sp:  # enter the TP region with the whole sequence (each rank: its slice of every expert)
+            xs, weights = gather_from_sequence(x, self.tp), gather_from_sequence(weights, self.tp)
+            with torch.no_grad():
+                index = gather_from_sequence(index, self.tp)
+        else:
+            xs, weights = copy_to_tp(x, self.tp), copy_to_tp(weights, self.tp)
+        b, s, h = xs.shape
+        y, dropped = self._experts(xs.reshape(b * s, h), index.reshape(b * s, -1), weights.reshape(b * s, -1))
+        y = y.view(b, s, h)
+        y = reduce_scatter_to_sequence(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
+        if self.shared is not None:
+            y = y + torch.sigmoid(F.linear(x, self.shared_gate.weight)) * self.shared(x)
+        if stats is not None:
+            stats = self._stats(stats, logits, probs, index, dropped)
+        return y, stats
+
+    def _stats(self, stats, logits, probs, index, dropped):
+        """Add this layer's probability sums, z^2 sum, assignment counts and drops to ``stats``."""
+        z = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+        local = torch.cat([probs.sum(dim=(0, 1)), z[None]])
+        if self.sp:  # each TP rank scored its own sequence shard
+            local = reduce_from_tp(local, self.tp)
+        counts = torch.bincount(index.flatten(), minlength=self.spec.experts)
+        return stats[0] + local, stats[1] + torch.cat([counts, dropped.view(1)])
+
+    def _experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        """Dispatch rows to their experts, run each expert on its rows at once, combine weighted.
+
+        x [T, h], index / weights [T, k]. Assignments are sorted by expert (stably: token order within
+        an expert), so each expert runs one matmul over a contiguous block of rows; the loop is over
+        experts, never over tokens. (A grouped GEMM would run all experts in one kernel; torch's
+        ``_grouped_mm`` needs the experts' weights stacked in one tensor, which per-expert parameters
+        would copy every step: left until it pays off on a GPU.)
+        """
+        t, k = index.shape
+        e = self.spec.experts
+        flat = index.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e)
+        dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+        cap = self.spec.capacity(t) if self.training else None  # evaluation is dropless (transformers)
+        if cap is not None:  # position of each sorted assignment inside its expert; keep the first cap
+            starts = counts.cumsum(0) - counts
+            pos = torch.arange(t * k, device=x.device) - starts[flat[order]]
+            keep = pos < cap
+            dropped = (~keep).sum()
+            order, counts = order[keep], counts.clamp(max=cap)
+        rows = order // k
+        xs = x[rows]
+        outs, start = [], 0
+        for j, n in enumerate(counts.tolist()):
+            if n:
+                outs.append(self.experts[str(j)](xs[start : start + n], self.act))
+                start += n
+        if not outs:
+            return torch.zeros_like(x) + 0 * x, dropped
+        ys = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+__all__ = ["MoEConfigError", "MoESpec", "Routed", "SparseMoE", "router_losses", "start_stats"]
