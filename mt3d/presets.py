@@ -2,8 +2,9 @@
 
 Sizes follow the published configurations: GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020,
 Table 2.1), Megatron-LM 8.3B (Shoeybi et al. 2019), MT-NLG 530B (Smith et al. 2022), Llama 2
-(Touvron et al. 2023), and the released HF configs of Mistral 7B v0.1, Qwen2.5-7B, Qwen3-8B and
-Gemma 2 9B. Each names its ``family``, whose block options fill the keys it does not give.
+(Touvron et al. 2023), and the released HF configs of Mistral 7B v0.1, Qwen2.5-7B, Qwen3-8B,
+Gemma 2 9B, Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B. Each names its ``family``, whose block
+options fill the keys it does not give.
 ``tiny`` is the CPU demo model; ``tiny-<family>`` are CPU variants of each family.
 """
 
@@ -33,6 +34,20 @@ PRESETS: dict[str, dict] = {
         query_pre_attn_scalar=24,
         attention={"window": 16, "global_every": 2},
         **_TINY,
+    ),
+    # mixture-of-experts CPU variants: 4 experts, top-2, a load-balancing loss
+    "tiny-mixtral": dict(
+        family="mixtral", moe=dict(experts=4, top_k=2, expert_ffn=64, aux_loss_coef=0.02), **_TINY
+    ),
+    "tiny-qwen2-moe": dict(
+        family="qwen2_moe",
+        moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=64, dense_layers=[1], norm_topk_prob=False,
+                 aux_loss_coef=0.02),
+        **_TINY,
+    ),
+    "tiny-qwen3-moe": dict(
+        family="qwen3_moe", head_dim=32, moe=dict(experts=4, top_k=2, expert_ffn=32, norm_topk_prob=True,
+                                                 aux_loss_coef=0.02), **_TINY,
     ),
     "gpt2-small": dict(hidden=768, layers=12, heads=12, vocab_size=50257, max_seq_len=1024, **_GPT),
     "gpt2-medium": dict(hidden=1024, layers=24, heads=16, vocab_size=50257, max_seq_len=1024, **_GPT),
@@ -74,6 +89,23 @@ PRESETS: dict[str, dict] = {
         family="gemma2", hidden=3584, layers=42, heads=16, kv_heads=8, head_dim=256, ffn=14336,
         vocab_size=256000, max_seq_len=8192, query_pre_attn_scalar=256,
         attention={"window": 4096, "global_every": 2},
+    ),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, every layer sparse
+    "mixtral-8x7b": dict(
+        family="mixtral", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab_size=32000,
+        max_seq_len=32768, norm_eps=1e-5, rope_theta=1e6,
+        moe=dict(experts=8, top_k=2, expert_ffn=14336, aux_loss_coef=0.02),
+    ),
+    # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): 128 experts, top-8, renormalised
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=6144,
+        vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
+        moe=dict(experts=128, top_k=8, expert_ffn=768, norm_topk_prob=True, aux_loss_coef=0.001),
+    ),
+    "qwen3-235b-a22b": dict(
+        family="qwen3_moe", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128, ffn=12288,
+        vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
+        moe=dict(experts=128, top_k=8, expert_ffn=1536, norm_topk_prob=True, aux_loss_coef=0.001),
     ),
 }  # fmt: skip
 

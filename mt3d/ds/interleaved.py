@@ -178,34 +178,49 @@ class InterleavedPipelineEngine(PipelineEngine):
                 request.wait()
             self._queued = []
 
+    # A stage passes one activation tensor, or (a sparse model) a tuple: the hidden states and the
+    # router statistics (``mt3d.model.moe``), whose floating tensors carry gradients back.
     def _exec_send_activations(self, buffer_id, chunk):
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        assert torch.is_tensor(outputs), "interleaved stages pass one activation tensor"
-        if not self._sent_meta:  # the first message to the downstream rank: shape and dtype
+        if not self._sent_meta:  # the first message to the downstream rank: shapes and dtypes
             self._sent_meta = True
             self._send_tensor_meta(outputs, (self.stage_id + 1) % self.num_stages)
-        self._queue(dist.isend, outputs, +1)
+        for t in outputs if isinstance(outputs, tuple) else (outputs,):
+            self._queue(dist.isend, t, +1)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id, chunk):
         if self._recv_spec is None:
             meta = self._recv_tensor_meta((self.stage_id - 1) % self.num_stages)
-            self._recv_spec = (meta.shape, meta.dtype)
-        shape, dtype = self._recv_spec
-        received = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
-        self._queue(dist.irecv, received, -1)
-        self.pipe_buffers["inputs"][buffer_id] = received
+            metas = meta if isinstance(meta, tuple) else (meta,)
+            self._recv_spec = ([(m.shape, m.dtype) for m in metas], isinstance(meta, tuple))
+        specs, as_tuple = self._recv_spec
+        received = tuple(
+            torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
+            for shape, dtype in specs
+        )
+        for t in received:
+            self._queue(dist.irecv, t, -1)
+        self.pipe_buffers["inputs"][buffer_id] = received if as_tuple else received[0]
 
     def _exec_send_grads(self, buffer_id, chunk):
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        assert inputs.grad is not None, f"no input gradient for chunk {chunk} buffer {buffer_id}"
-        self._queue(dist.isend, inputs.grad, -1)
+        for t in inputs if isinstance(inputs, tuple) else (inputs,):
+            if t.is_floating_point():
+                assert t.grad is not None, f"no input gradient for chunk {chunk} buffer {buffer_id}"
+                self._queue(dist.isend, t.grad, -1)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id, chunk):
-        grad = torch.empty_like(self.pipe_buffers["outputs"][buffer_id])
-        self._queue(dist.irecv, grad, +1)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if isinstance(outputs, tuple):
+            grad = [torch.empty_like(t) for t in outputs if t.is_floating_point()]
+            for g in grad:
+                self._queue(dist.irecv, g, +1)
+        else:
+            grad = torch.empty_like(outputs)
+            self._queue(dist.irecv, grad, +1)
         self.pipe_buffers["grads"][buffer_id] = grad
 
     _INSTRUCTION_MAP = {

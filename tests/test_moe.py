@@ -1,0 +1,210 @@
+"""Mixture-of-experts: Mixtral, Qwen2-MoE and Qwen3-MoE against transformers (logits, the auxiliary
+load-balancing loss, router gradients), training at every layout against one process (the aux loss
+crossing pipeline stages), capacity-mode drops against a hand count, and bad MoE configs."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mt3d.parallel.spawn import spawn
+
+RTOL = 1e-5
+
+
+def _hf_moe(family: str, d: Path, tok_dir: Path) -> Path:
+    """A tiny HF MoE model made with transformers: 4 experts, top-2, a router sharp enough that
+    tokens really choose (weights x 50), non-zero q/k/v biases where the family has them."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=300, max_position_embeddings=64, num_experts_per_tok=2,
+                  output_router_logits=True, router_aux_loss_coef=0.02)  # fmt: skip
+    configs = {
+        "mixtral": lambda: MixtralConfig(
+            intermediate_size=48, num_local_experts=4, sliding_window=6, **common
+        ),
+        "qwen2_moe": lambda: Qwen2MoeConfig(
+            intermediate_size=48,
+            num_experts=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            **common,
+        ),  # fmt: skip
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            intermediate_size=48,
+            num_experts=4,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            head_dim=16,
+            **common,
+        ),  # fmt: skip
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(configs[family]())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+                p.mul_(50)
+            elif name.endswith("shared_expert_gate.weight"):
+                p.normal_(0, 1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(d)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from mt3d.data.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("tok")
+    train_bpe(["the quick brown fox jumps over the lazy dog"] * 50, 300, d)
+    return d
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_families_match_transformers(tmp_path, tok_dir, family):
+    from transformers import AutoModelForCausalLM
+
+    from mt3d.model.inference import logits
+    from mt3d.model.loading import from_pretrained
+
+    d = _hf_moe(family, tmp_path / family, tok_dir)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    model = from_pretrained(d)
+    assert model.config.family == family and model.config.moe_spec.experts == 4
+    with torch.no_grad():
+        want = ref.eval()(ids).logits
+        got = logits(model, ids, model.state, model.config.hidden)
+    assert (got - want).abs().max().item() < 1e-4
+    # the training loss: cross entropy plus 0.02 x transformers' aux loss, and its router gradients
+    ref.train(), model.train()
+    out = ref(ids, labels=ids, output_router_logits=True)
+    first = out.router_logits[0].float().softmax(-1)
+    assert first.max(-1).values.mean() > 0.5 and first.topk(2).indices.unique().numel() >= 3  # tokens choose
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    loss = model(ids, labels)
+    aux = model.loss_fn.router_log[-1]["aux"]
+    assert abs(aux.item() - out.aux_loss.item()) <= 1e-6 and aux.item() > 1.0  # 1.0: perfectly balanced
+    assert abs(loss.item() - out.loss.item()) <= 1e-6 * out.loss.item()
+    loss.backward(), out.loss.backward()
+    mine = {n: p for n, p in model.named_parameters() if n.endswith("mlp.router.weight")}
+    theirs = [p for n, p in ref.named_parameters() if n.endswith(("moe.gate.weight", "mlp.gate.weight"))]
+    assert len(mine) == len(theirs) == (2 if family == "qwen2_moe" else 3)
+    for a, b in zip(mine.values(), theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-8)
+
+
+def test_capacity_mode_drops_the_assignments_a_hand_count_finds():
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.model.config import ModelConfig
+    from mt3d.model.moe import start_stats
+    from mt3d.parallel.state import AxisGroup
+
+    moe = dict(experts=4, top_k=2, expert_ffn=16, capacity_factor=0.75)
+    cfg = ModelConfig.from_dict(dict(hidden=32, layers=1, heads=4, ffn=64, position="rope", norm="rmsnorm",
+                                     mlp="swiglu", bias=False, moe=moe))  # fmt: skip
+    block = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), seed=3), 0).train()
+    with torch.no_grad():
+        block.mlp.router.weight.mul_(40)  # a skewed router: some experts are over capacity
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    _, stats_f, stats_i = block((x, *start_stats(cfg.moe_spec, x)))
+    # hand count: each expert keeps the first ceil(0.75 * 24 * 2 / 4) = 9 (token, slot) assignments
+    h = block.norm2(x + block.attn(block.norm1(x)))
+    chosen = (h @ block.mlp.router.weight.t()).softmax(-1).topk(2, dim=-1).indices.reshape(-1).tolist()
+    taken, dropped = [0] * 4, 0
+    for e in chosen:
+        taken[e] += 1
+        dropped += taken[e] > 9
+    assert dropped > 0 and stats_i[4].item() == dropped
+    assert stats_i[:4].tolist() == [chosen.count(e) for e in range(4)]
+    block.eval()  # evaluation stays dropless
+    assert block((x, *start_stats(cfg.moe_spec, x)))[2][4].item() == 0
+
+
+LAYOUTS = [  # (preset, world, parallel keys)
+    ("tiny-mixtral", 2, dict(tensor=2, sequence_parallel=True)),
+    ("tiny-mixtral", 2, dict(pipeline=2, recompute=1)),  # the aux statistics cross stages and recompute
+    ("tiny-mixtral", 2, {}),  # dp 2: ZeRO-1 over the experts
+    ("tiny-qwen2-moe", 4, dict(tensor=2, pipeline=2, virtual_stages=2)),  # shared expert, a dense layer
+]
+
+
+def _train(tmp_path, name, world, preset, recompute=0, **parallel):
+    from helpers import step_records, tiny_config, train_worker
+
+    raw = tiny_config(tmp_path / name, model={"preset": preset}, recompute={"interval": recompute})
+    raw["mt3d"]["parallel"].update(parallel)
+    return step_records(spawn(train_worker, world, raw, timeout=600)[0])
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    base = tmp_path_factory.mktemp("moe-ref")
+    return {p: _train(base, p, 1, p) for p in ("tiny-mixtral", "tiny-qwen2-moe")}
+
+
+@pytest.mark.parametrize(
+    "preset,world,parallel", LAYOUTS, ids=[f"{m}-{w}-{'-'.join(map(str, p.values()))}" for m, w, p in LAYOUTS]
+)
+def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world, parallel):
+    ref = moe_reference[preset]
+    got = _train(tmp_path, "run", world, preset, **parallel)
+    assert len(ref) == len(got) == 5
+    for a, b in zip(got, ref):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (
+                f"{parallel} step {a['step']} {key}: {a} vs {b}"
+            )
+    assert ref[0]["loss"] > ref[-1]["loss"]
+
+
+@pytest.mark.parametrize(
+    "moe,match",
+    [
+        ({"experts": 4, "top_k": 5, "expert_ffn": 8}, "top_k 5 exceeds the 4 experts"),
+        ({"experts": 4, "top_k": 2}, "model.moe needs 'expert_ffn'"),
+        (
+            {"experts": 4, "top_k": 2, "expert_ffn": 8, "router": "sigmoid"},
+            "unknown model.moe keys \\['router'\\]",
+        ),
+        (
+            {"experts": 4, "top_k": 2, "expert_ffn": 8, "dense_layers": [9]},
+            "dense_layers entry 9 is not a block",
+        ),
+        (
+            {"experts": 4, "top_k": 2, "expert_ffn": 8, "capacity_factor": 0},
+            "capacity_factor must be a positive",
+        ),
+    ],
+)
+def test_bad_moe_configs_are_one_line(moe, match):
+    from mt3d.model.config import ModelConfig, ModelConfigError
+
+    with pytest.raises(ModelConfigError, match=match) as info:
+        ModelConfig.from_dict(dict(hidden=32, layers=2, heads=4, moe=moe))
+    assert "\n" not in str(info.value)
+
+
+def test_unsupported_routing_is_refused_by_name(tmp_path, tok_dir):
+    from mt3d.model.families import HFError
+    from mt3d.model.hf import config_from_hf
+
+    d = _hf_moe("qwen3_moe", tmp_path / "q", tok_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    for change, match in (
+        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid' asks for sigmoid expert scoring"),
+        ({"n_group": 8, "topk_group": 4}, "asks for grouped expert routing"),
+        ({"num_experts_per_tok": 6}, "num_experts_per_tok 6 exceeds num_local_experts 4"),
+    ):
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(HFError, match=match):
+            config_from_hf(d)
