@@ -160,10 +160,11 @@ def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world
     got = _train(tmp_path, "run", world, preset, **parallel)
     assert len(ref) == len(got) == 5
     for a, b in zip(got, ref):
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "expert_load_max_over_mean"):
             assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (
                 f"{parallel} step {a['step']} {key}: {a} vs {b}"
             )
+        assert a["dropped_tokens"] == 0 and a["expert_load_max_over_mean"] >= 1.0
     assert ref[0]["loss"] > ref[-1]["loss"]
 
 
@@ -191,6 +192,27 @@ def test_bad_moe_configs_are_one_line(moe, match):
 
     with pytest.raises(ModelConfigError, match=match) as info:
         ModelConfig.from_dict(dict(hidden=32, layers=2, heads=4, moe=moe))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "parallel,zero,world,match",
+    [
+        (dict(context=2), 1, 2, "not supported with context parallelism yet"),
+        ({}, 3, 2, "not supported with ZeRO-3 yet"),
+        (dict(expert=2), 1, 2, "expert parallelism .* is not supported yet"),
+    ],
+)
+def test_bad_moe_layouts_are_one_line_before_process_groups(tmp_path, parallel, zero, world, match):
+    from mt3d.config import ConfigError, from_dict, resolve_model, validate
+
+    from helpers import tiny_config
+
+    raw = tiny_config(tmp_path, model={"preset": "tiny-mixtral"}, zero=zero)
+    raw["mt3d"]["parallel"].update(parallel)
+    run = from_dict(raw)
+    with pytest.raises(ConfigError, match=match) as info:
+        validate(run, world, resolve_model(run.mt3d.model))
     assert "\n" not in str(info.value)
 
 

@@ -268,6 +268,21 @@ def context_sequence_conflict(cp: int, tp: int, seq_len: int, sequence_parallel:
     return None
 
 
+def moe_conflict(cp: int, zero_stage: int) -> str | None:
+    """Why a mixture-of-experts model cannot run at this layout (None: it can)."""
+    if cp > 1:
+        return (
+            "mixture-of-experts models are not supported with context parallelism yet (the router's "
+            "load-balancing statistics are not summed over the cp ranks): set parallel.context to 1"
+        )
+    if zero_stage == 3:
+        return (
+            "mixture-of-experts models are not supported with ZeRO-3 yet (each rank gathers only the "
+            "experts its tokens visit): use zero_optimization.stage 0-2"
+        )
+    return None
+
+
 def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int, zero_stage: int,
                      model=None) -> str | None:  # fmt: skip
     """Why context parallelism cannot run as configured (None: it can, as far as the inputs tell)."""

@@ -289,12 +289,9 @@ class SparseMoE(nn.Module):
         rows = order // k
         xs = x[rows]
         outs, start = [], 0
-        for j, n in enumerate(counts.tolist()):
-            if n:
-                outs.append(self.experts[str(j)](xs[start : start + n], self.act))
-                start += n
-        if not outs:
-            return torch.zeros_like(x) + 0 * x, dropped
+        for j, n in enumerate(counts.tolist()):  # an expert without rows still runs (on none): every
+            outs.append(self.experts[str(j)](xs[start : start + n], self.act))  # rank then has a (zero)
+            start += n  # gradient for every expert, so data-parallel reductions line up across ranks
         ys = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
 

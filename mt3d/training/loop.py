@@ -15,7 +15,7 @@ from ..data.loader import DataBundle, StepBatches
 from ..model.config import ModelConfig
 from ..parallel.mappings import all_reduce
 from .engine import uses_pipeline_engine
-from .metrics import MetricsLog, device_peak_tflops, peak_memory_gb, step_figures
+from .metrics import MetricsLog, device_peak_tflops, peak_memory_gb, router_figures, step_figures
 from .runtime import Runtime
 
 
@@ -60,6 +60,9 @@ class Trainer:
             device_peak_tflops(self.train_cfg.peak_tflops) if self.logger else (0.0, "")
         )
         self.bar = None
+        self.sparse = model_cfg.moe is not None
+        self.router: dict = {}
+        """The last step's router figures (sparse models)."""
 
     # --- batches ---------------------------------------------------------------------------
     def batches(self, samples, step: int) -> StepBatches:
@@ -134,6 +137,11 @@ class Trainer:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
+    def _router_figures(self) -> dict:
+        state = self.rt.state
+        last = state.pp.rank == state.pp.size - 1
+        return router_figures(self.engine.module.loss_fn, last and state.tp.rank == 0, self.rt.device)
+
     def _log_step(self, loss: float, seconds: float) -> None:
         figs = step_figures(
             tokens=self.tokens_per_step,
@@ -153,6 +161,7 @@ class Trainer:
             "samples": self.step * self.layout.global_batch,
             "step_time_s": seconds,
             "peak_mem_gb": peak_memory_gb(),
+            **self.router,
         }
         self.metrics.write(record, wandb_step=self.engine.global_samples)
         gn = record["grad_norm"]
@@ -162,6 +171,12 @@ class Trainer:
             f"{figs['tflops_per_gpu']:.3g} TFLOP/s/dev | MFU {figs['mfu']:.1%} | "
             f"skipped {record['skipped']} | peak mem {record['peak_mem_gb']:.2f} GB"
         )
+        if self.router:
+            r = self.router
+            line += (
+                f" | aux {r['moe_aux_loss']:.3f} | expert load max/mean {r['expert_load_max_over_mean']:.2f}"
+                f" | dropped {r['dropped_tokens']}"
+            )
         self._print(line)
 
     def _print(self, line: str) -> None:
@@ -202,6 +217,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 last_loss = self.train_step()
                 seconds = time.perf_counter() - t0
+                if self.sparse:
+                    self.router = self._router_figures()
                 self.step += 1
                 self._track_bad(last_loss, self.engine.skipped_steps > skipped_before)
                 if self.logger:

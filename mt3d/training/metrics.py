@@ -63,6 +63,34 @@ def step_figures(
     return {"tokens_per_s": tps, "tflops_per_gpu": tflops, "mfu": mfu}
 
 
+def router_figures(loss_fn, contributes: bool, device) -> dict:
+    """A sparse model's router figures for one training step, the same on every rank (a collective over
+    all ranks: call it everywhere). ``contributes``: this rank's ``loss_fn`` holds the step's router
+    log (one TP rank of each last pipeline stage). Figures: the load-balancing and z losses (means over
+    micro-batches), tokens per expert max / mean (summed over micro-batches, layers and data-parallel
+    ranks: 1.0 is perfect balance) and the (token, slot) assignments dropped by the capacity limit."""
+    import torch.distributed as dist
+
+    log = loss_fn.router_log if contributes else []
+    experts = loss_fn.moe.experts
+    totals = torch.zeros(experts + 4, dtype=torch.float64, device=device)
+    for entry in log:
+        totals[: experts + 1] += entry["counts"].to(device=device, dtype=torch.float64)
+        totals[experts + 1] += float(entry["aux"])
+        totals[experts + 2] += float(entry["z"])
+        totals[experts + 3] += 1
+    loss_fn.router_log.clear()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    counts, n = totals[:experts], max(1.0, float(totals[experts + 3]))
+    return {
+        "moe_aux_loss": float(totals[experts + 1]) / n,
+        "moe_z_loss": float(totals[experts + 2]) / n,
+        "expert_load_max_over_mean": float(counts.max() / counts.mean().clamp(min=1e-9)),
+        "dropped_tokens": int(totals[experts]),
+    }
+
+
 def _clean(v):
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
         return None
