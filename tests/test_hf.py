@@ -22,8 +22,11 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from mt3d.data.corpora import stdlib_documents
@@ -36,7 +39,7 @@ from mt3d.parallel.spawn import spawn
 from helpers import step_records, tiny_config, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2"]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe"]
 WINDOWED = ["mistral", "qwen2", "gemma2"]
 WINDOW = 8
 
@@ -70,6 +73,19 @@ def hf_configs(vocab, eos):
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
             query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **small,
         ),
+        # mixtures of experts: 4 experts, top-2 (routers sharpened in hf_dirs so tokens really choose)
+        "mixtral": MixtralConfig(
+            num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+            **{**small, "intermediate_size": 64},
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1], **small,
+        ),
+        "qwen3_moe": Qwen3MoeConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2, **small,
+        ),
     }  # fmt: skip
 
 
@@ -85,9 +101,11 @@ def hf_dirs(tmp_path_factory):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
-            for p in model.parameters():
+            for pname, p in model.named_parameters():
                 if p.ndim == 1:  # biases and norm weights: non-zero, not all one
                     p.add_(torch.randn_like(p) * 0.2)
+                elif pname.endswith(("moe.gate.weight", "mlp.gate.weight", "shared_expert_gate.weight")):
+                    p.mul_(30)  # routers far from uniform
         d = base / name
         model.save_pretrained(d)
         for f in tok_dir.iterdir():

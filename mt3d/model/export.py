@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from .families import get_family
 from .hf import HFError, hf_config_dict, hf_state_dict
 from .loading import open_source
 from .sharding import global_names
@@ -35,7 +36,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         eos = load_tokenizer(source.tokenizer_dir).eos_id
     cfg_dict = hf_config_dict(cfg, vocab, eos)  # refuses a family with no HF form before any read
     full = {name: reader.full(name) for name in global_names(cfg, vocab)}
-    state = hf_state_dict(cfg, vocab, full)
+    state = get_family(cfg.family).in_memory(cfg, hf_state_dict(cfg, vocab, full))
     kind = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(kind, **{k: v for k, v in cfg_dict.items() if k != "transformers_version"})
     with torch.device("meta"):

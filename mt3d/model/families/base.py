@@ -124,6 +124,12 @@ class Family:
         """config.json contents (without token ids) describing ``cfg``."""
         raise NotImplementedError
 
+    def in_memory(self, cfg: ModelConfig, state: dict) -> dict:
+        """HF tensors as the checkpoint files name them -> as the transformers model holds them in memory
+        (the same for dense families; transformers 5 fuses MoE experts in memory and splits them again
+        when it saves)."""
+        return state
+
     # --- tensor names ----------------------------------------------------------------------------
     def pieces(self, cfg: ModelConfig, role: str, block: int, local: str) -> list[Piece]:
         """The HF tensors making up an mt3d parameter: ``role`` is embed/pos/block/final_norm/head,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import ClassVar
 
+import torch
+
 from . import register
 from .base import HFError, Piece, get, positive
 from .keys import COMMON, LLAMA_LIKE, WINDOWED, read, refused
@@ -81,6 +83,23 @@ class MoEFamily(LlamaLike):
         if spec.aux_loss_coef > 0:
             out["router_aux_loss_coef"] = spec.aux_loss_coef
         return out
+
+    def in_memory(self, cfg, state):
+        """Per-expert file tensors -> transformers 5's in-memory ``mlp.experts.gate_up_proj`` [E, 2f, h]
+        (gate rows then up rows) and ``mlp.experts.down_proj`` [E, h, f], the router as ``mlp.gate``."""
+        state = dict(state)
+        spec = cfg.moe_spec
+        for i in (i for i in range(cfg.layers) if spec.sparse(i)):
+            prefix = f"model.layers.{i}."
+            for ours, theirs in (("up", "gate_up_proj"), ("down", "down_proj")):
+                names = self.expert_modules[f"mlp.experts.{{j}}.{ours}"]
+                state[f"{prefix}mlp.experts.{theirs}"] = torch.stack([
+                    torch.cat([state.pop(f"{prefix}{n.format(j=j)}.weight") for n in names])
+                    for j in range(spec.experts)
+                ])  # fmt: skip
+            (router,) = self.expert_modules["mlp.router"]
+            state[f"{prefix}mlp.gate.weight"] = state.pop(f"{prefix}{router}.weight")
+        return state
 
     def pieces(self, cfg, role, block, local):
         """Expert tensors by index; everything else as the dense family."""
@@ -150,8 +169,12 @@ class Mixtral(MoEFamily):
         return dict(sliding_window=window_of(cfg), **self.write_moe(cfg))
 
     def hf_config(self, cfg, vocab):
-        """intermediate_size is the experts' inner size."""
-        return {**super().hf_config(cfg, vocab), "intermediate_size": cfg.moe_spec.expert_ffn}
+        """intermediate_size is the experts' inner size; head_dim null when it is hidden / heads (what
+        MixtralConfig writes, and transformers reads null as that)."""
+        out = {**super().hf_config(cfg, vocab), "intermediate_size": cfg.moe_spec.expert_ffn}
+        if cfg.head_dim * cfg.heads == cfg.hidden:
+            out["head_dim"] = None
+        return out
 
 
 _QWEN_EXPERTS = {
