@@ -310,7 +310,7 @@ def assert_same_training(got, ref, what):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2", "qwen2_moe"])
 def test_fine_tuning_at_tp2_pp2_dp2_matches_one_process(hf_dirs, tmp_path, name, caplog):
     ref = step_records(spawn(train_worker, 1, fine_tune_config(tmp_path / "ref", hf_dirs[name], 5, 1, 1))[0])
     assert ref[-1]["loss"] < ref[0]["loss"]

@@ -21,8 +21,11 @@ import torch
 from ..config import DeepSpeedSection, Layout
 
 
-def deepspeed_config(ds: DeepSpeedSection, layout: Layout, *, sequence_parallel: bool, on_cpu: bool) -> dict:
-    """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained)."""
+def deepspeed_config(
+    ds: DeepSpeedSection, layout: Layout, *, sequence_parallel: bool, on_cpu: bool, stream_tuple: bool = False
+) -> dict:
+    """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained).
+    ``stream_tuple``: stages pass a tuple of tensors (a sparse model's router statistics)."""
     out = ds.copy()
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
@@ -36,10 +39,11 @@ def deepspeed_config(ds: DeepSpeedSection, layout: Layout, *, sequence_parallel:
     # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
     # killed W&B's helper during a preemption save.
     out.pop("wandb", None)
-    if (sequence_parallel and layout.tp > 1) or layout.virtual_stages > 1:
+    if (sequence_parallel and layout.tp > 1) or layout.virtual_stages > 1 or stream_tuple:
         # DeepSpeed's pipe/grad partitioning assumes activations identical across TP ranks, which
-        # sequence shards are not (DEEPSPEED_NOTES.md), and one exchange per neighbour at a time,
-        # which the interleaved schedule's batched ring exchange is not.
+        # sequence shards are not (DEEPSPEED_NOTES.md), one exchange per neighbour at a time, which
+        # the interleaved schedule's batched ring exchange is not, and that only the first tensor of a
+        # tuple needs a gradient (engine.py asserts it), which a sparse model's router statistics do.
         pipe = out.setdefault("pipeline", {})
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False

@@ -98,6 +98,7 @@ def build_model(
                 m.compile()
     # saved with every checkpoint: lets DeepSpeed's universal format reshard it later
     model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size)
+    model.stream_tuple = cfg.moe is not None  # stages pass (hidden, router statistics)
     return model
 
 
@@ -116,7 +117,9 @@ def initialize(
     from ..ds.engine import initialize as ds_initialize
 
     on_cpu = rt.device.type == "cpu"
-    config = deepspeed_config(ds, layout, sequence_parallel=sequence_parallel, on_cpu=on_cpu)
+    stream_tuple = getattr(model, "stream_tuple", False)
+    config = deepspeed_config(ds, layout, sequence_parallel=sequence_parallel, on_cpu=on_cpu,
+                              stream_tuple=stream_tuple)  # fmt: skip
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
