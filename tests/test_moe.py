@@ -130,6 +130,67 @@ def test_capacity_mode_drops_the_assignments_a_hand_count_finds():
     assert block((x, *start_stats(cfg.moe_spec, x)))[2][4].item() == 0
 
 
+def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None)):
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.model.config import ModelConfig
+    from mt3d.parallel.state import AxisGroup
+
+    cfg = ModelConfig.from_dict(dict(hidden=32, layers=1, heads=4, ffn=64, position="rope", norm="rmsnorm",
+                                     mlp="swiglu", bias=False,
+                                     moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=32)))  # fmt: skip
+    tpg = AxisGroup("tp", tuple(range(tp)), tp_rank, groups[0])
+    epg = AxisGroup("ep", tuple(range(ep)), ep_rank, groups[1])
+    block = TransformerBlock(cfg, BuildContext(tp=tpg, ep=epg, seed=5), 0)
+    with torch.no_grad():
+        block.mlp.router.weight.mul_(30)
+    return block
+
+
+def _ep_batch(ep_rank):
+    return torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(10 + ep_rank), dtype=torch.float64)
+
+
+def _ep_worker(tp, ep):
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    tp_groups = [dist.new_group([e * tp + t for t in range(tp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * tp + t for e in range(ep)]) for t in range(tp)]
+    t, e = me % tp, me // tp
+    block = _ep_block(tp, ep, t, e, (tp_groups[e], ep_groups[t])).double()
+    x = _ep_batch(e).requires_grad_()
+    out = block(x)
+    out.backward(torch.ones_like(out))
+    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
+def test_expert_parallel_dispatch_equals_one_process(tp, ep):
+    """Each ep rank routes its own tokens; experts live on one ep rank each (split over tp), reached by
+    all-to-all: outputs and input gradients are those of one process, and an expert's weight gradient
+    sums the contributions of the tokens every ep rank sent it."""
+    from mt3d.parallel.layers import shard_of
+
+    ref = _ep_block(1, 1).double()
+    want, grads = [], {}
+    for e in range(ep):
+        ref.zero_grad()
+        x = _ep_batch(e).requires_grad_()
+        out = ref(x)
+        out.backward(torch.ones_like(out))
+        want.append((out.detach(), x.grad))
+        grads[e] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    params = dict(ref.named_parameters())
+    for rank, (out, dx, got) in enumerate(spawn(_ep_worker, tp * ep, tp, ep, timeout=300)):
+        t, e = rank % tp, rank // tp
+        torch.testing.assert_close(out, want[e][0]), torch.testing.assert_close(dx, want[e][1])
+        experts = sorted({int(n.split(".")[2]) for n in got if ".experts." in n})
+        assert experts == list(range(e * 4 // ep, (e + 1) * 4 // ep)), experts
+        for name, g in got.items():
+            full = sum(grads[i][name] for i in range(ep)) if ".experts." in name else grads[e][name]
+            torch.testing.assert_close(g, shard_of(full, params[name], t, tp), msg=name)
+
+
 LAYOUTS = [  # (preset, world, parallel keys)
     ("tiny-mixtral", 2, dict(tensor=2, sequence_parallel=True)),
     ("tiny-mixtral", 2, dict(pipeline=2, recompute=1)),  # the aux statistics cross stages and recompute

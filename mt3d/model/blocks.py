@@ -59,6 +59,7 @@ class BuildContext:
         tile_len: run the MLP and the loss over at most this many sequence positions at a time
             (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its
             (gathered) input and weight instead of logits, and ``LossFn`` projects tile by tile.
+        ep: the expert-parallel group (None or one rank: every rank holds every expert).
     """
 
     tp: AxisGroup
@@ -72,6 +73,7 @@ class BuildContext:
     cp: AxisGroup | None = None
     cp_exchange: str = "auto"
     tile_len: int = 0
+    ep: AxisGroup | None = None
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""

@@ -279,6 +279,15 @@ class ModelConfig:
         norms = per_norm * (4 if self.post_norms else 2) + (2 * self.head_dim if self.qk_norm else 0)
         return attn + mlp + norms
 
+    def mlp_token_width(self) -> float:
+        """Inner MLP width one token passes through, averaged over blocks: ffn for a dense block,
+        top_k x expert_ffn + shared_ffn for a sparse one (what its GEMMs and activations scale with)."""
+        spec = self.moe_spec
+        if spec is None:
+            return float(self.ffn)
+        sparse = spec.top_k * spec.expert_ffn + spec.shared_ffn
+        return sum(sparse if spec.sparse(i) else self.ffn for i in range(self.layers)) / self.layers
+
     def embedding_params(self, vocab: int | None = None) -> int:
         """Token (and learned position) embedding parameters."""
         v = vocab or self.vocab_size or 0

@@ -46,7 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
-from ..parallel.mappings import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
+from ..parallel.mappings import (
+    all_to_all_counts,
+    all_to_all_rows,
+    copy_to_tp,
+    gather_from_sequence,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
 from .config import ModelConfigError
 
 
@@ -223,8 +230,14 @@ class SparseMoE(nn.Module):
         self.spec, self.tp, self.sp = spec, ctx.tp, ctx.sp
         self.act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router")
+        self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
+        ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
+        if spec.experts % ep:
+            raise MoEConfigError(f"model.moe.experts ({spec.experts}) is not divisible by ep={ep}")
+        self.local = range(r * spec.experts // ep, (r + 1) * spec.experts // ep)
+        """The experts this rank holds (all of them without expert parallelism)."""
         self.experts = nn.ModuleDict(
-            {str(j): Expert(cfg, ctx, layer, j, spec.expert_ffn) for j in range(spec.experts)}
+            {str(j): Expert(cfg, ctx, layer, j, spec.expert_ffn) for j in self.local}
         )
         self.shared = self.shared_gate = None
         if spec.shared_ffn:
@@ -287,13 +300,36 @@ class SparseMoE(nn.Module):
             dropped = (~keep).sum()
             order, counts = order[keep], counts.clamp(max=cap)
         rows = order // k
-        xs = x[rows]
-        outs, start = [], 0
-        for j, n in enumerate(counts.tolist()):  # an expert without rows still runs (on none): every
-            outs.append(self.experts[str(j)](xs[start : start + n], self.act))  # rank then has a (zero)
-            start += n  # gradient for every expert, so data-parallel reductions line up across ranks
-        ys = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
+        ys = self._run(x[rows], counts) * weights.flatten()[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
+
+    def _run_local(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (``counts`` each) -> their outputs, in the same order. An expert
+        without rows still runs (on none): every rank then has a (zero) gradient for every expert it
+        holds, so data-parallel reductions line up across ranks."""
+        outs, start = [], 0
+        for j, n in zip(self.local, counts, strict=True):
+            outs.append(self.experts[str(j)](xs[start : start + n], self.act))
+            start += n
+        return torch.cat(outs)
+
+    def _run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (``counts`` [E] each) -> expert outputs in the same order. With expert
+        parallelism the rows of each ep rank's experts travel there and back with one all-to-all each
+        way (the counts first, so every rank knows what it receives); the received rows, ordered by
+        source then expert, are regrouped by expert for one matmul per expert and put back."""
+        if self.ep is None:
+            return self._run_local(xs, counts.tolist())
+        ep, local = self.ep.size, len(self.local)
+        sent = counts.view(ep, local)  # row i: rows for each of rank i's experts
+        got = all_to_all_counts(sent, self.ep)  # row i: rows rank i sends for each of my experts
+        send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
+        xr = all_to_all_rows(xs, send, recv, self.ep)
+        expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(got.flatten())
+        perm = torch.argsort(expert_of_row, stable=True)
+        ye = self._run_local(xr[perm], got.sum(0).tolist())
+        yr = torch.empty_like(ye).index_copy(0, perm, ye)  # back to (source, expert) order
+        return all_to_all_rows(yr, recv, send, self.ep)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -212,3 +212,40 @@ def gather_from_sequence(x: torch.Tensor, g: AxisGroup, *, grad_is_partial: bool
 def reduce_scatter_to_sequence(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Reduce-scatter over the sequence; gradient all-gathered."""
     return _ReduceScatterToSequence.apply(x, g) if g.size > 1 else x
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows of ``x`` split into consecutive blocks of ``send`` rows, block i to rank i; the result
+    holds ``recv`` rows from each rank in rank order. The backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, g):
+        ctx.send, ctx.recv, ctx.g = send, recv, g
+        return _all_to_all_rows(x, send, recv, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_rows(grad, ctx.recv, ctx.send, ctx.g), None, None, None
+
+
+def _all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, recv, send, group=g.group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup) -> torch.Tensor:
+    """Exchange rows over the group (expert-parallel dispatch and combine): ``send[i]`` rows of ``x``
+    go to rank i, ``recv[i]`` come from it; differentiable (the gradient takes the way back)."""
+    return _AllToAllRows.apply(x, list(send), list(recv), g) if g.size > 1 else x
+
+
+def all_to_all_counts(counts: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Counts [ranks, n] (row i: what this rank sends rank i) -> [ranks, n] (row i: what rank i sends
+    this rank); no gradient."""
+    if g.size == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=g.group)
+    return out

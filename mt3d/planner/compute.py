@@ -77,12 +77,13 @@ def gemm_seconds(g: Gemm, dev, elem: int = 2, fraction: float = GEMM_FRACTION) -
 def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     """The forward weight GEMMs of one block on one TP rank (QKV, output, MLP in and out)."""
     h = cfg.hidden
-    mlp_in = (2 if cfg.mlp in GATED_MLPS else 1) * cfg.ffn / tp
+    ffn = cfg.mlp_token_width()  # MoE: the k experts a token visits (as one GEMM of their total width)
+    mlp_in = (2 if cfg.mlp in GATED_MLPS else 1) * ffn / tp
     return [
         Gemm(tokens, (cfg.q_size + 2 * cfg.kv_size) / tp, h),
         Gemm(tokens, h, cfg.q_size / tp),
         Gemm(tokens, mlp_in, h),
-        Gemm(tokens, h, cfg.ffn / tp),
+        Gemm(tokens, h, ffn / tp),
     ]
 
 
@@ -97,7 +98,7 @@ def elementwise_elements(
     local heads' scores) and its dropout (read, write, mask)."""
     h, t = cfg.hidden, tp
     replicated = (4 * h + 7 * h) / (t if sp else 1)
-    act = (3 if cfg.mlp in GATED_MLPS else 2) * cfg.ffn / t
+    act = (3 if cfg.mlp in GATED_MLPS else 2) * cfg.mlp_token_width() / t
     rope = 4 * (cfg.q_size + cfg.kv_size) / t if cfg.position == "rope" else 0.0
     scores = 4.5 * cfg.heads / t * keys if attention == "materialized" else 0.0
     return replicated + act + rope + scores

@@ -101,8 +101,11 @@ def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompu
 
 
 def mlp_inner_elements(cfg: ModelConfig, t: int) -> float:
-    """Per token: the MLP's inner activations one TP rank keeps (2 x ffn/t GELU, 4 x ffn/t gated)."""
-    return (4 if cfg.mlp in GATED_MLPS else 2) * cfg.ffn / t
+    """Per token: the MLP's inner activations one TP rank keeps (2 x ffn/t GELU, 4 x ffn/t gated; a
+    sparse block's k experts' and shared expert's, plus the k dispatched copies of its input)."""
+    spec = cfg.moe_spec
+    dispatched = 0.0 if spec is None else cfg.sparse_layers / cfg.layers * spec.top_k * cfg.hidden
+    return (4 if cfg.mlp in GATED_MLPS else 2) * cfg.mlp_token_width() / t + dispatched
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..config import (
     Offload,
     context_sequence_conflict,
     context_zero_conflict,
+    moe_conflict,
     virtual_stage_conflict,
     zero_pipeline_conflict,
 )
@@ -73,6 +74,9 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, cp: 
         return f"{cfg.kv_heads} kv heads not divisible by tp {tp}"
     if cfg.ffn % tp:
         return f"ffn {cfg.ffn} not divisible by tp {tp}"
+    spec = cfg.moe_spec
+    if spec is not None and (spec.expert_ffn % tp or spec.shared_ffn % tp):
+        return f"expert ffn {spec.expert_ffn} (shared {spec.shared_ffn}) not divisible by tp {tp}"
     if pp > cfg.layers:
         return f"{cfg.layers} layers cannot fill {pp} stages"
     if seq_len is not None:
@@ -115,6 +119,10 @@ SCHEDULE_RULES = (
     ),
     (("micro_batch", "zero_stage"), lambda c: _short(zero_pipeline_conflict(c["pp"], c["zero_stage"]))),
     (("micro_batch", "zero_stage"), lambda c: _short(context_zero_conflict(c["cp"], c["zero_stage"]))),
+    (
+        ("micro_batch", "zero_stage"),
+        lambda c: _short(moe_conflict(c["cp"], c["zero_stage"])) if c["cfg"].moe is not None else None,
+    ),
     (
         ("micro_batch", "zero_stage", "virtual_stages"),
         lambda c: virtual_stage_conflict(
