@@ -74,7 +74,7 @@ REACHES = (
     Reach("optim_states", "DeepSpeedCPUAdam cannot load torch AdamW's state: a load pre-hook fills it in",
           "test_offload.py::test_cpu_adam_takes_torch_adamw_state_only_through_the_workaround"),
     Reach("nvme", "NVMe-offloaded ZeRO-3 states resume inexactly: mt3d restores what DeepSpeed leaves out",
-          "test_offload.py::test_zero3_nvme_offload_matches_survives_kill_9_and_resumes_exactly"),
+          "test_offload.py::test_nvme_resume_is_exact_with_another_scheduler_at_dp2"),
     Reach("universal", "reshards of ZeRO-3 states DeepSpeed gets wrong: refused up front",
           "test_checkpoint.py::test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly"),
     Reach("ops", "a JIT op build's stale lock makes every later run wait forever: named with its fix",
