@@ -67,6 +67,14 @@ def test_comm_benchmark_measures_each_context_exchange_at_its_volume():
     assert "| 2 | halo | 128 |" in render([rec])
 
 
+def test_comm_benchmark_measures_the_expert_all_to_all_at_its_volume():
+    """One MoE layer at ep 2: the counts, the rows to the experts and back, and the same again in the
+    backward: f (4 T k h + E) elements per rank (planner.traffic.ep_layer_elements), in 5 calls."""
+    rec, _ = bench("comm", "--tp", "", "--ep", "2", "--ep-tokens", "64")
+    (row,) = rec["ep_rows"]
+    assert row["ratio"] == 1.0 and row["calls"] == 5 and row["theory"] == 0.5 * (4 * 64 * 2 * 32 + 8)
+
+
 def test_bubble_benchmark_runs_both_schedules():
     """Smoke: a tiny p=2 pipeline under DeepSpeed's 1F1B and the interleaved schedule; the figures are
     overhead-dominated at this size (the measured ones are in docs/benchmarks)."""

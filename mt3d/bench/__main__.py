@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", default="2,4", help="TP degrees ('' for none)")
     c.add_argument("--cp", default="", help="context-parallel degrees to measure each exchange at, e.g. 2,4")
     c.add_argument("--cp-seq-len", type=int, default=64, help="sequence of the cp rows (the halo also at 2x)")
+    c.add_argument("--ep", default="", help="expert-parallel degrees to measure the MoE all-to-all at: 2,4")
+    c.add_argument("--ep-tokens", type=int, default=256, help="tokens per rank of the ep rows")
     c.add_argument("--layers", type=int, default=2)
     c.add_argument("--hidden", type=int, default=64)
     c.add_argument("--seq-len", type=int, default=32)

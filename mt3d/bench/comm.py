@@ -1,5 +1,6 @@
 """``comm``: every collective of a training step, against 8*b*s*h*(t-1)/t elements per layer (TP),
-and against the volume of each context-parallel exchange (``--cp``).
+against the volume of each context-parallel exchange (``--cp``) and of expert parallelism's
+all-to-all (``--ep``).
 
 Each configuration trains one step of a model with L blocks and one with 2L blocks under
 ``CollectiveLog`` (which records what really goes through torch.distributed, DeepSpeed's calls
@@ -12,13 +13,18 @@ Context parallelism (``--cp``): per layer and micro-batch, the elements each cp 
 over the ranks) for each exchange, beside ``planner.traffic.cp_layer_elements`` (the planner's
 volumes): all-to-all 2 f (b s/cp)(2q + 2kv') d, all-gather 4 f b s kv d, halo 8 f b (W d - 1) kv d,
 f = (cp-1)/cp; the halo is measured at two sequence lengths (its volume does not grow with s).
+
+Expert parallelism (``--ep``): one MoE layer's forward and backward at ep ranks (the layer alone:
+training at ep > 1 is not wired yet), tokens built so that every expert gets the same number of
+assignments, its all-to-all elements per rank beside ``planner.traffic.ep_layer_elements``:
+f (4 T k h + E), f = (ep-1)/ep.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from ..planner.traffic import cp_layer_elements
+from ..planner.traffic import cp_layer_elements, ep_layer_elements
 from .common import bench_run_config, build_engine, emit, table
 
 
@@ -124,6 +130,59 @@ def worker(tp: int, sp: bool, layers: int, hidden: int, seq: int, micro: int, ac
     return {"calls": calls, "other": other, "rank": dist.get_rank()}
 
 
+EP_MODEL = dict(hidden=32, experts=8, top_k=2, expert_ffn=32)
+
+
+def ep_worker(ep: int, tokens: int) -> dict:
+    """One MoE layer's forward and backward at ep ranks under the recorder; balanced by construction:
+    token i's input points at experts i and i+1 (mod E) through a router that reads one dimension per
+    expert, so each expert gets 2T/E of this rank's assignments."""
+    import torch
+    import torch.distributed as dist
+
+    from ..model.blocks import BuildContext
+    from ..model.config import ModelConfig
+    from ..model.moe import SparseMoE
+    from ..parallel.commlog import CollectiveLog
+    from ..parallel.state import AxisGroup
+
+    h, e, k = EP_MODEL["hidden"], EP_MODEL["experts"], EP_MODEL["top_k"]
+    moe = dict(experts=e, top_k=k, expert_ffn=EP_MODEL["expert_ffn"])
+    cfg = ModelConfig.from_dict(dict(hidden=h, layers=1, heads=4, position="rope", norm="rmsnorm",
+                                     mlp="swiglu", bias=False, moe=moe))  # fmt: skip
+    rank = dist.get_rank()
+    group = AxisGroup("ep", tuple(range(ep)), rank, dist.new_group(list(range(ep))))
+    layer = SparseMoE(cfg, BuildContext(tp=AxisGroup.alone("tp"), ep=group), 0)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, :e] = 10 * torch.eye(e)
+    i = torch.arange(tokens)
+    x = torch.zeros(1, tokens, h)
+    x[0, i, i % e] = 1.0
+    x[0, i, (i + 1) % e] = 0.5
+    x.requires_grad_()
+    with CollectiveLog() as log:
+        y, _ = layer(x)
+        y.sum().backward()
+    calls = [(c.op, c.numel) for c in log.calls if c.ranks == group.ranks and c.op == "all_to_all_single"]
+    return {"calls": calls}
+
+
+def ep_rows(args) -> list[dict]:
+    """Per MoE layer and micro-batch: all-to-all elements each ep rank sends (mean over the ranks)."""
+    from ..parallel.spawn import spawn
+
+    rows = []
+    for ep in (int(x) for x in args.ep.split(",")):
+        res = spawn(ep_worker, ep, ep, args.ep_tokens, timeout=600)
+        sent = sum(moved(op, n, ep) for r in res for op, n in r["calls"]) / ep
+        k, h, e = EP_MODEL["top_k"], EP_MODEL["hidden"], EP_MODEL["experts"]
+        theory = ep_layer_elements(ep, args.ep_tokens, k, h, e)
+        rows.append({"ep": ep, "tokens": args.ep_tokens, "calls": len(res[0]["calls"]),
+                     "elements_per_layer": sent, "theory": theory, "ratio": sent / theory})  # fmt: skip
+    return rows
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench comm``."""
     from ..parallel.spawn import spawn
@@ -149,6 +208,12 @@ def run(args) -> dict:
                 ],
             )
         )
+    ep = []
+    if args.ep:
+        ep = ep_rows(args)
+        kind = f"{EP_MODEL['experts']} experts, top-{EP_MODEL['top_k']}, h={EP_MODEL['hidden']}"
+        print(f"ep all-to-all per MoE layer (forward + backward), elements sent per rank (mean), {kind}")
+        print(table(ep, ["ep", "tokens", "calls", "elements_per_layer", "theory", "ratio"]))
     rows, out = [], []
     b, s, h, m, L = args.micro, args.seq_len, args.hidden, args.accum, args.layers
     bsh = b * s * h
@@ -181,7 +246,8 @@ def run(args) -> dict:
         )
         print(table(rows, ["tp", "sp", "calls_per_layer_per_micro", "elements_per_layer", "theory", "ratio",
                            "norm_grad_elements"]))  # fmt: skip
-    return emit("comm", {"rows": out, "cp_rows": cp, "b": b, "s": s, "h": h, "accum": m, "layers": L})
+    return emit("comm", {"rows": out, "cp_rows": cp, "ep_rows": ep, "b": b, "s": s, "h": h, "accum": m,
+                         "layers": L})  # fmt: skip
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:

@@ -51,6 +51,17 @@ def cp_layer_elements(
     raise ValueError(f"unknown context-parallel exchange {kind!r}")
 
 
+def ep_layer_elements(ep: int, tokens: int, top_k: int, hidden: int, experts: int) -> float:
+    """Elements one rank sends per MoE layer and micro-batch (forward + backward) for expert
+    parallelism, with ``tokens`` tokens routed top-``top_k`` and the experts' load balanced (f =
+    (ep-1)/ep of the assignments go to another rank): the per-expert row counts once (E counts,
+    keeping 1/ep), then the rows to their experts and the outputs back, each again in the backward:
+    f (4 tokens k h + E). ``python -m mt3d.bench comm --ep 2,4`` measures it."""
+    if ep <= 1:
+        return 0.0
+    return (ep - 1) / ep * (4 * tokens * top_k * hidden + experts)
+
+
 def cp_bytes(cfg, seq_len: int, b: int, tp: int, cp: int, micro_batches: int, elem_bytes: int, blocks: float,
              exchange: str = "auto", recompute: bool = False) -> float:  # fmt: skip
     """Bytes one rank sends per step over the cp group: the exchange of each layer as the model
