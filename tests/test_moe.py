@@ -194,6 +194,7 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep):
 LAYOUTS = [  # (preset, world, parallel keys); dp 2 with ZeRO-1: tests/test_hf.py's fine-tuning at (2, 2, 2)
     ("tiny-mixtral", 2, dict(tensor=2, sequence_parallel=True)),
     ("tiny-mixtral", 2, dict(pipeline=2, recompute=1)),  # the aux statistics cross stages and recompute
+    ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks
     ("tiny-qwen2-moe", 4, dict(tensor=2, pipeline=2, virtual_stages=2)),  # shared expert, a dense layer
 ]
 
@@ -280,9 +281,9 @@ def test_bad_moe_configs_are_one_line(moe, match):
 @pytest.mark.parametrize(
     "parallel,zero,world,match",
     [
-        (dict(context=2), 1, 2, "not supported with context parallelism yet"),
         ({}, 3, 2, "not supported with ZeRO-3 yet"),
         (dict(expert=2), 1, 2, "expert parallelism .* is not supported yet"),
+        (dict(expert=3), 1, 3, "model.moe.experts \\(4\\) is not divisible by parallel.expert 3"),
     ],
 )
 def test_bad_moe_layouts_are_one_line_before_process_groups(tmp_path, parallel, zero, world, match):

@@ -114,6 +114,9 @@ def _check_model(model: ModelConfig, par: ParallelConfig, degrees: dict[str, int
         raise ConfigError(str(e)) from None
     if model.position_limit is not None and seq_len > model.position_limit:
         raise ConfigError(f"data.seq_len {seq_len} exceeds the model's max_seq_len {model.position_limit}")
+    why = rules.expert_conflict(model.moe_spec, degrees["ep"])
+    if why:
+        raise ConfigError(why)
     chunks = pp * v
     if par.stage_layers is not None:
         what = f"{pp} stages" if v == 1 else f"{pp} x {v} chunks"
@@ -137,12 +140,13 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     check_sections(run.ds)
     rules.check_data(data)
     degrees = rules.degrees_for(par, world_size)
-    rules.check_unsupported(degrees)
     _check_mapping(par, world_size)
     stage = ds.zero_stage
     _check_schedule(run, degrees, stage)
     if model is not None:
         _check_model(model, par, degrees, data.seq_len)
+    rules.check_unsupported(degrees)  # after the model's own say on the degrees (more specific)
+    if model is not None:
         why = rules.context_conflict(par, degrees, data.seq_len, stage, model)
         if why is None and model.moe is not None:
             why = rules.moe_conflict(degrees["cp"], stage)

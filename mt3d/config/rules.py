@@ -268,13 +268,19 @@ def context_sequence_conflict(cp: int, tp: int, seq_len: int, sequence_parallel:
     return None
 
 
+def expert_conflict(spec, ep: int) -> str | None:
+    """Why the experts of ``spec`` (a ``MoESpec`` or None) cannot be split over ep ranks (None: they can)."""
+    if ep == 1:
+        return None
+    if spec is None:
+        return f"expert parallelism (parallel.expert {ep}) needs a model with experts (model.moe): use 1"
+    if spec.experts % ep:
+        return f"model.moe.experts ({spec.experts}) is not divisible by parallel.expert {ep}"
+    return None
+
+
 def moe_conflict(cp: int, zero_stage: int) -> str | None:
     """Why a mixture-of-experts model cannot run at this layout (None: it can)."""
-    if cp > 1:
-        return (
-            "mixture-of-experts models are not supported with context parallelism yet (the router's "
-            "load-balancing statistics are not summed over the cp ranks): set parallel.context to 1"
-        )
     if zero_stage == 3:
         return (
             "mixture-of-experts models are not supported with ZeRO-3 yet (each rank gathers only the "

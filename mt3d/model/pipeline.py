@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..parallel.cross_entropy import IGNORE_INDEX, mean_loss, vocab_parallel_cross_entropy
-from ..parallel.mappings import all_reduce
+from ..parallel.mappings import all_reduce, copy_to_tp, reduce_from_tp
 from ..parallel.random import checkpoint
 from ..parallel.state import AxisGroup
 from .blocks import (
@@ -164,10 +164,22 @@ class LossFn:
             loss = per_token.sum() * self.cp.size / count.clamp(min=1)
         if routed is None or not torch.is_grad_enabled():
             return loss
-        aux, z = router_losses(self.moe, routed, labels.numel(), self.sparse_layers)
+        tokens = labels.numel()
+        if self.cp is not None and self.cp.size > 1:
+            routed, tokens = self._whole_sequence(routed), tokens * self.cp.size
+        aux, z = router_losses(self.moe, routed, tokens, self.sparse_layers)
         counts = routed.stats_i.detach()
         self.router_log.append({"aux": aux.detach(), "z": z.detach(), "counts": counts})
         return loss + self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
+
+    def _whole_sequence(self, routed: Routed) -> Routed:
+        """Router statistics summed over the cp ranks (each scored its chunks of the sequences). The
+        sum's backward is a sum too: every cp rank's loss holds the whole aux loss, and DeepSpeed
+        averages their gradients over cp, so each rank's probabilities must receive cp times its
+        loss's gradient (the sum of all ranks') for the average to be the aux loss's gradient."""
+        stats_f = copy_to_tp(reduce_from_tp(routed.stats_f, self.cp), self.cp)
+        stats_i = all_reduce(routed.stats_i.clone(), self.cp)
+        return Routed(routed.out, stats_f, stats_i)
 
 
 def run_layers(funcs, x: torch.Tensor, interval: int, ckpt) -> torch.Tensor:

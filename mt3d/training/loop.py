@@ -138,9 +138,9 @@ class Trainer:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def _router_figures(self) -> dict:
-        state = self.rt.state
-        last = state.pp.rank == state.pp.size - 1
-        return router_figures(self.engine.module.loss_fn, last and state.tp.rank == 0, self.rt.device)
+        state = self.rt.state  # one rank per data-parallel replica holds its (cp-summed) figures
+        last = state.pp.rank == state.pp.size - 1 and state.tp.rank == 0 and state.cp.rank == 0
+        return router_figures(self.engine.module.loss_fn, last, self.rt.device)
 
     def _log_step(self, loss: float, seconds: float) -> None:
         figs = step_figures(
