@@ -306,8 +306,7 @@ def test_context_parallel_costs_divide_activations_and_count_each_exchange():
 
 def test_a_mixture_of_experts_is_planned_with_all_experts_in_memory_and_k_in_time():
     """Mixtral 8x7B on 64 H100s: every expert's weights and states in memory (46.7B parameters), the
-    time of the 2 experts a token visits (12.9B active), no layout MoE training refuses (cp > 1,
-    ZeRO-3)."""
+    time of the 2 experts a token visits (12.9B active), no layout MoE training refuses (ZeRO-3)."""
     from mt3d.planner.compute import block_gemms
 
     cfg, cluster = get_preset("mixtral-8x7b"), Cluster(64, 8, get_device("h100"))
@@ -320,7 +319,7 @@ def test_a_mixture_of_experts_is_planned_with_all_experts_in_memory_and_k_in_tim
     assert 2 * cfg.active_params() < per_token < 2.4 * cfg.active_params()  # plus attention scores
     result = plan(cfg, cluster, global_batch=512, seq_len=4096)
     assert result["feasible"]
-    assert all(r["cp"] == 1 and r["zero_stage"] <= 2 for r in result["feasible"])
+    assert all(r["zero_stage"] <= 2 for r in result["feasible"])
     best = result["feasible"][0]
     weights_and_grads = 4 * cfg.num_params() / (best["tp"] * best["pp"])  # bf16 weights and gradients
     assert best["memory_gb"] * 1e9 > 0.9 * weights_and_grads  # all 8 experts, not the active 2

@@ -149,7 +149,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     if model is not None:
         why = rules.context_conflict(par, degrees, data.seq_len, stage, model)
         if why is None and model.moe is not None:
-            why = rules.moe_conflict(degrees["cp"], stage)
+            why = rules.moe_conflict(stage)
         if why:
             raise ConfigError(why)
     rules.check_train(train)

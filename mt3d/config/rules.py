@@ -279,7 +279,7 @@ def expert_conflict(spec, ep: int) -> str | None:
     return None
 
 
-def moe_conflict(cp: int, zero_stage: int) -> str | None:
+def moe_conflict(zero_stage: int) -> str | None:
     """Why a mixture-of-experts model cannot run at this layout (None: it can)."""
     if zero_stage == 3:
         return (
