@@ -647,6 +647,16 @@ def _add_plan(sub) -> None:
         default=None,
         help="context-parallel degrees to try (default: every divisor of --gpus the sequence allows; 1: off)",
     )
+    # another stack's choices, pinned (each takes one value or a list to try)
+    p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
+    p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")
+    p.add_argument("--data", type=positive_ints, default=None, help="data-parallel degrees to try")
+    p.add_argument("--micro-batch", type=positive_ints, default=(1, 2, 4, 8, 16), help="micro-batches to try")
+    p.add_argument("--zero", type=zero_stages, default=(0, 1, 2, 3), help="ZeRO stages to try (0-3)")
+    p.add_argument("--offload", type=offload_choices, default=None,
+                   help="offload tiers to try (none, opt-cpu, opt-nvme, cpu, nvme)")  # fmt: skip
+    p.add_argument("--explain", action="store_true", help="print the time and memory components of the best "
+                   "layout")  # fmt: skip
     for flag, (_, helptext) in DEVICE_FLAGS.items():
         p.add_argument(flag, type=nonnegative_float if flag == "--nvme-gb" else positive_float, help=helptext)
     p.add_argument("--top", type=positive_int, default=10, help="rows to show")
@@ -655,6 +665,26 @@ def _add_plan(sub) -> None:
     )
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a ds_configs-style JSON")
     p.set_defaults(func=cmd_plan)
+
+
+def zero_stages(text: str) -> tuple[int, ...]:
+    """argparse type: ZeRO stages, comma-separated ("1" or "0,1")."""
+    values = tuple(int(x) if x.strip().isdigit() else -1 for x in text.split(","))
+    if any(v not in (0, 1, 2, 3) for v in values):
+        raise argparse.ArgumentTypeError(f"ZeRO stages are 0, 1, 2 or 3, got {text!r}")
+    return values
+
+
+def offload_choices(text: str) -> tuple[str, ...]:
+    """argparse type: offload tiers, comma-separated ("none" or "none,opt-cpu")."""
+    from .planner.offload import OFFLOAD_OPTIONS
+
+    values = tuple(x.strip() for x in text.split(","))
+    bad = [v for v in values if v not in OFFLOAD_OPTIONS]
+    if bad:
+        known = ", ".join(OFFLOAD_OPTIONS)
+        raise argparse.ArgumentTypeError(f"offload must be among {known}, got {bad[0]!r}")
+    return values
 
 
 def _plan_model(spec: str):
@@ -684,7 +714,7 @@ def _plan_model(spec: str):
 def cmd_plan(args: argparse.Namespace) -> int:
     """``mt3d plan``."""
     from .planner.hardware import get_device
-    from .planner.search import Cluster, explain_infeasible, format_plan, plan, write_config
+    from .planner.search import Cluster, explain, explain_infeasible, format_plan, plan, write_config
 
     writable_output(args.write_config, "--write-config")
     cfg, section, defaults = _plan_model(args.model)
@@ -709,6 +739,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
         virtual_stages=args.virtual_stages,
         context=args.context,
+        micro_batches=args.micro_batch,
+        zero_stages=args.zero,
+        **({"offloads": args.offload} if args.offload else {}),
+        pins={ax: v for ax, v in (("tp", args.tensor), ("pp", args.pipeline), ("dp", args.data)) if v},
     )
     if args.write_config:
         write_config(result, args.write_config, section)
@@ -720,6 +754,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(slim))
     else:
         print(format_plan(result, args.top))
+        if args.explain and result["feasible"]:
+            print("\n" + explain(result["feasible"][0]))
         if args.write_config:
             print(f"wrote {args.write_config}")
     if not result["feasible"]:

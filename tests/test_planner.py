@@ -323,3 +323,29 @@ def test_a_mixture_of_experts_is_planned_with_all_experts_in_memory_and_k_in_tim
     best = result["feasible"][0]
     weights_and_grads = 4 * cfg.num_params() / (best["tp"] * best["pp"])  # bf16 weights and gradients
     assert best["memory_gb"] * 1e9 > 0.9 * weights_and_grads  # all 8 experts, not the active 2
+
+
+def test_another_stacks_layout_is_pinned_from_the_command_line_and_explained(capsys):
+    """--tensor/--pipeline/--data/--micro-batch/--zero/--offload/--context/--virtual-stages pin one layout;
+    --explain prints the components its step time and memory are the sums of."""
+    from mt3d.cli import main
+    from mt3d.planner.search import MEMORY_PARTS, TIME_PARTS
+
+    argv = ["plan", "--model", "llama-7b", "--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100",
+            "--seq-len", "4096", "--tensor", "4", "--pipeline", "2", "--data", "8", "--micro-batch", "1",
+            "--zero", "1", "--offload", "none", "--context", "1", "--virtual-stages", "1"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["feasible"]
+    got = {
+        (r["tp"], r["pp"], r["dp"], r["cp"], r["micro_batch"], r["zero_stage"], r["offload"]) for r in rows
+    }
+    assert got == {(4, 2, 8, 1, 1, 1, "none")}  # only recompute and SP vary
+    assert main([*argv, "--explain"]) == 0
+    text = capsys.readouterr().out.split("layout: tp 4 cp 1 pp 2 dp 8 v 1", 1)[1]
+    time = [float(line.split()[-3]) for line in text.splitlines() if line.strip().endswith("%")]
+    total = float(text.split("step time ")[1].split()[0])
+    assert len(time) == len(TIME_PARTS) and abs(sum(time) - total) <= 2e-3 * total
+    mem = [float(ln.split()[-2]) for ln in text.splitlines() if ln.strip().endswith(" GB") and "(" not in ln]
+    assert len(mem) == len(MEMORY_PARTS) and abs(sum(mem) - float(text.split("memory ")[1].split()[0])) < 0.01
+    with pytest.raises(SystemExit):
+        main([*argv, "--zero", "4"])  # argparse: ZeRO stages are 0-3

@@ -222,9 +222,11 @@ def plan(
     activation_model: str = "mt3d",
     max_rejected: int = 500,
     context: tuple[int, ...] | None = None,
+    pins: dict[str, tuple[int, ...]] | None = None,
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
-    ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows)."""
+    ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
+    ``pins``: the degrees to consider of other axes by name (tp, pp, dp), e.g. another stack's layout."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
@@ -244,7 +246,7 @@ def plan(
     smallest = math.inf  # GB per GPU of the smallest layout without offload
     candidates = _candidates(
         cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject,
-        {"cp": tuple(context)} if context else None,
+        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None,
     )  # fmt: skip
     for lay, bw in candidates:
         row = {**asdict(lay)}
@@ -283,6 +285,33 @@ def plan(
         "rejected_total": rejected_total,
         "smallest_without_offload_gb": smallest if smallest < math.inf else None,
     }
+
+
+TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s",
+              "optimizer_s")  # fmt: skip
+MEMORY_PARTS = ("model_states", "activations", "buckets")
+
+
+def explain(row: dict) -> str:
+    """The time and memory components of one planned layout (``mt3d plan --explain``): what the step
+    time and the memory per GPU are the sums of."""
+    degrees = " ".join(f"{k} {row[k]}" for k in ("tp", "cp", "pp", "dp")) + f" v {row['virtual_stages']}"
+    lines = [
+        f"layout: {degrees}, micro-batch {row['micro_batch']} x {row['grad_accum']}, "
+        f"ZeRO {row['zero_stage']}, offload {row['offload']}, "
+        f"recompute {'full' if row['recompute'] else 'none'}, "
+        f"SP {'on' if row['sequence_parallel'] else 'off'}",
+        f"step time {row['step_time_s']:.4g} s =",
+    ]
+    for part in TIME_PARTS:
+        share = row[part] / row["step_time_s"] if row["step_time_s"] else 0.0
+        lines.append(f"  {part[:-2].replace('_', ' '):<12} {row[part]:10.4g} s  {share:6.1%}")
+    lines.append(f"memory {row['memory_gb']:.2f} GB per GPU =")
+    for part in MEMORY_PARTS:
+        lines.append(f"  {part.replace('_', ' '):<12} {row['memory'][part]:10.3f} GB")
+    off = row["memory"]
+    lines.append(f"  (off the GPU: CPU {off['cpu']:.3f} GB, NVMe {off['nvme']:.3f} GB per GPU)")
+    return "\n".join(lines)
 
 
 def compute_model(result: dict) -> str:
