@@ -191,12 +191,17 @@ class ModelConfig:
 
     @property
     def moe_spec(self):
-        """The parsed ``moe`` option (``MoESpec``), or None for a dense model."""
+        """The parsed ``moe`` option (``MoESpec``), or None for a dense model. Parsed once per value of
+        ``moe`` (the counting helpers ask for it per block, and the planner for every layout)."""
         if self.moe is None:
             return None
-        from .moe import MoESpec
+        key = repr(self.moe)
+        cached = self.__dict__.get("_moe_spec")
+        if cached is None or cached[0] != key:
+            from .moe import MoESpec
 
-        return MoESpec.parse(self.moe)
+            cached = self.__dict__["_moe_spec"] = (key, MoESpec.parse(self.moe))
+        return cached[1]
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture-of-experts MLP."""
@@ -206,7 +211,8 @@ class ModelConfig:
     @property
     def sparse_layers(self) -> int:
         """How many blocks have a mixture-of-experts MLP."""
-        return sum(self.is_sparse(i) for i in range(self.layers))
+        spec = self.moe_spec
+        return 0 if spec is None else sum(spec.sparse(i) for i in range(self.layers))
 
     @property
     def patterns(self) -> list:
