@@ -99,6 +99,14 @@ def window_of(cfg) -> int | None:
     return attention_to_hf(cfg)[0]
 
 
+def mixed_windows(cfg) -> str | None:
+    """Why ``cfg`` does not fit a format whose ``sliding_window`` applies to every layer (None: it
+    does, every layer local or none)."""
+    if any(p is None for p in cfg.patterns) and any(p is not None for p in cfg.patterns):
+        return "sliding_window applies to every layer; mixed local/global layers need another family"
+    return None
+
+
 @register
 class Llama(LlamaLike):
     """Llama 1-3: attention_bias covers q/k/v and the output (so qkv_bias == bias), mlp_bias the MLP."""

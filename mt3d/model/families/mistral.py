@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import register
 from .base import attention_from_hf, attention_to_hf, positive
 from .keys import COMMON, LLAMA_LIKE, WINDOWED
-from .llama import LlamaLike, window_of
+from .llama import LlamaLike, mixed_windows, window_of
 
 
 @register
@@ -40,9 +40,7 @@ class Mistral(LlamaLike):
 
     def limits(self, cfg):
         """One window for every layer, or none."""
-        if any(p is None for p in cfg.patterns) and any(p is not None for p in cfg.patterns):
-            return "sliding_window applies to every layer; mixed local/global layers need another family"
-        return None
+        return mixed_windows(cfg)
 
     def options_from_hf(self, hf, where, layers):
         """sliding_window (a window on every layer; null: global)."""

@@ -19,7 +19,7 @@ import torch
 from . import register
 from .base import HFError, Piece, get, positive
 from .keys import COMMON, LLAMA_LIKE, WINDOWED, read, refused
-from .llama import LlamaLike, window_of
+from .llama import LlamaLike, mixed_windows, window_of
 from .qwen2 import Qwen2, windowed_layers_from_hf, windowed_layers_to_hf
 
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
@@ -279,9 +279,7 @@ class Qwen3Moe(QwenMoE):
 
     def limits(self, cfg):
         """One window on every layer or none (transformers' Qwen3-MoE applies it everywhere)."""
-        if any(p is None for p in cfg.patterns) and any(p is not None for p in cfg.patterns):
-            return "sliding_window applies to every layer; mixed local/global layers are not expressible"
-        return super().limits(cfg)
+        return mixed_windows(cfg) or super().limits(cfg)
 
     def options_from_hf(self, hf, where, layers):
         """attention_bias, the window (every layer, with use_sliding_window) and the experts."""
