@@ -139,8 +139,8 @@ class Trainer:
 
     def _router_figures(self) -> dict:
         state = self.rt.state  # one rank per data-parallel replica holds its (cp-summed) figures
-        last = state.pp.rank == state.pp.size - 1 and state.tp.rank == 0 and state.cp.rank == 0
-        return router_figures(self.engine.module.loss_fn, last, self.rt.device)
+        holder = state.is_last_stage and state.tp.rank == 0 and state.cp.rank == 0
+        return router_figures(self.engine.module.loss_fn, holder, self.rt.device)
 
     def _log_step(self, loss: float, seconds: float) -> None:
         figs = step_figures(

@@ -66,18 +66,19 @@ def step_figures(
 def router_figures(loss_fn, contributes: bool, device) -> dict:
     """A sparse model's router figures for one training step, the same on every rank (a collective over
     all ranks: call it everywhere). ``contributes``: this rank's ``loss_fn`` holds the step's router
-    log (one TP rank of each last pipeline stage). Figures: the load-balancing and z losses (means over
-    micro-batches), tokens per expert max / mean (summed over micro-batches, layers and data-parallel
-    ranks: 1.0 is perfect balance) and the (token, slot) assignments dropped by the capacity limit."""
+    log (one rank per data-parallel replica: TP and cp rank 0 of the last pipeline stage). Figures:
+    the load-balancing and z losses (means over micro-batches), tokens per expert max / mean (summed
+    over micro-batches, layers and data-parallel ranks: 1.0 is perfect balance) and the (token, slot)
+    assignments dropped by the capacity limit."""
     import torch.distributed as dist
 
     log = loss_fn.router_log if contributes else []
     experts = loss_fn.moe.experts
     totals = torch.zeros(experts + 4, dtype=torch.float64, device=device)
-    for entry in log:
+    for entry in log:  # tensor adds on the device: no host round trip per micro-batch
         totals[: experts + 1] += entry["counts"].to(device=device, dtype=torch.float64)
-        totals[experts + 1] += float(entry["aux"])
-        totals[experts + 2] += float(entry["z"])
+        totals[experts + 1] += entry["aux"].to(device=device, dtype=torch.float64)
+        totals[experts + 2] += entry["z"].to(device=device, dtype=torch.float64)
         totals[experts + 3] += 1
     loss_fn.router_log.clear()
     if dist.is_initialized() and dist.get_world_size() > 1:
