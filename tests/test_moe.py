@@ -278,6 +278,19 @@ def test_bad_moe_configs_are_one_line(moe, match):
     assert "\n" not in str(info.value)
 
 
+def test_one_window_families_refuse_mixed_local_and_global_layers():
+    """Mixtral's and Qwen3-MoE's sliding_window covers every layer: a model with some global layers
+    would be exported as all-local, so it is refused; Qwen2-MoE's layer_types can say it."""
+    from mt3d.model.config import ModelConfig, ModelConfigError
+
+    mixed = {"window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    moe = {"experts": 4, "top_k": 2, "expert_ffn": 8}
+    for family in ("mixtral", "qwen3_moe"):
+        with pytest.raises(ModelConfigError, match="sliding_window applies to every layer"):
+            ModelConfig.from_dict(dict(family=family, hidden=32, layers=2, heads=4, moe=moe, attention=mixed))
+    ModelConfig.from_dict(dict(family="qwen2_moe", hidden=32, layers=2, heads=4, moe=moe, attention=mixed))
+
+
 @pytest.mark.parametrize(
     "parallel,zero,world,match",
     [

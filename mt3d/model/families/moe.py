@@ -49,13 +49,16 @@ class MoEFamily(LlamaLike):
     """mt3d module of a sparse layer ({j}: the expert) -> its HF modules under model.layers.{i}."""
     norm_default: ClassVar[bool] = False
     """transformers' norm_topk_prob when the config omits it."""
+    one_window: ClassVar[bool] = True
+    """Whether its ``sliding_window`` applies to every layer (no per-layer ``layer_types``)."""
 
     def limits(self, cfg):
-        """A router is required; what the family's format cannot hold is refused (``moe_limits``)."""
+        """A router is required; what the family's format cannot hold is refused (mixed local and
+        global layers where one window covers every layer, ``moe_limits``)."""
         spec = cfg.moe_spec
         if spec is None:
             return "a mixture-of-experts family needs model.moe"
-        return self.moe_limits(spec)
+        return (mixed_windows(cfg) if self.one_window else None) or self.moe_limits(spec)
 
     def moe_limits(self, spec) -> str | None:
         """MoE options this family's config cannot express (None: all can)."""
@@ -228,6 +231,7 @@ class Qwen2Moe(QwenMoE):
     variable = frozenset({"attention", "tie_embeddings", "moe", "qkv_bias"})
     hf_defaults = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
     transformers_module = "qwen2_moe"
+    one_window = False  # layer_types marks the local layers
     expert_modules = {
         **_QWEN_EXPERTS,
         "mlp.shared.up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
@@ -276,10 +280,6 @@ class Qwen3Moe(QwenMoE):
     def moe_limits(self, spec):
         """No shared expert."""
         return "Qwen3-MoE has no shared expert" if spec.shared_ffn else None
-
-    def limits(self, cfg):
-        """One window on every layer or none (transformers' Qwen3-MoE applies it everywhere)."""
-        return mixed_windows(cfg) or super().limits(cfg)
 
     def options_from_hf(self, hf, where, layers):
         """attention_bias, the window (every layer, with use_sliding_window) and the experts."""
