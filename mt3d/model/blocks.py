@@ -357,13 +357,13 @@ class TransformerBlock(nn.Module):
         self.norm1 = make_norm(cfg, ctx)
         self.attn = Attention(cfg, ctx, layer)
         self.norm2 = make_norm(cfg, ctx)
-        if cfg.is_sparse(layer):
+        self.sparse = cfg.is_sparse(layer)
+        if self.sparse:
             from .moe import SparseMoE
 
             self.mlp = SparseMoE(cfg, ctx, layer)
         else:
             self.mlp = MLP(cfg, ctx, layer)
-        self.sparse = cfg.is_sparse(layer)
         self.post_attn_norm = make_norm(cfg, ctx) if cfg.post_norms else None
         self.post_mlp_norm = make_norm(cfg, ctx) if cfg.post_norms else None
 

@@ -47,8 +47,6 @@ class MoEFamily(LlamaLike):
     first is written)."""
     expert_modules: ClassVar[dict[str, tuple[str, ...]]] = {}
     """mt3d module of a sparse layer ({j}: the expert) -> its HF modules under model.layers.{i}."""
-    norm_default: ClassVar[bool] = False
-    """transformers' norm_topk_prob when the config omits it."""
     one_window: ClassVar[bool] = True
     """Whether its ``sliding_window`` applies to every layer (no per-layer ``layer_types``)."""
 
@@ -138,7 +136,6 @@ class Mixtral(MoEFamily):
     }
     transformers_module = "mixtral"
     experts_keys = ("num_local_experts", "num_experts")
-    norm_default = True
     expert_modules = {
         "mlp.router": ("block_sparse_moe.gate",),
         "mlp.experts.{j}.up": ("block_sparse_moe.experts.{j}.w1", "block_sparse_moe.experts.{j}.w3"),
@@ -207,7 +204,7 @@ class QwenMoE(MoEFamily):
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense):
             raise HFError(f"{where}: mlp_only_layers must list block indices below {layers}, got {dense!r}")
         return self.read_moe(
-            hf, where, ffn, norm_topk_prob=bool(get(hf, "norm_topk_prob", self.norm_default)),
+            hf, where, ffn, norm_topk_prob=bool(get(hf, "norm_topk_prob", False)),  # transformers' default
             sparse_step=get(hf, "decoder_sparse_step", 1), dense_layers=sorted(set(dense)), **extra,
         )  # fmt: skip
 
