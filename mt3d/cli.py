@@ -11,6 +11,7 @@ from .errors import EXIT_BAD_INPUT, UserError
 from .inputs import (
     OneLineParser,
     byte_size,
+    choices_list,
     non_negative_int,
     nonnegative_float,
     positive_float,
@@ -603,6 +604,8 @@ DEVICE_FLAGS = {
 
 
 def _add_plan(sub) -> None:
+    from .planner.offload import OFFLOAD_OPTIONS
+
     p = sub.add_parser(
         "plan",
         help="rank (tp, pp, dp, micro-batch, ZeRO, recompute, SP) layouts by predicted memory and time",
@@ -652,8 +655,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")
     p.add_argument("--data", type=positive_ints, default=None, help="data-parallel degrees to try")
     p.add_argument("--micro-batch", type=positive_ints, default=(1, 2, 4, 8, 16), help="micro-batches to try")
-    p.add_argument("--zero", type=zero_stages, default=(0, 1, 2, 3), help="ZeRO stages to try (0-3)")
-    p.add_argument("--offload", type=offload_choices, default=None,
+    p.add_argument("--zero", type=choices_list((0, 1, 2, 3), "--zero"), default=(0, 1, 2, 3),
+                   help="ZeRO stages to try (0-3)")  # fmt: skip
+    p.add_argument("--offload", type=choices_list(OFFLOAD_OPTIONS, "--offload"), default=None,
                    help="offload tiers to try (none, opt-cpu, opt-nvme, cpu, nvme)")  # fmt: skip
     p.add_argument("--explain", action="store_true", help="print the time and memory components of the best "
                    "layout")  # fmt: skip
@@ -665,26 +669,6 @@ def _add_plan(sub) -> None:
     )
     p.add_argument("--write-config", metavar="PATH", help="write the best layout as a ds_configs-style JSON")
     p.set_defaults(func=cmd_plan)
-
-
-def zero_stages(text: str) -> tuple[int, ...]:
-    """argparse type: ZeRO stages, comma-separated ("1" or "0,1")."""
-    values = tuple(int(x) if x.strip().isdigit() else -1 for x in text.split(","))
-    if any(v not in (0, 1, 2, 3) for v in values):
-        raise argparse.ArgumentTypeError(f"ZeRO stages are 0, 1, 2 or 3, got {text!r}")
-    return values
-
-
-def offload_choices(text: str) -> tuple[str, ...]:
-    """argparse type: offload tiers, comma-separated ("none" or "none,opt-cpu")."""
-    from .planner.offload import OFFLOAD_OPTIONS
-
-    values = tuple(x.strip() for x in text.split(","))
-    bad = [v for v in values if v not in OFFLOAD_OPTIONS]
-    if bad:
-        known = ", ".join(OFFLOAD_OPTIONS)
-        raise argparse.ArgumentTypeError(f"offload must be among {known}, got {bad[0]!r}")
-    return values
 
 
 def _plan_model(spec: str):

@@ -59,6 +59,21 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def choices_list(allowed: tuple, what: str):
+    """argparse type: a comma-separated list of values among ``allowed`` (ints when they are ints:
+    "0,1"; names otherwise: "none,opt-cpu")."""
+
+    def parse(text: str) -> tuple:
+        words = tuple(x.strip() for x in text.split(","))
+        by_text = {str(a): a for a in allowed}
+        bad = [w for w in words if w not in by_text]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{what} must be among {', '.join(by_text)}, got {bad[0]!r}")
+        return tuple(by_text[w] for w in words)
+
+    return parse
+
+
 def world_size(text: str) -> int:
     """argparse type: a rank or GPU count, 1 .. MAX_WORLD."""
     v = positive_int(text)
