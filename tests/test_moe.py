@@ -191,18 +191,21 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep):
             torch.testing.assert_close(g, shard_of(full, params[name], t, tp), msg=name)
 
 
-LAYOUTS = [  # (preset, world, parallel keys); dp 2 with ZeRO-1: tests/test_hf.py's fine-tuning at (2, 2, 2)
-    ("tiny-mixtral", 2, dict(tensor=2, sequence_parallel=True)),
-    ("tiny-mixtral", 2, dict(pipeline=2, recompute=1)),  # the aux statistics cross stages and recompute
+LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)
+    ("tiny-mixtral", 2, dict(expert=2)),
+    ("tiny-mixtral", 2, dict(expert=2, zero=0)),  # mt3d's fp32 norm without ZeRO (mt3d.ds.engine)
+    ("tiny-mixtral", 4, dict(tensor=2, expert=2, sequence_parallel=True)),
+    ("tiny-mixtral", 4, dict(pipeline=2, expert=2, recompute=1)),  # aux statistics cross stages, recompute
     ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks
-    ("tiny-qwen2-moe", 4, dict(tensor=2, pipeline=2, virtual_stages=2)),  # shared expert, a dense layer
+    ("tiny-qwen2-moe", 4, dict(pipeline=2, expert=2, virtual_stages=2)),  # shared expert, a dense layer
+    ("tiny-qwen2-moe", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
 ]
 
 
-def _train(tmp_path, name, world, preset, recompute=0, **parallel):
+def _train(tmp_path, name, world, preset, recompute=0, zero=1, **parallel):
     from helpers import step_records, tiny_config, train_worker
 
-    raw = tiny_config(tmp_path / name, model={"preset": preset}, recompute={"interval": recompute})
+    raw = tiny_config(tmp_path / name, model={"preset": preset}, recompute={"interval": recompute}, zero=zero)
     raw["mt3d"]["parallel"].update(parallel)
     return step_records(spawn(train_worker, world, raw, timeout=600)[0])
 
@@ -230,8 +233,9 @@ def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world
 
 
 def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
-    """pp 2 resumes bit for bit (the aux statistics are rebuilt every micro-batch, nothing else is
-    state); its checkpoint reshards to one process and to tp 2 x dp 2."""
+    """pp 2 x ep 2 resumes bit for bit (the aux statistics are rebuilt every micro-batch, nothing else
+    is state); its checkpoint (each ep rank's experts in its own files) reshards to one process, to
+    ep 4 and to tp 2 x ep 2 (DeepSpeed's universal loader slicing by tp, not tp x ep)."""
     from helpers import step_records, tiny_config, train_worker
 
     def run(name, world, steps=6, **parallel):
@@ -242,11 +246,11 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
         recs = step_records(spawn(train_worker, world, raw, timeout=600)[0])
         return [(r["step"], r["loss"], r["grad_norm"], r["moe_aux_loss"]) for r in recs]
 
-    two = run("pp2", 2, pipeline=2)
+    two = run("pp2", 4, pipeline=2, expert=2)
     step3 = str(tmp_path / "pp2" / "checkpoints" / "step_00000003")
-    assert run("again", 2, pipeline=2, resume=step3) == two[3:]  # bit for bit
-    for world, parallel in ((1, {}), (4, dict(tensor=2))):
-        got = run(f"to{world}", world, resume=step3, **parallel)
+    assert run("again", 4, pipeline=2, expert=2, resume=step3) == two[3:]  # bit for bit
+    for i, (world, parallel) in enumerate(((1, {}), (4, dict(expert=4)), (4, dict(tensor=2, expert=2)))):
+        got = run(f"to{i}", world, resume=step3, **parallel)
         for a, b in zip(got, two[3:], strict=True):
             assert a[0] == b[0] and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
 
@@ -295,7 +299,8 @@ def test_one_window_families_refuse_mixed_local_and_global_layers():
     "parallel,zero,world,match",
     [
         ({}, 3, 2, "not supported with ZeRO-3 yet"),
-        (dict(expert=2), 1, 2, "expert parallelism .* is not supported yet"),
+        (dict(expert=2), 2, 2, "expert parallelism runs inside DeepSpeed's pipeline engine"),
+        (dict(expert=2), 1, 3, "expert = 2 must divide dp = 3"),
         (dict(expert=3), 1, 3, "model.moe.experts \\(4\\) is not divisible by parallel.expert 3"),
     ],
 )

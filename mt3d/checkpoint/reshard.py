@@ -79,7 +79,7 @@ def _convert_on_rank0(plan, out: Path) -> None:
         return
     log.info("layout changed since %s: converting it to DeepSpeed's universal format", plan.path)
     scan(plan.path)
-    universal.convert(plan.path, out)
+    universal.convert(plan.path, out, layout=plan.meta["layout"])
     scan(out)
     files = describe_files(out, list_files(out))
     meta = {"universal_of": str(plan.path), "source_manifest_sha256": manifest_digest(plan.path)}

@@ -17,6 +17,7 @@ from ..config import Layout, offload_resume_conflict, optimizer_device
 from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
+from ..parallel.axes import NAMES, deepspeed_sizes
 from .manager import SUPERSEDED, checkpoints_dir, complete_checkpoints
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
 from .rng import load_rng, rng_key
@@ -233,16 +234,21 @@ def check_engine_state(path: Path, meta: dict) -> None:
         raise CheckpointError(f"{path} has no engine state file ({' or '.join(ENGINE_STATE_FILES)})")
     state = safe_torch_load(path / name)
     layout = meta.get("layout") or {}
-    cp = layout.get("cp", 1)  # DeepSpeed counts the cp ranks in its data axis (mt3d.ds.engine)
+    # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes)
+    degrees = {a: int(layout.get(a, 1)) for a in NAMES}
+    ds = deepspeed_sizes(degrees)
+    per_sample = ds["data"] / max(1, degrees["dp"])
     claims = {
         "step": (meta.get("step"), state.get("global_steps")),
         "step (mt3d client state)": (meta.get("step"), (state.get("mt3d") or {}).get("step")),
         "samples seen": (
-            meta.get("step", 0) * meta.get("global_batch", 0) * cp if meta.get("global_batch") else None,
+            int(meta.get("step", 0) * meta.get("global_batch", 0) * per_sample)
+            if meta.get("global_batch")
+            else None,
             state.get("global_samples") if meta.get("global_batch") else None,
         ),
-        "dp": (layout.get("dp", 0) * cp, state.get("dp_world_size")),
-        "tp x pp": (layout.get("tp", 0) * layout.get("pp", 0), state.get("mp_world_size")),
+        "dp": (ds["data"], state.get("dp_world_size")),
+        "tp x pp": (ds["model"] * ds["pipe"], state.get("mp_world_size")),
     }
     for what, (manifest_says, engine_says) in claims.items():
         if manifest_says != engine_says:
@@ -258,10 +264,13 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     Random state belongs to a (pp, dp, tp) coordinate, so it is restored only when the degrees are
     unchanged (the rank order may differ); after a reshard every rank keeps its freshly seeded streams.
     """
+    from ..ds.experts import loading
+
     accept_adam_states_across_implementations(engine)
-    path, client = engine.load_checkpoint(
-        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with loading(engine, rt.state, universal=not same_layout):
+        path, client = engine.load_checkpoint(
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
     from ..ds.nvme import finish_nvme_resume

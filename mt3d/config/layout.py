@@ -145,11 +145,10 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     _check_schedule(run, degrees, stage)
     if model is not None:
         _check_model(model, par, degrees, data.seq_len)
-    rules.check_unsupported(degrees)  # after the model's own say on the degrees (more specific)
     if model is not None:
         why = rules.context_conflict(par, degrees, data.seq_len, stage, model)
         if why is None and model.moe is not None:
-            why = rules.moe_conflict(stage)
+            why = rules.moe_conflict(stage, degrees["ep"])
         if why:
             raise ConfigError(why)
     rules.check_train(train)

@@ -234,18 +234,6 @@ def check_data(data: DataConfig) -> None:
         )
 
 
-NOT_YET = {
-    "ep": "expert parallelism (mt3d.parallel.expert)",
-}
-
-
-def check_unsupported(degrees: dict[str, int]) -> None:
-    """Axes the rank mapper and process groups know but the model does not split over yet."""
-    for axis, what in NOT_YET.items():
-        if degrees.get(axis, 1) > 1:
-            raise ConfigError(f"{what} is not supported yet; set it to 1")
-
-
 def context_zero_conflict(cp: int, zero_stage: int) -> str | None:
     """Why this ZeRO stage cannot run with context parallelism (None: it can)."""
     if cp > 1 and zero_stage >= 2:
@@ -279,12 +267,17 @@ def expert_conflict(spec, ep: int) -> str | None:
     return None
 
 
-def moe_conflict(zero_stage: int) -> str | None:
+def moe_conflict(zero_stage: int, ep: int = 1) -> str | None:
     """Why a mixture-of-experts model cannot run at this layout (None: it can)."""
     if zero_stage == 3:
         return (
             "mixture-of-experts models are not supported with ZeRO-3 yet (each rank gathers only the "
             "experts its tokens visit): use zero_optimization.stage 0-2"
+        )
+    if ep > 1 and zero_stage == 2:
+        return (
+            "expert parallelism runs inside DeepSpeed's pipeline engine (mt3d.ds.experts), which ZeRO-2 "
+            "does not use: use zero_optimization.stage 0 or 1"
         )
     return None
 

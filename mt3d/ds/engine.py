@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..config import DeepSpeedSection, Layout
+from ..parallel.axes import deepspeed_sizes
 
 
 def deepspeed_config(
@@ -29,12 +30,13 @@ def deepspeed_config(
     out = ds.copy()
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
-    if layout.cp > 1:
-        # DeepSpeed's pipeline grid counts the cp ranks in its 'data' axis (they average gradients
-        # with dp) and checks train_batch_size = micro-batch x accumulation x its data size: each cp
-        # rank's chunks of a sample count as a sample of their own (global_samples grows by
-        # global_batch x cp per step).
-        out["train_batch_size"] = layout.global_batch * layout.cp
+    data = deepspeed_sizes(layout.degrees)["data"]
+    if data != layout.dp:
+        # DeepSpeed's pipeline grid checks train_batch_size = micro-batch x accumulation x the size of
+        # its 'data' axis, which holds dp / ep x cp ranks (mt3d.parallel.axes): each cp rank's chunks
+        # of a sample count as a sample of their own, and the ep ranks count in its 'model' axis
+        # (global_samples grows by global_batch x cp / ep per step).
+        out["train_batch_size"] = layout.global_batch * data // layout.dp
     # mt3d owns the W&B run (metrics.WandbSink: best effort, silent once a stop signal arrived);
     # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
     # killed W&B's helper during a preemption save.
@@ -79,8 +81,16 @@ def guard_fp32_without_zero(engine) -> None:
 
     def step(*args, **kwargs):
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        max_norm = engine.gradient_clipping() or float("inf")
-        norm = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
+        # DeepSpeed's clip_grad_norm_ ignores the ``ds_pipe_replicated`` mark its other norms honour
+        # (copies held by several ranks: mt3d.ds.experts): the norm comes from the counted ones,
+        # the clipping applies to all.
+        counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        norm = float(clip_grad_norm_(parameters=counted, max_norm=float("inf"), mpu=engine.mpu))
+        max_norm = engine.gradient_clipping()
+        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm and math.isfinite(norm) else 1.0
+        if coef < 1.0:  # as DeepSpeed's clip_grad_norm_
+            for p in params:
+                p.grad.mul_(coef)
         engine._global_grad_norm = norm
         opt.overflow = not math.isfinite(norm)
         if opt.overflow:
@@ -113,10 +123,13 @@ def install_safe_loading(engine) -> None:
         engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)
 
 
-def initialize(model: torch.nn.Module, param_groups: list[dict], config: dict, layout: Layout, mpu=None):
+def initialize(
+    model: torch.nn.Module, param_groups: list[dict], config: dict, layout: Layout, mpu=None, ep=None
+):
     """``deepspeed.initialize`` (the interleaved engine at v > 1); returns the engine, its
     checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
-    ParallelState for the regular engine (the pipeline engine uses the module's own grid)."""
+    ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``ep``:
+    the expert-parallel group (``mt3d.ds.experts`` when it has more than one rank)."""
     import deepspeed
 
     if layout.virtual_stages > 1:
@@ -127,6 +140,10 @@ def initialize(model: torch.nn.Module, param_groups: list[dict], config: dict, l
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups, config=config, mpu=mpu
         )
+    if ep is not None and ep.size > 1:
+        from .experts import install
+
+        install(engine, ep)
     if layout.zero_stage == 0 and layout.precision == "fp32":
         guard_fp32_without_zero(engine)
     if mpu is None and layout.dp == 1 and layout.zero_stage == 0:

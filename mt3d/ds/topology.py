@@ -4,8 +4,9 @@ DeepSpeed's ``PipelineModule`` and its ``PipelineParallelGrid`` build their grou
 ``ProcessTopology`` whose ``mapping`` (coordinate -> global rank) they read everywhere; a subclass
 that rewrites ``mapping`` places ranks arbitrarily (checked: it trains, DEEPSPEED_NOTES.md). Its
 axes are DeepSpeed's three, ``['pipe', 'data', 'model']``: every mt3d axis counts in one of them
-(``Axis.ds_axis``), cp and ep inside 'data' (their ranks hold the same dense weights, and the
-pipeline engine reduces dense gradients and partitions ZeRO states over its 'data' groups).
+(``Axis.ds_axis``): cp inside 'data' (its ranks hold the same weights; the pipeline engine reduces
+gradients and partitions ZeRO states over its 'data' groups), ep inside 'model' (ep ranks hold
+different experts, so each writes its own checkpoint files; ``mt3d.ds.experts``).
 tests/test_topology.py checks the mapping against DeepSpeed's own topology class.
 """
 

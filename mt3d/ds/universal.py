@@ -9,6 +9,7 @@ past ``unsupported_reshard`` and fails when DeepSpeed starts getting them right.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 from pathlib import Path
 
@@ -16,11 +17,22 @@ from ..checkpoint.manifest import CheckpointError
 from . import running_version
 
 
-def convert(source: Path, out: Path, workers: int = 1) -> None:
-    """Run DeepSpeed's ds_to_universal in-process (no process group needed)."""
+def convert(source: Path, out: Path, workers: int = 1, layout: dict | None = None) -> None:
+    """Run DeepSpeed's ds_to_universal in-process (no process group needed); ``layout``: the
+    source's saved layout (an expert-parallel one is converted per ep rank, ``_convert_per_ep_rank``)."""
+    layout = layout or {}
+    if int(layout.get("ep", 1)) > 1:
+        _convert_per_ep_rank(source, out, int(layout["tp"]), int(layout["ep"]), workers)
+        return
+    tmp = out.with_name(out.name + ".tmp")
+    _run_converter(source, tmp, workers)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def _run_converter(source: Path, tmp: Path, workers: int) -> None:
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(
@@ -38,8 +50,123 @@ def convert(source: Path, out: Path, workers: int = 1) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"converting {source} to DeepSpeed's universal format failed: {e}") from e
     (tmp.parent / "latest_universal").unlink(missing_ok=True)  # pointer the converter writes; not used
+
+
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _convert_per_ep_rank(source: Path, out: Path, tp: int, ep: int, workers: int) -> None:
+    """Universal form of an expert-parallel checkpoint.
+
+    ep ranks count in DeepSpeed's 'model' axis (``mt3d.ds.experts``), so the checkpoint has tp x ep
+    model ranks, which ds_to_universal would take for TP slices and merge (it fails on experts only
+    some ranks hold). Instead each ep rank's files are presented to it as a tp-only checkpoint (a
+    directory of links, model rank e * tp + t renamed t, pipeline-major file index p * tp * ep + e *
+    tp + t renamed p * tp + t), converted, and the results are joined: dense parameters (equal on
+    every ep rank) from ep rank 0, each expert (named by its global index) from the rank that held
+    it. The links are checked: every expert a view's files name belongs to that view's ep rank."""
+    work = out.with_name(out.name + ".ep")
+    shutil.rmtree(work, ignore_errors=True)
+    parts = []
+    for e in range(ep):
+        view = work / f"view{e}"
+        view.mkdir(parents=True)
+        for f in source.iterdir():
+            name = _renamed_for_ep_rank(f.name, e, tp, ep)
+            if name is None:
+                continue
+            if name.startswith("mp_rank_"):  # the parallel sizes it records: tp-only
+                _write_tp_only_model_states(f, view / name, tp)
+            else:
+                (view / name).symlink_to(f.resolve())
+        parts.append(work / f"universal{e}")
+        _run_converter(view, parts[-1], workers)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    parts[0].rename(tmp)
+    for e, part in enumerate(parts):
+        per_rank = None
+        for d in sorted((part / "zero").iterdir() if part.exists() else []):
+            m = EXPERT.search(d.name)
+            if m is None:
+                continue
+            j = int(m.group(1))
+            per_rank = per_rank or _experts_per_rank(part, ep)
+            if j // per_rank != e:
+                shutil.rmtree(work, ignore_errors=True)
+                raise CheckpointError(
+                    f"{source}: expert {j} found in ep rank {e}'s files; the checkpoint's rank order is not "
+                    "the one mt3d writes, so it cannot be resharded (resume it in its own layout)"
+                )
+            if e > 0:
+                d.rename(tmp / "zero" / d.name)
+    shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def _write_tp_only_model_states(source: Path, dest: Path, tp: int) -> None:
+    """A copy of a pipeline checkpoint's (weightless) model-states file whose recorded model-parallel
+    sizes are tp instead of tp x ep: ds_to_universal reads the TP degree from them."""
+    import torch
+
+    from ..checkpoint.safe import safe_torch_load
+
+    state = safe_torch_load(source)
+    dims = dict(state.get("checkpoint_parallel_dimensions") or {})
+    if "tp_degree" not in dims or "pp_degree" not in dims:
+        raise CheckpointError(f"{source} records no parallel dimensions; it cannot be resharded")
+    dims["tp_degree"] = tp
+    state["checkpoint_parallel_dimensions"] = dims
+    state["mp_world_size"] = tp * dims["pp_degree"]
+    held = {int(m.group(1)) for shapes in state.get("param_shapes") or [] for n in shapes
+            if (m := EXPERT.search(n))}  # fmt: skip
+    # the converter (strict) wants every name pattern used: those of other ranks' experts go
+    state["universal_checkpoint_info"] = _only_held(state.get("universal_checkpoint_info") or {}, held)
+    torch.save(state, dest)
+
+
+def _only_held(obj, held: set[int]):
+    """``obj`` (universal info: lists of patterns, {"patterns": [...]} entries, dicts keyed by pattern)
+    without what names experts outside ``held``."""
+    if isinstance(obj, list):
+        kept = [_only_held(x, held) for x in obj if not _names_other_expert(x, held)]
+        return [x for x in kept if not (isinstance(x, dict) and x.get("patterns") == [])]
+    if isinstance(obj, dict):
+        return {k: _only_held(v, held) for k, v in obj.items() if not _names_other_expert(k, held)}
+    return obj
+
+
+PATTERN_EXPERT = re.compile(r"experts\\\.(\d+)\\\.")
+"""An expert index in a universal-info name pattern (``...experts\\.3\\.down...``)."""
+
+
+def _names_other_expert(pattern, held: set[int]) -> bool:
+    """Whether a universal-info name pattern is about an expert this rank does not hold."""
+    m = PATTERN_EXPERT.search(pattern) if isinstance(pattern, str) else None
+    return m is not None and int(m.group(1)) not in held
+
+
+def _experts_per_rank(part: Path, ep: int) -> int:
+    """Experts per ep rank, from the expert indices one converted rank holds (they are contiguous)."""
+    held = {int(m.group(1)) for d in (part / "zero").iterdir() if (m := EXPERT.search(d.name))}
+    return max(1, len(held))  # every sparse layer of a rank holds the same experts
+
+
+def _renamed_for_ep_rank(name: str, e: int, tp: int, ep: int) -> str | None:
+    """The name ep rank ``e``'s copy of file ``name`` takes in its tp-only view (None: not its file)."""
+    m = re.fullmatch(r"layer_(\d+)-model_(\d+)-model_states\.pt", name)
+    if m:
+        model = int(m.group(2))
+        return f"layer_{m.group(1)}-model_{model % tp:02d}-model_states.pt" if model // tp == e else None
+    m = re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", name)
+    if m:
+        index = int(m.group(2))
+        p, model = divmod(index, tp * ep)
+        if model // tp != e:
+            return None
+        return f"{m.group(1) or ''}mp_rank_{p * tp + model % tp:02d}_{m.group(3)}_states.pt"
+    return None
 
 
 def unsupported_reshard(saved: dict, target: dict) -> str | None:

@@ -212,6 +212,8 @@ class Expert(nn.Module):
         )
         std = cfg.init_std / math.sqrt(2 * cfg.layers)
         self.down = RowParallelLinear(ffn, cfg.hidden, init=ctx.init(layer, f"{name}.down", std), **common)
+        for p in self.parameters():
+            p.mt3d_expert = True  # reduced over the expert-data-parallel ranks only (mt3d.ds.experts)
 
     def forward(self, x: torch.Tensor, act) -> torch.Tensor:
         """[n, h] rows (already inside the TP region) -> this rank's partial [n, h] output."""

@@ -41,8 +41,10 @@ class Axis:
     """Where the rank mapper prefers its groups (innermost axes first)."""
     ds_axis: str
     """The axis of DeepSpeed's ``ProcessTopology`` (pipe, data, model) its ranks count in. DeepSpeed's
-    pipeline grid knows only those three, and reduces dense gradients and partitions ZeRO states
-    over its 'data' groups: cp and ep fold into 'data' (their ranks hold the same dense weights)."""
+    pipeline grid knows only those three: it reduces gradients and partitions ZeRO states over its
+    'data' groups and writes one set of checkpoint files per 'model' coordinate. cp folds into 'data'
+    (its ranks hold the same weights); ep into 'model', because ep ranks hold different experts: each
+    writes its own files, and ``mt3d.ds.experts`` adds the reduction of dense gradients over ep."""
     optional: bool = False
     """Shown in coordinates, keys and reports only when its degree is above 1."""
     within: str | None = None
@@ -76,7 +78,7 @@ AXES: tuple[Axis, ...] = (
         "the experts of mixture-of-experts layers (each rank holds num_experts / ep)",
         "dense gradients with dp; expert gradients over the dp / ep ranks holding the same experts",
         "inside a host when whole groups fit",
-        "data",
+        "model",
         optional=True,
         within="dp",
     ),
@@ -159,6 +161,16 @@ def derive_degrees(
     return degrees
 
 
+def deepspeed_sizes(degrees: dict[str, int]) -> dict[str, int]:
+    """The sizes of DeepSpeed's three axes (``Axis.ds_axis``) for these degrees: an axis within another
+    takes its share of it (ep ranks leave dp / ep in 'data')."""
+    sizes = dict(zip(GRID, grid_shape(degrees)))
+    out = {"pipe": 1, "data": 1, "model": 1}
+    for a in AXES:
+        out[a.ds_axis] *= sizes[a.name]
+    return out
+
+
 def grid_shape(degrees: dict[str, int]) -> tuple[int, ...]:
     """The placement grid's shape (``GRID`` order): an axis within another takes its share of it."""
     sizes = dict(degrees)
@@ -204,6 +216,7 @@ __all__ = [
     "NAMES",
     "Axis",
     "AxisError",
+    "deepspeed_sizes",
     "degree_keys",
     "derive_degrees",
     "grid_shape",

@@ -55,8 +55,8 @@ COMBINED = {
 }
 """Groups that span several axes, by grid dimensions: ``model`` holds one model replica (pipe x
 tensor: what DeepSpeed sums gradient norms over), ``dense`` the ranks that average dense gradients
-and partition ZeRO states (dp x cp: DeepSpeed's 'data' axis), ``edp`` those that hold the same
-experts (dp / ep: expert gradients reduce over it)."""
+(dp x cp), ``edp`` those that hold the same experts (dp / ep: expert gradients reduce over it).
+DeepSpeed's 'data' axis is edp x cp: ZeRO partitions over it (``axes.Axis.ds_axis``)."""
 
 
 class Placement:

@@ -121,7 +121,7 @@ SCHEDULE_RULES = (
     (("micro_batch", "zero_stage"), lambda c: _short(context_zero_conflict(c["cp"], c["zero_stage"]))),
     (
         ("micro_batch", "zero_stage"),
-        lambda c: _short(moe_conflict(c["zero_stage"])) if c["cfg"].moe is not None else None,
+        lambda c: _short(moe_conflict(c["zero_stage"], c["ep"])) if c["cfg"].moe is not None else None,
     ),
     (
         ("micro_batch", "zero_stage", "virtual_stages"),

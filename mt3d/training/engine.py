@@ -68,6 +68,7 @@ def build_model(
         cp=rt.state.cp,
         cp_exchange=cp_exchange,
         tile_len=rec.tile_len,
+        ep=rt.state.ep,
     )
     specs = layer_specs(cfg, ctx, vocab_size)
     loss_fn = LossFn.of(cfg, rt.state.tp, vocab_size, rt.state.cp, tile_len=rec.tile_len)
@@ -123,4 +124,4 @@ def initialize(
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
-    return ds_initialize(model, param_groups(model), config, layout, mpu=mpu)
+    return ds_initialize(model, param_groups(model), config, layout, mpu=mpu, ep=rt.state.ep)

@@ -83,13 +83,22 @@ class Trainer:
         all_reduce(value, self.rt.state.dp)
         return value.item() / self.rt.state.dp.size
 
+    def _over_experts(self, loss: torch.Tensor) -> float:
+        """The pipeline engine's loss (averaged over DeepSpeed's 'data' axis, dp / ep x cp ranks)
+        averaged over the ep ranks too, which DeepSpeed counts in its 'model' axis (mt3d.ds.experts)."""
+        ep = self.rt.state.ep
+        if ep.size == 1:
+            return float(loss)
+        value = loss.detach().float().clone().to(self.rt.device)
+        all_reduce(value, ep)
+        return value.item() / ep.size
+
     # --- one step ----------------------------------------------------------------------------
     def train_step(self) -> float:
         """One optimizer step on global batch ``self.step``; returns the mean loss (same on all ranks)."""
         it = self.batches(self.data.train, self.step)
         if self.pipe:
-            loss = self.engine.train_batch(data_iter=it)
-            return float(loss)
+            return self._over_experts(self.engine.train_batch(data_iter=it))
         total = torch.zeros((), device=self.rt.device)
         for _ in range(self.layout.grad_accum):
             x, y = next(it)
@@ -106,7 +115,7 @@ class Trainer:
         for i in range(self.train_cfg.eval_batches):
             it = self.batches(self.data.valid, i)
             if self.pipe:
-                losses.append(float(self.engine.eval_batch(data_iter=it)))
+                losses.append(self._over_experts(self.engine.eval_batch(data_iter=it)))
                 continue
             self.engine.module.eval()
             total = torch.zeros((), device=self.rt.device)
