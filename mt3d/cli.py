@@ -371,9 +371,9 @@ def _load(args, pp: int = 1):
         import os
 
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    cp = getattr(args, "cp", 1)
+    cp, ep = getattr(args, "cp", 1), getattr(args, "ep", 1)
     return from_pretrained(
-        args.model, tp=args.tp, pp=pp, cp=cp, dtype=getattr(torch, args.dtype), device=device
+        args.model, tp=args.tp, pp=pp, cp=cp, ep=ep, dtype=getattr(torch, args.dtype), device=device
     ), device
 
 
@@ -414,6 +414,12 @@ def _add_eval(sub) -> None:
         default=1,
         help="context-parallel ranks: each window cut over them (long documents)",
     )
+    p.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert-parallel ranks (mixtures of experts): each holds experts / ep of every sparse layer",
+    )
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--seq-len", type=positive_int, required=True, help="window length in tokens")
     p.add_argument("--stride", type=positive_int, help="window step (default seq-len: non-overlapping)")
@@ -430,7 +436,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .model.loading import open_source
 
     stride = args.stride or args.seq_len
-    _positive(tp=args.tp, pp=args.pp, cp=args.cp, seq_len=args.seq_len, stride=stride)
+    _positive(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, seq_len=args.seq_len, stride=stride)
     if stride > args.seq_len:
         raise UsageError(
             f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"

@@ -40,6 +40,7 @@ from helpers import step_records, tiny_config, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 WINDOWED = ["mistral", "qwen2", "gemma2"]
 WINDOW = 8
 
@@ -122,12 +123,12 @@ def sample_ids(n=24, batch=2, seed=1):
     return torch.randint(0, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def logits_worker(dirs, tp, pp, ids):
+def logits_worker(dirs, tp, pp, ids, ep=1):
     from mt3d.model.inference import logits
 
     out = {}
     for name, path in dirs.items():
-        model = from_pretrained(path, tp=tp, pp=pp, state=out.get("_state"))
+        model = from_pretrained(path, tp=tp, pp=pp, ep=ep, state=out.get("_state"))
         out["_state"] = model.state
         out[name] = logits(model, ids, model.state, model.config.hidden)
     out.pop("_state")
@@ -139,14 +140,16 @@ def test_logits_match_transformers_at_every_layout(hf_dirs):
     with torch.no_grad():
         ref = {name: hf_model(d)(ids).logits for name, d in hf_dirs.items()}
     dirs = {name: str(d) for name, d in hf_dirs.items()}
-    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
-        per_rank = spawn(logits_worker, tp * pp, dirs, tp, pp, ids, timeout=300)
-        last_stage = [r for r in per_rank if r["gpt2"] is not None]
-        assert len(last_stage) == tp  # every TP rank of the last stage holds the full logits
+    sparse = {name: d for name, d in dirs.items() if name in MOE}
+    for tp, pp, ep in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2)):
+        names = sparse if ep > 1 else dirs  # every ep rank runs the same tokens through its experts
+        per_rank = spawn(logits_worker, tp * pp * ep, names, tp, pp, ids, ep, timeout=300)
+        last_stage = [r for r in per_rank if r[next(iter(names))] is not None]
+        assert len(last_stage) == tp * ep  # every TP rank of the last stage holds the full logits
         for got in last_stage:
-            for name in FAMILIES:
+            for name in names:
                 err = (got[name] - ref[name]).abs().max().item()
-                assert err <= 1e-4, f"{name} tp={tp} pp={pp}: max |logit diff| {err}"
+                assert err <= 1e-4, f"{name} tp={tp} pp={pp} ep={ep}: max |logit diff| {err}"
 
 
 @pytest.mark.parametrize("name", WINDOWED)
@@ -237,12 +240,12 @@ def test_eval_matches_transformers_loss(hf_dirs, tmp_path):
     assert abs(got["loss"] - want) <= 1e-5 * want, (name, got, want)
 
 
-def eval_worker(dirs, ids):
+def eval_worker(dirs, ids, tp=2, pp=2, ep=1):
     from mt3d.model.inference import evaluate_tokens
 
     out, state = {}, None
     for name, path in dirs.items():
-        model = from_pretrained(path, tp=2, pp=2, state=state)
+        model = from_pretrained(path, tp=tp, pp=pp, ep=ep, state=state)
         state = model.state
         out[name] = evaluate_tokens(model, ids[name], state, 64, 64)["loss"]
     return out
@@ -253,8 +256,12 @@ def test_eval_under_tp_and_pp_matches(hf_dirs, tmp_path):
     ids = {name: torch.tensor(load_tokenizer(d).encode(text, eos=False)) for name, d in hf_dirs.items()}
     want = {name: hf_window_loss(hf_model(d), ids[name], 64, 64)[0] for name, d in hf_dirs.items()}
     dirs = {name: str(d) for name, d in hf_dirs.items()}
-    for got in spawn(eval_worker, 4, dirs, ids, timeout=300):
-        for name in FAMILIES:
+    sparse = {name: d for name, d in dirs.items() if name in MOE}
+    runs = spawn(eval_worker, 4, dirs, ids, timeout=300) + spawn(
+        eval_worker, 4, sparse, ids, 1, 2, 2, timeout=300
+    )
+    for got in runs:
+        for name in got:
             assert abs(got[name] - want[name]) <= 1e-5 * want[name], name
 
 
@@ -284,8 +291,11 @@ def loads_without_warnings(path, caplog):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_round_trip_is_bit_identical(hf_dirs, tmp_path, name, caplog):
-    """HF -> an mt3d checkpoint at tp 2 x pp 2 -> export-hf -> the same tensors, loadable silently."""
+    """HF -> an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts: tp 2 x ep 2, each ep rank's
+    experts in its own files) -> export-hf -> the same tensors, loadable silently."""
     raw = fine_tune_config(tmp_path / "run", hf_dirs[name], steps=0, save_at_end=True)
+    if name in MOE:
+        raw["mt3d"]["parallel"].update(pipeline=1, expert=2)
     spawn(train_worker, 4, raw, timeout=300)
     out = run_export(tmp_path / "run", tmp_path / "export")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -323,6 +333,8 @@ def test_fine_tuning_at_tp2_pp2_dp2_matches_one_process(hf_dirs, tmp_path, name,
     ref = step_records(spawn(train_worker, 1, fine_tune_config(tmp_path / "ref", hf_dirs[name], 5, 1, 1))[0])
     assert ref[-1]["loss"] < ref[0]["loss"]
     raw = fine_tune_config(tmp_path / "ft", hf_dirs[name], 5, save_at_end=True)
+    if name in MOE:  # tp 2 x pp 2 x ep 2 (dp 2 = ep: the experts split over the data-parallel pair)
+        raw["mt3d"]["parallel"]["expert"] = 2
     assert_same_training(step_records(spawn(train_worker, 8, raw, timeout=400)[0]), ref, f"{name} (2,2,2)")
     if name == "gemma2":  # sequence parallelism and recompute over post-norms, soft-caps, windows
         raw = fine_tune_config(tmp_path / "sp", hf_dirs[name], 5, 2, 2, recompute={"interval": 1})

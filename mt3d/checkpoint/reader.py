@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import ModelConfig
+from ..model.moe import expert_index
 from ..model.sharding import from_shards, layout_of, split_name, to_shard
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
 from .safe import safe_torch_load
@@ -41,6 +42,7 @@ class CheckpointReader:
             self.vocab = int(meta["vocab_size"])
             self.tp = int(meta["layout"]["tp"])
             self.dp = int(meta["layout"]["dp"])
+            self.ep = int(meta["layout"].get("ep", 1))
             self.zero3 = int(meta["layout"].get("zero_stage", 0)) == 3
             self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                 meta.get("precision"), torch.float32
@@ -63,9 +65,18 @@ class CheckpointReader:
         self.pipeline_files = any(n.startswith("layer_") for n in self.manifest["files"])
 
     @lru_cache(maxsize=8)  # noqa: B019 - a reader lives as long as one export / load
-    def _layer(self, layer: int, tp_rank: int) -> dict:
-        name = f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
-        return self._load(name, f" (checkpoint written with tp={self.tp}?)")
+    def _layer(self, layer: int, model_rank: int) -> dict:
+        name = f"layer_{layer:02d}-model_{model_rank:02d}-model_states.pt"
+        return self._load(name, f" (checkpoint written with tp={self.tp}, ep={self.ep}?)")
+
+    def _model_rank(self, local: str, tp_rank: int) -> int:
+        """The 'model' coordinate whose files hold ``local`` (a layer's parameter) for ``tp_rank``: ep
+        ranks count in DeepSpeed's 'model' axis (``mt3d.ds.experts``), e * tp + tp_rank, and each
+        holds experts / ep of every sparse layer (dense weights: every ep rank, read from the first)."""
+        j = expert_index(local) if self.ep > 1 else None
+        if j is None:
+            return tp_rank
+        return j // (self.cfg.moe_spec.experts // self.ep) * self.tp + tp_rank
 
     def _load(self, name: str, hint: str = "") -> dict:
         """One file of the checkpoint, which must be listed in its manifest."""
@@ -113,7 +124,7 @@ class CheckpointReader:
     def _local(self, name: str, tp_rank: int) -> torch.Tensor:
         layer, local = split_name(name)
         if self.pipeline_files:
-            state = self._layer(layer, tp_rank)
+            state = self._layer(layer, self._model_rank(local, tp_rank))
             key = local
         else:
             state, key = self._module(tp_rank), name

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..checkpoint.manifest import CheckpointError
+from ..model.moe import expert_index
 from . import running_version
 
 
@@ -52,9 +53,6 @@ def _run_converter(source: Path, tmp: Path, workers: int) -> None:
     (tmp.parent / "latest_universal").unlink(missing_ok=True)  # pointer the converter writes; not used
 
 
-EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
 def _convert_per_ep_rank(source: Path, out: Path, tp: int, ep: int, workers: int) -> None:
     """Universal form of an expert-parallel checkpoint.
 
@@ -87,10 +85,9 @@ def _convert_per_ep_rank(source: Path, out: Path, tp: int, ep: int, workers: int
     for e, part in enumerate(parts):
         per_rank = None
         for d in sorted((part / "zero").iterdir() if part.exists() else []):
-            m = EXPERT.search(d.name)
-            if m is None:
+            j = expert_index(d.name)
+            if j is None:
                 continue
-            j = int(m.group(1))
             per_rank = per_rank or _experts_per_rank(part, ep)
             if j // per_rank != e:
                 shutil.rmtree(work, ignore_errors=True)
@@ -119,8 +116,8 @@ def _write_tp_only_model_states(source: Path, dest: Path, tp: int) -> None:
     dims["tp_degree"] = tp
     state["checkpoint_parallel_dimensions"] = dims
     state["mp_world_size"] = tp * dims["pp_degree"]
-    held = {int(m.group(1)) for shapes in state.get("param_shapes") or [] for n in shapes
-            if (m := EXPERT.search(n))}  # fmt: skip
+    held = {j for shapes in state.get("param_shapes") or [] for n in shapes
+            if (j := expert_index(n)) is not None}  # fmt: skip
     # the converter (strict) wants every name pattern used: those of other ranks' experts go
     state["universal_checkpoint_info"] = _only_held(state.get("universal_checkpoint_info") or {}, held)
     torch.save(state, dest)
@@ -149,7 +146,7 @@ def _names_other_expert(pattern, held: set[int]) -> bool:
 
 def _experts_per_rank(part: Path, ep: int) -> int:
     """Experts per ep rank, from the expert indices one converted rank holds (they are contiguous)."""
-    held = {int(m.group(1)) for d in (part / "zero").iterdir() if (m := EXPERT.search(d.name))}
+    held = {j for d in (part / "zero").iterdir() if (j := expert_index(d.name)) is not None}
     return max(1, len(held))  # every sparse layer of a rank holds the same experts
 
 

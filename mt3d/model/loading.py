@@ -121,7 +121,7 @@ def build_model(
     skip_init: bool = False,
 ) -> nn.Module:
     """An inference/fine-tuning model for this rank: StackedModel at pp = 1, else a pipeline stage."""
-    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init, cp=state.cp)
+    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init, cp=state.cp, ep=state.ep)
     specs = layer_specs(cfg, ctx, vocab)
     loss = LossFn.of(cfg, state.tp, vocab)
     if state.pp.size == 1:
@@ -134,8 +134,9 @@ def build_model(
     return model.to(device=device, dtype=dtype)
 
 
-def inference_state(tp: int, pp: int, cp: int = 1) -> ParallelState:
-    """Process groups for a tp x pp (x cp) model: none for one rank, else from the launcher's ranks."""
+def inference_state(tp: int, pp: int, cp: int = 1, ep: int = 1) -> ParallelState:
+    """Process groups for a tp x pp (x cp x ep) model: none for one rank, else from the launcher's
+    ranks. ep ranks are data-parallel replicas that hold different experts (each runs the same input)."""
     import os
 
     import torch.distributed as dist
@@ -143,18 +144,19 @@ def inference_state(tp: int, pp: int, cp: int = 1) -> ParallelState:
     from ..parallel.topology import map_ranks
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if tp * pp * cp == 1 and world == 1 and not dist.is_initialized():
+    size = tp * pp * cp * ep
+    if size == 1 and world == 1 and not dist.is_initialized():
         return ParallelState.single()
-    if world != tp * pp * cp:
-        what = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
-        raise UserError(f"{what} needs exactly {tp * pp * cp} ranks; the launcher started {world}")
+    if world != size:
+        what = f"tp={tp} x pp={pp}" + "".join(f" x {a}={v}" for a, v in (("cp", cp), ("ep", ep)) if v > 1)
+        raise UserError(f"{what} needs exactly {size} ranks; the launcher started {world}")
     if not dist.is_initialized():
         import deepspeed
 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(verbose=False)
-    return ParallelState.build(map_ranks(tp * pp * cp, tp, pp, cp=cp))
+    return ParallelState.build(map_ranks(size, tp, pp, cp=cp, ep=ep))
 
 
 def from_pretrained(
@@ -163,6 +165,7 @@ def from_pretrained(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     state: ParallelState | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
@@ -174,10 +177,15 @@ def from_pretrained(
     ``cp`` > 1, runs its chunks of every sequence (pass ``state`` to reuse existing process groups).
     The model carries ``.config`` (ModelConfig), ``.state`` (ParallelState) and ``.tokenizer_dir``.
     """
+    from ..config.rules import expert_conflict
+
     source = open_source(path)
     source.cfg.check_parallel(tp, pp)
+    why = expert_conflict(source.cfg.moe_spec, ep)
+    if why:
+        raise UserError(why.replace("parallel.expert", "ep"))
     if state is None:
-        state = ParallelState.single() if tp * pp * cp == 1 else inference_state(tp, pp, cp)
+        state = ParallelState.single() if tp * pp * cp * ep == 1 else inference_state(tp, pp, cp, ep)
     model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
     load_weights(model, source, state.tp)
     model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir

@@ -38,6 +38,7 @@ reason.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -334,8 +335,28 @@ class SparseMoE(nn.Module):
         return all_to_all_rows(yr, recv, send, self.ep)
 
 
+EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+"""A routed expert's global index in a parameter name (``3.mlp.experts.5.up.weight``): experts are
+named by global index on every ep rank, so names are unique across a checkpoint's ep ranks."""
+
+
+def expert_index(name: str) -> int | None:
+    """The global expert index ``name`` belongs to (None: not a routed expert's parameter)."""
+    m = EXPERT_NAME.search(name)
+    return int(m.group(1)) if m else None
+
+
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-__all__ = ["MoEConfigError", "MoESpec", "Routed", "SparseMoE", "router_losses", "start_stats"]
+__all__ = [
+    "EXPERT_NAME",
+    "MoEConfigError",
+    "MoESpec",
+    "Routed",
+    "SparseMoE",
+    "expert_index",
+    "router_losses",
+    "start_stats",
+]
