@@ -660,6 +660,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
     p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")
     p.add_argument("--data", type=positive_ints, default=None, help="data-parallel degrees to try")
+    p.add_argument("--expert", type=positive_ints, default=None,
+                   help="expert-parallel degrees to try (default: every divisor of dp for MoE models)")  # fmt: skip
     p.add_argument("--micro-batch", type=positive_ints, default=(1, 2, 4, 8, 16), help="micro-batches to try")
     p.add_argument("--zero", type=choices_list((0, 1, 2, 3), "--zero"), default=(0, 1, 2, 3),
                    help="ZeRO stages to try (0-3)")  # fmt: skip
@@ -732,7 +734,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batch,
         zero_stages=args.zero,
         **({"offloads": args.offload} if args.offload else {}),
-        pins={ax: v for ax, v in (("tp", args.tensor), ("pp", args.pipeline), ("dp", args.data)) if v},
+        pins={
+            ax: v
+            for ax, v in (("tp", args.tensor), ("pp", args.pipeline), ("dp", args.data), ("ep", args.expert))
+            if v
+        },
     )
     if args.write_config:
         write_config(result, args.write_config, section)

@@ -16,6 +16,7 @@ from mt3d.planner.costs import (
     korthikanti_layer_bytes,
     memory_bytes,
     model_state_bytes,
+    stage_params,
     step_time,
 )
 from mt3d.planner.hardware import get_device
@@ -321,8 +322,15 @@ def test_a_mixture_of_experts_is_planned_with_all_experts_in_memory_and_k_in_tim
     assert result["feasible"]
     assert all(r["zero_stage"] <= 2 for r in result["feasible"])
     best = result["feasible"][0]
-    weights_and_grads = 4 * cfg.num_params() / (best["tp"] * best["pp"])  # bf16 weights and gradients
-    assert best["memory_gb"] * 1e9 > 0.9 * weights_and_grads  # all 8 experts, not the active 2
+    assert best["ep"] > 1  # 8 experts split over ep ranks inside a node: less memory, a cheap all-to-all
+    t, p, ep = best["tp"], best["pp"], best["ep"]
+    held = stage_params(cfg, 32000, t, p, ep)
+    assert best["memory_gb"] * 1e9 > 0.9 * 4 * held  # bf16 weights and gradients of experts / ep, not 2
+    spec = cfg.moe_spec
+    blocks = -(-cfg.layers // p)
+    left_out = blocks * (spec.experts - spec.experts // ep) * cfg.mlp_params(spec.expert_ffn) / t
+    assert abs(stage_params(cfg, 32000, t, p) - held - left_out) <= 1e-6 * held
+    assert best["ep_comm_s"] > 0 and Layout(1, 1, 16, 1, 1, 1, False, False, ep=8).data == 2
 
 
 def test_another_stacks_layout_is_pinned_from_the_command_line_and_explained(capsys):
@@ -341,7 +349,7 @@ def test_another_stacks_layout_is_pinned_from_the_command_line_and_explained(cap
     }
     assert got == {(4, 2, 8, 1, 1, 1, "none")}  # only recompute and SP vary
     assert main([*argv, "--explain"]) == 0
-    text = capsys.readouterr().out.split("layout: tp 4 cp 1 pp 2 dp 8 v 1", 1)[1]
+    text = capsys.readouterr().out.split("layout: tp 4 cp 1 ep 1 pp 2 dp 8 v 1", 1)[1]
     time = [float(line.split()[-3]) for line in text.splitlines() if line.strip().endswith("%")]
     total = float(text.split("step time ")[1].split()[0])
     assert len(time) == len(TIME_PARTS) and abs(sum(time) - total) <= 2e-3 * total

@@ -261,9 +261,9 @@ def expert_conflict(spec, ep: int) -> str | None:
     if ep == 1:
         return None
     if spec is None:
-        return f"expert parallelism (parallel.expert {ep}) needs a model with experts (model.moe): use 1"
+        return f"a model without experts cannot use expert parallelism: set parallel.expert {ep} to 1"
     if spec.experts % ep:
-        return f"model.moe.experts ({spec.experts}) is not divisible by parallel.expert {ep}"
+        return f"model.moe.experts = {spec.experts} is not divisible by parallel.expert {ep}"
     return None
 
 

@@ -265,17 +265,18 @@ class ModelConfig:
         inner = ffn * (2 if self.mlp in GATED_MLPS else 1)
         return self.hidden * inner + ffn * self.hidden + self.mlp_bias * (inner + self.hidden)
 
-    def block_params(self, layer: int | None = None, active: bool = False) -> int:
+    def block_params(self, layer: int | None = None, active: bool = False, ep: int = 1) -> int:
         """Parameters of transformer block ``layer`` (None: an average block of the model); ``active``:
-        only those one token uses (its top-k experts, the shared expert and the router)."""
+        only those one token uses (its top-k experts, the shared expert and the router); ``ep``: those
+        one of ep expert-parallel ranks holds (experts / ep of the routed experts)."""
         if layer is None:
-            return round(sum(self.block_params(i, active) for i in range(self.layers)) / self.layers)
+            return round(sum(self.block_params(i, active, ep) for i in range(self.layers)) / self.layers)
         h = self.hidden
         qkv = self.q_size + 2 * self.kv_size
         attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h
         spec = self.moe_spec
         if spec is not None and spec.sparse(layer):
-            used = spec.top_k if active else spec.experts
+            used = spec.top_k if active else spec.experts // ep
             mlp = used * self.mlp_params(spec.expert_ffn) + spec.experts * h
             if spec.shared_ffn:
                 mlp += self.mlp_params(spec.shared_ffn) + h

@@ -183,7 +183,7 @@ def from_pretrained(
     source.cfg.check_parallel(tp, pp)
     why = expert_conflict(source.cfg.moe_spec, ep)
     if why:
-        raise UserError(why.replace("parallel.expert", "ep"))
+        raise UserError(why.replace("parallel.expert", "--ep"))
     if state is None:
         state = ParallelState.single() if tp * pp * cp * ep == 1 else inference_state(tp, pp, cp, ep)
     model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)

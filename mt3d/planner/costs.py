@@ -16,7 +16,7 @@ from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
 from .offload import offload_traffic, tier_bytes
-from .traffic import cp_bytes, dp_bytes, pp_bytes, tp_bytes
+from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, tp_bytes
 
 # DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
 # project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
@@ -127,10 +127,18 @@ class Layout:
     """Context-parallel degree: each rank holds seq_len / cp tokens of every sample."""
     tile_len: int = 0
     """Sequence tiles of the MLP and the loss (``train.recompute.tile_len``; 0: none)."""
+    ep: int = 1
+    """Expert-parallel degree (a split of dp): each rank holds experts / ep of every sparse layer."""
 
     @property
     def data(self) -> int:
-        """Ranks DeepSpeed averages gradients over and ZeRO partitions over: dp x cp (its data axis)."""
+        """Ranks ZeRO partitions over: DeepSpeed's data axis, dp / ep x cp (ep ranks count in its model
+        axis: ``mt3d.ds.experts``)."""
+        return self.dp // self.ep * self.cp
+
+    @property
+    def dense(self) -> int:
+        """Ranks dense gradients are averaged over: dp x cp."""
         return self.dp * self.cp
 
     @property
@@ -153,16 +161,30 @@ def in_flight_blocks(blocks: int, p: int, m: int, v: int) -> float:
     return blocks / v * chunks
 
 
-def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int) -> float:
-    """Parameters held by one GPU of the heaviest pipeline stage."""
+def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int, ep: int = 1) -> float:
+    """Parameters held by one GPU of the heaviest pipeline stage (experts / ep of each sparse layer)."""
     blocks = math.ceil(cfg.layers / pp)
-    per_block = cfg.block_params() / tp  # norms are replicated: a negligible overcount
+    per_block = cfg.block_params(ep=ep) / tp  # norms are replicated: a negligible overcount
     padded = pad_vocab(vocab, tp)
     embed = padded * cfg.hidden / tp + (cfg.max_seq_len * cfg.hidden if cfg.position == "learned" else 0)
     head = padded * cfg.hidden / tp
     first = blocks * per_block + embed + (head if pp == 1 and not cfg.tie_embeddings else 0)
     last = blocks * per_block + cfg.hidden * 2 + (head if (not cfg.tie_embeddings or pp > 1) else 0)
     return max(first, last)
+
+
+def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: int, blocks: int,
+             recompute: bool) -> float:  # fmt: skip
+    """Bytes one rank sends per step over its ep group: every sparse layer of the heaviest stage
+    dispatches and combines each micro-batch's ``tokens`` rows (``traffic.ep_layer_elements``; every
+    TP rank sends the whole rows, mt3d's experts being split over TP), and recompute repeats the
+    forward's half."""
+    spec = cfg.moe_spec
+    if spec is None or ep <= 1:
+        return 0.0
+    sparse = blocks * cfg.sparse_layers / cfg.layers
+    per_layer = ep_layer_elements(ep, tokens, spec.top_k, cfg.hidden, spec.experts) * elem
+    return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
 
 
 def logit_bytes(tp: int, elem: int) -> float:
@@ -204,7 +226,7 @@ def memory_bytes(
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``)."""
     t, p = lay.tp, lay.pp
-    params = stage_params(cfg, vocab, t, p)
+    params = stage_params(cfg, vocab, t, p, lay.ep)
     tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
     states = tiers["gpu"]
     sp = lay.sequence_parallel and t > 1
@@ -272,10 +294,10 @@ def step_time(
     gpus = lay.gpus
     tokens = global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
-    v, m, t, d = lay.virtual_stages, lay.grad_accum, lay.tp, lay.data
+    v, m, t, d = lay.virtual_stages, lay.grad_accum, lay.tp, lay.dense
     blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1))
-    grads = stage_params(cfg, vocab, t, lay.pp)
+    grads = stage_params(cfg, vocab, t, lay.pp, lay.ep)
     compute, optimizer = _compute_seconds(
         cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
         device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
@@ -288,6 +310,8 @@ def step_time(
     cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
     cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
     pp = pp_bytes(m, act / (t if pp_scatter_gather else 1), v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
+    ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
+    ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
     gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
     # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
     dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
@@ -295,13 +319,14 @@ def step_time(
     if lay.zero_stage == 3:
         dp = max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     offload = _offload_seconds(grads, lay, prec, bw)
-    total = compute + bubble + tp + cp + pp + dp + offload + optimizer
+    total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
     return {
         "compute_s": compute,
         "bubble_s": bubble,
         "tp_comm_s": tp,
         "cp_comm_s": cp,
+        "ep_comm_s": ep,
         "pp_comm_s": pp,
         "dp_comm_s": dp,
         "offload_s": offload,

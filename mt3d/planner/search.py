@@ -19,6 +19,7 @@ from ..config import (
     Offload,
     context_sequence_conflict,
     context_zero_conflict,
+    expert_conflict,
     moe_conflict,
     virtual_stage_conflict,
     zero_pipeline_conflict,
@@ -89,7 +90,7 @@ def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
     """Step 1: every assignment of degrees to the configured axes (``axes.AXES``; dp what remains) that
     the structural rules allow, with the bandwidths of its axes. ``choices`` limits an axis to some
     degrees (axes the planner does not model yet are held at 1 by default)."""
-    choices = {"ep": (1,), **(choices or {})}
+    choices = {**({} if cfg.moe is not None else {"ep": (1,)}), **(choices or {})}
     configured = [a.name for a in AXES if a.key]
     options = [choices.get(ax) or divisors(cluster.gpus) for ax in configured]
     for combo in product(*options):
@@ -98,7 +99,9 @@ def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
         except AxisError:
             continue
         tp, pp = degrees["tp"], degrees["pp"]
-        why = structural_reason(cfg, cluster, tp, pp, degrees["cp"], seq_len)
+        why = structural_reason(cfg, cluster, tp, pp, degrees["cp"], seq_len) or _short(
+            expert_conflict(cfg.moe_spec, degrees["ep"])
+        )
         if why:
             reject({ax: degrees[ax] for ax in shown(degrees)}, why)
         else:
@@ -143,8 +146,8 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
     failed: set = set()
     tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
     for b, zero, v in product(micro_batches, zero_stages, virtual_stages if pp > 1 else (1,)):
-        c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "micro_batch": b, "zero_stage": zero,
-             "virtual_stages": v, "grad_accum": global_batch // (b * dp), "cfg": cfg,
+        c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": degrees["ep"], "micro_batch": b,
+             "zero_stage": zero, "virtual_stages": v, "grad_accum": global_batch // (b * dp), "cfg": cfg,
              "global_batch": global_batch}  # fmt: skip
         for keys, rule in SCHEDULE_RULES:
             key = (keys, *(c[k] for k in keys))
@@ -174,7 +177,7 @@ def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages,
         for b, m, zero, v in schedules:
             allowed = [o for o in offloads if not offload_rule(zero, o)]
             for off, recompute, sp in product(allowed, (False, True), sps):
-                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off, cp), bw
+                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off, cp, ep=degrees["ep"]), bw
 
 
 def _check_inputs(
@@ -287,15 +290,16 @@ def plan(
     }
 
 
-TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s",
-              "optimizer_s")  # fmt: skip
+TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
+              "offload_s", "optimizer_s")  # fmt: skip
 MEMORY_PARTS = ("model_states", "activations", "buckets")
 
 
 def explain(row: dict) -> str:
     """The time and memory components of one planned layout (``mt3d plan --explain``): what the step
     time and the memory per GPU are the sums of."""
-    degrees = " ".join(f"{k} {row[k]}" for k in ("tp", "cp", "pp", "dp")) + f" v {row['virtual_stages']}"
+    axes = ("tp", "cp", "ep", "pp", "dp")
+    degrees = " ".join(f"{k} {row[k]}" for k in axes) + f" v {row['virtual_stages']}"
     lines = [
         f"layout: {degrees}, micro-batch {row['micro_batch']} x {row['grad_accum']}, "
         f"ZeRO {row['zero_stage']}, offload {row['offload']}, "
@@ -410,10 +414,10 @@ def format_plan(result: dict, top: int = 10) -> str:
         f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
         f"tokens, {result['precision']}, " + compute_model(result),
         "",
-        f"{'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} {'offload':>8} "
-        f"{'rc':>3} "
+        f"{'tp':>3} {'cp':>3} {'ep':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} "
+        f"{'offload':>8} {'rc':>3} "
         f"{'sp':>3} {'GPU GB':>8} {'CPU GB/n':>9} {'NVMe GB/n':>10} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  "
-        "bubble/tp/cp/pp/dp/offload share",
+        "bubble/tp/cp/ep/pp/dp/offload share",
     ]
     attn = result.get("attention") or {}
     if attn.get("tile_fraction", 1.0) < 1.0:
@@ -424,10 +428,10 @@ def format_plan(result: dict, top: int = 10) -> str:
             f"{attn['attention_speedup_bound']:.2f}x",
         )
     for r in result["feasible"][:top]:
-        shares = ("bubble_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s")
+        shares = ("bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s", "offload_s")
         parts = [r[k] / r["step_time_s"] for k in shares]
         lines.append(
-            f"{r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} "
+            f"{r['tp']:>3} {r['cp']:>3} {r['ep']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} "
             f"{r['micro_batch']:>3} "
             f"{r['grad_accum']:>5} {r['zero_stage']:>4} {r['offload']:>8} "
             f"{'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
