@@ -660,8 +660,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
     p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")
     p.add_argument("--data", type=positive_ints, default=None, help="data-parallel degrees to try")
-    p.add_argument("--expert", type=positive_ints, default=None,
-                   help="expert-parallel degrees to try (default: every divisor of dp for MoE models)")  # fmt: skip
+    p.add_argument(
+        "--expert", type=positive_ints, default=None, help="expert-parallel degrees to try (default: MoE: all)"
+    )
     p.add_argument("--micro-batch", type=positive_ints, default=(1, 2, 4, 8, 16), help="micro-batches to try")
     p.add_argument("--zero", type=choices_list((0, 1, 2, 3), "--zero"), default=(0, 1, 2, 3),
                    help="ZeRO stages to try (0-3)")  # fmt: skip
