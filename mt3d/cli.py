@@ -661,7 +661,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")
     p.add_argument("--data", type=positive_ints, default=None, help="data-parallel degrees to try")
     p.add_argument(
-        "--expert", type=positive_ints, default=None, help="expert-parallel degrees to try (default: MoE: all)"
+        "--expert", type=positive_ints, default=None, help="expert-parallel degrees to try (MoE models)"
     )
     p.add_argument("--micro-batch", type=positive_ints, default=(1, 2, 4, 8, 16), help="micro-batches to try")
     p.add_argument("--zero", type=choices_list((0, 1, 2, 3), "--zero"), default=(0, 1, 2, 3),
