@@ -104,16 +104,30 @@ def test_any_order_of_five_axes_is_a_bijection():
     assert list(natural.groups("tp"))[0] == [0, 2]  # cp innermost: TP partners two apart
 
 
-def test_deepspeed_sees_cp_and_ep_inside_its_data_axis():
+def test_deepspeed_sees_cp_in_its_data_axis_and_ep_in_its_model_axis():
+    """cp ranks hold the same weights (DeepSpeed reduces and partitions over them); ep ranks hold
+    different experts, so each writes its own files: they count in DeepSpeed's 'model' axis."""
+    from mt3d.parallel.axes import deepspeed_sizes
     from mt3d.parallel.topology import map_ranks
 
     topo = map_ranks(32, 2, 2, gpus_per_node=8, cp=2, ep=2)
-    assert topo.get_dim("data") == topo.dp * topo.cp and topo.get_dim("model") == 2
-    assert sorted(map(sorted, topo.get_axis_comm_lists("data"))) == sorted(map(sorted, topo.groups("dense")))
-    assert sorted(map(sorted, topo.get_axis_comm_lists("model"))) == sorted(map(sorted, topo.groups("tp")))
+    sizes = deepspeed_sizes(topo.placement.degrees)
+    assert (
+        sizes
+        == {"pipe": 2, "data": topo.dp // topo.ep * topo.cp, "model": topo.tp * topo.ep}
+        == {"pipe": 2, "data": 4, "model": 4}
+    )
+    assert [topo.get_dim(a) for a in ("pipe", "data", "model")] == [2, 4, 4]
+    edp_cp = {tuple(sorted(a + b)) for a in topo.groups("edp") for b in topo.groups("edp")
+              if topo.coord(a[0])["cp"] == 0 and topo.coord(b[0])["cp"] == 1
+              and all(topo.coord(x)["tp"] == topo.coord(a[0])["tp"] for x in b)
+              and all(topo.coord(x)["ep"] == topo.coord(a[0])["ep"] for x in b)
+              and all(topo.coord(x)["pp"] == topo.coord(a[0])["pp"] for x in b)}  # fmt: skip
+    assert {tuple(sorted(g)) for g in topo.get_axis_comm_lists("data")} == edp_cp
     for r in range(32):
-        c = topo.coord(r)
-        assert topo.get_coord(r).data == c["dp"] * topo.cp + c["cp"]
+        c, ds = topo.coord(r), topo.get_coord(r)
+        assert ds.model == c["ep"] * topo.tp + c["tp"]  # the checkpoint files' model index
+        assert ds.data == c["dp"] // topo.ep * topo.cp + c["cp"]
 
 
 def test_a_million_ranks_on_five_axes_in_seconds():

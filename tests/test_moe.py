@@ -331,3 +331,32 @@ def test_unsupported_routing_is_refused_by_name(tmp_path, tok_dir):
         (d / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(HFError, match=match):
             config_from_hf(d)
+
+
+def test_deepspeed_still_needs_what_mt3d_ds_experts_does():
+    """Each reach of mt3d.ds.experts against the pinned DeepSpeed's source: the schedule's reduce step
+    calls the two methods wrapped on the engine; ZeRO's and the BF16 optimizer's norms skip weights
+    marked ds_pipe_replicated while clip_grad_norm_ (mt3d's fp32 guard) does not; the engine takes
+    the MoE path only for its own MoE classes; the universal loader slices by the grid's slice size."""
+    import inspect
+
+    from deepspeed.runtime import bf16_optimizer, engine, utils
+    from deepspeed.runtime.pipe import engine as pipe_engine
+    from deepspeed.runtime.pipe import topology
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    reduce = inspect.getsource(pipe_engine.PipelineEngine._exec_reduce_grads)
+    assert "self.allreduce_gradients(" in reduce and "self._bf16_reduce_grads()" in reduce
+    zero_norm = inspect.getsource(stage_1_and_2.DeepSpeedZeroOptimizer.get_grad_norm_direct)
+    assert "PIPE_REPLICATED" in zero_norm
+    assert "PIPE_REPLICATED" in inspect.getsource(bf16_optimizer.BF16_Optimizer.get_grads_for_norm)
+    assert "PIPE_REPLICATED" not in inspect.getsource(utils.clip_grad_norm_)
+    moe = inspect.getsource(engine.DeepSpeedEngine._configure_distributed_model)
+    assert "isinstance(module, MoE)" in moe and "self.has_moe_layers = True" in moe
+    from deepspeed.runtime import base_optimizer
+
+    load = inspect.getsource(base_optimizer.ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir)
+    assert "get_slice_parallel_world_size" in load
+    assert "self.slice_parallel_size" in inspect.getsource(
+        topology.PipelineParallelGrid.get_slice_parallel_world_size
+    )

@@ -77,6 +77,18 @@ REACHES = (
           "test_offload.py::test_nvme_resume_is_exact_with_another_scheduler_at_dp2"),
     Reach("universal", "reshards of ZeRO-3 states DeepSpeed gets wrong: refused up front",
           "test_checkpoint.py::test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly"),
+    Reach("experts", "ep ranks in DeepSpeed's 'model' axis: engine.allreduce_gradients/_bf16_reduce_grads "
+          "wrapped (dense gradients over ep), dense weights marked ds_pipe_replicated on ep ranks > 0",
+          "test_moe.py::test_moe_training_matches_one_process"),
+    Reach("experts", "the grid's slice rank/size answered with tp during a universal load (DeepSpeed "
+          "slices by its whole 'model' axis)", "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),
+    Reach("experts", "what each of the above relies on in DeepSpeed's source",
+          "test_moe.py::test_deepspeed_still_needs_what_mt3d_ds_experts_does"),
+    Reach("engine", "clip_grad_norm_ ignores ds_pipe_replicated: the fp32 guard computes the norm from the "
+          "counted weights", "test_moe.py::test_moe_training_matches_one_process"),
+    Reach("universal", "ds_to_universal takes tp x ep model ranks for TP slices: each ep rank's files "
+          "converted as a tp-only checkpoint (links, rewritten model-state sizes and patterns), then joined",
+          "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),
     Reach("ops", "a JIT op build's stale lock makes every later run wait forever: named with its fix",
           "test_offload.py::test_torch_still_waits_on_build_locks_without_a_time_limit"),
 )  # fmt: skip
