@@ -81,7 +81,8 @@ REACHES = (
           "wrapped (dense gradients over ep), dense weights marked ds_pipe_replicated on ep ranks > 0",
           "test_moe.py::test_moe_training_matches_one_process"),
     Reach("experts", "the grid's slice rank/size answered with tp during a universal load (DeepSpeed "
-          "slices by its whole 'model' axis)", "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),
+          "slices by its whole 'model' axis)",
+          "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),
     Reach("experts", "what each of the above relies on in DeepSpeed's source",
           "test_moe.py::test_deepspeed_still_needs_what_mt3d_ds_experts_does"),
     Reach("engine", "clip_grad_norm_ ignores ds_pipe_replicated: the fp32 guard computes the norm from the "
