@@ -360,3 +360,28 @@ def test_deepspeed_still_needs_what_mt3d_ds_experts_does():
     assert "self.slice_parallel_size" in inspect.getsource(
         topology.PipelineParallelGrid.get_slice_parallel_world_size
     )
+
+
+def test_grouped_gemm_equals_a_loop_over_experts(monkeypatch):
+    """A rank's experts as torch's grouped matmul (used wherever it works, this CPU included) and as
+    one matmul per expert: the same outputs and gradients, an expert without rows among them."""
+    from mt3d.config import resolve_model
+    from mt3d.model import moe
+    from mt3d.model.blocks import BuildContext
+    from mt3d.parallel.state import AxisGroup
+
+    assert moe.grouped_gemm_works(torch.device("cpu"), torch.float32)
+    cfg = resolve_model({"preset": "tiny-mixtral"})
+    layer = moe.SparseMoE(cfg, BuildContext(tp=AxisGroup.alone("tp")), 0)
+    xs = torch.randn(40, cfg.hidden, requires_grad=True)
+    weights = torch.randn(40, cfg.hidden)
+    got = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(moe, "grouped_gemm_works", lambda device, dtype, g=grouped: g)
+        layer.zero_grad()
+        xs.grad = None
+        y = layer._run_local(xs, [10, 0, 25, 5])
+        (y * weights).sum().backward()
+        got[grouped] = [y.detach(), xs.grad.clone(), *(p.grad.clone() for p in layer.experts.parameters())]
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -37,6 +37,7 @@ reason.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, fields
@@ -284,10 +285,8 @@ class SparseMoE(nn.Module):
         """Dispatch rows to their experts, run each expert on its rows at once, combine weighted.
 
         x [T, h], index / weights [T, k]. Assignments are sorted by expert (stably: token order within
-        an expert), so each expert runs one matmul over a contiguous block of rows; the loop is over
-        experts, never over tokens. (A grouped GEMM would run all experts in one kernel; torch's
-        ``_grouped_mm`` needs the experts' weights stacked in one tensor, which per-expert parameters
-        would copy every step: left until it pays off on a GPU.)
+        an expert), so the experts run over contiguous blocks of rows (``_run_local``: grouped GEMMs or
+        a loop over experts, never over tokens).
         """
         t, k = index.shape
         e = self.spec.experts
@@ -307,12 +306,25 @@ class SparseMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
 
     def _run_local(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (``counts`` each) -> their outputs, in the same order. An expert
-        without rows still runs (on none): every rank then has a (zero) gradient for every expert it
-        holds, so data-parallel reductions line up across ranks."""
+        """Rows grouped by local expert (``counts`` each) -> their outputs, in the same order: one
+        grouped GEMM per projection over all local experts where the device has torch's grouped
+        matmul (``grouped_gemm_works``), else one matmul per expert. An expert without rows still runs
+        (on none): every rank then has a (zero) gradient for every expert it holds, so data-parallel
+        reductions line up across ranks."""
+        experts = [self.experts[str(j)] for j in self.local]
+        inner = experts[0].down.weight.shape[1]
+        aligned = all(n * xs.element_size() % 16 == 0 for n in (xs.shape[-1], inner))
+        if aligned and xs.shape[0] > 0 and grouped_gemm_works(xs.device, xs.dtype):
+            offs = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
+            # [experts, in, out] views of the stacked weights (a copy per call; its backward scatters
+            # the gradients back to each expert's parameters)
+            up = torch.stack([e.up.weight for e in experts]).transpose(1, 2)
+            down = torch.stack([e.down.weight for e in experts]).transpose(1, 2)
+            gate, val = _grouped_mm(xs, up, offs).chunk(2, dim=-1)
+            return _grouped_mm(self.act(gate) * val, down, offs)
         outs, start = [], 0
-        for j, n in zip(self.local, counts, strict=True):
-            outs.append(self.experts[str(j)](xs[start : start + n], self.act))
+        for expert, n in zip(experts, counts, strict=True):
+            outs.append(expert(xs[start : start + n], self.act))
             start += n
         return torch.cat(outs)
 
@@ -333,6 +345,45 @@ class SparseMoE(nn.Module):
         ye = self._run_local(xr[perm], got.sum(0).tolist())
         yr = torch.empty_like(ye).index_copy(0, perm, ye)  # back to (source, expert) order
         return all_to_all_rows(yr, recv, send, self.ep)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul (rows ``offs``-delimited, group g times ``w[g]``). Its backward on the
+    CPU rejects a gradient with zero strides (an expanded one): the gradient is made dense first."""
+    y = torch._grouped_mm(x, w, offs=offs)
+    if y.requires_grad:
+        y.register_hook(lambda g: g.contiguous())
+    return y
+
+
+@functools.cache
+def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul runs forward and backward on ``device`` in ``dtype`` and equals a
+    loop of matmuls there (checked once per device and dtype on a small problem with an empty group;
+    its kernels exist for fp32 on CPUs and for bf16 on recent GPUs, and need 16-byte-aligned rows)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    with torch.inference_mode(False), torch.enable_grad():  # first asked from under no_grad, perhaps
+        return _grouped_gemm_probe(device, dtype)
+
+
+def _grouped_gemm_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
+        offs = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
+        y = _grouped_mm(x, w, offs)
+        y.sum().backward()
+        ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        xg, wg = x.grad.clone(), w.grad.clone()
+        x.grad = w.grad = None
+        ref.sum().backward()
+        return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+                   for a, b in ((y, ref), (xg, x.grad), (wg, w.grad)))  # fmt: skip
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
