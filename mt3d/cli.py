@@ -610,7 +610,9 @@ DEVICE_FLAGS = {
 
 
 def _add_plan(sub) -> None:
+    from .planner.compute import ATTENTION_KERNELS
     from .planner.offload import OFFLOAD_OPTIONS
+    from .planner.search import RECOMPUTE
 
     p = sub.add_parser(
         "plan",
@@ -668,6 +670,23 @@ def _add_plan(sub) -> None:
                    help="ZeRO stages to try (0-3)")  # fmt: skip
     p.add_argument("--offload", type=choices_list(OFFLOAD_OPTIONS, "--offload"), default=None,
                    help="offload tiers to try (none, opt-cpu, opt-nvme, cpu, nvme)")  # fmt: skip
+    p.add_argument("--recompute", type=choices_list(RECOMPUTE, "--recompute"), default=RECOMPUTE,
+                   help="recompute modes to try (none, full: whole blocks, selective: attention core and "
+                   "activations)")  # fmt: skip
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="flash",
+                   help="the attention kernel of the stack planned for (materialized: scores kept, as "
+                   "Megatron-LM 2021)")  # fmt: skip
+    p.add_argument(
+        "--pp-scatter-gather",
+        action="store_true",
+        help="stage-boundary transfers split over the TP ranks (PTD-P's scatter/gather)",
+    )
+    p.add_argument(
+        "--activation-model",
+        choices=("mt3d", "korthikanti"),
+        default="mt3d",
+        help="activation memory of mt3d's blocks, or Korthikanti et al.'s Table 2 (Megatron)",
+    )
     p.add_argument("--explain", action="store_true", help="print the time and memory components of the best "
                    "layout")  # fmt: skip
     for flag, (_, helptext) in DEVICE_FLAGS.items():
@@ -734,6 +753,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         context=args.context,
         micro_batches=args.micro_batch,
         zero_stages=args.zero,
+        recompute=args.recompute,
+        attention_kernel=args.attention_kernel,
+        pp_scatter_gather=args.pp_scatter_gather,
+        activation_model=args.activation_model,
         **({"offloads": args.offload} if args.offload else {}),
         pins={
             ax: v

@@ -357,3 +357,36 @@ def test_another_stacks_layout_is_pinned_from_the_command_line_and_explained(cap
     assert len(mem) == len(MEMORY_PARTS) and abs(sum(mem) - float(text.split("memory ")[1].split()[0])) < 0.01
     with pytest.raises(SystemExit):
         main([*argv, "--zero", "4"])  # argparse: ZeRO stages are 0-3
+
+
+def test_another_stacks_recompute_attention_kernel_and_pipeline_transfers_are_flags(capsys):
+    """--recompute pins the recompute mode (selective: less memory than none, no more than full
+    recompute's compute), --attention-kernel materialized costs time, --pp-scatter-gather shrinks the
+    stage-boundary transfers; --activation-model korthikanti sizes memory as Megatron's Table 2."""
+    from mt3d.cli import main
+
+    base = ["plan", "--model", "gpt3-1.3b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "a100-80gb",
+            "--seq-len", "2048", "--global-batch", "64", "--tensor", "2", "--pipeline", "2", "--micro-batch",
+            "2", "--zero", "1", "--offload", "none", "--context", "1", "--virtual-stages", "1",
+            "--json"]  # fmt: skip
+
+    def rows(*extra):
+        assert main([*base, *extra]) == 0
+        return [r for r in json.loads(capsys.readouterr().out)["feasible"] if not r["sequence_parallel"]]
+
+    by_mode = {m: rows("--recompute", m)[0] for m in ("none", "selective", "full")}
+    assert {m: (r["recompute"], r["selective"]) for m, r in by_mode.items()} == {
+        "none": (False, False),
+        "selective": (False, True),
+        "full": (True, False),
+    }
+    none, sel, full = (by_mode[m] for m in ("none", "selective", "full"))
+    assert full["memory_gb"] < sel["memory_gb"] < none["memory_gb"]
+    assert none["compute_s"] < sel["compute_s"] < full["compute_s"]
+    flash = rows("--recompute", "none")[0]
+    materialized = rows("--recompute", "none", "--attention-kernel", "materialized")[0]
+    assert materialized["compute_s"] > flash["compute_s"]
+    split = rows("--recompute", "none", "--pp-scatter-gather")[0]
+    assert split["pp_comm_s"] < flash["pp_comm_s"]
+    korthikanti = rows("--recompute", "none", "--activation-model", "korthikanti")[0]
+    assert korthikanti["memory_gb"] != flash["memory_gb"]

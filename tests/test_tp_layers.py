@@ -237,3 +237,26 @@ def test_indivisible_sizes_are_refused():
         ColumnParallelLinear(4, 8, tp=tp, init=NormalInit(0.02, 1))
     with pytest.raises(ValueError, match="do not add up"):
         ColumnParallelLinear(4, 9, tp=AxisGroup.alone("tp"), parts=(4, 4), init=NormalInit(0.02, 1))
+
+
+def _sp_saved_worker():
+    tp = tp_group()
+    out = {}
+    for keep in (False, True):
+        layer = ColumnParallelLinear(16, 32, tp=tp, sequence_parallel=True, init=NormalInit(0.3, 11),
+                                     keep_gathered=keep)  # fmt: skip
+        x = torch.randn(2, 8, 16, requires_grad=True)
+        kept: list = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=kept: kept.append(t) or t, lambda t: t):
+            y = layer(x)
+        y.sum().backward()
+        weight = layer.weight.untyped_storage().data_ptr()
+        out[keep] = sum(t.numel() for t in kept if t.untyped_storage().data_ptr() != weight)
+    return out
+
+
+def test_sequence_parallel_linear_keeps_its_input_shard():
+    """Under SP a column-parallel linear keeps its 1/tp input shard for the backward (all-gathered
+    again there); ``keep_gathered`` keeps the whole gathered input, tp times as much."""
+    for got in spawn(_sp_saved_worker, 2, timeout=120):
+        assert got[False] == 2 * 8 * 16 and got[True] == 2 * got[False], got

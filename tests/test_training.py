@@ -355,3 +355,74 @@ def test_accelerate_launch_trains_like_the_other_launchers(tmp_path):
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(got)] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in want
     ]
+
+
+@pytest.mark.parametrize(
+    "world,parallel,recompute",
+    [
+        (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"granularity": "selective"}),
+        (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"gathered_sp_inputs": True}),
+        (
+            4,
+            dict(tensor=2, pipeline=2, virtual_stages=2, sequence_parallel=True),
+            {"granularity": "selective"},
+        ),  # noqa: E501
+    ],
+    ids=["selective-2-2-2-sp", "gathered-sp-inputs-2-2-2", "selective-2-2-1-v2-sp"],
+)
+def test_selective_recompute_and_sp_input_paths_train_like_one_process(tmp_path, reference, world, parallel,
+                                                                         recompute):  # fmt: skip
+    """Selective recompute (attention core and MLP activation again in the backward) and both ways of
+    keeping a column-parallel linear's SP input (its 1/tp shard, the default, or all of it) give the
+    single-process losses and grad norms."""
+    raw = tiny_config(tmp_path / "run", model=TINY_LLAMA, recompute=recompute)
+    raw["mt3d"]["parallel"].update(parallel)
+    assert_same(step_records(spawn(train_worker, world, raw, timeout=300)[0]), reference["llama"])
+
+
+def test_selective_recompute_keeps_less_for_the_backward():
+    """What one block keeps for its backward (saved tensors, parameters and input excluded): selective
+    recompute drops the MLP activation's output and the attention core's internals (by at least the
+    half of the MLP's inner activations the planner counts), and the recompute gives the same gradients."""
+    from mt3d.planner.costs import mt3d_layer_bytes
+
+    cfg = resolve_model({"preset": "tiny-llama"})
+
+    def run(selective):
+        torch.manual_seed(0)
+        block = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), selective=selective), 0)
+        x = torch.randn(2, 64, cfg.hidden, requires_grad=True)
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = block(x)
+        y.square().sum().backward()
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+        grads = [x.grad, *(p.grad for p in block.parameters())]
+        return sum(v for k, v in kept.items() if k not in skip), grads
+
+    (full, g_full), (sel, g_sel) = run(False), run(True)
+    predicted = mt3d_layer_bytes(cfg, 64, 2, 1, False, False, 4) - mt3d_layer_bytes(
+        cfg, 64, 2, 1, False, False, 4, selective=True
+    )
+    assert full - sel >= predicted > 0, (full, sel, predicted)
+    for a, b in zip(g_full, g_sel, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "recompute,match",
+    [
+        ({"granularity": "some"}, "granularity must be full or selective, got 'some'"),
+        ({"granularity": "selective", "interval": 1}, "selective recomputes parts of every block"),
+    ],
+)
+def test_bad_recompute_settings_are_one_line(tmp_path, recompute, match):
+    run = from_dict(tiny_config(tmp_path, model=TINY_LLAMA, recompute=recompute))
+    with pytest.raises(ConfigError, match=match) as info:
+        validate(run, 1, resolve_model(run.mt3d.model))
+    assert "\n" not in str(info.value)

@@ -189,6 +189,15 @@ def check_train(train: TrainConfig) -> None:
     for key in ("interval", "tile_len"):
         if getattr(train.recompute, key) < 0:
             raise ConfigError(f"mt3d.train.recompute.{key} must be >= 0, got {getattr(train.recompute, key)}")
+    rec = train.recompute
+    if rec.granularity not in ("full", "selective"):
+        got = rec.granularity
+        raise ConfigError(f"mt3d.train.recompute.granularity must be full or selective, got {got!r}")
+    if rec.granularity == "selective" and rec.interval > 0:
+        raise ConfigError(
+            "mt3d.train.recompute.granularity selective recomputes parts of every block; interval "
+            f"{rec.interval} asks for whole blocks (granularity full): use one of them"
+        )
     if train.eval_interval > 0 and train.eval_batches == 0:
         raise ConfigError("mt3d.train.eval_interval > 0 needs eval_batches >= 1 (or set eval_interval 0)")
     if train.peak_tflops is not None and train.peak_tflops <= 0:

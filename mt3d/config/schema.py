@@ -20,6 +20,11 @@ class RecomputeConfig:
 
     interval: int = 0
     """Checkpoint every run of this many consecutive blocks (0: off; 1: every block)."""
+    granularity: str = "full"
+    """full: whole blocks, every ``interval`` (above). selective: in every block, recompute only the
+    cheap, memory-heavy parts in the backward (Korthikanti et al. 2022; Megatron-Core's selective
+    recompute): the attention core (q, k, v -> output: scores and softmax where the kernel keeps
+    them) and the MLP's activation function (its output and the gate product are not kept)."""
     partition_activations: bool = False
     """Keep only 1/tp of each checkpointed input (sequence slice), all-gathered for the recompute."""
     tile_len: int = 0
@@ -28,6 +33,11 @@ class RecomputeConfig:
     activations and the logits (positions x vocabulary / tp) never exist whole, for about one more
     forward pass of the MLPs and the head. Counted as the layer sees the sequence: this cp rank's
     positions, all-gathered over tp with sequence parallelism."""
+    gathered_sp_inputs: bool = False
+    """With sequence parallelism, keep each column-parallel linear's all-gathered input (s x h per
+    sample) for the backward, as mt3d did before, instead of its 1/tp sequence shard, which the
+    backward all-gathers again while it computes the input gradient (Megatron's choice: 2 s h (1 -
+    1/tp) fewer elements per block and sample, one more all-gather per linear, overlapped)."""
 
 
 @dataclass

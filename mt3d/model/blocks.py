@@ -34,7 +34,7 @@ from ..parallel.layers import (
     pad_vocab,
 )
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
-from ..parallel.random import RNGTracker
+from ..parallel.random import RNGTracker, checkpoint
 from ..parallel.state import AxisGroup
 from .attention import attend
 from .config import GATED_MLPS, ModelConfig
@@ -60,6 +60,10 @@ class BuildContext:
             (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its
             (gathered) input and weight instead of logits, and ``LossFn`` projects tile by tile.
         ep: the expert-parallel group (None or one rank: every rank holds every expert).
+        keep_gathered: with sequence parallelism, column-parallel linears keep their all-gathered
+            input for the backward instead of the 1/tp shard (``train.recompute.gathered_sp_inputs``).
+        selective: recompute the attention core and the MLP's activation in the backward
+            (``train.recompute.granularity`` selective).
     """
 
     tp: AxisGroup
@@ -74,6 +78,8 @@ class BuildContext:
     cp_exchange: str = "auto"
     tile_len: int = 0
     ep: AxisGroup | None = None
+    keep_gathered: bool = False
+    selective: bool = False
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
@@ -205,6 +211,7 @@ class Attention(nn.Module):
             tp=ctx.tp,
             bias=cfg.qkv_bias,
             sequence_parallel=ctx.sp,
+            keep_gathered=ctx.keep_gathered,
             init=ctx.init(layer, "attn.qkv", cfg.init_std),
             parts=(cfg.q_size, cfg.kv_size, cfg.kv_size),
             dtype=ctx.dtype,
@@ -242,6 +249,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
         qkv = self.qkv(x)
+        if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward
+            o = checkpoint(self._core, qkv, tracker=self.ctx.tracker, tp=self.ctx.tp)
+        else:
+            o = self._core(qkv, cache)
+        return self.out(o)
+
+    def _core(self, qkv: torch.Tensor, cache=None) -> torch.Tensor:
+        """[b, s, (q + 2 kv) / tp] -> the attention output [b, s, q / tp] (positions, q/k norms, the
+        exchange over cp, the kernel)."""
         b, s, _ = qkv.shape
         kv = self.kv_heads * self.head_dim
         q, k, v = qkv.split([self.heads * self.head_dim, kv, kv], dim=-1)
@@ -270,8 +286,7 @@ class Attention(nn.Module):
             else:
                 o = kernel(q, k, v, pattern=self.pattern, scale=self.scale, softcap=self.cfg.attn_softcap,
                            dropout=drop, q_start=past, k_start=k_start)  # fmt: skip
-        o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return self.out(o)
+        return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -284,6 +299,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gated = cfg.mlp in GATED_MLPS
         self.tile_len = ctx.tile_len
+        self.selective = ctx.selective
         self.act = F.silu if cfg.mlp == "swiglu" else functools.partial(F.gelu, approximate="tanh")
         ffn = ffn or cfg.ffn
         parts = (ffn, ffn) if self.gated else (ffn,)
@@ -293,6 +309,7 @@ class MLP(nn.Module):
             tp=ctx.tp,
             bias=cfg.mlp_bias,
             sequence_parallel=ctx.sp,
+            keep_gathered=ctx.keep_gathered,
             init=ctx.init(layer, f"{name}.up", cfg.init_std),
             parts=parts,
             dtype=ctx.dtype,
@@ -321,12 +338,16 @@ class MLP(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         y = self.up(x)
+        if self.selective and torch.is_grad_enabled():
+            return self.down.forward_recomputing(y, self._activation)
+        return self.down(self._activation(y))
+
+    def _activation(self, y: torch.Tensor) -> torch.Tensor:
+        """act(y), or act(gate) * up of a gated MLP's fused [gate | up]."""
         if self.gated:
             gate, up = y.chunk(2, dim=-1)
-            y = self.act(gate) * up
-        else:
-            y = self.act(y)
-        return self.down(y)
+            return self.act(gate) * up
+        return self.act(y)
 
 
 def _module_tile(module: nn.Module, names: list[str], x: torch.Tensor, aux, params) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mappings import (
+    SEQ_DIM,
     all_reduce,
     copy_to_tp,
     gather_from_sequence,
@@ -27,6 +28,8 @@ from .mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
+    start_gather,
+    start_reduce_scatter,
 )
 from .state import AxisGroup
 
@@ -168,6 +171,58 @@ def mark_vocab(p: nn.Parameter, vocab_size: int) -> nn.Parameter:
     return p
 
 
+class _ShardSavingLinear(torch.autograd.Function):
+    """Y = all-gather(X shard over the sequence) A^T + b, keeping only the 1/tp shard of X for the
+    backward (Megatron's sequence-parallel column linear; Korthikanti et al. 2022): the backward
+    all-gathers X again while it computes the input gradient, then reduce-scatters that gradient
+    while it computes the weight gradient, so both transfers overlap a GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g):
+        ctx.g, ctx.has_bias = g, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(start_gather(x, g, SEQ_DIM)(), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gathered = start_gather(x, ctx.g, SEQ_DIM) if need_w else None
+        grad_x = None
+        if need_x:
+            scatter = start_reduce_scatter(grad.matmul(weight), ctx.g, SEQ_DIM)  # overlaps the gather
+        rows = grad.reshape(-1, grad.shape[-1])  # the weight gradient overlaps the scatter
+        grad_w = rows.t().matmul(gathered().reshape(-1, x.shape[-1])) if need_w else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if need_x:
+            grad_x = scatter()
+        return grad_x, grad_w, grad_b, None
+
+
+class _RecomputedInputLinear(torch.autograd.Function):
+    """z = fn(y) A^T keeping ``y`` for the backward, which recomputes ``fn(y)`` (cheap, elementwise)
+    instead of keeping it: selective recompute of an MLP's activation function (its output, and for a
+    gated MLP the gate's activation, are never kept)."""
+
+    @staticmethod
+    def forward(ctx, y, weight, fn):
+        ctx.fn = fn
+        ctx.save_for_backward(y, weight)
+        with torch.no_grad():
+            return F.linear(fn(y), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            y = y.detach().requires_grad_(ctx.needs_input_grad[0])
+            h = ctx.fn(y)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_w = rows.t().matmul(h.detach().reshape(-1, h.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_y = torch.autograd.grad(h, y, grad.matmul(weight))[0] if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) over TP: Y_i = X A_i + b_i.
 
@@ -178,6 +233,8 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather Y so every rank holds all output features.
         sequence_parallel: the input is sharded over the sequence; all-gather it (reduce-scatter
             its gradient) instead of the f identity/all-reduce.
+        keep_gathered: with sequence parallelism, keep the all-gathered input for the backward
+            (s x in per sample) instead of its 1/tp shard gathered again there (``_ShardSavingLinear``).
         init: weight initialisation (the unsharded tensor is [out_features, in_features]).
         parts: sizes of fused outputs that are split over TP independently (e.g. (q, k, v) or
             (gate, up)); the local weight is the concatenation of each part's shard, so every
@@ -198,9 +255,11 @@ class ColumnParallelLinear(nn.Module):
         parts: tuple[int, ...] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        keep_gathered: bool = False,
     ) -> None:
         super().__init__()
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
+        self.keep_gathered = keep_gathered
         self.in_features, self.out_features = in_features, out_features
         self.parts = tuple(parts or (out_features,))
         if sum(self.parts) != out_features:
@@ -221,8 +280,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
-        x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel and self.tp.size > 1 and not self.keep_gathered:
+            y = _ShardSavingLinear.apply(x, self.weight, self.bias, self.tp)
+        else:
+            x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+            y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -275,7 +337,15 @@ class RowParallelLinear(nn.Module):
         """[b, s, in/tp] -> [b, s, out] (or [b, s/tp, out] with SP)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)
-        y = F.linear(x, self.weight)
+        return self.finish(F.linear(x, self.weight))
+
+    def forward_recomputing(self, y: torch.Tensor, fn) -> torch.Tensor:
+        """``forward(fn(y))`` keeping ``y`` rather than ``fn(y)`` for the backward, which recomputes
+        ``fn`` (an elementwise function: selective recompute)."""
+        return self.finish(_RecomputedInputLinear.apply(y, self.weight, fn))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product -> the layer's output (the reduction over TP, then the bias)."""
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 

@@ -17,14 +17,14 @@ SEQ_DIM = 1
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (older names deprecated); older torch,
 # as on GPU images, has only the old ones. Looked up per call so CollectiveLog can observe them.
-def _all_gather_single(out, inp, group):
+def _all_gather_single(out, inp, group, async_op=False):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
-def _reduce_scatter_single(out, inp, group):
+def _reduce_scatter_single(out, inp, group, async_op=False):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -43,23 +43,34 @@ def _split(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
-    if g.size == 1:
-        return x
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((g.size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, front, group=g.group)
-    return out.movedim(0, dim).contiguous()
+    return start_gather(x, g, dim)()
 
 
 def _reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    return start_reduce_scatter(x, g, dim)()
+
+
+def start_gather(x: torch.Tensor, g: AxisGroup, dim: int):
+    """Start all-gathering ``x`` over ``g`` along ``dim``; returns a call that waits for the result
+    (work placed between the two overlaps the transfer)."""
     if g.size == 1:
-        return x
+        return lambda: x
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((g.size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _all_gather_single(out, front, group=g.group, async_op=True)
+    return lambda: (work.wait(), out.movedim(0, dim).contiguous())[1]
+
+
+def start_reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int):
+    """Start reduce-scattering ``x`` over ``g`` along ``dim``; returns a call that waits for the result."""
+    if g.size == 1:
+        return lambda: x
     front = x.movedim(dim, 0).contiguous()
     if front.shape[0] % g.size:
         raise ValueError(f"dimension {dim} of size {front.shape[0]} is not divisible by tp={g.size}")
     out = torch.empty((front.shape[0] // g.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, front, group=g.group)
-    return out.movedim(0, dim).contiguous()
+    work = _reduce_scatter_single(out, front, group=g.group, async_op=True)
+    return lambda: (work.wait(), out.movedim(0, dim).contiguous())[1]
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -115,6 +115,7 @@ def micro_batch_seconds(
     *,
     sp: bool = False,
     recompute: bool = False,
+    selective: bool = False,
     attention: str = "flash",
     keys: float | None = None,
     with_logits: bool = True,
@@ -123,12 +124,15 @@ def micro_batch_seconds(
 ) -> dict[str, float]:
     """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
     GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer.
-    ``fraction``: of the GEMM ceiling the GEMMs reach (the calibration)."""
+    ``fraction``: of the GEMM ceiling the GEMMs reach (the calibration). ``selective`` recompute runs
+    the attention core's forward and the elementwise work once more (an upper bound for the latter:
+    only the MLP's activation is recomputed), no GEMM."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     tokens = seq_len * micro_batch
     keys = seq_len if keys is None else keys
     fwd_passes = 2 if recompute else 1
+    again = 1 if selective and not recompute else 0  # the selectively recomputed parts' forward
     gemm = 0.0
     for g in block_gemms(cfg, tokens, tp):
         dgrad, wgrad = g.backward()
@@ -142,12 +146,12 @@ def micro_batch_seconds(
         qk = Gemm(seq_len, keys, cfg.head_dim, micro_batch * heads)
         pv = Gemm(seq_len, cfg.head_dim, keys, micro_batch * heads)
         one = gemm_seconds(qk, dev, elem, fraction) + gemm_seconds(pv, dev, elem, fraction)
-        attn = (fwd_passes + 2) * one
+        attn = (fwd_passes + again + 2) * one
     else:
         flops = 4.0 * tokens * keys * cfg.q_size / tp  # forward; backward 2x
-        attn = (fwd_passes + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
+        attn = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
     per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
-    mem = (fwd_passes + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
+    mem = (fwd_passes + again + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
     out = {"gemm_s": blocks * gemm, "attention_s": blocks * attn, "elementwise_s": blocks * mem}
     logits = 0.0
     if with_logits:

@@ -67,45 +67,55 @@ def model_state_bytes(params: float, dp: int, zero_stage: int, prec: Precision) 
     raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: bool) -> float:
-    """Activation bytes of one transformer layer (16-bit), Korthikanti et al. 2022, Table 2."""
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: bool,
+                            selective: bool = False) -> float:  # fmt: skip
+    """Activation bytes of one transformer layer (16-bit), Korthikanti et al. 2022, Table 2
+    (``selective``: the attention core recomputed, so its 5 a s / h term is not kept)."""
     sbh = s * b * h
+    scores = 0.0 if selective else 5 * a * s / h
     if recompute:
         return 2 * sbh / (t if sp else 1)
     if t == 1:
-        return sbh * (34 + 5 * a * s / h)
+        return sbh * (34 + scores)
     if sp:
-        return sbh * (34 + 5 * a * s / h) / t
-    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        return sbh * (34 + scores) / t
+    return sbh * (10 + 24 / t + scores / t)
 
 
 def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: bool, elem: int,
-                     tiled: bool = False) -> float:  # fmt: skip
+                     tiled: bool = False, sp_gathered: bool = False,
+                     selective: bool = False) -> float:  # fmt: skip
     """Activation bytes one of mt3d's blocks keeps for backward (no dropout masks; SDPA attention).
 
     Per token: the two norm inputs (sequence shards with SP), the inputs of the QKV and MLP-in
-    linears (full sequence: SP all-gathers them), q/k/v and the attention output for the local
+    linears (with SP their 1/t sequence shards, all-gathered again in the backward; the full
+    sequence with ``sp_gathered``, and without SP), q/k/v and the attention output for the local
     heads, and the MLP's local inner activations (2 x ffn/t for GELU, 4 x ffn/t for SwiGLU; none
     with sequence tiles, ``tiled``: they are rebuilt a tile at a time in the backward).
-    With full recompute only the block input stays.
+    With full recompute only the block input stays. Selective recompute (``selective``) keeps the
+    activation's input but not its output (nor, gated, the activated gate): half the MLP's inner
+    elements; its attention core keeps the q/k/v projection output instead of q, k and v, the same
+    count with a kernel that keeps no scores (FlashAttention, torch's CPU SDPA).
     """
     tokens = s * b
     h = cfg.hidden
     if recompute:
         return tokens * h * elem / (t if sp else 1)
     norms = 2 * h / (t if sp else 1)
-    linear_inputs = 2 * h
+    linear_inputs = 2 * h / (t if sp and not sp_gathered else 1)
     attn = (2 * cfg.q_size + 2 * cfg.kv_size) / t
-    mlp = 0.0 if tiled else mlp_inner_elements(cfg, t)
+    mlp = 0.0 if tiled else mlp_inner_elements(cfg, t, selective)
     return tokens * (norms + linear_inputs + attn + mlp) * elem
 
 
-def mlp_inner_elements(cfg: ModelConfig, t: int) -> float:
+def mlp_inner_elements(cfg: ModelConfig, t: int, selective: bool = False) -> float:
     """Per token: the MLP's inner activations one TP rank keeps (2 x ffn/t GELU, 4 x ffn/t gated; a
-    sparse block's k experts' and shared expert's, plus the k dispatched copies of its input)."""
+    sparse block's k experts' and shared expert's, plus the k dispatched copies of its input). With
+    selective recompute a dense MLP keeps half (the activation's input only; routed experts keep all)."""
     spec = cfg.moe_spec
     dispatched = 0.0 if spec is None else cfg.sparse_layers / cfg.layers * spec.top_k * cfg.hidden
-    return (4 if cfg.mlp in GATED_MLPS else 2) * cfg.mlp_token_width() / t + dispatched
+    per = (4 if cfg.mlp in GATED_MLPS else 2) / (2 if selective and spec is None else 1)
+    return per * cfg.mlp_token_width() / t + dispatched
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,11 @@ class Layout:
     """Sequence tiles of the MLP and the loss (``train.recompute.tile_len``; 0: none)."""
     ep: int = 1
     """Expert-parallel degree (a split of dp): each rank holds experts / ep of every sparse layer."""
+    sp_gathered: bool = False
+    """With SP, column-parallel linears keep their all-gathered inputs (``gathered_sp_inputs``)."""
+    selective: bool = False
+    """Selective recompute (``train.recompute.granularity``): the attention core and the MLP's
+    activation recomputed in every block (``recompute`` is full recompute of whole blocks)."""
 
     @property
     def data(self) -> int:
@@ -232,13 +247,14 @@ def memory_bytes(
     sp = lay.sequence_parallel and t > 1
     local = seq_len // lay.cp  # tokens of each sample on this rank
     if activation_model == "korthikanti":
-        heads = cfg.heads
-        per_layer = korthikanti_layer_bytes(local, lay.micro_batch, cfg.hidden, heads, t, sp, lay.recompute)
-        full_layer = korthikanti_layer_bytes(local, lay.micro_batch, cfg.hidden, heads, t, sp, False)
+        args = (local, lay.micro_batch, cfg.hidden, cfg.heads, t, sp)
+        per_layer = korthikanti_layer_bytes(*args, lay.recompute, lay.selective)
+        full_layer = korthikanti_layer_bytes(*args, False, lay.selective)
     else:
         e, tiled = prec.activation, lay.tile_len > 0
-        per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled)
-        full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled)
+        g, sel = lay.sp_gathered, lay.selective
+        per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled, g, sel)
+        full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled, g, sel)
         if tiled:  # the tile being rebuilt in the backward, and its gradient
             full_layer += 2 * min(local, lay.tile_len) * lay.micro_batch * mlp_inner_elements(cfg, t) * e
         gathered = cp_gathered_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, e)
@@ -348,7 +364,8 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
         # with cp a rank computes seq_len / cp tokens, each against as many keys as at cp = 1
         per_micro = micro_batch_seconds(
             cfg, vocab, seq_len // lay.cp, lay.micro_batch, lay.tp, blocks, device,
-            sp=lay.sequence_parallel and lay.tp > 1, recompute=lay.recompute, attention=attention_kernel,
+            sp=lay.sequence_parallel and lay.tp > 1, recompute=lay.recompute, selective=lay.selective,
+            attention=attention_kernel,
             keys=seq_len * attention_fraction,
             fraction=GEMM_FRACTION if gemm_fraction is None else gemm_fraction,
         )["total_s"]  # fmt: skip
@@ -358,6 +375,12 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
         return lay.grad_accum * per_micro, optimizer
     work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
     executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
+    if lay.selective and not lay.recompute:  # the attention core's forward again (a third of its work)
+        attended = seq_len * attention_fraction
+        core = cfg.flops_per_token(seq_len, vocab, attended=attended) - cfg.flops_per_token(
+            seq_len, vocab, attended=0
+        )
+        executed += core * tokens / 3
     return executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5)), 0.0
 
 

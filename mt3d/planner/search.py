@@ -162,8 +162,19 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
             yield b, c["grad_accum"], zero, v
 
 
+RECOMPUTE = ("none", "full", "selective")
+"""Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention
+core and the MLP's activation of every block (``Layout.selective``)."""
+
+
+def recompute_mode(row) -> str:
+    """A layout's (or a plan row's) recompute mode, one of ``RECOMPUTE``."""
+    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+    return "full" if get("recompute") else "selective" if get("selective") else "none"
+
+
 def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads,
-                reject, choices=None):  # fmt: skip
+                reject, choices=None, recompute=RECOMPUTE):  # fmt: skip
     """Every layout that passes the structural and schedule rules, with the bandwidths of its axes;
     the others go to ``reject`` with their reason. Step 3: offload, recompute and SP choices."""
     for degrees, bw in _degrees(cfg, cluster, seq_len, reject, choices):
@@ -176,8 +187,9 @@ def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages,
         ]
         for b, m, zero, v in schedules:
             allowed = [o for o in offloads if not offload_rule(zero, o)]
-            for off, recompute, sp in product(allowed, (False, True), sps):
-                yield Layout(tp, pp, dp, b, m, zero, recompute, sp, v, off, cp, ep=degrees["ep"]), bw
+            for off, mode, sp in product(allowed, recompute, sps):
+                yield Layout(tp, pp, dp, b, m, zero, mode == "full", sp, v, off, cp, ep=degrees["ep"],
+                             selective=mode == "selective"), bw  # fmt: skip
 
 
 def _check_inputs(
@@ -226,10 +238,16 @@ def plan(
     max_rejected: int = 500,
     context: tuple[int, ...] | None = None,
     pins: dict[str, tuple[int, ...]] | None = None,
+    recompute: tuple[str, ...] = RECOMPUTE,
+    attention_kernel: str = "flash",
+    pp_scatter_gather: bool = False,
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
     ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
-    ``pins``: the degrees to consider of other axes by name (tp, pp, dp), e.g. another stack's layout."""
+    ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
+    layout; ``recompute``: the modes to try (``RECOMPUTE``); ``attention_kernel`` (flash or
+    materialized scores) and ``pp_scatter_gather`` (PTD-P's split stage-boundary transfers) state how
+    the stack being planned for runs (``costs.step_time``)."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
@@ -249,7 +267,7 @@ def plan(
     smallest = math.inf  # GB per GPU of the smallest layout without offload
     candidates = _candidates(
         cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject,
-        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None,
+        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None, recompute,
     )  # fmt: skip
     for lay, bw in candidates:
         row = {**asdict(lay)}
@@ -266,8 +284,8 @@ def plan(
             continue
         t = step_time(
             cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
-            device=dev,
-            attention_fraction=attention["tile_fraction"], precision=precision,
+            device=dev, attention_fraction=attention["tile_fraction"], precision=precision,
+            attention_kernel=attention_kernel, pp_scatter_gather=pp_scatter_gather,
         )  # fmt: skip
         feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
@@ -303,7 +321,7 @@ def explain(row: dict) -> str:
     lines = [
         f"layout: {degrees}, micro-batch {row['micro_batch']} x {row['grad_accum']}, "
         f"ZeRO {row['zero_stage']}, offload {row['offload']}, "
-        f"recompute {'full' if row['recompute'] else 'none'}, "
+        f"recompute {recompute_mode(row)}, "
         f"SP {'on' if row['sequence_parallel'] else 'off'}",
         f"step time {row['step_time_s']:.4g} s =",
     ]
@@ -434,7 +452,7 @@ def format_plan(result: dict, top: int = 10) -> str:
             f"{r['tp']:>3} {r['cp']:>3} {r['ep']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} "
             f"{r['micro_batch']:>3} "
             f"{r['grad_accum']:>5} {r['zero_stage']:>4} {r['offload']:>8} "
-            f"{'yn'[not r['recompute']]:>3} {'yn'[not r['sequence_parallel']]:>3} "
+            f"{recompute_mode(r)[0]:>3} {'yn'[not r['sequence_parallel']]:>3} "
             f"{r['memory_gb']:>8.1f} {r['cpu_gb_per_node']:>9.0f} {r['nvme_gb_per_node']:>10.0f} "
             f"{r['step_time_s']:>9.3f} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%}  "
             + "/".join(f"{x:.0%}" for x in parts)
@@ -498,7 +516,10 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
             "data": {"corpus": "builtin", "seq_len": result["seq_len"]},
             "train": {
                 "steps": 1000,
-                "recompute": {"interval": 1 if best["recompute"] else 0},
+                "recompute": {
+                    "interval": 1 if best["recompute"] else 0,
+                    "granularity": "selective" if best.get("selective") else "full",
+                },
                 "resume": "auto",
             },
         },

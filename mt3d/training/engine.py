@@ -69,6 +69,8 @@ def build_model(
         cp_exchange=cp_exchange,
         tile_len=rec.tile_len,
         ep=rt.state.ep,
+        keep_gathered=rec.gathered_sp_inputs,
+        selective=rec.granularity == "selective",
     )
     specs = layer_specs(cfg, ctx, vocab_size)
     loss_fn = LossFn.of(cfg, rt.state.tp, vocab_size, rt.state.cp, tile_len=rec.tile_len)
