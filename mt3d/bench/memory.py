@@ -20,7 +20,8 @@ MODEL = dict(preset="tiny", hidden=512, layers=8, heads=8, max_seq_len=256)
 NULL = dict(preset="tiny", hidden=16, layers=8, heads=4, max_seq_len=256)
 BUCKET = 1_000_000  # ZeRO bucket elements, set in both the run and the prediction
 SUB_GROUP = 2_000_000  # ZeRO-3 sub-group elements with NVMe: 4 pinned swap buffers of this, not of all
-# tp, pp, dp, zero, recompute, sequence parallel (True; "gathered": linear inputs kept whole), offload
+# tp, pp, dp, zero, recompute (True: full; "selective"), sequence parallel (True; "gathered": linear
+# inputs kept whole), offload
 LAYOUTS = [
     (1, 1, 1, 0, False, False, "none"),
     (1, 1, 2, 1, False, False, "none"),
@@ -29,6 +30,8 @@ LAYOUTS = [
     (2, 1, 1, 0, False, False, "none"),
     (2, 1, 1, 0, False, True, "none"),
     (2, 1, 1, 0, False, "gathered", "none"),  # the saving of keeping the 1/tp shards of linear inputs
+    (2, 1, 1, 0, "selective", True, "none"),  # and of selective recompute
+    (1, 1, 1, 0, "selective", False, "none"),
     (1, 2, 1, 1, False, False, "none"),
     (2, 2, 1, 1, True, False, "none"),
     (1, 1, 1, 0, True, False, "none"),
@@ -58,9 +61,11 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
 
     raw = bench_run_config(model=model, tp=tp, pp=pp, seq_len=seq, micro=micro, global_batch=0, zero=zero,
-                           recompute=1 if recompute else 0, sequence_parallel=bool(sp), vocab=vocab,
+                           recompute=1 if recompute is True else 0, sequence_parallel=bool(sp), vocab=vocab,
                            context=cp, tile_len=tile_len)  # fmt: skip
-    raw["mt3d"]["train"].setdefault("recompute", {})["gathered_sp_inputs"] = sp == "gathered"
+    rec = raw["mt3d"]["train"].setdefault("recompute", {})
+    rec["gathered_sp_inputs"] = sp == "gathered"
+    rec["granularity"] = "selective" if recompute == "selective" else "full"
     import torch.distributed as dist
 
     dp = dist.get_world_size() // (tp * pp * cp)
@@ -120,8 +125,9 @@ def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="
     from ..planner.costs import Layout, Precision, memory_bytes
 
     cfg = resolve_model(model)
-    lay = Layout(tp, pp, dp, micro, accum, zero, recompute, bool(sp), offload=offload, cp=cp,
-                 tile_len=tile_len, sp_gathered=sp == "gathered")  # fmt: skip
+    lay = Layout(tp, pp, dp, micro, accum, zero, recompute is True, bool(sp), offload=offload, cp=cp,
+                 tile_len=tile_len, sp_gathered=sp == "gathered",
+                 selective=recompute == "selective")  # fmt: skip
     mem = memory_bytes(cfg, vocab, seq, lay, Precision.of("fp32", zero), bucket_elems=BUCKET,
                        sub_group_size=SUB_GROUP if "nvme" in offload else None)  # fmt: skip
     return {**mem, "rss": mem["total"] + mem["cpu"]}
