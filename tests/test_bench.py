@@ -20,24 +20,29 @@ def bench(*args, timeout=600):
     return lines[0], out.stdout
 
 
-def test_gpu_benchmark_smoke_mode_on_cpu():
-    rec, text = bench("gpu", "--smoke")
-    frameworks = sorted((r["model"], r["framework"]) for r in rec["rows"])
+def test_gpu_suite_smoke_mode_on_cpu(tmp_path):
+    """The suite a lent GPU runs first, in its CPU smoke mode: the GEMM sweep and the one-GPU MFU
+    benchmark (mt3d with and without selective recompute beside transformers + DeepSpeed), each in its
+    own process, and the dated record with every step's output; without --smoke and a GPU: exit 2."""
+    rec, text = bench("gpu-suite", "--smoke", "--out", str(tmp_path))
+    assert [(s["step"], s["status"]) for s in rec["steps"]] == [("gemm", "ok"), ("gpu", "ok")]
+    gemm, gpu = (s["bench"] for s in rec["steps"])
+    assert gemm["smoke"] is True and [r["shape"] for r in gemm["rows"]] == ["square 256", "mlp-in h128"]
+    assert all(r["tflops"] > 0 for r in gemm["rows"]) and gemm["best_tflops"] == max(
+        r["tflops"] for r in gemm["rows"]
+    )
+    frameworks = sorted((r["model"], r["framework"]) for r in gpu["rows"])
     assert frameworks == sorted(
-        (m, f) for m in ("gpt3-1.3b", "llama-1b") for f in ("mt3d", "transformers+deepspeed")
-    )
-    assert all(r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in rec["rows"])
-    assert rec["smoke"] is True and "vs_transformers" in text
-    assert "| gpt3-1.3b | mt3d |" in render([rec])
-
-
-def test_gemm_sweep_smoke_mode_on_cpu():
-    rec, text = bench("gemm", "--smoke", "--reps", "2")
-    assert rec["smoke"] is True and [r["shape"] for r in rec["rows"]] == ["square 256", "mlp-in h128"]
-    assert all(r["tflops"] > 0 for r in rec["rows"]) and rec["best_tflops"] == max(
-        r["tflops"] for r in rec["rows"]
-    )
-    assert "best measured" in text
+        (m, f) for m in ("gpt3-1.3b", "llama-1b")
+        for f in ("mt3d", "mt3d recompute=selective", "transformers+deepspeed")
+    )  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in gpu["rows"]) and gpu["smoke"] is True
+    assert "| gpt3-1.3b | mt3d |" in render([gpu])
+    log = Path(rec["record"]).read_text()
+    assert Path(rec["record"]).parent == tmp_path and "best measured" in log and "vs_transformers" in log
+    out = subprocess.run([sys.executable, "-m", "mt3d.bench", "gpu-suite"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2 and "no GPU here" in out.stderr
 
 
 def test_comm_benchmark_matches_megatron_theory():

@@ -27,6 +27,8 @@ BENCHES = {
     "planner, and one process vs cp 4 under an address-space cap",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
     "gemm": "a GEMM sweep of transformer shapes beside the planner's shape model (--smoke: CPU)",
+    "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and the planner's "
+    "step time, local attention at 32k, long context), with a dated record in docs/benchmarks/",
 }
 
 
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_device_and_model_parsers(sub) -> None:
     """gpu, checkpoint, hfload, attention, longctx, planner and gemm."""
-    from ..inputs import positive_ints
+    from ..inputs import choices_list, positive_ints
 
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
     gp.add_argument("--seq-len", type=int, default=2048)
@@ -95,6 +97,11 @@ def _add_device_and_model_parsers(sub) -> None:
     gp.add_argument("--compile", action="store_true", help="also measure mt3d with compiled blocks")
     gp.add_argument("--compile-only", action="store_true", help="measure mt3d only with compiled blocks")
     gp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of the code path)")
+    gp.add_argument("--recompute", type=choices_list(("none", "full", "selective"), "--recompute"),
+                    default=("none",), help="mt3d rows per recompute mode")  # fmt: skip
+    su = sub.add_parser("gpu-suite", help=BENCHES["gpu-suite"])
+    su.add_argument("--smoke", action="store_true", help="the suite's CPU check: gemm and gpu in smoke mode")
+    su.add_argument("--out", default="docs/benchmarks", help="directory of the dated record")
     ck = sub.add_parser("checkpoint", help=BENCHES["checkpoint"])
     ck.add_argument("--sizes", default="tiny,100m", help="tiny, 100m, 1b (1b needs ~20 GB of memory)")
     ck.add_argument("--dir", default="/tmp", help="where to write (the disk being measured)")
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings(
         "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
     )
-    module = importlib.import_module(f"mt3d.bench.{args.name}")
+    module = importlib.import_module(f"mt3d.bench.{args.name.replace('-', '_')}")
     module.run(args)
     return 0
 

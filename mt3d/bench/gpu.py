@@ -90,7 +90,12 @@ def _time_steps(step, steps: int, warmup: int, device: str) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int, compile_blocks: bool):
+RECOMPUTE_KEYS = {"none": {}, "full": {"interval": 1}, "selective": {"granularity": "selective"}}
+"""``train.recompute`` of each recompute mode the benchmark can measure (``--recompute``)."""
+
+
+def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int, compile_blocks: bool,
+                recompute: str = "none"):  # fmt: skip
     """Seconds per step of mt3d at tp = pp = dp = 1 (inside a one-rank process group)."""
     from ..config import from_dict, resolve_model, validate
     from ..data.loader import StepBatches
@@ -103,7 +108,7 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
         "mt3d": {
             "model": model,
             "data": {"seq_len": seq, "corpus": "synthetic"},
-            "train": {"compile": compile_blocks},
+            "train": {"compile": compile_blocks, "recompute": RECOMPUTE_KEYS[recompute]},
         },
     }
     run = from_dict(raw)
@@ -170,6 +175,33 @@ def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: i
     return {"seconds": seconds, "peak_mem_gb": mem}
 
 
+PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"))
+"""Planner presets by a substring of ``torch.cuda.get_device_name()``."""
+
+
+def predicted_step(model: dict, seq: int, micro: int, accum: int, recompute: str,
+                   smoke: bool) -> float | None:  # fmt: skip
+    """The planner's step time for one mt3d row (one GPU, ZeRO-1, bf16), on the preset of the GPU at
+    hand (an H200, H100 or A100 by name; None on other devices and in smoke mode)."""
+    if smoke or not torch.cuda.is_available():
+        return None
+    from ..config import resolve_model
+    from ..planner.costs import Layout, step_time
+    from ..planner.hardware import get_device
+
+    name = torch.cuda.get_device_name().lower()
+    preset = next((p for key, p in PRESETS if key in name), None)
+    if preset is None:
+        return None
+    cfg, dev = resolve_model(model), get_device(preset)
+    lay = Layout(1, 1, 1, micro, accum, 1, recompute == "full", False, selective=recompute == "selective")
+    bw = {"tp": dev.intra_gbps, "cp": dev.intra_gbps, "ep": dev.intra_gbps, "pp": dev.intra_gbps,
+          "dp": dev.intra_gbps, "pcie": dev.pcie_gbps, "nvme": dev.nvme_gbps, "cpu_adam": 1.0}  # fmt: skip
+    t = step_time(cfg, cfg.vocab_size, seq, micro * accum, lay, peak_tflops=dev.peak_tflops, efficiency=None,
+                  bw=bw, device=dev)  # fmt: skip
+    return t["step_time_s"]
+
+
 def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_peak: float) -> list[dict]:
     """One table row per framework measured on model ``name``."""
     fpt = next(iter(results.values()))["flops_per_token"]
@@ -187,6 +219,8 @@ def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_pea
             "of_measured_peak": tflops / measured_peak,
             "vs_transformers": tps / hf_tps,
             "peak_mem_gb": res.get("peak_mem_gb"),
+            "step_s": res["seconds"],
+            "planner_s": res.get("predicted_s"),
         })  # fmt: skip
     return rows
 
@@ -210,15 +244,18 @@ def run(args) -> dict:
 
     dense_peak, source = device_peak_tflops(None) if cuda else (measured_peak, "measured CPU fp32 matmul")
     rows = []
+    modes = getattr(args, "recompute", None) or ("none",)
     for name, model in models.items():
         variants = [("mt3d", False)] + ([("mt3d+compile", True)] if args.compile and not smoke else [])
         if getattr(args, "compile_only", False) and not smoke:
             variants = [("mt3d+compile", True)]
         results = {}
-        for label, comp in variants:
-            results[label] = spawn(
-                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, timeout=1500
+        for (label, comp), mode in ((v, m) for v in variants for m in modes):
+            key = label if mode == "none" else f"{label} recompute={mode}"
+            results[key] = spawn(
+                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, timeout=1500
             )[0]
+            results[key]["predicted_s"] = predicted_step(model, seq, micro, accum, mode, smoke)
         results["transformers+deepspeed"] = spawn(
             hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
         )[0]
@@ -240,6 +277,8 @@ def run(args) -> dict:
                 "of_measured_peak",
                 "vs_transformers",
                 "peak_mem_gb",
+                "step_s",
+                "planner_s",
             ],
         )
     )
