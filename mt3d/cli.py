@@ -611,6 +611,7 @@ DEVICE_FLAGS = {
 
 def _add_plan(sub) -> None:
     from .planner.compute import ATTENTION_KERNELS
+    from .planner.costs import OPTIMIZER_STATES
     from .planner.offload import OFFLOAD_OPTIONS
     from .planner.search import RECOMPUTE
 
@@ -681,6 +682,9 @@ def _add_plan(sub) -> None:
         action="store_true",
         help="stage-boundary transfers split over the TP ranks (PTD-P's scatter/gather)",
     )
+    p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="fp32",
+                   help="optimizer-state dtype of 16-bit training: fp32 master and moments (12 B/param), "
+                   "bf16-moments (8), bf16 master and moments (6)")  # fmt: skip
     p.add_argument(
         "--activation-model",
         choices=("mt3d", "korthikanti"),
@@ -757,6 +761,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         attention_kernel=args.attention_kernel,
         pp_scatter_gather=args.pp_scatter_gather,
         activation_model=args.activation_model,
+        optimizer_states=args.optimizer_states,
         **({"offloads": args.offload} if args.offload else {}),
         pins={
             ax: v

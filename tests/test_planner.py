@@ -390,3 +390,25 @@ def test_another_stacks_recompute_attention_kernel_and_pipeline_transfers_are_fl
     assert split["pp_comm_s"] < flash["pp_comm_s"]
     korthikanti = rows("--recompute", "none", "--activation-model", "korthikanti")[0]
     assert korthikanti["memory_gb"] != flash["memory_gb"]
+
+
+def test_optimizer_state_dtype_is_a_planner_flag(capsys):
+    """16 / 12 / 10 bytes per parameter without ZeRO for fp32, bf16-moments and bf16 optimizer states;
+    Llama-7B on 8 H100s with plain data parallelism fits only with bf16 master weights and moments."""
+    from mt3d.cli import main
+
+    per_param = [
+        model_state_bytes(1.0, 8, 0, Precision.of("bf16", 0, s)) for s in ("fp32", "bf16-moments", "bf16")
+    ]
+    assert per_param == [16.0, 12.0, 10.0]
+    with pytest.raises(ValueError, match="optimizer states must be one of"):
+        Precision.of("bf16", 1, "fp8")
+    argv = ["plan", "--model", "llama-7b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "h100",
+            "--seq-len", "4096", "--global-batch", "64", "--tensor", "1", "--pipeline", "1", "--zero", "0",
+            "--offload", "none", "--context", "1", "--recompute", "full", "--micro-batch", "1",
+            "--json"]  # fmt: skip
+    fits = {}
+    for states in ("fp32", "bf16"):
+        rc = main([*argv, "--optimizer-states", states])  # 1: nothing feasible
+        fits[states] = (rc, bool(json.loads(capsys.readouterr().out)["feasible"]))
+    assert fits == {"fp32": (1, False), "bf16": (0, True)}

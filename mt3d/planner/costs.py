@@ -42,13 +42,24 @@ class Precision:
     activation: int
 
     @classmethod
-    def of(cls, name: str, zero_stage: int) -> Precision:
-        """bf16 (mixed precision, fp32 master) or fp32 (DeepSpeed keeps an fp32 partition copy under ZeRO)."""
+    def of(cls, name: str, zero_stage: int, states: str = "fp32") -> Precision:
+        """bf16 (mixed precision, fp32 master) or fp32 (DeepSpeed keeps an fp32 partition copy under
+        ZeRO). ``states`` (``OPTIMIZER_STATES``), with 16-bit training: fp32 master weights and Adam
+        moments (12 bytes per parameter), bf16 moments beside an fp32 master (8; stacks such as
+        torchao's), or bf16 master weights and moments (6; DeepSpeed's bf16_master_weights_and_grads
+        with bf16_optimizer_states, ZeRO 1-3)."""
+        if states not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer states must be one of {', '.join(OPTIMIZER_STATES)}, got {states!r}")
         if name in ("bf16", "fp16"):
-            return cls(name, 2, 2, 4, 8, 2)
+            master, optim = {"fp32": (4, 8), "bf16-moments": (4, 4), "bf16": (2, 4)}[states]
+            return cls(name, 2, 2, master, optim, 2)
         if name == "fp32":
             return cls(name, 4, 4, 4 if zero_stage >= 1 else 0, 8, 4)
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {name!r}")
+
+
+OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16")
+"""The optimizer-state dtypes the planner can size (``Precision.of``)."""
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int, prec: Precision) -> float:

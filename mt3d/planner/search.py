@@ -241,13 +241,14 @@ def plan(
     recompute: tuple[str, ...] = RECOMPUTE,
     attention_kernel: str = "flash",
     pp_scatter_gather: bool = False,
+    optimizer_states: str = "fp32",
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
     ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
     ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
     layout; ``recompute``: the modes to try (``RECOMPUTE``); ``attention_kernel`` (flash or
-    materialized scores) and ``pp_scatter_gather`` (PTD-P's split stage-boundary transfers) state how
-    the stack being planned for runs (``costs.step_time``)."""
+    materialized scores), ``pp_scatter_gather`` (PTD-P's split stage-boundary transfers) and
+    ``optimizer_states`` (``costs.OPTIMIZER_STATES``) state how the stack being planned for runs."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
@@ -271,8 +272,8 @@ def plan(
     )  # fmt: skip
     for lay, bw in candidates:
         row = {**asdict(lay)}
-        mem = memory_bytes(cfg, vocab, seq_len, lay, Precision.of(precision, lay.zero_stage),
-                           activation_model=activation_model)  # fmt: skip
+        prec = Precision.of(precision, lay.zero_stage, optimizer_states)
+        mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=activation_model)
         row["memory_gb"] = mem["total"] / 1e9
         row["cpu_gb_per_node"] = mem["cpu"] * per_node / 1e9
         row["nvme_gb_per_node"] = mem["nvme"] * per_node / 1e9
