@@ -27,6 +27,8 @@ BENCHES = {
     "planner, and one process vs cp 4 under an address-space cap",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
     "gemm": "a GEMM sweep of transformer shapes beside the planner's shape model (--smoke: CPU)",
+    "overlap": "the share of a sequence-parallel linear's backward communication hidden behind its GEMMs at "
+    "tp 2, beside the schedule's prediction",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and the planner's "
     "step time, local attention at 32k, long context), with a dated record in docs/benchmarks/",
 }
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, default=32)
     c.add_argument("--micro", type=int, default=2)
     c.add_argument("--accum", type=int, default=2)
+    ov = sub.add_parser("overlap", help=BENCHES["overlap"])
+    ov.add_argument("--reps", type=int, default=7)
     mem = sub.add_parser("memory", help=BENCHES["memory"])
     mem.add_argument("--seq-len", type=int, default=256)
     mem.add_argument("--micro", type=int, default=4)
