@@ -682,6 +682,15 @@ def _add_plan(sub) -> None:
         action="store_true",
         help="stage-boundary transfers split over the TP ranks (PTD-P's scatter/gather)",
     )
+    p.add_argument("--other-stack", action="store_true",
+                   help="plan for a stack other than mt3d: skip the rules of mt3d's DeepSpeed engine (ZeRO "
+                   "stage with a pipeline or cp, MoE)")  # fmt: skip
+    p.add_argument(
+        "--gemm-fraction",
+        type=positive_float,
+        default=None,
+        help="share of the GEMM ceiling a training step's GEMMs reach (default: the calibration)",
+    )
     p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="fp32",
                    help="optimizer-state dtype of 16-bit training: fp32 master and moments (12 B/param), "
                    "bf16-moments (8), bf16 master and moments (6)")  # fmt: skip
@@ -762,6 +771,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pp_scatter_gather=args.pp_scatter_gather,
         activation_model=args.activation_model,
         optimizer_states=args.optimizer_states,
+        gemm_fraction=args.gemm_fraction,
+        other_stack=args.other_stack,
         **({"offloads": args.offload} if args.offload else {}),
         pins={
             ax: v

@@ -412,3 +412,27 @@ def test_optimizer_state_dtype_is_a_planner_flag(capsys):
         rc = main([*argv, "--optimizer-states", states])  # 1: nothing feasible
         fits[states] = (rc, bool(json.loads(capsys.readouterr().out)["feasible"]))
     assert fits == {"fp32": (1, False), "bf16": (0, True)}
+
+
+def test_another_stacks_rules_and_the_fidelity_rows_go_through_the_command_line(capsys):
+    """ZeRO-0 with a pipeline is mt3d's DeepSpeed rule, not Megatron's: --other-stack plans it. The
+    fidelity benchmark states each published run with mt3d plan's own flags."""
+    from mt3d.bench.planner import PTDP_TABLE1, command_line
+    from mt3d.cli import build_parser, main
+
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "a100-80gb",
+            "--seq-len", "2048", "--global-batch", "64", "--tensor", "2", "--pipeline", "2", "--zero", "0",
+            "--micro-batch", "2", "--offload", "none", "--context", "1", "--json"]  # fmt: skip
+    main(argv)
+    assert not json.loads(capsys.readouterr().out)["feasible"]  # mt3d: ZeRO-0 with pp > 1 is refused
+    assert main([*argv, "--other-stack"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
+    args = build_parser().parse_args(["plan", "--model", "-", *command_line(PTDP_TABLE1[5])])
+    assert (args.tensor, args.pipeline, args.virtual_stages, args.recompute, args.attention_kernel) == (
+        (8,),
+        (4,),
+        (3,),
+        ("full",),
+        "materialized",
+    )
+    assert args.other_stack and args.pp_scatter_gather and args.activation_model == "korthikanti"

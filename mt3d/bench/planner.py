@@ -1,9 +1,12 @@
 """``python -m mt3d.bench planner``: the planner's step-time model at published layouts.
 
-For each published run the planner predicts the step time at exactly the published layout (no
-search) on the A100-80GB preset (one calibration: the device's GEMM ceiling and HBM bandwidth,
-Selene's 25 GB/s per GPU InfiniBand and 240 GB/s NVLink), with Megatron-LM 2021's kernels
-(materialised attention scores) and full recompute. Throughput is the papers' own count,
+For each published run the planner predicts the step time at exactly the published layout, stated
+with ``mt3d plan``'s own flags and run through its parser and ``plan`` (``command_line``: the layout
+pinned, ``--other-stack --attention-kernel materialized --recompute full --pp-scatter-gather
+--activation-model korthikanti --precision fp16``), on the A100-80GB preset (one calibration: the
+device's GEMM ceiling and HBM bandwidth, Selene's 25 GB/s per GPU InfiniBand and 240 GB/s NVLink).
+A layout that ran but that the memory model rejects is timed anyway (``--memory-gb``) and reported
+with the memory the planner asked for. Throughput is the papers' own count,
 F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) FLOPs per step (recompute included), over GPUs x step time.
 
 Sources: Narayanan et al. 2021 (PTD-P), Table 1 (weak scaling) and the PTD-P vs ZeRO-3 comparison
@@ -14,6 +17,7 @@ table; mt3d has no V100 preset, so it is not in this table.
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 from ..model.config import ModelConfig
@@ -59,31 +63,72 @@ def published_flops(batch: int, layers: int, hidden: int) -> float:
     return 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
 
 
+def command_line(row: tuple, device: str = "a100-80gb", fraction: float | None = None) -> list[str]:
+    """The ``mt3d plan`` flags that state one published run: its layout pinned, and how Megatron-LM
+    2021 ran (another stack; materialised attention scores, full recompute, PTD-P's scatter/gather of
+    stage transfers, Korthikanti et al.'s activation memory, fp16). The model goes in as ``cfg``."""
+    label, _, heads, hidden, layers, tp, pp, gpus, batch, micro, v, zero, published = row
+    argv = [
+        "--gpus", str(gpus), "--gpus-per-node", "8", "--gpu", device, "--global-batch", str(batch),
+        "--seq-len", str(SEQ), "--vocab", str(VOCAB), "--precision", "fp16", "--tensor", str(tp),
+        "--pipeline", str(pp), "--data", str(gpus // (tp * pp)), "--micro-batch", str(micro),
+        "--virtual-stages", str(v), "--zero", str(zero), "--offload", "none", "--context", "1",
+        "--recompute", "full", "--attention-kernel", "materialized", "--activation-model", "korthikanti",
+        "--other-stack",
+    ]  # fmt: skip
+    if not label.startswith("MT-NLG"):  # MT-NLG ran on DeepSpeed's pipeline engine: whole transfers
+        argv.append("--pp-scatter-gather")
+    if fraction is not None:
+        argv += ["--gemm-fraction", str(fraction)]
+    return argv
+
+
+@functools.cache
+def _parser():
+    """``mt3d``'s command-line parser (built once: predictions run thousands of times in a refit)."""
+    from ..cli import build_parser
+
+    return build_parser()
+
+
 def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None) -> dict:
-    """The planner's step time and TFLOP/s at one published layout (``fraction``: of the GEMM
-    ceiling, instead of ``compute.GEMM_FRACTION``)."""
-    from ..planner.costs import Layout, step_time
+    """The planner's step time and TFLOP/s at one published layout, through ``mt3d plan``'s own
+    parser and ``plan`` (``command_line``; ``fraction``: of the GEMM ceiling, instead of
+    ``compute.GEMM_FRACTION``)."""
     from ..planner.hardware import get_device
-    from ..planner.search import Cluster, bandwidths
+    from ..planner.search import Cluster, plan
 
     label, _, heads, hidden, layers, tp, pp, gpus, batch, micro, v, zero, published = row
     cfg = ModelConfig(
         name=label, hidden=hidden, layers=layers, heads=heads, ffn=4 * hidden, max_seq_len=SEQ,
         vocab_size=VOCAB, position="learned", norm="layernorm", mlp="gelu", bias=True,
     )  # fmt: skip
-    dp = gpus // (tp * pp)
-    lay = Layout(tp, pp, dp, micro, batch // (micro * dp), zero, True, False, v)
-    dev = get_device(device)
-    bw = bandwidths(Cluster(gpus, 8, dev), tp, pp)
-    t = step_time(
-        cfg, VOCAB, SEQ, batch, lay, peak_tflops=dev.peak_tflops, efficiency=None, bw=bw,
-        precision="fp16", device=dev, attention_kernel="materialized",
-        pp_scatter_gather=not label.startswith("MT-NLG"), gemm_fraction=fraction,
-    )  # fmt: skip
+
+    def planned(*extra):
+        a = _parser().parse_args(["plan", "--model", "-", *command_line(row, device, fraction), *extra])
+        result = plan(
+            cfg, Cluster(a.gpus, a.gpus_per_node, get_device(a.gpu, memory_gb=a.memory_gb)),
+            global_batch=a.global_batch, seq_len=a.seq_len, vocab=a.vocab, precision=a.precision,
+            micro_batches=a.micro_batch, zero_stages=a.zero, virtual_stages=a.virtual_stages,
+            offloads=a.offload, context=a.context, pins={"tp": a.tensor, "pp": a.pipeline, "dp": a.data},
+            recompute=a.recompute, attention_kernel=a.attention_kernel, pp_scatter_gather=a.pp_scatter_gather,
+            activation_model=a.activation_model, gemm_fraction=a.gemm_fraction, other_stack=a.other_stack,
+        )  # fmt: skip
+        rows = [r for r in result["feasible"] if not r["sequence_parallel"]]  # Megatron-LM 2021: no SP
+        return rows, result["rejected"]
+
+    rows, rejected = planned()
+    too_big = None
+    if not rows:  # a layout that ran, which the memory model rejects: time it anyway, and say so
+        too_big = next((r["memory_gb"] for r in rejected if "memory_gb" in r), None)
+        if too_big is None:
+            raise RuntimeError(f"{label}: the planner rejects the published layout ({rejected[:1]})")
+        rows, _ = planned("--memory-gb", "10000")
+    t, dp = rows[0], gpus // (tp * pp)
     tflops = published_flops(batch, layers, hidden) / gpus / t["step_time_s"] / 1e12
     return {
         "run": label,
-        "layout": f"t{tp} p{pp} d{dp} mb{micro} m{lay.grad_accum} v{v} z{zero}",
+        "layout": f"t{tp} p{pp} d{dp} mb{micro} m{t['grad_accum']} v{v} z{zero}",
         "published": published,
         "predicted": round(tflops, 1),
         "error": round(tflops / published - 1, 3),
@@ -93,6 +138,7 @@ def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None
         "tp": round(t["tp_comm_s"] / t["step_time_s"], 3),
         "pp": round(t["pp_comm_s"] / t["step_time_s"], 3),
         "dp": round(t["dp_comm_s"] / t["step_time_s"], 3),
+        "rejected_for_memory_gb": round(too_big, 1) if too_big else None,
     }
 
 
@@ -108,12 +154,15 @@ def summary(rows: list[dict]) -> dict:
 
 
 def calibrate(device: str = "a100-80gb") -> float:
-    """The one fraction of the GEMM ceiling (0.001 grid) that minimises the median |error| over
-    PTD-P's Table 1; every other row is predicted with it, out of sample."""
-    grid = [x / 1000 for x in range(400, 1001)]
-    return min(
-        grid, key=lambda f: statistics.median(abs(predict(r, device, f)["error"]) for r in PTDP_TABLE1)
-    )
+    """The one fraction of the GEMM ceiling that minimises the median |error| over PTD-P's Table 1
+    (a 0.01 grid from 0.40 to 1.00, then 0.001 steps around its best); every other row is predicted
+    with it, out of sample."""
+
+    def cost(f):
+        return statistics.median(abs(predict(r, device, f)["error"]) for r in PTDP_TABLE1)
+
+    coarse = min((x / 100 for x in range(40, 101)), key=cost)
+    return min((round(coarse + x / 1000, 3) for x in range(-10, 11) if 0 < coarse + x / 1000 <= 1), key=cost)
 
 
 def fidelity() -> dict:
@@ -150,7 +199,9 @@ def run(args) -> None:
         "tp",
         "pp",
         "dp",
+        "rejected_for_memory_gb",
     ]
+    print("each row: python -m mt3d plan --model <its shape> " + " ".join(command_line(PTDP_TABLE1[0])))
     for name in ("planner", "ceiling"):
         part = result[name]
         tf = part["fraction"] * result["gemm_ceiling_tflops"]

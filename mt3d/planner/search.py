@@ -110,7 +110,8 @@ def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
 
 # Step 2's rules, in order: the keys each depends on (a failure is reported once per distinct key)
 # and the reason, or None, for a candidate c (tp, pp, dp, micro_batch, grad_accum, zero_stage,
-# virtual_stages, and the model cfg and global_batch).
+# virtual_stages, and the model cfg and global_batch). Those that come from mt3d's DeepSpeed engine
+# (ZeRO with a pipeline or cp, MoE) are skipped when planning for another stack (c["mt3d"] False).
 SCHEDULE_RULES = (
     (
         ("micro_batch",),
@@ -120,11 +121,19 @@ SCHEDULE_RULES = (
             else None
         ),
     ),
-    (("micro_batch", "zero_stage"), lambda c: _short(zero_pipeline_conflict(c["pp"], c["zero_stage"]))),
-    (("micro_batch", "zero_stage"), lambda c: _short(context_zero_conflict(c["cp"], c["zero_stage"]))),
     (
         ("micro_batch", "zero_stage"),
-        lambda c: _short(moe_conflict(c["zero_stage"], c["ep"])) if c["cfg"].moe is not None else None,
+        lambda c: _short(zero_pipeline_conflict(c["pp"], c["zero_stage"])) if c["mt3d"] else None,
+    ),
+    (
+        ("micro_batch", "zero_stage"),
+        lambda c: _short(context_zero_conflict(c["cp"], c["zero_stage"])) if c["mt3d"] else None,
+    ),
+    (
+        ("micro_batch", "zero_stage"),
+        lambda c: (
+            _short(moe_conflict(c["zero_stage"], c["ep"])) if c["mt3d"] and c["cfg"].moe is not None else None
+        ),
     ),
     (
         ("micro_batch", "zero_stage", "virtual_stages"),
@@ -140,7 +149,7 @@ def _short(reason: str | None) -> str | None:
     return reason.split(" (")[0].split(";")[0] if reason else None
 
 
-def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject):
+def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject, mt3d=True):
     """Step 2: every (micro-batch, ZeRO stage, virtual stages) of one set of degrees that the batch,
     ZeRO/pipeline, ZeRO/context and interleaving rules (``SCHEDULE_RULES``) allow."""
     failed: set = set()
@@ -148,7 +157,7 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
     for b, zero, v in product(micro_batches, zero_stages, virtual_stages if pp > 1 else (1,)):
         c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": degrees["ep"], "micro_batch": b,
              "zero_stage": zero, "virtual_stages": v, "grad_accum": global_batch // (b * dp), "cfg": cfg,
-             "global_batch": global_batch}  # fmt: skip
+             "global_batch": global_batch, "mt3d": mt3d}  # fmt: skip
         for keys, rule in SCHEDULE_RULES:
             key = (keys, *(c[k] for k in keys))
             if key in failed:  # already reported for these values
@@ -174,12 +183,13 @@ def recompute_mode(row) -> str:
 
 
 def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads,
-                reject, choices=None, recompute=RECOMPUTE):  # fmt: skip
+                reject, choices=None, recompute=RECOMPUTE, mt3d=True):  # fmt: skip
     """Every layout that passes the structural and schedule rules, with the bandwidths of its axes;
     the others go to ``reject`` with their reason. Step 3: offload, recompute and SP choices."""
     for degrees, bw in _degrees(cfg, cluster, seq_len, reject, choices):
         tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
-        schedules = _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject)
+        schedules = _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject,
+                               mt3d)  # fmt: skip
         sps = [
             sp
             for sp in (False, True)
@@ -242,13 +252,18 @@ def plan(
     attention_kernel: str = "flash",
     pp_scatter_gather: bool = False,
     optimizer_states: str = "fp32",
+    gemm_fraction: float | None = None,
+    other_stack: bool = False,
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
     ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
     ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
     layout; ``recompute``: the modes to try (``RECOMPUTE``); ``attention_kernel`` (flash or
     materialized scores), ``pp_scatter_gather`` (PTD-P's split stage-boundary transfers) and
-    ``optimizer_states`` (``costs.OPTIMIZER_STATES``) state how the stack being planned for runs."""
+    ``optimizer_states`` (``costs.OPTIMIZER_STATES``) state how the stack being planned for runs;
+    ``other_stack``: that stack is not mt3d, so the rules of mt3d's DeepSpeed engine (ZeRO stage with a
+    pipeline or cp, MoE) do not apply; ``gemm_fraction``: of the GEMM ceiling its GEMMs reach
+    (default ``compute.GEMM_FRACTION``, the calibration)."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
     dev = cluster.device
     budget = (dev.memory_gb - dev.reserved_gb) * 1e9
@@ -268,7 +283,7 @@ def plan(
     smallest = math.inf  # GB per GPU of the smallest layout without offload
     candidates = _candidates(
         cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject,
-        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None, recompute,
+        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None, recompute, not other_stack,
     )  # fmt: skip
     for lay, bw in candidates:
         row = {**asdict(lay)}
@@ -287,6 +302,7 @@ def plan(
             cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
             device=dev, attention_fraction=attention["tile_fraction"], precision=precision,
             attention_kernel=attention_kernel, pp_scatter_gather=pp_scatter_gather,
+            gemm_fraction=gemm_fraction,
         )  # fmt: skip
         feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
