@@ -610,11 +610,6 @@ DEVICE_FLAGS = {
 
 
 def _add_plan(sub) -> None:
-    from .planner.compute import ATTENTION_KERNELS
-    from .planner.costs import OPTIMIZER_STATES
-    from .planner.offload import OFFLOAD_OPTIONS
-    from .planner.search import RECOMPUTE
-
     p = sub.add_parser(
         "plan",
         help="rank (tp, pp, dp, micro-batch, ZeRO, recompute, SP) layouts by predicted memory and time",
@@ -659,7 +654,27 @@ def _add_plan(sub) -> None:
         default=None,
         help="context-parallel degrees to try (default: every divisor of --gpus the sequence allows; 1: off)",
     )
-    # another stack's choices, pinned (each takes one value or a list to try)
+    _add_plan_stack(p)
+    p.add_argument("--explain", action="store_true", help="print the time and memory components of the best "
+                   "layout")  # fmt: skip
+    for flag, (_, helptext) in DEVICE_FLAGS.items():
+        p.add_argument(flag, type=nonnegative_float if flag == "--nvme-gb" else positive_float, help=helptext)
+    p.add_argument("--top", type=positive_int, default=10, help="rows to show")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (feasible and rejected layouts) instead"
+    )
+    p.add_argument("--write-config", metavar="PATH", help="write the best layout as a ds_configs-style JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_plan_stack(p) -> None:
+    """``mt3d plan``'s flags for another stack's choices: pinned degrees and batch split (each takes
+    one value or a list to try) and how that stack runs (``planner.search.Stack``)."""
+    from .planner.compute import ATTENTION_KERNELS
+    from .planner.costs import OPTIMIZER_STATES
+    from .planner.offload import OFFLOAD_OPTIONS
+    from .planner.search import RECOMPUTE
+
     p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
     p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")
     p.add_argument("--data", type=positive_ints, default=None, help="data-parallel degrees to try")
@@ -700,16 +715,52 @@ def _add_plan(sub) -> None:
         default="mt3d",
         help="activation memory of mt3d's blocks, or Korthikanti et al.'s Table 2 (Megatron)",
     )
-    p.add_argument("--explain", action="store_true", help="print the time and memory components of the best "
-                   "layout")  # fmt: skip
-    for flag, (_, helptext) in DEVICE_FLAGS.items():
-        p.add_argument(flag, type=nonnegative_float if flag == "--nvme-gb" else positive_float, help=helptext)
-    p.add_argument("--top", type=positive_int, default=10, help="rows to show")
-    p.add_argument(
-        "--json", action="store_true", help="print one JSON object (feasible and rejected layouts) instead"
+
+
+def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
+    """``planner.search.plan``'s keyword arguments from parsed ``mt3d plan`` flags (``defaults``: those
+    of a run config given as the model): the one translation, used by the command and the benchmarks."""
+    from .planner.hardware import get_device
+    from .planner.search import Cluster, Stack
+
+    defaults = defaults or {}
+    overrides = {
+        field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in DEVICE_FLAGS.items()
+    }
+    if overrides["inter_gbps"] is not None:  # the flag is per node, the device field per GPU
+        overrides["inter_gbps"] /= args.gpus_per_node
+
+    def given(value, fallback):
+        return value if value is not None else fallback
+
+    pins = {ax: getattr(args, flag) for ax, flag in PLAN_PINS.items() if getattr(args, flag)}
+    return dict(
+        cluster=Cluster(args.gpus, args.gpus_per_node, get_device(args.gpu, **overrides)),
+        global_batch=given(args.global_batch, defaults.get("global_batch") or 512),
+        seq_len=given(args.seq_len, defaults.get("seq_len") or cfg.max_seq_len),
+        vocab=given(args.vocab, cfg.vocab_size or defaults.get("vocab")),
+        precision=args.precision,
+        efficiency=args.efficiency,
+        virtual_stages=args.virtual_stages,
+        context=args.context,
+        micro_batches=args.micro_batch,
+        zero_stages=args.zero,
+        **({"offloads": args.offload} if args.offload else {}),
+        pins=pins,
+        stack=Stack(
+            args.recompute,
+            args.attention_kernel,
+            args.pp_scatter_gather,
+            args.activation_model,
+            args.optimizer_states,
+            args.gemm_fraction,
+            not args.other_stack,
+        ),  # fmt: skip
     )
-    p.add_argument("--write-config", metavar="PATH", help="write the best layout as a ds_configs-style JSON")
-    p.set_defaults(func=cmd_plan)
+
+
+PLAN_PINS = {"tp": "tensor", "pp": "pipeline", "dp": "data", "ep": "expert"}
+"""Axis -> the ``mt3d plan`` flag (attribute) that pins its degrees."""
 
 
 def _plan_model(spec: str):
@@ -738,48 +789,12 @@ def _plan_model(spec: str):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``mt3d plan``."""
-    from .planner.hardware import get_device
-    from .planner.search import Cluster, explain, explain_infeasible, format_plan, plan, write_config
+    from .planner.search import explain, explain_infeasible, format_plan, plan, write_config
 
     writable_output(args.write_config, "--write-config")
     cfg, section, defaults = _plan_model(args.model)
-    overrides = {
-        field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in DEVICE_FLAGS.items()
-    }
-    if overrides["inter_gbps"] is not None:  # the flag is per node, the device field per GPU
-        overrides["inter_gbps"] /= args.gpus_per_node
-    device = get_device(args.gpu, **overrides)
-
-    def given(value, fallback):
-        return value if value is not None else fallback
-
-    seq = given(args.seq_len, defaults.get("seq_len") or cfg.max_seq_len)
-    result = plan(
-        cfg,
-        Cluster(args.gpus, args.gpus_per_node, device),
-        global_batch=given(args.global_batch, defaults.get("global_batch") or 512),
-        seq_len=seq,
-        vocab=given(args.vocab, cfg.vocab_size or defaults.get("vocab")),
-        precision=args.precision,
-        efficiency=args.efficiency,
-        virtual_stages=args.virtual_stages,
-        context=args.context,
-        micro_batches=args.micro_batch,
-        zero_stages=args.zero,
-        recompute=args.recompute,
-        attention_kernel=args.attention_kernel,
-        pp_scatter_gather=args.pp_scatter_gather,
-        activation_model=args.activation_model,
-        optimizer_states=args.optimizer_states,
-        gemm_fraction=args.gemm_fraction,
-        other_stack=args.other_stack,
-        **({"offloads": args.offload} if args.offload else {}),
-        pins={
-            ax: v
-            for ax, v in (("tp", args.tensor), ("pp", args.pipeline), ("dp", args.data), ("ep", args.expert))
-            if v
-        },
-    )
+    inputs = plan_inputs(args, cfg, defaults)
+    result = plan(cfg, inputs.pop("cluster"), **inputs)
     if args.write_config:
         write_config(result, args.write_config, section)
     if args.json:

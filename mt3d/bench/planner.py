@@ -95,9 +95,6 @@ def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None
     """The planner's step time and TFLOP/s at one published layout, through ``mt3d plan``'s own
     parser and ``plan`` (``command_line``; ``fraction``: of the GEMM ceiling, instead of
     ``compute.GEMM_FRACTION``)."""
-    from ..planner.hardware import get_device
-    from ..planner.search import Cluster, plan
-
     label, _, heads, hidden, layers, tp, pp, gpus, batch, micro, v, zero, published = row
     cfg = ModelConfig(
         name=label, hidden=hidden, layers=layers, heads=heads, ffn=4 * hidden, max_seq_len=SEQ,
@@ -105,15 +102,12 @@ def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None
     )  # fmt: skip
 
     def planned(*extra):
-        a = _parser().parse_args(["plan", "--model", "-", *command_line(row, device, fraction), *extra])
-        result = plan(
-            cfg, Cluster(a.gpus, a.gpus_per_node, get_device(a.gpu, memory_gb=a.memory_gb)),
-            global_batch=a.global_batch, seq_len=a.seq_len, vocab=a.vocab, precision=a.precision,
-            micro_batches=a.micro_batch, zero_stages=a.zero, virtual_stages=a.virtual_stages,
-            offloads=a.offload, context=a.context, pins={"tp": a.tensor, "pp": a.pipeline, "dp": a.data},
-            recompute=a.recompute, attention_kernel=a.attention_kernel, pp_scatter_gather=a.pp_scatter_gather,
-            activation_model=a.activation_model, gemm_fraction=a.gemm_fraction, other_stack=a.other_stack,
-        )  # fmt: skip
+        from ..cli import plan_inputs
+        from ..planner.search import plan
+
+        args = _parser().parse_args(["plan", "--model", "-", *command_line(row, device, fraction), *extra])
+        inputs = plan_inputs(args, cfg)
+        result = plan(cfg, inputs.pop("cluster"), **inputs)
         rows = [r for r in result["feasible"] if not r["sequence_parallel"]]  # Megatron-LM 2021: no SP
         return rows, result["rejected"]
 

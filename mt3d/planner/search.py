@@ -231,6 +231,26 @@ def _check_inputs(
     return vocab
 
 
+@dataclass(frozen=True)
+class Stack:
+    """How the stack being planned for runs (``mt3d plan``'s flags for another stack's choices)."""
+
+    recompute: tuple[str, ...] = RECOMPUTE
+    """Recompute modes to try (``RECOMPUTE``)."""
+    attention_kernel: str = "flash"
+    """flash, or materialized scores (Megatron-LM 2021): ``compute.ATTENTION_KERNELS``."""
+    pp_scatter_gather: bool = False
+    """PTD-P's stage-boundary transfers split over the TP ranks."""
+    activation_model: str = "mt3d"
+    """Activation memory of mt3d's blocks, or Korthikanti et al.'s Table 2 (korthikanti)."""
+    optimizer_states: str = "fp32"
+    """Master weights and moments: ``costs.OPTIMIZER_STATES``."""
+    gemm_fraction: float | None = None
+    """Share of the GEMM ceiling its GEMMs reach (None: ``compute.GEMM_FRACTION``, the calibration)."""
+    mt3d_rules: bool = True
+    """The rules of mt3d's DeepSpeed engine apply (ZeRO stage with a pipeline or cp, MoE)."""
+
+
 def plan(
     cfg: ModelConfig,
     cluster: Cluster,
@@ -244,30 +264,16 @@ def plan(
     zero_stages: tuple[int, ...] = (0, 1, 2, 3),
     virtual_stages: tuple[int, ...] = (1, 2, 4),
     offloads: tuple[str, ...] = OFFLOAD_OPTIONS,
-    activation_model: str = "mt3d",
     max_rejected: int = 500,
     context: tuple[int, ...] | None = None,
     pins: dict[str, tuple[int, ...]] | None = None,
-    recompute: tuple[str, ...] = RECOMPUTE,
-    attention_kernel: str = "flash",
-    pp_scatter_gather: bool = False,
-    optimizer_states: str = "fp32",
-    gemm_fraction: float | None = None,
-    other_stack: bool = False,
+    stack: Stack = Stack(),  # noqa: B008 - frozen: one shared default is safe
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
     ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
     ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
-    layout; ``recompute``: the modes to try (``RECOMPUTE``); ``attention_kernel`` (flash or
-    materialized scores), ``pp_scatter_gather`` (PTD-P's split stage-boundary transfers) and
-    ``optimizer_states`` (``costs.OPTIMIZER_STATES``) state how the stack being planned for runs;
-    ``other_stack``: that stack is not mt3d, so the rules of mt3d's DeepSpeed engine (ZeRO stage with a
-    pipeline or cp, MoE) do not apply; ``gemm_fraction``: of the GEMM ceiling its GEMMs reach
-    (default ``compute.GEMM_FRACTION``, the calibration)."""
+    layout; ``stack``: how that stack runs (``Stack``)."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
-    dev = cluster.device
-    budget = (dev.memory_gb - dev.reserved_gb) * 1e9
-    attention = attention_speedup(cfg, seq_len)
     feasible, rejected = [], []
     rejected_total = 0
 
@@ -279,33 +285,24 @@ def plan(
         if set(row) <= set(NAMES) or len(rejected) < max_rejected:
             rejected.append({**row, "reason": reason})
 
-    per_node = min(cluster.gpus, cluster.gpus_per_node)
     smallest = math.inf  # GB per GPU of the smallest layout without offload
     candidates = _candidates(
         cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject,
-        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None, recompute, not other_stack,
+        {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None, stack.recompute,
+        stack.mt3d_rules,
     )  # fmt: skip
+    attention = attention_speedup(cfg, seq_len)
     for lay, bw in candidates:
-        row = {**asdict(lay)}
-        prec = Precision.of(precision, lay.zero_stage, optimizer_states)
-        mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=activation_model)
-        row["memory_gb"] = mem["total"] / 1e9
-        row["cpu_gb_per_node"] = mem["cpu"] * per_node / 1e9
-        row["nvme_gb_per_node"] = mem["nvme"] * per_node / 1e9
+        row, why = _evaluate(cfg, cluster, vocab, seq_len, global_batch, lay, bw, precision, efficiency,
+                             stack, attention["tile_fraction"])  # fmt: skip
         if lay.offload == "none":
             smallest = min(smallest, row["memory_gb"])
-        why = tier_overflow(mem, per_node, budget, dev)
         if why:
-            reject(row, why)
-            continue
-        t = step_time(
-            cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
-            device=dev, attention_fraction=attention["tile_fraction"], precision=precision,
-            attention_kernel=attention_kernel, pp_scatter_gather=pp_scatter_gather,
-            gemm_fraction=gemm_fraction,
-        )  # fmt: skip
-        feasible.append({**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}})
+            reject({k: v for k, v in row.items() if k != "memory"}, why)
+        else:
+            feasible.append(row)
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
+    dev = cluster.device
     return {
         "model": cfg.name,
         "params": cfg.num_params(vocab),
@@ -323,6 +320,28 @@ def plan(
         "rejected_total": rejected_total,
         "smallest_without_offload_gb": smallest if smallest < math.inf else None,
     }
+
+
+def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int, lay: Layout, bw: dict,
+              precision: str, efficiency, stack: Stack,
+              tile_fraction: float) -> tuple[dict, str | None]:  # fmt: skip
+    """Step 4: one candidate's memory per GPU and, when it fits, its step time: (row, why it does not fit
+    or None)."""
+    dev, per_node = cluster.device, min(cluster.gpus, cluster.gpus_per_node)
+    prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states)
+    mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model)
+    row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
+           "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
+    why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
+    if why:
+        return row, why
+    t = step_time(
+        cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
+        device=dev, attention_fraction=tile_fraction, precision=precision,
+        attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
+        gemm_fraction=stack.gemm_fraction,
+    )  # fmt: skip
+    return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
 
 TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
