@@ -1,4 +1,5 @@
-"""``comm``: every collective of a training step, against 8*b*s*h*(t-1)/t elements per layer (TP),
+"""``comm``: every collective of a training step, against 8*b*s*h*(t-1)/t elements per layer (TP; with
+sequence parallelism 10*b*s*h*(t-1)/t: the backward all-gathers the linears' kept input shards again),
 against the volume of each context-parallel exchange (``--cp``) and of expert parallelism's
 all-to-all (``--ep``).
 
@@ -14,8 +15,8 @@ over the ranks) for each exchange, beside ``planner.traffic.cp_layer_elements`` 
 volumes): all-to-all 2 f (b s/cp)(2q + 2kv') d, all-gather 4 f b s kv d, halo 8 f b (W d - 1) kv d,
 f = (cp-1)/cp; the halo is measured at two sequence lengths (its volume does not grow with s).
 
-Expert parallelism (``--ep``): one MoE layer's forward and backward at ep ranks (the layer alone:
-training at ep > 1 is not wired yet), tokens built so that every expert gets the same number of
+Expert parallelism (``--ep``): one MoE layer's forward and backward at ep ranks (the layer alone),
+tokens built so that every expert gets the same number of
 assignments, its all-to-all elements per rank beside ``planner.traffic.ep_layer_elements``:
 f (4 T k h + E), f = (ep-1)/ep.
 """
@@ -26,6 +27,14 @@ from collections import Counter
 
 from ..planner.traffic import cp_layer_elements, ep_layer_elements
 from .common import bench_run_config, build_engine, emit, table
+
+
+def tp_layer_elements(bsh: int, tp: int, sp: bool) -> float:
+    """Elements one rank moves per transformer layer and micro-batch over TP (FORMULAS.md): 4
+    all-reduces, 8 bsh (t-1)/t; with SP 4 all-gathers and 4 reduce-scatters of the same bytes, plus the
+    2 all-gathers of the QKV and MLP-in inputs' kept shards in the backward (``_ShardSavingLinear``;
+    overlapped with the input-gradient GEMMs): 10 bsh (t-1)/t."""
+    return (10 if sp else 8) * bsh * (tp - 1) / tp
 
 
 def moved(op: str, numel: int, n: int) -> float:
@@ -225,7 +234,7 @@ def run(args) -> dict:
             per_layer = {f"{op}x{numel}": n / (L * m) for (op, numel), n in diff.items()}
             big = sum(moved(op, numel, tp) * n for (op, numel), n in diff.items() if numel == bsh) / (L * m)
             small = sum(moved(op, numel, tp) * n for (op, numel), n in diff.items() if numel != bsh) / (L * m)
-            theory = 8 * bsh * (tp - 1) / tp
+            theory = tp_layer_elements(bsh, tp, sp)
             row = {
                 "tp": tp,
                 "sp": sp,
@@ -242,7 +251,8 @@ def run(args) -> dict:
             out.append({**row, "per_layer": per_layer, "tp_calls_outside_blocks_per_step": outside})
     if rows:
         print(
-            f"TP collectives per transformer layer and micro-batch (b={b}, s={s}, h={h}; theory 8bsh(t-1)/t)"
+            f"TP collectives per transformer layer and micro-batch (b={b}, s={s}, h={h}; theory 8bsh(t-1)/t, "
+            "10bsh(t-1)/t with SP)"
         )
         print(table(rows, ["tp", "sp", "calls_per_layer_per_micro", "elements_per_layer", "theory", "ratio",
                            "norm_grad_elements"]))  # fmt: skip
