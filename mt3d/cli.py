@@ -670,10 +670,8 @@ def _add_plan(sub) -> None:
 def _add_plan_stack(p) -> None:
     """``mt3d plan``'s flags for another stack's choices: pinned degrees and batch split (each takes
     one value or a list to try) and how that stack runs (``planner.search.Stack``)."""
-    from .planner.compute import ATTENTION_KERNELS
-    from .planner.costs import OPTIMIZER_STATES
+    from .planner.choices import ATTENTION_KERNELS, OPTIMIZER_STATES, RECOMPUTE
     from .planner.offload import OFFLOAD_OPTIONS
-    from .planner.search import RECOMPUTE
 
     p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
     p.add_argument("--pipeline", type=positive_ints, default=None, help="pipeline degrees to try")

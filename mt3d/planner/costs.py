@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
+from .choices import OPTIMIZER_STATES  # its home imports nothing (the CLI parser reads it)
 from .offload import offload_traffic, tier_bytes
 from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, tp_bytes
 
@@ -56,10 +57,6 @@ class Precision:
         if name == "fp32":
             return cls(name, 4, 4, 4 if zero_stage >= 1 else 0, 8, 4)
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {name!r}")
-
-
-OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16")
-"""The optimizer-state dtypes the planner can size (``Precision.of``)."""
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int, prec: Precision) -> float:

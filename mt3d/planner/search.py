@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..parallel.axes import AXES, NAMES, AxisError, derive_degrees, shown
 from ..parallel.topology import uniform_crossing
+from .choices import RECOMPUTE  # its home imports nothing (the CLI parser reads it)
 from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
 from .hardware import Device
 from .offload import OFFLOAD_OPTIONS, offload_rule
@@ -169,11 +170,6 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
                 break
         else:
             yield b, c["grad_accum"], zero, v
-
-
-RECOMPUTE = ("none", "full", "selective")
-"""Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention
-core and the MLP's activation of every block (``Layout.selective``)."""
 
 
 def recompute_mode(row) -> str:

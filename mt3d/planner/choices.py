@@ -1,0 +1,13 @@
+"""The planner's enumerated choices, in a module that imports nothing: the command-line parser reads
+them at start-up, and commands such as ``mt3d preprocess`` run under memory caps without torch."""
+
+ATTENTION_KERNELS = ("flash", "materialized")
+"""How attention is computed: FlashAttention-style (no scores kept), or scores materialised and timed
+as GEMMs (Megatron-LM 2021)."""
+
+OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16")
+"""The optimizer-state dtypes the planner can size (``costs.Precision.of``)."""
+
+RECOMPUTE = ("none", "full", "selective")
+"""Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention
+core and the MLP's activation of every block (``Layout.selective``)."""
