@@ -188,6 +188,7 @@ def predicted_step(model: dict, seq: int, micro: int, accum: int, recompute: str
     from ..config import resolve_model
     from ..planner.costs import Layout, step_time
     from ..planner.hardware import get_device
+    from ..planner.search import Cluster, bandwidths
 
     name = torch.cuda.get_device_name().lower()
     preset = next((p for key, p in PRESETS if key in name), None)
@@ -195,10 +196,8 @@ def predicted_step(model: dict, seq: int, micro: int, accum: int, recompute: str
         return None
     cfg, dev = resolve_model(model), get_device(preset)
     lay = Layout(1, 1, 1, micro, accum, 1, recompute == "full", False, selective=recompute == "selective")
-    bw = {"tp": dev.intra_gbps, "cp": dev.intra_gbps, "ep": dev.intra_gbps, "pp": dev.intra_gbps,
-          "dp": dev.intra_gbps, "pcie": dev.pcie_gbps, "nvme": dev.nvme_gbps, "cpu_adam": 1.0}  # fmt: skip
     t = step_time(cfg, cfg.vocab_size, seq, micro * accum, lay, peak_tflops=dev.peak_tflops, efficiency=None,
-                  bw=bw, device=dev)  # fmt: skip
+                  bw=bandwidths(Cluster(1, 1, dev), 1, 1), device=dev)  # fmt: skip
     return t["step_time_s"]
 
 

@@ -79,27 +79,22 @@ def _convert_per_ep_rank(source: Path, out: Path, tp: int, ep: int, workers: int
                 (view / name).symlink_to(f.resolve())
         parts.append(work / f"universal{e}")
         _run_converter(view, parts[-1], workers)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    parts[0].rename(tmp)
     for e, part in enumerate(parts):
-        per_rank = None
-        for d in sorted((part / "zero").iterdir() if part.exists() else []):
-            j = expert_index(d.name)
-            if j is None:
-                continue
-            per_rank = per_rank or _experts_per_rank(part, ep)
-            if j // per_rank != e:
-                shutil.rmtree(work, ignore_errors=True)
-                raise CheckpointError(
-                    f"{source}: expert {j} found in ep rank {e}'s files; the checkpoint's rank order is not "
-                    "the one mt3d writes, so it cannot be resharded (resume it in its own layout)"
-                )
-            if e > 0:
-                d.rename(tmp / "zero" / d.name)
-    shutil.rmtree(work, ignore_errors=True)
+        experts = [(j, d) for d in (part / "zero").iterdir() if (j := expert_index(d.name)) is not None]
+        held = {j for j, _ in experts}  # contiguous, the same in every sparse layer of the rank
+        wrong = next((j for j in sorted(held) if j // len(held) != e), None)
+        if wrong is not None:
+            shutil.rmtree(work, ignore_errors=True)
+            raise CheckpointError(
+                f"{source}: expert {wrong} found in ep rank {e}'s files; the checkpoint's rank order is not "
+                "the one mt3d writes, so it cannot be resharded (resume it in its own layout)"
+            )
+        if e > 0:
+            for _, d in experts:
+                d.rename(parts[0] / "zero" / d.name)
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    parts[0].rename(out)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _write_tp_only_model_states(source: Path, dest: Path, tp: int) -> None:
@@ -142,12 +137,6 @@ def _names_other_expert(pattern, held: set[int]) -> bool:
     """Whether a universal-info name pattern is about an expert this rank does not hold."""
     m = PATTERN_EXPERT.search(pattern) if isinstance(pattern, str) else None
     return m is not None and int(m.group(1)) not in held
-
-
-def _experts_per_rank(part: Path, ep: int) -> int:
-    """Experts per ep rank, from the expert indices one converted rank holds (they are contiguous)."""
-    held = {j for d in (part / "zero").iterdir() if (j := expert_index(d.name)) is not None}
-    return max(1, len(held))  # every sparse layer of a rank holds the same experts
 
 
 def _renamed_for_ep_rank(name: str, e: int, tp: int, ep: int) -> str | None:

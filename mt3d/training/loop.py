@@ -78,27 +78,22 @@ class Trainer:
             cp=self.rt.state.cp,
         )
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
-        value = value.detach().float().clone()
-        all_reduce(value, self.rt.state.dp)
-        return value.item() / self.rt.state.dp.size
-
-    def _over_experts(self, loss: torch.Tensor) -> float:
-        """The pipeline engine's loss (averaged over DeepSpeed's 'data' axis, dp / ep x cp ranks)
-        averaged over the ep ranks too, which DeepSpeed counts in its 'model' axis (mt3d.ds.experts)."""
-        ep = self.rt.state.ep
-        if ep.size == 1:
-            return float(loss)
-        value = loss.detach().float().clone().to(self.rt.device)
-        all_reduce(value, ep)
-        return value.item() / ep.size
+    def _mean_over(self, value: torch.Tensor, group) -> float:
+        """``value`` averaged over ``group`` (an ``AxisGroup``). The pipeline engine's loss is averaged
+        over DeepSpeed's 'data' axis (dp / ep x cp ranks) only: it is averaged over ep here too, the
+        ep ranks counting in DeepSpeed's 'model' axis (mt3d.ds.experts)."""
+        if group.size == 1:
+            return float(value)
+        value = value.detach().float().clone().to(self.rt.device)
+        all_reduce(value, group)
+        return value.item() / group.size
 
     # --- one step ----------------------------------------------------------------------------
     def train_step(self) -> float:
         """One optimizer step on global batch ``self.step``; returns the mean loss (same on all ranks)."""
         it = self.batches(self.data.train, self.step)
         if self.pipe:
-            return self._over_experts(self.engine.train_batch(data_iter=it))
+            return self._mean_over(self.engine.train_batch(data_iter=it), self.rt.state.ep)
         total = torch.zeros((), device=self.rt.device)
         for _ in range(self.layout.grad_accum):
             x, y = next(it)
@@ -106,7 +101,7 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
-        return self._dp_mean(total / self.layout.grad_accum)
+        return self._mean_over(total / self.layout.grad_accum, self.rt.state.dp)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -115,7 +110,7 @@ class Trainer:
         for i in range(self.train_cfg.eval_batches):
             it = self.batches(self.data.valid, i)
             if self.pipe:
-                losses.append(self._over_experts(self.engine.eval_batch(data_iter=it)))
+                losses.append(self._mean_over(self.engine.eval_batch(data_iter=it), self.rt.state.ep))
                 continue
             self.engine.module.eval()
             total = torch.zeros((), device=self.rt.device)
@@ -123,7 +118,7 @@ class Trainer:
                 x, y = next(it)
                 total += self.engine(x, y).float()
             self.engine.module.train()
-            losses.append(self._dp_mean(total / self.layout.grad_accum))
+            losses.append(self._mean_over(total / self.layout.grad_accum, self.rt.state.dp))
         return sum(losses) / max(1, len(losses))
 
     def _track_bad(self, loss: float, skipped: bool) -> None:
