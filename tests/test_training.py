@@ -357,27 +357,55 @@ def test_accelerate_launch_trains_like_the_other_launchers(tmp_path):
     ]
 
 
+OVERLAP = {"grad_reduce": True, "bucket_elements": 3000}  # several buckets per stage of the tiny model
+
+
 @pytest.mark.parametrize(
-    "world,parallel,recompute",
+    "world,parallel,train_keys",
     [
-        (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"granularity": "selective"}),
-        (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"gathered_sp_inputs": True}),
-        (
-            4,
-            dict(tensor=2, pipeline=2, virtual_stages=2, sequence_parallel=True),
-            {"granularity": "selective"},
-        ),  # noqa: E501
+        (8, dict(tensor=2, pipeline=2, sequence_parallel=True),
+         {"recompute": {"granularity": "selective"}, "overlap": OVERLAP}),
+        (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"recompute": {"gathered_sp_inputs": True}}),
+        (4, dict(tensor=2, pipeline=2, virtual_stages=2, sequence_parallel=True),
+         {"recompute": {"granularity": "selective"}}),
+        (4, dict(pipeline=2, virtual_stages=2), {"overlap": OVERLAP}),
     ],
-    ids=["selective-2-2-2-sp", "gathered-sp-inputs-2-2-2", "selective-2-2-1-v2-sp"],
-)
-def test_selective_recompute_and_sp_input_paths_train_like_one_process(tmp_path, reference, world, parallel,
-                                                                         recompute):  # fmt: skip
-    """Selective recompute (attention core and MLP activation again in the backward) and both ways of
-    keeping a column-parallel linear's SP input (its 1/tp shard, the default, or all of it) give the
-    single-process losses and grad norms."""
-    raw = tiny_config(tmp_path / "run", model=TINY_LLAMA, recompute=recompute)
+    ids=["selective-overlap-2-2-2-sp", "gathered-sp-inputs-2-2-2", "selective-2-2-1-v2-sp",
+         "overlap-1-2-2-v2"],
+)  # fmt: skip
+def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
+    tmp_path, reference, world, parallel, train_keys
+):
+    """Selective recompute (attention core and MLP activation again in the backward), both ways of
+    keeping a column-parallel linear's SP input (its 1/tp shard, the default, or all of it), and the
+    data-parallel gradient reduction overlapped with the last micro-batch's backward (ZeRO-1, with
+    and without virtual stages) give the single-process losses and grad norms."""
+    raw = tiny_config(tmp_path / "run", model=TINY_LLAMA, **train_keys)
     raw["mt3d"]["parallel"].update(parallel)
     assert_same(step_records(spawn(train_worker, world, raw, timeout=300)[0]), reference["llama"])
+
+
+@pytest.mark.parametrize(
+    "world,zero,precision",
+    [(2, 0, "fp32"), (4, 1, "bf16")],
+    ids=["zero0-fp32-dp2", "zero1-bf16-pp2-dp2"],
+)
+def test_overlapped_grad_reduce_is_deepspeeds_reduction_to_the_bit(tmp_path, world, zero, precision):
+    """At dp 2 the overlapped reduction sums and scales as DeepSpeed's own (plain DP's all-reduce, the
+    BF16 optimizer's fp32 gradients with its immediate updates): the same losses and norms, bit for bit."""
+    runs = []
+    for overlap in (False, True):
+        raw = tiny_config(tmp_path / f"o{overlap}", model=TINY_LLAMA, zero=zero, pp=world // 2,
+                          overlap={**OVERLAP, "grad_reduce": overlap})  # fmt: skip
+        if precision == "bf16":
+            raw["bf16"] = {"enabled": True}
+        runs.append(
+            [
+                (r["loss"], r["grad_norm"])
+                for r in step_records(spawn(train_worker, world, raw, timeout=300)[0])
+            ]
+        )
+    assert runs[0] == runs[1]
 
 
 def test_selective_recompute_keeps_less_for_the_backward():
@@ -425,4 +453,35 @@ def test_bad_recompute_settings_are_one_line(tmp_path, recompute, match):
     run = from_dict(tiny_config(tmp_path, model=TINY_LLAMA, recompute=recompute))
     with pytest.raises(ConfigError, match=match) as info:
         validate(run, 1, resolve_model(run.mt3d.model))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change,world,match",
+    [
+        (
+            {"zero": 2},
+            2,
+            "ZeRO-2's reduction overlaps the backward already when zero_optimization.overlap_comm",
+        ),
+        ({"offload": True}, 2, "not supported with optimizer offload"),
+        ({"fp16": True}, 2, "not supported with fp16"),
+        ({"ep": 2}, 2, "not supported with expert parallelism"),
+        ({"bucket_elements": 0}, 1, "bucket_elements must be >= 1, got 0"),
+    ],
+    ids=["zero2", "offload", "fp16", "ep", "bucket"],
+)
+def test_overlap_settings_it_cannot_run_are_one_line(tmp_path, change, world, match):
+    overlap = {"grad_reduce": True, "bucket_elements": change.get("bucket_elements", 100)}
+    raw = tiny_config(tmp_path, model=TINY_LLAMA, zero=change.get("zero", 1), overlap=overlap)
+    if change.get("offload"):
+        raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if change.get("fp16"):
+        raw["fp16"] = {"enabled": True}
+    if change.get("ep"):
+        raw["mt3d"]["model"] = {"preset": "tiny-mixtral"}
+        raw["mt3d"]["parallel"]["expert"] = 2
+    run = from_dict(raw)
+    with pytest.raises(ConfigError, match=match) as info:
+        validate(run, world, resolve_model(run.mt3d.model))
     assert "\n" not in str(info.value)

@@ -27,8 +27,8 @@ BENCHES = {
     "planner, and one process vs cp 4 under an address-space cap",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
     "gemm": "a GEMM sweep of transformer shapes beside the planner's shape model (--smoke: CPU)",
-    "overlap": "the share of a sequence-parallel linear's backward communication hidden behind its GEMMs at "
-    "tp 2, beside the schedule's prediction",
+    "overlap": "the share of a sequence-parallel linear's backward communication (tp 2) and of the data-"
+    "parallel gradient reduction (dp 2) hidden behind compute, beside the schedule's prediction",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and the planner's "
     "step time, local attention at 32k, long context), with a dated record in docs/benchmarks/",
 }
@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--accum", type=int, default=2)
     ov = sub.add_parser("overlap", help=BENCHES["overlap"])
     ov.add_argument("--reps", type=int, default=7)
+    ov.add_argument("--bucket-elements", type=int, default=2_000_000, help="gradient bucket of the dp rows")
+    ov.add_argument("--smoke", action="store_true", help="one shape, a small model (tests)")
     mem = sub.add_parser("memory", help=BENCHES["memory"])
     mem.add_argument("--seq-len", type=int, default=256)
     mem.add_argument("--micro", type=int, default=4)

@@ -1,13 +1,19 @@
-"""``overlap``: how much of a sequence-parallel linear's backward communication is hidden behind its GEMMs.
+"""``overlap``: how much communication is hidden behind compute: a sequence-parallel linear's backward
+transfers (tp 2), and the data-parallel gradient reduction of a training step (dp 2).
 
 Under SP a column-parallel linear keeps its 1/tp input shard (``parallel/layers.py``); its backward
 all-gathers that shard while it computes the input gradient, then reduce-scatters the input gradient
 while it computes the weight gradient. At tp 2, for each (rows, in, out) shape, this measures the
 two transfers (C = gather + scatter, each timed alone), the two GEMMs alone, the backward as mt3d
 runs it (T_o) and the same four steps one after another (T_s). Hidden fraction: (T_s - T_o) / C, beside the
-schedule's prediction (min(gather, dgrad) + min(scatter, wgrad)) / C. Data-parallel gradient
-reductions and pipeline transfers are not overlapped in mt3d (DeepSpeed's pipeline engine runs them
-as separate schedule steps): their hidden share is 0 by construction and is not measured here.
+schedule's prediction (min(gather, dgrad) + min(scatter, wgrad)) / C.
+
+Data parallelism (``mt3d.train.overlap.grad_reduce``, ``mt3d.ds.overlap``): a ZeRO-1 step at dp 2 on
+DeepSpeed's pipeline engine, once with DeepSpeed's reduction after the backward and once with the
+buckets reduced during the last micro-batch's backward. C: the reduction step alone in the first
+run; hidden: (step time saved) / C, beside the schedule's prediction min(C - C_last bucket, B_last) / C
+(B_last: the last micro-batch's backward). Pipeline transfers are not overlapped in mt3d (DeepSpeed's
+engine runs each send and receive as a blocking schedule step): hidden 0 by construction, not measured.
 """
 
 from __future__ import annotations
@@ -63,13 +69,84 @@ def _times(tp, rows: int, fin: int, fout: int, reps: int) -> dict:
     }
 
 
+DP_MODEL = dict(preset="tiny-llama", hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, max_seq_len=128)
+"""The model of the data-parallel rows (~14M parameters: a reduction of tens of milliseconds on gloo)."""
+
+
+def dp_worker(model: dict, overlap: bool, reps: int, bucket: int) -> dict:
+    """Median step time, reduction step and last backward of one ZeRO-1 run at dp 2 (this rank)."""
+    import statistics
+    import time
+
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+
+    from ..data.loader import StepBatches
+    from .common import bench_run_config, build_engine
+
+    raw = bench_run_config(model=model, seq_len=128, global_batch=8, micro=2, zero=1)
+    raw["mt3d"]["train"]["overlap"] = {"grad_reduce": overlap, "bucket_elements": bucket}
+    _, layout, rt, engine, data, _ = build_engine(raw)
+    spent = {"reduce": [], "backward": []}
+    reduce = engine.allreduce_gradients
+    table = dict(engine._INSTRUCTION_MAP)  # the engine's own table (mt3d.ds.overlap) or the class's
+    backward = table[ds_schedule.BackwardPass]
+
+    def timed(fn, key):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            spent[key].append(time.perf_counter() - t0)
+            return out
+
+        return run
+
+    engine.allreduce_gradients = timed(reduce, "reduce")
+    table[ds_schedule.BackwardPass] = timed(backward, "backward")
+    engine._INSTRUCTION_MAP = table
+    split = dict(global_batch=layout.global_batch, micro_batch=2, grad_accum=layout.grad_accum)
+    steps = []
+    for k in range(reps + 1):
+        it = StepBatches(data.train, **split, dp_rank=rt.state.dp.rank, start_step=k)
+        t0 = time.perf_counter()
+        engine.train_batch(data_iter=it)
+        steps.append(time.perf_counter() - t0)
+    ov = getattr(engine, "grad_reduce_overlap", None)
+    total = sum(p.numel() for p in engine.module.parameters())
+    last = ov.buckets[-1] if ov else None
+    return {
+        "step": statistics.median(steps[1:]),
+        "reduce": statistics.median(spent["reduce"][1:]),
+        "last_backward": statistics.median(spent["backward"][layout.grad_accum :: layout.grad_accum]),
+        "buckets": len(ov.buckets) if ov else 0,
+        "posted_in_backward": ov.posted_in_backward if ov else 0,
+        "last_bucket_share": sum(p.numel() for p in last.params) / total if last else 0.0,
+    }  # fmt: skip
+
+
+def dp_row(model: dict, reps: int, bucket: int) -> dict:
+    """The data-parallel row: both runs, the hidden share and the schedule's prediction."""
+    from ..parallel.spawn import spawn
+
+    off = spawn(dp_worker, 2, model, False, reps, bucket, timeout=900)[0]
+    on = spawn(dp_worker, 2, model, True, reps, bucket, timeout=900)[0]
+    comm = off["reduce"]
+    predicted = min(comm * (1 - on["last_bucket_share"]), off["last_backward"]) / comm
+    return {"comm_ms": comm * 1e3, "last_backward_ms": off["last_backward"] * 1e3,
+            "step_ms": off["step"] * 1e3, "overlapped_step_ms": on["step"] * 1e3,
+            "reduce_after_ms": on["reduce"] * 1e3, "buckets": on["buckets"],
+            "posted_in_backward": on["posted_in_backward"],
+            "hidden": (off["step"] - on["step"]) / comm, "predicted": predicted}  # fmt: skip
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench overlap``."""
     from ..parallel.spawn import spawn
 
     torch.set_num_threads(1)
+    shapes = SHAPES[:1] if args.smoke else SHAPES
+    model = dict(DP_MODEL, hidden=128, heads=4, kv_heads=2, ffn=256) if args.smoke else DP_MODEL
     rows = []
-    for r in spawn(worker, 2, SHAPES, args.reps, timeout=900)[0]:
+    for r in spawn(worker, 2, shapes, args.reps, timeout=900)[0]:
         comm = r["gather"] + r["scatter"]
         hidden = (r["serial"] - r["overlapped"]) / comm
         predicted = (min(r["gather"], r["dgrad"]) + min(r["scatter"], r["wgrad"])) / comm
@@ -79,5 +156,9 @@ def run(args) -> dict:
     print("SP column-parallel linear backward at tp 2 (rank 0): communication hidden behind the GEMMs")
     print(table(rows, ["rows", "in", "out", "comm_ms", "gemms_ms", "serial_ms", "overlapped_ms", "hidden",
                        "predicted"]))  # fmt: skip
-    print("data-parallel and pipeline transfers: not overlapped in mt3d (hidden 0)")
-    return emit("overlap", {"tp": 2, "rows": rows, "dp_hidden": 0.0, "pp_hidden": 0.0})
+    dp = dp_row(model, args.reps, args.bucket_elements)
+    print("\ndata-parallel gradient reduction at dp 2 (ZeRO-1, rank 0): during the last backward vs after it")
+    print(table([dp], ["comm_ms", "last_backward_ms", "step_ms", "overlapped_step_ms", "reduce_after_ms",
+                       "buckets", "posted_in_backward", "hidden", "predicted"]))  # fmt: skip
+    print("pipeline transfers: not overlapped in mt3d (hidden 0)")
+    return emit("overlap", {"tp": 2, "rows": rows, "dp": dp, "pp_hidden": 0.0})

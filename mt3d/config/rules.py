@@ -198,6 +198,10 @@ def check_train(train: TrainConfig) -> None:
             "mt3d.train.recompute.granularity selective recomputes parts of every block; interval "
             f"{rec.interval} asks for whole blocks (granularity full): use one of them"
         )
+    if train.overlap.bucket_elements < 1:
+        raise ConfigError(
+            f"mt3d.train.overlap.bucket_elements must be >= 1, got {train.overlap.bucket_elements}"
+        )
     if train.eval_interval > 0 and train.eval_batches == 0:
         raise ConfigError("mt3d.train.eval_interval > 0 needs eval_batches >= 1 (or set eval_interval 0)")
     if train.peak_tflops is not None and train.peak_tflops <= 0:
@@ -206,6 +210,24 @@ def check_train(train: TrainConfig) -> None:
         raise ConfigError(
             f"mt3d.train.wandb_mode must be offline, online or disabled, got {train.wandb_mode!r}"
         )
+
+
+def overlap_conflict(grad_reduce: bool, zero_stage: int, ep: int, off: Offload, precision: str) -> str | None:
+    """Why ``mt3d.train.overlap.grad_reduce`` cannot run with this layout (None: it can)."""
+    if not grad_reduce:
+        return None
+    key = "mt3d.train.overlap.grad_reduce"
+    if zero_stage >= 2:
+        return (f"{key} is for the pipeline engine (ZeRO 0/1); ZeRO-{zero_stage}'s reduction overlaps the "
+                "backward already when zero_optimization.overlap_comm is true: set that instead")  # fmt: skip
+    why = None
+    if ep > 1:
+        why = "expert parallelism (ep > 1 sums gradients over ep right before DeepSpeed's reduction)"
+    elif off.any:
+        why = "optimizer offload (DeepSpeed copies gradients to the CPU inside its own reduction)"
+    elif precision == "fp16":
+        why = "fp16 (DeepSpeed's loss-scaled fp16 optimizer is not covered: use bf16)"
+    return f"{key} is not supported with {why}; set it false" if why else None
 
 
 def tiles_conflict(tile_len: int, zero_stage: int) -> str | None:

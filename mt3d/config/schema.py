@@ -41,6 +41,20 @@ class RecomputeConfig:
 
 
 @dataclass
+class OverlapConfig:
+    """Communication overlapped with compute (beyond what always overlaps: with sequence parallelism,
+    each column-parallel linear's backward all-gather and reduce-scatter run behind its GEMMs)."""
+
+    grad_reduce: bool = False
+    """All-reduce data-parallel gradients in buckets, in backward order, while the last micro-batch's
+    backward still runs (Megatron-Core's overlap_grad_reduce), instead of in one step after it.
+    Pipeline engine (ZeRO 0/1), fp32 or bf16; not with expert parallelism or optimizer offload."""
+    bucket_elements: int = 40_000_000
+    """Gradient elements per bucket (Megatron-Core's default size): smaller buckets start sooner and
+    leave less of the reduction after the backward, larger ones cost fewer collective launches."""
+
+
+@dataclass
 class ParallelConfig:
     """How the model is split: one degree per configured axis (``mt3d.parallel.axes``); data
     parallelism is what remains of the world."""
@@ -142,6 +156,8 @@ class TrainConfig:
     """Stop (after saving the last good state) after this many consecutive non-finite steps."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """Activation checkpointing."""
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    """Communication overlapped with compute."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per device for MFU (default: the detected GPU's dense bf16 peak; on CPU a
     matmul measured at start-up)."""

@@ -90,6 +90,10 @@ REACHES = (
     Reach("universal", "ds_to_universal takes tp x ep model ranks for TP slices: each ep rank's files "
           "converted as a tp-only checkpoint (links, rewritten model-state sizes and patterns), then joined",
           "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),
+    Reach("overlap", "data-parallel gradient reduction during the last backward: the engine's instruction "
+          "table copied per instance (backward and tied reduction wrapped), its reduction skipped or run "
+          "with ZeRO-1's average_tensor a no-op, bf16.immediate_grad_update set",
+          "test_overlap.py::test_deepspeed_still_needs_what_mt3d_ds_overlap_does"),
     Reach("ops", "a JIT op build's stale lock makes every later run wait forever: named with its fix",
           "test_offload.py::test_torch_still_waits_on_build_locks_without_a_time_limit"),
 )  # fmt: skip

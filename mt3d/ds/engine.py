@@ -23,10 +23,17 @@ from ..parallel.axes import deepspeed_sizes
 
 
 def deepspeed_config(
-    ds: DeepSpeedSection, layout: Layout, *, sequence_parallel: bool, on_cpu: bool, stream_tuple: bool = False
+    ds: DeepSpeedSection,
+    layout: Layout,
+    *,
+    sequence_parallel: bool,
+    on_cpu: bool,
+    stream_tuple: bool = False,
+    overlap_grad_reduce: bool = False,
 ) -> dict:
     """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained).
-    ``stream_tuple``: stages pass a tuple of tensors (a sparse model's router statistics)."""
+    ``stream_tuple``: stages pass a tuple of tensors (a sparse model's router statistics);
+    ``overlap_grad_reduce``: gradients are reduced during the backward (``mt3d.ds.overlap``)."""
     out = ds.copy()
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
@@ -49,6 +56,10 @@ def deepspeed_config(
         pipe = out.setdefault("pipeline", {})
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
+    if overlap_grad_reduce and layout.precision == "bf16":
+        # The BF16 optimizer then accumulates each parameter's fp32 gradient from a hook as soon as
+        # it is ready, instead of all of them after the backward: what mt3d.ds.overlap reduces.
+        out.setdefault("bf16", {})["immediate_grad_update"] = True
     opt = out.get("optimizer")
     if isinstance(opt, dict) and ds.optimizer_type in ("adam", "adamw"):
         offload = ds.offload.optimizer in ("cpu", "nvme")
@@ -124,12 +135,19 @@ def install_safe_loading(engine) -> None:
 
 
 def initialize(
-    model: torch.nn.Module, param_groups: list[dict], config: dict, layout: Layout, mpu=None, ep=None
+    model: torch.nn.Module,
+    param_groups: list[dict],
+    config: dict,
+    layout: Layout,
+    mpu=None,
+    ep=None,
+    overlap=None,
 ):
     """``deepspeed.initialize`` (the interleaved engine at v > 1); returns the engine, its
     checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
     ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``ep``:
-    the expert-parallel group (``mt3d.ds.experts`` when it has more than one rank)."""
+    the expert-parallel group (``mt3d.ds.experts`` when it has more than one rank); ``overlap``:
+    ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on)."""
     import deepspeed
 
     if layout.virtual_stages > 1:
@@ -150,5 +168,9 @@ def initialize(
         # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
         # gradient each step even over a one-rank data-parallel group: exact no-op work, skipped.
         engine.pipeline_enable_backward_allreduce = False
+    if overlap is not None and overlap.grad_reduce:
+        from .overlap import install as overlap_grad_reduce
+
+        engine.grad_reduce_overlap = overlap_grad_reduce(engine, overlap.bucket_elements)
     install_safe_loading(engine)
     return engine

@@ -113,17 +113,20 @@ def initialize(
     *,
     sequence_parallel: bool,
     load_universal: bool = False,
+    overlap=None,
 ):
     """The DeepSpeed engine of ``model`` with mt3d's parameter groups (``mt3d.ds.engine``);
-    ``load_universal``: the checkpoint it will load was converted to DeepSpeed's universal format."""
+    ``load_universal``: the checkpoint it will load was converted to DeepSpeed's universal format;
+    ``overlap``: ``mt3d.train.overlap``."""
     from ..ds.engine import deepspeed_config
     from ..ds.engine import initialize as ds_initialize
 
     on_cpu = rt.device.type == "cpu"
     stream_tuple = getattr(model, "stream_tuple", False)
     config = deepspeed_config(ds, layout, sequence_parallel=sequence_parallel, on_cpu=on_cpu,
-                              stream_tuple=stream_tuple)  # fmt: skip
+                              stream_tuple=stream_tuple,
+                              overlap_grad_reduce=overlap is not None and overlap.grad_reduce)  # fmt: skip
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
-    return ds_initialize(model, param_groups(model), config, layout, mpu=mpu, ep=rt.state.ep)
+    return ds_initialize(model, param_groups(model), config, layout, mpu=mpu, ep=rt.state.ep, overlap=overlap)

@@ -116,7 +116,13 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
 
         load_weights(model, open_source(hf_path), rt.state.tp)
     engine = initialize(
-        run.deepspeed, layout, rt, model, sequence_parallel=sp, load_universal=not same_layout
+        run.deepspeed,
+        layout,
+        rt,
+        model,
+        sequence_parallel=sp,
+        load_universal=not same_layout,
+        overlap=run.mt3d.train.overlap,
     )
     start = 0
     if plan is not None:

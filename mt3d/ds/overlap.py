@@ -1,0 +1,232 @@
+"""Data-parallel gradient reduction overlapped with the backward of the last micro-batch, inside
+DeepSpeed's pipeline engine (ZeRO 0 and 1, fp32 and bf16).
+
+DeepSpeed's pipeline engine reduces gradients in a schedule step of its own (``ReduceGrads``) after
+every backward has run, so the whole reduction is exposed. ZeRO-1's ``overlap_comm`` does not change
+that there: its gradient hooks reduce only at a gradient-accumulation boundary, which the pipeline
+engine declares only while that step runs (``_force_grad_boundary``). So mt3d does it here:
+
+* buckets: the trainable parameters in reverse registration order (the order a backward finishes
+  their gradients), cut into buckets of about ``bucket_elements``;
+* during the last micro-batch's backward of each chunk (``_exec_backward_pass`` counted per chunk),
+  a post-accumulate-grad hook, registered after DeepSpeed's own, marks a parameter's gradient
+  final; a bucket whose gradients are all final is flattened (a copy) and all-reduced
+  asynchronously over DeepSpeed's data-parallel group, strictly in bucket order so every rank posts
+  the same sequence of collectives;
+* before the tied-weight reduction and the gradient reduction, the buckets not posted yet (a
+  parameter without a gradient in that micro-batch) are posted, every bucket is waited for, and
+  the averages are written back; DeepSpeed's reduction then has nothing left to communicate: it is
+  skipped (ZeRO-0, the BF16 optimizer) or runs with its communication (``average_tensor``) made a
+  no-op (ZeRO-1: its partition bookkeeping still runs).
+
+The tensors reduced are the ones DeepSpeed would reduce (``experts.gradient_pairs``): ``p.grad``, or
+the BF16 optimizer's fp32 gradient buffers, which it fills per parameter from a hook when
+``bf16.immediate_grad_update`` is on (``deepspeed_config`` sets it). The scaling follows DeepSpeed's
+(``allreduce_bucket``: sum, then 1/dp; ZeRO-1's ``average_tensor``: 1/dp, then sum), so at dp 2 the
+results are DeepSpeed's to the bit. Watched by tests/test_training.py (parity with the one-process
+run and with the plain path) and tests/test_overlap.py (what DeepSpeed's source still does).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+log = logging.getLogger("mt3d")
+
+
+@dataclass
+class _Bucket:
+    params: list
+    tensors: list = field(default_factory=list)
+    flat: torch.Tensor | None = None
+    work: object = None
+
+
+class GradReduceOverlap:
+    """The buckets, hooks and waits of one engine (see the module docstring)."""
+
+    def __init__(self, engine, bucket_elements: int) -> None:
+        from .experts import gradient_pairs
+
+        self.engine = engine
+        self.group = engine.mpu.get_data_parallel_group()
+        self.dp = dist.get_world_size(self.group)
+        opt = engine.optimizer
+        self.bf16 = hasattr(opt, "bf16_groups")
+        self.zero1 = not self.bf16 and hasattr(opt, "average_tensor")
+        if self.bf16 and not opt.immediate_grad_update:
+            raise RuntimeError(
+                "overlapped gradient reduction needs bf16.immediate_grad_update (deepspeed_config)"
+            )
+        self._tensor_of = None if not self.bf16 else {id(p): g for p, g in gradient_pairs(engine)}
+        params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
+        self.buckets: list[_Bucket] = []
+        current, size = [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel()
+            if size >= bucket_elements:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._ready: set[int] = set()
+        self._posted = 0
+        self._backwards: dict = {}
+        self.armed = False
+        self.done = False
+        """This step's reduction is finished (reset by the next step's first backward)."""
+        self._logged = False
+        self.posted_in_backward = 0
+        """Buckets posted during the last backward of the latest step (what the overlap bench reads)."""
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # --- which tensor, which scaling --------------------------------------------------------------
+    def _tensor(self, p: torch.Tensor) -> torch.Tensor:
+        if self._tensor_of is not None:
+            return self._tensor_of[id(p)]
+        if p.grad is None:  # as DeepSpeed: every rank reduces the same sizes
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def _scale(self, flat: torch.Tensor, before: bool) -> None:
+        """Scale ``flat`` before or after the sum exactly as DeepSpeed's reduction of this optimizer."""
+        e = self.engine
+        if self.zero1:  # ZeRO-1's average_tensor: divide by dp, then reduce
+            if before and e.optimizer.gradient_average:
+                flat.div_(self.dp)
+            return
+        if not e.gradient_average:
+            return
+        if not e.postscale_gradients():  # allreduce_bucket's prescale branch
+            if before:
+                flat.mul_(1.0 / self.dp)
+            return
+        f = e.gradient_predivide_factor()
+        if before and f != 1.0:
+            flat.mul_(1.0 / f)
+        if not before and f != self.dp:
+            flat.mul_(f / self.dp)
+
+    # --- the backward -----------------------------------------------------------------------------
+    def backward(self, run, chunk) -> None:
+        """Run one backward pass (``run``), armed when it is ``chunk``'s last of the step."""
+        if self.done:  # the first backward of a new step
+            self.done, self._backwards, self.posted_in_backward = False, {}, 0
+        seen = self._backwards.get(chunk, 0) + 1
+        self._backwards[chunk] = seen
+        self.armed = seen == self.engine.micro_batches
+        try:
+            run()
+        finally:
+            self.armed = False
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        if id(p) in self._ready:
+            raise RuntimeError(
+                "a parameter's gradient was finished twice in one step (used by two chunks?): "
+                "set mt3d.train.overlap.grad_reduce false"
+            )
+        self._ready.add(id(p))
+        while self._posted < len(self.buckets) and all(
+            id(q) in self._ready for q in self.buckets[self._posted].params
+        ):
+            self._post(self.buckets[self._posted])
+            self.posted_in_backward += 1
+
+    @torch.no_grad()
+    def _post(self, bucket: _Bucket) -> None:
+        bucket.tensors = [self._tensor(p) for p in bucket.params]
+        comm = self.engine.communication_data_type
+        bucket.flat = torch.cat([t.reshape(-1).to(comm) for t in bucket.tensors])
+        self._scale(bucket.flat, before=True)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        self._posted += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Post the buckets left, wait for every one, write the averages back (once per step)."""
+        if self.done:
+            return
+        while self._posted < len(self.buckets):
+            self._post(self.buckets[self._posted])
+        for b in self.buckets:
+            b.work.wait()
+            self._scale(b.flat, before=False)
+            offset = 0
+            for t in b.tensors:
+                n = t.numel()
+                t.copy_(b.flat[offset : offset + n].view_as(t))
+                offset += n
+            b.flat, b.work, b.tensors = None, None, []
+        self._ready.clear()
+        self._posted = 0
+        self.done = True
+        if not self._logged:
+            self._logged = True
+            log.info("gradient reduction overlap: %d of %d buckets posted during the last backward",
+                     self.posted_in_backward, len(self.buckets))  # fmt: skip
+
+
+def install(engine, bucket_elements: int) -> GradReduceOverlap | None:
+    """Overlap ``engine``'s data-parallel gradient reduction with its backward (module docstring);
+    None where there is nothing to reduce (one data-parallel rank, or DeepSpeed's reduction off)."""
+    if dist.get_world_size(engine.mpu.get_data_parallel_group()) == 1:
+        return None
+    if not engine.pipeline_enable_backward_allreduce:
+        return None
+    ov = GradReduceOverlap(engine, bucket_elements)
+    table = dict(type(engine)._INSTRUCTION_MAP)
+    # DeepSpeed dispatches instructions through this class-level table (``_exec_schedule`` looks it
+    # up on the instance): the instance's own copy wraps three of them.
+    backward = table[ds_schedule.BackwardPass]
+    tied = table[ds_schedule.ReduceTiedGrads]
+
+    def backward_pass(self, buffer_id, chunk=None, **kw):
+        if chunk is not None:
+            kw["chunk"] = chunk
+        ov.backward(lambda: backward(self, buffer_id, **kw), chunk)
+
+    def reduce_tied(self):
+        ov.finish()
+        return tied(self)
+
+    table[ds_schedule.BackwardPass] = backward_pass
+    table[ds_schedule.ReduceTiedGrads] = reduce_tied
+    engine._INSTRUCTION_MAP = table
+    _skip_deepspeed_communication(engine, ov)
+    return ov
+
+
+def _skip_deepspeed_communication(engine, ov: GradReduceOverlap) -> None:
+    """DeepSpeed's reduction, after ``finish``: skipped (ZeRO-0, BF16 optimizer), or with ZeRO-1's
+    communication (``average_tensor``, ``buffered_reduce_fallback``) a no-op so its partition
+    bookkeeping still runs."""
+    for name in ("allreduce_gradients", "_bf16_reduce_grads"):
+        inner = getattr(engine, name)
+
+        def wrapped(*args, _inner=inner, **kwargs):
+            if not engine.is_gradient_accumulation_boundary():
+                return _inner(*args, **kwargs)
+            ov.finish()
+            if not ov.zero1:
+                return None
+            opt = engine.optimizer
+            saved = opt.average_tensor, opt.buffered_reduce_fallback
+            opt.average_tensor = lambda *a, **k: None
+            opt.buffered_reduce_fallback = lambda *a, **k: None
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                opt.average_tensor, opt.buffered_reduce_fallback = saved
+
+        setattr(engine, name, wrapped)

@@ -1,0 +1,43 @@
+"""Communication overlapped with compute: the benchmark's smoke mode and what mt3d.ds.overlap relies on
+in the pinned DeepSpeed's source (the parity runs are in test_training.py)."""
+
+import inspect
+
+from test_bench import bench
+
+
+def test_overlap_benchmark_hides_transfers_and_posts_buckets_in_the_backward():
+    """The smoke mode measures both rows; with buckets smaller than the model, buckets are posted
+    while the last backward still runs (every one of them: the last fills when the backward ends)."""
+    rec, text = bench("overlap", "--smoke", "--reps", "2", "--bucket-elements", "60000")
+    (row,) = rec["rows"]
+    assert row["comm_ms"] > 0 and row["gemms_ms"] > 0 and 0 < row["predicted"] <= 1
+    dp = rec["dp"]
+    assert dp["buckets"] > 2 and dp["posted_in_backward"] == dp["buckets"], dp
+    assert dp["comm_ms"] > 0 and dp["last_backward_ms"] > 0 and 0 < dp["predicted"] <= 1
+    assert "data-parallel gradient reduction at dp 2" in text and rec["pp_hidden"] == 0.0
+
+
+def test_deepspeed_still_needs_what_mt3d_ds_overlap_does():
+    """The pipeline engine declares a gradient-accumulation boundary only inside its reduce step (so
+    ZeRO-1's hooks never reduce during a backward) and dispatches instructions through a table looked
+    up on the instance; ZeRO-1's reduction communicates in average_tensor (the fallback without
+    contiguous gradients in buffered_reduce_fallback); the BF16 optimizer's immediate update fills
+    its fp32 gradients from post-accumulate-grad hooks, which run in registration order."""
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.pipe import engine as pipe_engine
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    pe = pipe_engine.PipelineEngine
+    assert "return self._force_grad_boundary" in inspect.getsource(pe.is_gradient_accumulation_boundary)
+    assert "self._INSTRUCTION_MAP[type(cmd)]" in inspect.getsource(pe._exec_schedule)
+    z = stage_1_and_2.DeepSpeedZeroOptimizer
+    ready = inspect.getsource(z.reduce_ready_partitions_and_remove_grads)
+    assert "self.is_gradient_accumulation_boundary()" in ready
+    ipg = inspect.getsource(z.reduce_ipg_grads)
+    assert "self.average_tensor(" in ipg and "self.buffered_reduce_fallback(" in ipg
+    hooks = inspect.getsource(bf16_optimizer.BF16_Optimizer.create_grad_acc_hooks)
+    assert "register_grad_hook" in hooks and "accumulate_hp_grads_and_remove_lp" in hooks
+    from deepspeed.utils.torch import register_grad_hook
+
+    assert "register_post_accumulate_grad_hook" in inspect.getsource(register_grad_hook)
