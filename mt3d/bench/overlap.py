@@ -10,10 +10,12 @@ schedule's prediction (min(gather, dgrad) + min(scatter, wgrad)) / C.
 
 Data parallelism (``mt3d.train.overlap.grad_reduce``, ``mt3d.ds.overlap``): a ZeRO-1 step at dp 2 on
 DeepSpeed's pipeline engine, once with DeepSpeed's reduction after the backward and once with the
-buckets reduced during the last micro-batch's backward. C: the reduction step alone in the first
-run; hidden: (step time saved) / C, beside the schedule's prediction min(C - C_last bucket, B_last) / C
-(B_last: the last micro-batch's backward). Pipeline transfers are not overlapped in mt3d (DeepSpeed's
-engine runs each send and receive as a blocking schedule step): hidden 0 by construction, not measured.
+buckets reduced during the last micro-batch's backward. C: the reduction step in the first run;
+hidden: (C - what is left after the backward - how much longer the last backward took) / C, and,
+noisier (two runs' step times), (step time saved) / C; beside the schedule's prediction
+min(C - C_last bucket, B_last) / C (B_last: the last micro-batch's backward). Pipeline transfers are
+not overlapped in mt3d (DeepSpeed's engine runs each send and receive as a blocking schedule step):
+hidden 0 by construction, not measured.
 """
 
 from __future__ import annotations
@@ -133,9 +135,11 @@ def dp_row(model: dict, reps: int, bucket: int) -> dict:
     predicted = min(comm * (1 - on["last_bucket_share"]), off["last_backward"]) / comm
     return {"comm_ms": comm * 1e3, "last_backward_ms": off["last_backward"] * 1e3,
             "step_ms": off["step"] * 1e3, "overlapped_step_ms": on["step"] * 1e3,
-            "reduce_after_ms": on["reduce"] * 1e3, "buckets": on["buckets"],
+            "reduce_after_ms": on["reduce"] * 1e3, "overlapped_last_backward_ms": on["last_backward"] * 1e3,
+            "buckets": on["buckets"],
             "posted_in_backward": on["posted_in_backward"],
-            "hidden": (off["step"] - on["step"]) / comm, "predicted": predicted}  # fmt: skip
+            "hidden": (comm - on["reduce"] - max(0.0, on["last_backward"] - off["last_backward"])) / comm,
+            "hidden_by_step": (off["step"] - on["step"]) / comm, "predicted": predicted}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -158,7 +162,8 @@ def run(args) -> dict:
                        "predicted"]))  # fmt: skip
     dp = dp_row(model, args.reps, args.bucket_elements)
     print("\ndata-parallel gradient reduction at dp 2 (ZeRO-1, rank 0): during the last backward vs after it")
-    print(table([dp], ["comm_ms", "last_backward_ms", "step_ms", "overlapped_step_ms", "reduce_after_ms",
-                       "buckets", "posted_in_backward", "hidden", "predicted"]))  # fmt: skip
+    columns = ["comm_ms", "last_backward_ms", "overlapped_last_backward_ms", "reduce_after_ms", "step_ms",
+               "overlapped_step_ms", "buckets", "hidden", "hidden_by_step", "predicted"]  # fmt: skip
+    print(table([dp], columns))
     print("pipeline transfers: not overlapped in mt3d (hidden 0)")
     return emit("overlap", {"tp": 2, "rows": rows, "dp": dp, "pp_hidden": 0.0})
