@@ -390,6 +390,17 @@ def test_another_stacks_recompute_attention_kernel_and_pipeline_transfers_are_fl
     assert split["pp_comm_s"] < flash["pp_comm_s"]
     korthikanti = rows("--recompute", "none", "--activation-model", "korthikanti")[0]
     assert korthikanti["memory_gb"] != flash["memory_gb"]
+    # --overlap dp: the gradient reduction hides behind the last micro-batch's backward but its last
+    # bucket (a stage of 1.3B / pp 2 / tp 2 holds 8-9 buckets of 40M gradients)
+    from mt3d.planner.costs import dp_hidden
+
+    hidden = rows("--recompute", "none", "--overlap", "dp")[0]
+    assert 0 < hidden["dp_comm_s"] < flash["dp_comm_s"] and hidden["compute_s"] == flash["compute_s"]
+    assert hidden["dp_comm_s"] == pytest.approx(
+        flash["dp_comm_s"] - dp_hidden(flash["dp_comm_s"], 330e6, flash["compute_s"] / 16, False), rel=0.05
+    )
+    assert dp_hidden(1.0, 400e6, 0.3, False) == pytest.approx(0.2)  # capped by the backward (2/3 x 0.3)
+    assert dp_hidden(1.0, 400e6, 9.0, True) == pytest.approx(0.9)  # all but the last of 10 buckets
 
 
 def test_optimizer_state_dtype_is_a_planner_flag(capsys):

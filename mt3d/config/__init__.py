@@ -29,6 +29,7 @@ from .rules import (
     offload_conflict,
     offload_resume_conflict,
     optimizer_device,
+    overlap_conflict,
     virtual_stage_conflict,
     zero_pipeline_conflict,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "offload_conflict",
     "offload_resume_conflict",
     "optimizer_device",
+    "overlap_conflict",
     "parse_override",
     "resolve_model",
     "validate",

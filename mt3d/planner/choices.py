@@ -11,3 +11,10 @@ OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16")
 RECOMPUTE = ("none", "full", "selective")
 """Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention
 core and the MLP's activation of every block (``Layout.selective``)."""
+
+OVERLAPS = ("dp",)
+"""Transfers the planner can count as overlapped with compute (``--overlap``): dp, the data-parallel
+gradient reduction during the last micro-batch's backward (``mt3d.train.overlap.grad_reduce``)."""
+
+GRAD_BUCKET_ELEMENTS = 40_000_000
+"""Gradient elements per overlapped bucket (``mt3d.train.overlap.bucket_elements``' default)."""

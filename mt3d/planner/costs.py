@@ -284,6 +284,18 @@ def memory_bytes(
             "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
 
 
+def dp_hidden(dp: float, grads: float, micro_compute: float, recompute: bool) -> float:
+    """Seconds of a data-parallel gradient reduction (``dp``) hidden behind the last micro-batch's
+    backward, from the schedule: buckets of ``GRAD_BUCKET_ELEMENTS`` are reduced in backward order as
+    they fill, so all but the last bucket can hide, and no more than that backward lasts (2/3 of a
+    micro-batch's ``micro_compute``, 3/4 with full recompute)."""
+    from .choices import GRAD_BUCKET_ELEMENTS
+
+    buckets = max(1, math.ceil(grads / GRAD_BUCKET_ELEMENTS))
+    backward = micro_compute * (3 / 4 if recompute else 2 / 3)
+    return min(dp * (1 - 1 / buckets), backward)
+
+
 def step_time(
     cfg: ModelConfig,
     vocab: int,
@@ -300,6 +312,7 @@ def step_time(
     attention_kernel: str = "flash",
     pp_scatter_gather: bool = False,
     gemm_fraction: float | None = None,
+    overlap: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
@@ -314,6 +327,8 @@ def step_time(
     ``gemm_fraction``: of the device's GEMM ceiling (default ``compute.GEMM_FRACTION``).
     ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
+    ``overlap``: "dp" hides the data-parallel gradient reduction (ZeRO 0-2) behind the last
+    micro-batch's backward, as far as the schedule allows (``dp_hidden``).
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
@@ -342,6 +357,8 @@ def step_time(
     dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage, gathers) / (dense_bw * 1e9)
     if lay.zero_stage == 3:
         dp = max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
+    elif "dp" in overlap:
+        dp -= dp_hidden(dp, grads, compute / m, lay.recompute)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12

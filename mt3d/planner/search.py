@@ -21,6 +21,7 @@ from ..config import (
     context_zero_conflict,
     expert_conflict,
     moe_conflict,
+    overlap_conflict,
     virtual_stage_conflict,
     zero_pipeline_conflict,
 )
@@ -245,6 +246,8 @@ class Stack:
     """Share of the GEMM ceiling its GEMMs reach (None: ``compute.GEMM_FRACTION``, the calibration)."""
     mt3d_rules: bool = True
     """The rules of mt3d's DeepSpeed engine apply (ZeRO stage with a pipeline or cp, MoE)."""
+    overlap: tuple[str, ...] = ()
+    """Transfers overlapped with compute (``choices.OVERLAPS``)."""
 
 
 def plan(
@@ -308,6 +311,7 @@ def plan(
         "global_batch": global_batch,
         "seq_len": seq_len,
         "precision": precision,
+        "overlap": list(stack.overlap),
         "efficiency": efficiency,
         "gemm_tflops": dev.gemm_tflops,
         "attention": attention,
@@ -335,7 +339,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
         device=dev, attention_fraction=tile_fraction, precision=precision,
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
-        gemm_fraction=stack.gemm_fraction,
+        gemm_fraction=stack.gemm_fraction, overlap=stack.overlap,
     )  # fmt: skip
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
@@ -556,6 +560,10 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
             },
         },
     }
+    overlap_rule = overlap_conflict(True, best["zero_stage"], best.get("ep", 1),
+                                    Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
+    if "dp" in result.get("overlap", ()) and overlap_rule is None:
+        conf["mt3d"]["train"]["overlap"] = {"grad_reduce": True}  # what the plan's step time assumed
     with open(path, "w") as f:
         json.dump(conf, f, indent=2)
     return conf
