@@ -185,23 +185,31 @@ class WandbSink:
         self.stopping = stopping or (lambda: False)
         self.failed = False
 
-    def _call(self, what: str, fn, *args, **kwargs) -> None:
+    def _call(self, what: str, fn, *args, quiet: bool = False, **kwargs) -> None:
         if self.failed or self.stopping():
             return
+        # W&B's own debug logger writes into the run directory; on a full disk each of its records
+        # would print a "--- Logging error ---" traceback (logging.raiseExceptions) amid mt3d's one line.
+        raising, logging.raiseExceptions = logging.raiseExceptions, False
         try:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - W&B is never worth a run
             self.failed = True
+            if quiet:
+                return
             log.warning("W&B %s failed (%s: %s); W&B is off for the rest of the run, metrics.jsonl continues",
                         what, type(e).__name__, e)  # fmt: skip
+        finally:
+            logging.raiseExceptions = raising
 
     def log(self, data: dict, step: int | None = None) -> None:
         """wandb.log."""
         self._call("log", self.run.log, data, step=step)
 
     def abandon(self) -> None:
-        """Finish a failed run's W&B run quietly and switch W&B off (nothing more is logged)."""
-        self._call("finish", self.run.finish, exit_code=1)
+        """Finish a failed run's W&B run quietly and switch W&B off (nothing more is logged): the run's
+        own error is the one line to read, also when W&B cannot finish either (a full disk)."""
+        self._call("finish", self.run.finish, exit_code=1, quiet=True)
         self.failed = True
 
     def finish(self, summary: dict | None = None) -> None:
