@@ -388,23 +388,21 @@ def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
 @pytest.mark.parametrize(
     "world,zero,precision",
     [(2, 0, "fp32"), (4, 1, "bf16")],
-    ids=["zero0-fp32-dp2", "zero1-bf16-pp2-dp2"],
+    ids=["zero0-fp32-dp2", "bf16-optimizer-pp2-dp2"],
 )
 def test_overlapped_grad_reduce_is_deepspeeds_reduction_to_the_bit(tmp_path, world, zero, precision):
-    """At dp 2 the overlapped reduction sums and scales as DeepSpeed's own (plain DP's all-reduce, the
-    BF16 optimizer's fp32 gradients with its immediate updates): the same losses and norms, bit for bit."""
+    """At dp 2 the overlapped reduction sums and scales as DeepSpeed's own (plain DP's all-reduce; the
+    BF16 optimizer's fp32 gradients, which DeepSpeed picks for bf16 with fp32 gradient accumulation,
+    with its immediate updates): the same losses and norms, bit for bit."""
     runs = []
     for overlap in (False, True):
         raw = tiny_config(tmp_path / f"o{overlap}", model=TINY_LLAMA, zero=zero, pp=world // 2,
                           overlap={**OVERLAP, "grad_reduce": overlap})  # fmt: skip
         if precision == "bf16":
             raw["bf16"] = {"enabled": True}
-        runs.append(
-            [
-                (r["loss"], r["grad_norm"])
-                for r in step_records(spawn(train_worker, world, raw, timeout=300)[0])
-            ]
-        )
+            raw["data_types"] = {"grad_accum_dtype": "fp32"}
+        records = step_records(spawn(train_worker, world, raw, timeout=300)[0])
+        runs.append([(r["loss"], r["grad_norm"]) for r in records])
     assert runs[0] == runs[1]
 
 

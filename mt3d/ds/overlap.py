@@ -19,8 +19,10 @@ engine declares only while that step runs (``_force_grad_boundary``). So mt3d do
   skipped (ZeRO-0, the BF16 optimizer) or runs with its communication (``average_tensor``) made a
   no-op (ZeRO-1: its partition bookkeeping still runs).
 
-The tensors reduced are the ones DeepSpeed would reduce (``experts.gradient_pairs``): ``p.grad``, or
-the BF16 optimizer's fp32 gradient buffers, which it fills per parameter from a hook when
+The tensors reduced are the ones DeepSpeed would reduce: ``p.grad`` (ZeRO-0, and ZeRO-1 with
+gradients in the weights' dtype: fp32, or bf16 by default), ZeRO-1's ``grad_accum`` (another
+gradient dtype), or the BF16 optimizer's fp32 gradient buffers (bf16 with ``data_types.
+grad_accum_dtype`` fp32), which it fills per parameter from a hook when
 ``bf16.immediate_grad_update`` is on (``deepspeed_config`` sets it). The scaling follows DeepSpeed's
 (``allreduce_bucket``: sum, then 1/dp; ZeRO-1's ``average_tensor``: 1/dp, then sum), so at dp 2 the
 results are DeepSpeed's to the bit. Watched by tests/test_training.py (parity with the one-process
@@ -92,9 +94,17 @@ class GradReduceOverlap:
     def _tensor(self, p: torch.Tensor) -> torch.Tensor:
         if self._tensor_of is not None:
             return self._tensor_of[id(p)]
-        if p.grad is None:  # as DeepSpeed: every rank reduces the same sizes
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        opt = self.engine.optimizer
+        # ZeRO-1 accumulates into ``grad_accum`` when its gradient dtype differs from the weights'
+        accum = self.zero1 and opt.use_grad_accum_attribute
+        g = getattr(p, "grad_accum", None) if accum else p.grad
+        if g is None:  # as DeepSpeed: every rank reduces the same sizes
+            g = torch.zeros_like(p, dtype=opt.gradient_accumulation_dtype if accum else p.dtype)
+            if accum:
+                p.grad_accum = g
+            else:
+                p.grad = g
+        return g
 
     def _scale(self, flat: torch.Tensor, before: bool) -> None:
         """Scale ``flat`` before or after the sum exactly as DeepSpeed's reduction of this optimizer."""
