@@ -74,3 +74,35 @@ def train_rc_worker(raw):
     rc = run_training(run, layout, cfg)
     path = os.path.join(run.mt3d.train.save_dir, "metrics.jsonl")
     return rc, (read_metrics(path) if rank == 0 and os.path.exists(path) else None)
+
+
+def optimizer_states_worker(raw, steps=5):
+    """Build ``raw``'s engine on the spawned ranks, train ``steps`` steps; return the optimizer's bytes
+    on this rank (its master-weight partitions and Adam moments), their dtypes, the losses and the
+    trainable parameters on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from mt3d.bench.common import build_engine
+    from mt3d.data.loader import StepBatches
+
+    _, layout, rt, engine, data, _ = build_engine(copy.deepcopy(raw))
+    split = dict(
+        global_batch=layout.global_batch, micro_batch=layout.micro_batch, grad_accum=layout.grad_accum
+    )
+    losses = []
+    for k in range(steps):
+        it = StepBatches(data.train, **split, dp_rank=rt.state.dp.rank, start_step=k)
+        losses.append(float(engine.train_batch(data_iter=it)))
+    inner = engine.optimizer.optimizer  # the torch optimizer over ZeRO's flat partitions
+    master = [p for g in inner.param_groups for p in g["params"]]
+    states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {
+        "rank": dist.get_rank(),
+        "master_bytes": nbytes(master),
+        "moment_bytes": nbytes(states),
+        "dtypes": sorted({str(t.dtype) for t in master + states}),
+        "params": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+        "losses": losses,
+    }

@@ -30,23 +30,29 @@ def losses(records):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(records)]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-states-overlap"])
 def test_resume_is_exact(tmp_path, precision):
     """10 steps straight vs 5 + resume + 5 at tp 2 x pp 2 x dp 2, with dropout on: identical, also
-    when the resumed run nests its ranks in another order (random state follows coordinates)."""
+    when the resumed run nests its ranks in another order (random state follows coordinates). With bf16
+    master weights and moments and the overlapped gradient reduction: at pp 2 x dp 2."""
+    tp, world = (1, 4) if precision == "bf16-states-overlap" else (2, 8)
 
     def config(d, steps, **kw):
-        raw = tiny_config(d, model=DROPOUT_GPT, tp=2, pp=2, steps=steps, save_at_end=True, **kw)
+        raw = tiny_config(d, model=DROPOUT_GPT, tp=tp, pp=2, steps=steps, save_at_end=True, **kw)
         raw["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 8}}  # resumes mid-warm-up
-        if precision == "bf16":
+        if precision != "fp32":
             raw["bf16"] = {"enabled": True}
+        if precision == "bf16-states-overlap":
+            raw["mt3d"]["train"].update(
+                optimizer_states="bf16", overlap={"grad_reduce": True, "bucket_elements": 3000}
+            )
         return raw
 
-    straight = losses(run(config(tmp_path / "a", 10), 8))
-    run(config(tmp_path / "b", 5), 8)
+    straight = losses(run(config(tmp_path / "a", 10), world))
+    run(config(tmp_path / "b", 5), world)
     again = config(tmp_path / "b", 10, resume="auto")
     again["mt3d"]["parallel"]["order"] = "tp-pp-dp"
-    resumed = losses(run(again, 8))[5:]  # metrics.jsonl is appended to
+    resumed = losses(run(again, world))[5:]  # metrics.jsonl is appended to
     assert [s for s, _, _ in resumed] == list(range(6, 11))
     assert resumed == straight[5:]  # bit-identical losses and grad norms
 

@@ -454,6 +454,30 @@ def test_bad_recompute_settings_are_one_line(tmp_path, recompute, match):
     assert "\n" not in str(info.value)
 
 
+def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tmp_path):
+    """mt3d.train.optimizer_states 'bf16' (ZeRO-1, dp 2): DeepSpeed keeps master weights and moments in
+    bf16, 6 bytes per parameter / dp as the planner sizes them (12 with fp32 states), and the run
+    trains like the fp32-state one (bf16 rounding of the update apart)."""
+    from mt3d.planner.costs import Precision
+
+    from helpers import optimizer_states_worker
+
+    got = {}
+    for states in ("fp32", "bf16"):
+        raw = tiny_config(tmp_path / states, model=TINY_LLAMA, optimizer_states=states)
+        raw["bf16"] = {"enabled": True}
+        got[states] = spawn(optimizer_states_worker, 2, raw, timeout=300)
+    for states, ranks in got.items():
+        prec = Precision.of("bf16", 1, states)
+        for r in ranks:
+            held = r["master_bytes"] + r["moment_bytes"]
+            assert held == pytest.approx((prec.master + prec.optim) * r["params"] / 2, rel=0.01), (states, r)
+        assert ranks[0]["dtypes"] == ["torch.float32" if states == "fp32" else "torch.bfloat16"]
+    fp32, bf16 = got["fp32"][0]["losses"], got["bf16"][0]["losses"]
+    assert bf16[-1] < bf16[0] and fp32[0] == bf16[0]
+    assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in zip(fp32, bf16)), (fp32, bf16)
+
+
 @pytest.mark.parametrize(
     "change,world,match",
     [
@@ -466,12 +490,32 @@ def test_bad_recompute_settings_are_one_line(tmp_path, recompute, match):
         ({"fp16": True}, 2, "not supported with fp16"),
         ({"ep": 2}, 2, "not supported with expert parallelism"),
         ({"bucket_elements": 0}, 1, "bucket_elements must be >= 1, got 0"),
+        ({"states": "bf16"}, 1, "optimizer_states 'bf16' needs bf16 training"),
+        ({"states": "bf16-moments"}, 1, "'bf16-moments' .* is not something DeepSpeed runs"),
+        ({"states": "bf16", "bf16": True, "zero": 0}, 1, "'bf16' needs ZeRO 1-3"),
+        ({"ds_master": True, "bf16": True}, 1, "are set by mt3d.train.optimizer_states 'bf16'"),
     ],
-    ids=["zero2", "offload", "fp16", "ep", "bucket"],
+    ids=[
+        "zero2",
+        "offload",
+        "fp16",
+        "ep",
+        "bucket",
+        "states-fp32-run",
+        "states-moments",
+        "states-zero0",
+        "states-by-hand",
+    ],
 )
-def test_overlap_settings_it_cannot_run_are_one_line(tmp_path, change, world, match):
-    overlap = {"grad_reduce": True, "bucket_elements": change.get("bucket_elements", 100)}
-    raw = tiny_config(tmp_path, model=TINY_LLAMA, zero=change.get("zero", 1), overlap=overlap)
+def test_overlap_and_optimizer_state_settings_it_cannot_run_are_one_line(tmp_path, change, world, match):
+    overlap = {"grad_reduce": "states" not in change and "ds_master" not in change,
+               "bucket_elements": change.get("bucket_elements", 100)}  # fmt: skip
+    raw = tiny_config(tmp_path, model=TINY_LLAMA, zero=change.get("zero", 1), overlap=overlap,
+                      optimizer_states=change.get("states", "fp32"))  # fmt: skip
+    if change.get("bf16"):
+        raw["bf16"] = {"enabled": True}
+    if change.get("ds_master"):
+        raw["bf16"]["bf16_master_weights_and_grads"] = True
     if change.get("offload"):
         raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if change.get("fp16"):

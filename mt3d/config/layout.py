@@ -94,6 +94,9 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)
         or rules.tiles_conflict(run.mt3d.train.recompute.tile_len, stage)
+        or rules.optimizer_states_conflict(
+            run.mt3d.train.optimizer_states, run.precision, stage, run.deepspeed.offload, run.ds
+        )
         or rules.overlap_conflict(
             run.mt3d.train.overlap.grad_reduce, stage, degrees["ep"], run.deepspeed.offload, run.precision
         )  # fmt: skip

@@ -230,6 +230,40 @@ def overlap_conflict(grad_reduce: bool, zero_stage: int, ep: int, off: Offload, 
     return f"{key} is not supported with {why}; set it false" if why else None
 
 
+def optimizer_states_conflict(
+    states: str, precision: str, zero_stage: int, off: Offload, ds: dict
+) -> str | None:
+    """Why ``mt3d.train.optimizer_states`` cannot be ``states`` here (None: it can). DeepSpeed's own keys
+    for it are set by mt3d (``ds.engine.deepspeed_config``), never by hand: given alone they are
+    silently ignored where DeepSpeed picks its BF16 optimizer (fp32 gradient accumulation)."""
+    key = "mt3d.train.optimizer_states"
+    bf16 = ds.get("bf16") or {}
+    if states == "fp32" and (bf16.get("bf16_master_weights_and_grads") or bf16.get("bf16_optimizer_states")):
+        return (f"bf16.bf16_master_weights_and_grads / bf16_optimizer_states are set by {key} 'bf16' "
+                "(which also accumulates gradients in bf16, without which DeepSpeed ignores them): "
+                "set that")  # fmt: skip
+    if states == "fp32":
+        return None
+    if states == "bf16-moments":
+        return (f"{key} 'bf16-moments' (fp32 master weights, bf16 moments) is not something "
+                "DeepSpeed runs (its bf16_optimizer_states needs bf16 master weights): use 'bf16' or "
+                "'fp32'")  # fmt: skip
+    if states != "bf16":
+        return f"{key} must be fp32 or bf16, got {states!r}"
+    why = None
+    if precision != "bf16":
+        why = f"bf16 training (this run is {precision}: set bf16.enabled true)"
+    elif zero_stage == 0:
+        why = "ZeRO 1-3 (DeepSpeed keeps bf16 master weights only in its ZeRO optimizers)"
+    elif off.optimizer != "none":
+        why = (
+            "the optimizer on the accelerator (with offload DeepSpeed's CPU Adam would need its own setting)"
+        )
+    elif ((ds.get("data_types") or {}).get("grad_accum_dtype") or "bf16") not in ("bf16", "bfloat16"):
+        why = "gradients accumulated in bf16 (data_types.grad_accum_dtype: remove it or set bf16)"
+    return f"{key} 'bf16' needs {why}" if why else None
+
+
 def tiles_conflict(tile_len: int, zero_stage: int) -> str | None:
     """Why sequence tiles cannot run with this ZeRO stage (None: they can)."""
     if tile_len > 0 and zero_stage == 3:

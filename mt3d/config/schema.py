@@ -158,6 +158,11 @@ class TrainConfig:
     """Activation checkpointing."""
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     """Communication overlapped with compute."""
+    optimizer_states: str = "fp32"
+    """Dtype of the master weights and Adam moments in bf16 training: 'fp32' (12 bytes per parameter)
+    or 'bf16' (6: DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3,
+    gradients accumulated in bf16). The planner's 'bf16-moments' (fp32 master, bf16 moments) is not
+    something DeepSpeed runs."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per device for MFU (default: the detected GPU's dense bf16 peak; on CPU a
     matmul measured at start-up)."""

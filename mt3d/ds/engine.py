@@ -30,10 +30,12 @@ def deepspeed_config(
     on_cpu: bool,
     stream_tuple: bool = False,
     overlap_grad_reduce: bool = False,
+    optimizer_states: str = "fp32",
 ) -> dict:
     """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained).
     ``stream_tuple``: stages pass a tuple of tensors (a sparse model's router statistics);
-    ``overlap_grad_reduce``: gradients are reduced during the backward (``mt3d.ds.overlap``)."""
+    ``overlap_grad_reduce``: gradients are reduced during the backward (``mt3d.ds.overlap``);
+    ``optimizer_states``: ``mt3d.train.optimizer_states``."""
     out = ds.copy()
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
@@ -60,6 +62,11 @@ def deepspeed_config(
         # The BF16 optimizer then accumulates each parameter's fp32 gradient from a hook as soon as
         # it is ready, instead of all of them after the backward: what mt3d.ds.overlap reduces.
         out.setdefault("bf16", {})["immediate_grad_update"] = True
+    if optimizer_states == "bf16":
+        # bf16 master weights and moments live in DeepSpeed's ZeRO optimizers only; DeepSpeed picks
+        # its BF16 optimizer instead (fp32 master, keys ignored) when gradients accumulate in fp32.
+        out.setdefault("bf16", {}).update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        out.setdefault("data_types", {})["grad_accum_dtype"] = "bf16"
     opt = out.get("optimizer")
     if isinstance(opt, dict) and ds.optimizer_type in ("adam", "adamw"):
         offload = ds.offload.optimizer in ("cpu", "nvme")

@@ -114,10 +114,11 @@ def initialize(
     sequence_parallel: bool,
     load_universal: bool = False,
     overlap=None,
+    optimizer_states: str = "fp32",
 ):
     """The DeepSpeed engine of ``model`` with mt3d's parameter groups (``mt3d.ds.engine``);
     ``load_universal``: the checkpoint it will load was converted to DeepSpeed's universal format;
-    ``overlap``: ``mt3d.train.overlap``."""
+    ``overlap``: ``mt3d.train.overlap``; ``optimizer_states``: ``mt3d.train.optimizer_states``."""
     from ..ds.engine import deepspeed_config
     from ..ds.engine import initialize as ds_initialize
 
@@ -125,7 +126,8 @@ def initialize(
     stream_tuple = getattr(model, "stream_tuple", False)
     config = deepspeed_config(ds, layout, sequence_parallel=sequence_parallel, on_cpu=on_cpu,
                               stream_tuple=stream_tuple,
-                              overlap_grad_reduce=overlap is not None and overlap.grad_reduce)  # fmt: skip
+                              overlap_grad_reduce=overlap is not None and overlap.grad_reduce,
+                              optimizer_states=optimizer_states)  # fmt: skip
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
