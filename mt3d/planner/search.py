@@ -312,6 +312,7 @@ def plan(
         "seq_len": seq_len,
         "precision": precision,
         "overlap": list(stack.overlap),
+        "optimizer_states": stack.optimizer_states,
         "efficiency": efficiency,
         "gemm_tflops": dev.gemm_tflops,
         "attention": attention,
@@ -562,6 +563,9 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
     }
     overlap_rule = overlap_conflict(True, best["zero_stage"], best.get("ep", 1),
                                     Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
+    states = result.get("optimizer_states", "fp32")
+    if states != "fp32":  # what the plan's memory assumed; refused at start-up where it cannot run
+        conf["mt3d"]["train"]["optimizer_states"] = states
     if "dp" in result.get("overlap", ()) and overlap_rule is None:
         conf["mt3d"]["train"]["overlap"] = {"grad_reduce": True}  # what the plan's step time assumed
     with open(path, "w") as f:
