@@ -7,15 +7,19 @@ from test_bench import bench
 
 
 def test_overlap_benchmark_hides_transfers_and_posts_buckets_in_the_backward():
-    """The smoke mode measures both rows; with buckets smaller than the model, buckets are posted
-    while the last backward still runs (every one of them: the last fills when the backward ends)."""
+    """The smoke mode measures the TP, DP and PP rows; with buckets smaller than the model, buckets
+    are posted while the last backward still runs (every one of them: the last fills when the
+    backward ends)."""
     rec, text = bench("overlap", "--smoke", "--reps", "2", "--bucket-elements", "60000")
     (row,) = rec["rows"]
     assert row["comm_ms"] > 0 and row["gemms_ms"] > 0 and 0 < row["predicted"] <= 1
     dp = rec["dp"]
     assert dp["buckets"] > 2 and dp["posted_in_backward"] == dp["buckets"], dp
     assert dp["comm_ms"] > 0 and dp["last_backward_ms"] > 0 and 0 < dp["predicted"] <= 1
-    assert "data-parallel gradient reduction at dp 2" in text and rec["pp_hidden"] == 0.0
+    assert "data-parallel gradient reduction at dp 2" in text
+    # pp 2, m = 4: each stage sends as much as it receives; waiting is measured both ways on each stage
+    assert [(r["stage"], r["predicted"]) for r in rec["pp"]] == [(0, 0.5), (1, 0.5)]
+    assert all(r["wait_ms"] > 0 and r["async_wait_ms"] >= 0 and r["step_ms"] > 0 for r in rec["pp"])
 
 
 def test_deepspeed_still_needs_what_mt3d_ds_overlap_does():

@@ -368,7 +368,7 @@ OVERLAP = {"grad_reduce": True, "bucket_elements": 3000}  # several buckets per 
         (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"recompute": {"gathered_sp_inputs": True}}),
         (4, dict(tensor=2, pipeline=2, virtual_stages=2, sequence_parallel=True),
          {"recompute": {"granularity": "selective"}}),
-        (4, dict(pipeline=2, virtual_stages=2), {"overlap": OVERLAP}),
+        (4, dict(pipeline=2, virtual_stages=2), {"overlap": {**OVERLAP, "p2p": True}}),
     ],
     ids=["selective-overlap-2-2-2-sp", "gathered-sp-inputs-2-2-2", "selective-2-2-1-v2-sp",
          "overlap-1-2-2-v2"],
@@ -379,7 +379,8 @@ def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
     """Selective recompute (attention core and MLP activation again in the backward), both ways of
     keeping a column-parallel linear's SP input (its 1/tp shard, the default, or all of it), and the
     data-parallel gradient reduction overlapped with the last micro-batch's backward (ZeRO-1, with
-    and without virtual stages) give the single-process losses and grad norms."""
+    and without virtual stages, the second with pipeline transfers posted ahead) give the
+    single-process losses and grad norms."""
     raw = tiny_config(tmp_path / "run", model=TINY_LLAMA, **train_keys)
     raw["mt3d"]["parallel"].update(parallel)
     assert_same(step_records(spawn(train_worker, world, raw, timeout=300)[0]), reference["llama"])
@@ -496,6 +497,12 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         ({"states": "bf16-moments"}, 1, "'bf16-moments' .* is not something DeepSpeed runs"),
         ({"states": "bf16", "bf16": True, "zero": 0}, 1, "'bf16' needs ZeRO 1-3"),
         ({"ds_master": True, "bf16": True}, 1, "are set by mt3d.train.optimizer_states 'bf16'"),
+        ({"p2p": True}, 2, "overlap.p2p overlaps pipeline transfers: it needs pipeline >= 2"),
+        (
+            {"p2p": True, "pp": 2, "batch": 6},
+            2,
+            r"needs micro-batches per step \(3 = gradient_accumulation_steps",
+        ),
     ],
     ids=[
         "zero2",
@@ -507,13 +514,17 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         "states-moments",
         "states-zero0",
         "states-by-hand",
+        "p2p-pp1",
+        "p2p-micro-batches",
     ],
 )
 def test_overlap_and_optimizer_state_settings_it_cannot_run_are_one_line(tmp_path, change, world, match):
-    overlap = {"grad_reduce": "states" not in change and "ds_master" not in change,
+    reduce = not {"states", "ds_master", "p2p"} & set(change)
+    overlap = {"grad_reduce": reduce, "p2p": change.get("p2p", False),
                "bucket_elements": change.get("bucket_elements", 100)}  # fmt: skip
     raw = tiny_config(tmp_path, model=TINY_LLAMA, zero=change.get("zero", 1), overlap=overlap,
-                      optimizer_states=change.get("states", "fp32"))  # fmt: skip
+                      pp=change.get("pp", 1), optimizer_states=change.get("states", "fp32"),
+                      global_batch=change.get("batch", 8))  # fmt: skip
     if change.get("bf16"):
         raw["bf16"] = {"enabled": True}
     if change.get("ds_master"):

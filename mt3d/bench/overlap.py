@@ -142,6 +142,50 @@ def dp_row(model: dict, reps: int, bucket: int) -> dict:
             "hidden_by_step": (off["step"] - on["step"]) / comm, "predicted": predicted}  # fmt: skip
 
 
+def pp_worker(model: dict, reps: int) -> dict:
+    """Step time and time waiting for transfers on this rank at pp 2 (mt3d's schedule engine, m = 4),
+    with each commit waited for (blocking) and with transfers posted ahead (async), steps alternating."""
+    import statistics
+    import time
+
+    from ..data.loader import StepBatches
+    from ..pipeline.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, rank_steps
+    from .common import bench_run_config, build_engine
+
+    raw = bench_run_config(model=model, pp=2, seq_len=128, global_batch=8, micro=2, zero=1)
+    raw["mt3d"]["train"]["overlap"] = {"p2p": True}
+    _, layout, rt, engine, data, _ = build_engine(raw)
+    split = dict(global_batch=layout.global_batch, micro_batch=2, grad_accum=layout.grad_accum)
+    got = {False: ([], []), True: ([], [])}
+    for k in range(2 * reps + 2):
+        engine.async_p2p = bool(k % 2)
+        it = StepBatches(data.train, **split, dp_rank=0, start_step=k)
+        t0 = time.perf_counter()
+        engine.train_batch(data_iter=it)
+        if k >= 2:  # warm-up: one step of each
+            got[engine.async_p2p][0].append(time.perf_counter() - t0)
+            got[engine.async_p2p][1].append(engine.p2p_wait_s)
+    ops = [o.kind for step in rank_steps(2, 1, layout.grad_accum, rt.state.pp.rank) for o in step]
+    sends = sum(k in (SEND_ACT, SEND_GRAD) for k in ops)
+    return {"step": {m: statistics.median(v[0]) for m, v in got.items()},
+            "wait": {m: statistics.median(v[1]) for m, v in got.items()},
+            "send_share": sends / (sends + sum(k in (RECV_ACT, RECV_GRAD) for k in ops))}  # fmt: skip
+
+
+def pp_rows(model: dict, reps: int) -> list[dict]:
+    """One row per pipeline rank: waiting for transfers, blocking vs async, and the step times."""
+    from ..parallel.spawn import spawn
+
+    rows = []
+    for rank, r in enumerate(spawn(pp_worker, 2, model, reps, timeout=900)):
+        blocking, posted = r["wait"][False], r["wait"][True]
+        rows.append({"stage": rank, "wait_ms": blocking * 1e3, "async_wait_ms": posted * 1e3,
+                     "step_ms": r["step"][False] * 1e3, "async_step_ms": r["step"][True] * 1e3,
+                     "hidden": 1 - posted / blocking if blocking else 0.0,
+                     "predicted": r["send_share"]})  # fmt: skip
+    return rows
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench overlap``."""
     from ..parallel.spawn import spawn
@@ -165,5 +209,8 @@ def run(args) -> dict:
     columns = ["comm_ms", "last_backward_ms", "overlapped_last_backward_ms", "reduce_after_ms", "step_ms",
                "overlapped_step_ms", "buckets", "hidden", "hidden_by_step", "predicted"]  # fmt: skip
     print(table([dp], columns))
-    print("pipeline transfers: not overlapped in mt3d (hidden 0)")
-    return emit("overlap", {"tp": 2, "rows": rows, "dp": dp, "pp_hidden": 0.0})
+    pp = pp_rows(model, args.reps)
+    print("\npipeline transfers at pp 2 (mt3d's schedule, m = 4): time waiting for them per step, each "
+          "exchange waited for vs posted ahead (mt3d.train.overlap.p2p)")  # fmt: skip
+    print(table(pp, ["stage", "wait_ms", "async_wait_ms", "step_ms", "async_step_ms", "hidden", "predicted"]))
+    return emit("overlap", {"tp": 2, "rows": rows, "dp": dp, "pp": pp})

@@ -94,6 +94,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)
         or rules.tiles_conflict(run.mt3d.train.recompute.tile_len, stage)
+        or rules.p2p_conflict(run.mt3d.train.overlap.p2p, pp)
         or rules.optimizer_states_conflict(
             run.mt3d.train.optimizer_states, run.precision, stage, run.deepspeed.offload, run.ds
         )
@@ -162,7 +163,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     preflight.check_device(ds.precision)
     mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
-    why = rules.virtual_stage_conflict(degrees["pp"], par.virtual_stages, micro_batches=ga)
+    why = rules.virtual_stage_conflict(
+        degrees["pp"], par.virtual_stages, micro_batches=ga
+    ) or rules.p2p_conflict(train.overlap.p2p, degrees["pp"], ga)
     if why:
         raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
     preflight.check_outputs(train, data)

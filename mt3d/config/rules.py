@@ -212,6 +212,19 @@ def check_train(train: TrainConfig) -> None:
         )
 
 
+def p2p_conflict(p2p: bool, pp: int, micro_batches: int | None = None) -> str | None:
+    """Why ``mt3d.train.overlap.p2p`` cannot run (None: it can)."""
+    if not p2p:
+        return None
+    if pp < 2:
+        return "mt3d.train.overlap.p2p overlaps pipeline transfers: it needs pipeline >= 2"
+    if micro_batches is not None and micro_batches % pp:
+        return (f"mt3d.train.overlap.p2p runs mt3d's pipeline schedule, which needs micro-batches per "
+                f"step ({micro_batches} = gradient_accumulation_steps) to be a multiple of pipeline "
+                f"{pp}")  # fmt: skip
+    return None
+
+
 def overlap_conflict(grad_reduce: bool, zero_stage: int, ep: int, off: Offload, precision: str) -> str | None:
     """Why ``mt3d.train.overlap.grad_reduce`` cannot run with this layout (None: it can)."""
     if not grad_reduce:

@@ -49,6 +49,11 @@ class OverlapConfig:
     """All-reduce data-parallel gradients in buckets, in backward order, while the last micro-batch's
     backward still runs (Megatron-Core's overlap_grad_reduce), instead of in one step after it.
     Pipeline engine (ZeRO 0/1), fp32 or bf16; not with expert parallelism or optimizer offload."""
+    p2p: bool = False
+    """Post pipeline sends and receives without waiting at each exchange: a received tensor is waited
+    for right before the pass that reads it, sends complete behind the compute that follows. Runs the
+    pipeline on mt3d's schedule engine (``mt3d.ds.interleaved``, also at virtual_stages 1), which needs
+    micro-batches per step to be a multiple of pp."""
     bucket_elements: int = 40_000_000
     """Gradient elements per bucket (Megatron-Core's default size): smaller buckets start sooner and
     leave less of the reduction after the backward, larger ones cost fewer collective launches."""

@@ -15,7 +15,11 @@ checkpoint machinery. What changes:
   send/receive instructions and posted together by ``CommitP2P`` (``batch_isend_irecv``); each
   receive gets its own tensor, and losses and received gradients are kept per (chunk,
   micro-batch) buffer since several are in flight;
-* DeepSpeed's pipe/grad partitioning is off (it assumes one neighbour per direction per step).
+* DeepSpeed's pipe/grad partitioning is off (it assumes one neighbour per direction per step);
+* with ``async_p2p`` (``mt3d.train.overlap.p2p``, any v, v = 1 included) ``CommitP2P`` posts its batch
+  and moves on: a received activation or gradient is waited for right before the pass that reads it,
+  and the sends complete behind the compute that follows (drained at the end of the schedule), so
+  a rank no longer waits at every commit for its peer to take what it sent.
 
 ``initialize`` builds this engine where ``deepspeed.initialize`` would build its own (it picks the
 engine class by module type and has no hook for another).
@@ -23,6 +27,7 @@ engine class by module type and has no hook for another).
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -94,6 +99,12 @@ class InterleavedPipelineEngine(PipelineEngine):
         )
         self.virtual_stages = self.module.virtual_stages
         self._queued: list = []
+        self.async_p2p = False
+        """Post each commit's batch without waiting (see the module docstring)."""
+        self._inflight: list = []  # [(works, {("act" | "grad", buffer_id), ...})] in posting order
+        self._batch_keys: set = set()
+        self.p2p_wait_s = 0.0
+        """Seconds spent waiting for point-to-point transfers since the last ``train_batch``/eval."""
         self._sent_meta = False
         self._recv_spec = None
         self.pipe_buffers["grads"] = []
@@ -138,6 +149,8 @@ class InterleavedPipelineEngine(PipelineEngine):
             super()._exec_load_micro_batch(buffer_id)
 
     def _exec_forward_pass(self, buffer_id, chunk):
+        if self._inflight:
+            self._wait_until(("act", buffer_id))
         with self._in_chunk(chunk):
             super()._exec_forward_pass(buffer_id)
             loss_chunk = self.is_last_stage()
@@ -150,6 +163,8 @@ class InterleavedPipelineEngine(PipelineEngine):
                 self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_backward_pass(self, buffer_id, chunk):
+        if self._inflight:
+            self._wait_until(("grad", buffer_id))
         with self._in_chunk(chunk):
             if self.is_last_stage():
                 self.loss = self.pipe_buffers["losses"][buffer_id]
@@ -173,10 +188,35 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._queued.append(dist.P2POp(op, tensor, self._peer(step)))
 
     def _exec_commit_p2p(self):
-        if self._queued:
-            for request in dist.batch_isend_irecv(self._queued):
-                request.wait()
-            self._queued = []
+        if not self._queued:
+            return
+        works = dist.batch_isend_irecv(self._queued)
+        self._queued = []
+        self._inflight.append((works, self._batch_keys))
+        self._batch_keys = set()
+        if not self.async_p2p:
+            self._wait_until(None)
+
+    def _wait_until(self, key) -> None:
+        """Wait for the batches posted so far, oldest first, up to the one receiving ``key`` (nothing
+        when no batch in flight receives it; all of them for None)."""
+        if key is None:
+            last = len(self._inflight)
+        else:
+            last = next((i + 1 for i, (_, keys) in enumerate(self._inflight) if key in keys), 0)
+        start = time.perf_counter()
+        for works, _ in self._inflight[:last]:
+            for w in works:
+                w.wait()
+        del self._inflight[:last]
+        self.p2p_wait_s += time.perf_counter() - start
+
+    def _exec_schedule(self, pipe_schedule):
+        self.p2p_wait_s = 0.0
+        try:
+            super()._exec_schedule(pipe_schedule)
+        finally:
+            self._wait_until(None)  # the last sends
 
     # A stage passes one activation tensor, or (a sparse model) a tuple: the hidden states and the
     # router statistics (``mt3d.model.moe``), whose floating tensors carry gradients back.
@@ -202,6 +242,7 @@ class InterleavedPipelineEngine(PipelineEngine):
         )
         for t in received:
             self._queue(dist.irecv, t, -1)
+        self._batch_keys.add(("act", buffer_id))
         self.pipe_buffers["inputs"][buffer_id] = received if as_tuple else received[0]
 
     def _exec_send_grads(self, buffer_id, chunk):
@@ -221,6 +262,7 @@ class InterleavedPipelineEngine(PipelineEngine):
         else:
             grad = torch.empty_like(outputs)
             self._queue(dist.irecv, grad, +1)
+        self._batch_keys.add(("grad", buffer_id))
         self.pipe_buffers["grads"][buffer_id] = grad
 
     _INSTRUCTION_MAP = {

@@ -87,7 +87,7 @@ def build_model(
             recompute_interval=rec.interval,
             ckpt=ckpt,
         )
-        if v > 1:
+        if v > 1 or train.overlap.p2p:  # mt3d's schedule engine (mt3d.ds.interleaved)
             model = InterleavedPipeline(specs, virtual_stages=v, **kwargs)
         else:
             model = Mt3dPipeline(specs, **kwargs)
@@ -127,6 +127,7 @@ def initialize(
     config = deepspeed_config(ds, layout, sequence_parallel=sequence_parallel, on_cpu=on_cpu,
                               stream_tuple=stream_tuple,
                               overlap_grad_reduce=overlap is not None and overlap.grad_reduce,
+                              mt3d_schedule=overlap is not None and overlap.p2p,
                               optimizer_states=optimizer_states)  # fmt: skip
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
