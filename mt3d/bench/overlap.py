@@ -13,9 +13,13 @@ DeepSpeed's pipeline engine, once with DeepSpeed's reduction after the backward 
 buckets reduced during the last micro-batch's backward. C: the reduction step in the first run;
 hidden: (C - what is left after the backward - how much longer the last backward took) / C, and,
 noisier (two runs' step times), (step time saved) / C; beside the schedule's prediction
-min(C - C_last bucket, B_last) / C (B_last: the last micro-batch's backward). Pipeline transfers are
-not overlapped in mt3d (DeepSpeed's engine runs each send and receive as a blocking schedule step):
-hidden 0 by construction, not measured.
+min(C - C_last bucket, B_last) / C (B_last: the last micro-batch's backward).
+
+Pipeline (``mt3d.train.overlap.p2p``): pp 2 on mt3d's schedule engine (m = 4), steps alternating
+between waiting for each commit's transfers and posting them ahead. Per stage: the transfers (the
+rank's messages per step x half an activation-sized round trip), the time spent waiting on them
+both ways, and hidden = (wait saved) / transfers; beside the schedule's share of sends among the
+rank's messages (a send need not be waited for; a receive is needed by the very next pass).
 """
 
 from __future__ import annotations
@@ -167,9 +171,29 @@ def pp_worker(model: dict, reps: int) -> dict:
             got[engine.async_p2p][1].append(engine.p2p_wait_s)
     ops = [o.kind for step in rank_steps(2, 1, layout.grad_accum, rt.state.pp.rank) for o in step]
     sends = sum(k in (SEND_ACT, SEND_GRAD) for k in ops)
+    messages = sends + sum(k in (RECV_ACT, RECV_GRAD) for k in ops)
     return {"step": {m: statistics.median(v[0]) for m, v in got.items()},
             "wait": {m: statistics.median(v[1]) for m, v in got.items()},
-            "send_share": sends / (sends + sum(k in (RECV_ACT, RECV_GRAD) for k in ops))}  # fmt: skip
+            "transfers": messages * _one_way(2 * 128 * model["hidden"], rt.state.pp.rank, reps),
+            "send_share": sends / messages}  # fmt: skip
+
+
+def _one_way(elements: int, rank: int, reps: int) -> float:
+    """Seconds one activation-sized fp32 message takes between the two stages (half a round trip)."""
+    import torch.distributed as dist
+
+    x = torch.zeros(elements)
+
+    def round_trip():
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    round_trip()
+    return median_time(round_trip, 2 * reps + 1) / 2
 
 
 def pp_rows(model: dict, reps: int) -> list[dict]:
@@ -179,9 +203,9 @@ def pp_rows(model: dict, reps: int) -> list[dict]:
     rows = []
     for rank, r in enumerate(spawn(pp_worker, 2, model, reps, timeout=900)):
         blocking, posted = r["wait"][False], r["wait"][True]
-        rows.append({"stage": rank, "wait_ms": blocking * 1e3, "async_wait_ms": posted * 1e3,
-                     "step_ms": r["step"][False] * 1e3, "async_step_ms": r["step"][True] * 1e3,
-                     "hidden": 1 - posted / blocking if blocking else 0.0,
+        rows.append({"stage": rank, "transfers_ms": r["transfers"] * 1e3, "wait_ms": blocking * 1e3,
+                     "async_wait_ms": posted * 1e3, "step_ms": r["step"][False] * 1e3,
+                     "async_step_ms": r["step"][True] * 1e3, "hidden": (blocking - posted) / r["transfers"],
                      "predicted": r["send_share"]})  # fmt: skip
     return rows
 
@@ -212,5 +236,7 @@ def run(args) -> dict:
     pp = pp_rows(model, args.reps)
     print("\npipeline transfers at pp 2 (mt3d's schedule, m = 4): time waiting for them per step, each "
           "exchange waited for vs posted ahead (mt3d.train.overlap.p2p)")  # fmt: skip
-    print(table(pp, ["stage", "wait_ms", "async_wait_ms", "step_ms", "async_step_ms", "hidden", "predicted"]))
+    columns = ["stage", "transfers_ms", "wait_ms", "async_wait_ms", "step_ms", "async_step_ms", "hidden",
+               "predicted"]  # fmt: skip
+    print(table(pp, columns))
     return emit("overlap", {"tp": 2, "rows": rows, "dp": dp, "pp": pp})
