@@ -62,7 +62,8 @@ REACHES = (
           "stages by block counts, chunks of virtual stages, the tied broadcast without autograd",
           "test_interleaved.py::test_every_interleaved_layout_matches_one_process"),
     Reach("interleaved", "PipelineEngine's instruction handlers overridden, deepspeed.PipelineEngine "
-          "swapped during deepspeed.initialize: the interleaved schedule",
+          "swapped during deepspeed.initialize: the interleaved schedule (also at v 1 with overlap.p2p: "
+          "commits posted without waiting)",
           "test_interleaved.py::test_every_interleaved_layout_matches_one_process"),
     Reach("engine", "FusedAdam's builder breaks on arch suffixes: torch's AdamW is asked for",
           "test_checkpoint.py::test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes"),
