@@ -318,9 +318,9 @@ def step_time(
 
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
     of ``compute.micro_batch_seconds`` (the heaviest stage's blocks, plus the output layer) and the
-    GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. Megatron's TP, PP and
-    DP transfers are not overlapped with compute; ZeRO-3's parameter all-gathers and gradient
-    reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
+    GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. TP and PP transfers
+    are not overlapped with compute, DP transfers only with ``overlap`` "dp"; ZeRO-3's parameter
+    all-gathers and gradient reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
     ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
     over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
     they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
