@@ -499,6 +499,11 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         ({"ds_master": True, "bf16": True}, 1, "are set by mt3d.train.optimizer_states 'bf16'"),
         ({"p2p": True}, 2, "overlap.p2p overlaps pipeline transfers: it needs pipeline >= 2"),
         (
+            {"moe": True, "pp": 2},
+            2,
+            "grad_reduce is not supported with a mixture-of-experts model at pipeline 2",
+        ),
+        (
             {"p2p": True, "pp": 2, "batch": 6},
             2,
             r"needs micro-batches per step \(3 = gradient_accumulation_steps",
@@ -515,6 +520,7 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         "states-zero0",
         "states-by-hand",
         "p2p-pp1",
+        "moe-pp2",
         "p2p-micro-batches",
     ],
 )
@@ -533,9 +539,9 @@ def test_overlap_and_optimizer_state_settings_it_cannot_run_are_one_line(tmp_pat
         raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if change.get("fp16"):
         raw["fp16"] = {"enabled": True}
-    if change.get("ep"):
+    if change.get("ep") or change.get("moe"):
         raw["mt3d"]["model"] = {"preset": "tiny-mixtral"}
-        raw["mt3d"]["parallel"]["expert"] = 2
+        raw["mt3d"]["parallel"]["expert"] = 2 if change.get("ep") else 1
     run = from_dict(raw)
     with pytest.raises(ConfigError, match=match) as info:
         validate(run, world, resolve_model(run.mt3d.model))

@@ -155,7 +155,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     if model is not None:
         why = rules.context_conflict(par, degrees, data.seq_len, stage, model)
         if why is None and model.moe is not None:
-            why = rules.moe_conflict(stage, degrees["ep"])
+            why = rules.moe_conflict(stage, degrees["ep"]) or rules.overlap_moe_conflict(
+                train.overlap.grad_reduce, degrees["pp"]
+            )
         if why:
             raise ConfigError(why)
     rules.check_train(train)

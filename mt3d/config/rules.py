@@ -212,6 +212,17 @@ def check_train(train: TrainConfig) -> None:
         )
 
 
+def overlap_moe_conflict(grad_reduce: bool, pp: int) -> str | None:
+    """Why ``mt3d.train.overlap.grad_reduce`` cannot run with a sparse model at this pp (None: it can):
+    its stages pass (hidden states, router statistics), and DeepSpeed's pipeline engine runs one
+    backward per tensor passed, so a gradient upstream of a router is finished twice per micro-batch."""
+    if grad_reduce and pp > 1:
+        return ("mt3d.train.overlap.grad_reduce is not supported with a mixture-of-experts model at "
+                f"pipeline {pp} (DeepSpeed's engine runs one backward per tensor the stages pass); set it "
+                "false")  # fmt: skip
+    return None
+
+
 def p2p_conflict(p2p: bool, pp: int, micro_batches: int | None = None) -> str | None:
     """Why ``mt3d.train.overlap.p2p`` cannot run (None: it can)."""
     if not p2p:

@@ -104,7 +104,8 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._inflight: list = []  # [(works, {("act" | "grad", buffer_id), ...})] in posting order
         self._batch_keys: set = set()
         self.p2p_wait_s = 0.0
-        """Seconds spent waiting for point-to-point transfers since the last ``train_batch``/eval."""
+        """Seconds the host spent waiting for point-to-point transfers in the latest schedule (gloo; with
+        NCCL ``wait`` only orders the streams and returns at once: this then measures little)."""
         self._sent_meta = False
         self._recv_spec = None
         self.pipe_buffers["grads"] = []
@@ -213,6 +214,7 @@ class InterleavedPipelineEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule):
         self.p2p_wait_s = 0.0
+        self._queued, self._batch_keys = [], set()  # what an interrupted schedule left
         try:
             super()._exec_schedule(pipe_schedule)
         finally:

@@ -25,8 +25,10 @@ gradient dtype), or the BF16 optimizer's fp32 gradient buffers (bf16 with ``data
 grad_accum_dtype`` fp32), which it fills per parameter from a hook when
 ``bf16.immediate_grad_update`` is on (``deepspeed_config`` sets it). The scaling follows DeepSpeed's
 (``allreduce_bucket``: sum, then 1/dp; ZeRO-1's ``average_tensor``: 1/dp, then sum), so at dp 2 the
-results are DeepSpeed's to the bit. Watched by tests/test_training.py (parity with the one-process
-run and with the plain path) and tests/test_overlap.py (what DeepSpeed's source still does).
+results are DeepSpeed's to the bit; with weights tied across stages (the embedding and the head) the
+tied sum comes after the average instead of before it: last-bit differences. Watched by
+tests/test_training.py (parity with the one-process run and with the plain path) and
+tests/test_overlap.py (what it relies on in DeepSpeed's source).
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ class GradReduceOverlap:
         opt = engine.optimizer
         self.bf16 = hasattr(opt, "bf16_groups")
         self.zero1 = not self.bf16 and hasattr(opt, "average_tensor")
+        if self.zero1 and opt.cpu_offload:
+            # with offload, ZeRO-1's average_tensor also copies into its CPU partition: the no-op
+            # below would drop the gradients (mt3d.config.rules.overlap_conflict refuses offload)
+            raise RuntimeError("overlapped gradient reduction does not run with optimizer offload")
         if self.bf16 and not opt.immediate_grad_update:
             raise RuntimeError(
                 "overlapped gradient reduction needs bf16.immediate_grad_update (deepspeed_config)"
@@ -143,8 +149,8 @@ class GradReduceOverlap:
             return
         if id(p) in self._ready:
             raise RuntimeError(
-                "a parameter's gradient was finished twice in one step (used by two chunks?): "
-                "set mt3d.train.overlap.grad_reduce false"
+                "a parameter's gradient was finished twice in the last micro-batch (two backward passes "
+                "or chunks reach it): set mt3d.train.overlap.grad_reduce false"
             )
         self._ready.add(id(p))
         while self._posted < len(self.buckets) and all(
@@ -186,6 +192,14 @@ class GradReduceOverlap:
             log.info("gradient reduction overlap: %d of %d buckets posted during the last backward",
                      self.posted_in_backward, len(self.buckets))  # fmt: skip
 
+    def reset(self) -> None:
+        """Start a step afresh: what an earlier step left (one interrupted by an exception in a process
+        that goes on) is dropped, not waited for."""
+        for b in self.buckets:
+            b.flat, b.work, b.tensors = None, None, []
+        self._ready.clear()
+        self._posted, self._backwards, self.done, self.posted_in_backward = 0, {}, False, 0
+
 
 def install(engine, bucket_elements: int) -> GradReduceOverlap | None:
     """Overlap ``engine``'s data-parallel gradient reduction with its backward (module docstring);
@@ -213,6 +227,13 @@ def install(engine, bucket_elements: int) -> GradReduceOverlap | None:
     table[ds_schedule.BackwardPass] = backward_pass
     table[ds_schedule.ReduceTiedGrads] = reduce_tied
     engine._INSTRUCTION_MAP = table
+    train_batch = engine.train_batch
+
+    def train_batch_afresh(*args, **kwargs):
+        ov.reset()
+        return train_batch(*args, **kwargs)
+
+    engine.train_batch = train_batch_afresh
     _skip_deepspeed_communication(engine, ov)
     return ov
 
