@@ -36,8 +36,8 @@ def deepspeed_config(
     """DeepSpeed's dict for this run, with mt3d's necessary adjustments (each explained).
     ``stream_tuple``: stages pass a tuple of tensors (a sparse model's router statistics);
     ``overlap_grad_reduce``: gradients are reduced during the backward (``mt3d.ds.overlap``);
-    ``optimizer_states``: ``mt3d.train.optimizer_states``; ``mt3d_schedule``: the pipeline runs on
-    mt3d's schedule engine at any v (``mt3d.train.overlap.p2p``)."""
+    ``optimizer_states``: ``mt3d.train.optimizer_states``; ``mt3d_schedule``: the model is an
+    ``InterleavedPipeline``, run by mt3d's schedule engine (v > 1, or ``mt3d.train.overlap.p2p``)."""
     out = ds.copy()
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
@@ -52,7 +52,7 @@ def deepspeed_config(
     # DeepSpeed's monitor would log into it with calls that raise when the launcher has already
     # killed W&B's helper during a preemption save.
     out.pop("wandb", None)
-    if (sequence_parallel and layout.tp > 1) or layout.virtual_stages > 1 or mt3d_schedule or stream_tuple:
+    if (sequence_parallel and layout.tp > 1) or mt3d_schedule or stream_tuple:
         # DeepSpeed's pipe/grad partitioning assumes activations identical across TP ranks, which
         # sequence shards are not (DEEPSPEED_NOTES.md), one exchange per neighbour at a time, which
         # the interleaved schedule's batched ring exchange is not, and that only the first tensor of a
@@ -152,14 +152,16 @@ def initialize(
     ep=None,
     overlap=None,
 ):
-    """``deepspeed.initialize`` (the interleaved engine at v > 1); returns the engine, its
-    checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
+    """``deepspeed.initialize`` (mt3d's schedule engine for an ``InterleavedPipeline``); returns the
+    engine, its checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
     ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``ep``:
     the expert-parallel group (``mt3d.ds.experts`` when it has more than one rank); ``overlap``:
     ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on)."""
     import deepspeed
 
-    if layout.virtual_stages > 1 or (overlap is not None and overlap.p2p):
+    from .pipe import InterleavedPipeline
+
+    if isinstance(model, InterleavedPipeline):  # v > 1, or overlap.p2p (training.engine.build_model)
         from .interleaved import initialize as initialize_interleaved
 
         engine = initialize_interleaved(model, param_groups, config)

@@ -46,6 +46,8 @@ log = logging.getLogger("mt3d")
 @dataclass
 class _Bucket:
     params: list
+    waiting: int = 0
+    """Parameters whose gradient is not final yet in this step's last backward."""
     tensors: list = field(default_factory=list)
     flat: torch.Tensor | None = None
     work: object = None
@@ -85,14 +87,9 @@ class GradReduceOverlap:
             self.buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: set[int] = set()
-        self._posted = 0
-        self._backwards: dict = {}
         self.armed = False
-        self.done = False
-        """This step's reduction is finished (reset by the next step's first backward)."""
         self._logged = False
-        self.posted_in_backward = 0
-        """Buckets posted during the last backward of the latest step (what the overlap bench reads)."""
+        self.reset()
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -134,8 +131,6 @@ class GradReduceOverlap:
     # --- the backward -----------------------------------------------------------------------------
     def backward(self, run, chunk) -> None:
         """Run one backward pass (``run``), armed when it is ``chunk``'s last of the step."""
-        if self.done:  # the first backward of a new step
-            self.done, self._backwards, self.posted_in_backward = False, {}, 0
         seen = self._backwards.get(chunk, 0) + 1
         self._backwards[chunk] = seen
         self.armed = seen == self.engine.micro_batches
@@ -153,9 +148,8 @@ class GradReduceOverlap:
                 "or chunks reach it): set mt3d.train.overlap.grad_reduce false"
             )
         self._ready.add(id(p))
-        while self._posted < len(self.buckets) and all(
-            id(q) in self._ready for q in self.buckets[self._posted].params
-        ):
+        self._bucket_of[id(p)].waiting -= 1
+        while self._posted < len(self.buckets) and self.buckets[self._posted].waiting == 0:
             self._post(self.buckets[self._posted])
             self.posted_in_backward += 1
 
@@ -184,8 +178,6 @@ class GradReduceOverlap:
                 t.copy_(b.flat[offset : offset + n].view_as(t))
                 offset += n
             b.flat, b.work, b.tensors = None, None, []
-        self._ready.clear()
-        self._posted = 0
         self.done = True
         if not self._logged:
             self._logged = True
@@ -193,12 +185,17 @@ class GradReduceOverlap:
                      self.posted_in_backward, len(self.buckets))  # fmt: skip
 
     def reset(self) -> None:
-        """Start a step afresh: what an earlier step left (one interrupted by an exception in a process
-        that goes on) is dropped, not waited for."""
+        """Start a step afresh (every ``train_batch``): what an earlier step left, one interrupted by
+        an exception in a process that goes on included, is dropped, not waited for."""
         for b in self.buckets:
-            b.flat, b.work, b.tensors = None, None, []
+            b.flat, b.work, b.tensors, b.waiting = None, None, [], len(b.params)
         self._ready.clear()
-        self._posted, self._backwards, self.done, self.posted_in_backward = 0, {}, False, 0
+        self._posted = 0
+        self._backwards: dict = {}
+        self.done = False
+        """This step's reduction is finished."""
+        self.posted_in_backward = 0
+        """Buckets posted during the last backward of the latest step (what the overlap bench reads)."""
 
 
 def install(engine, bucket_elements: int) -> GradReduceOverlap | None:

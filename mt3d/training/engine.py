@@ -112,24 +112,25 @@ def initialize(
     model: torch.nn.Module,
     *,
     sequence_parallel: bool,
+    train: TrainConfig,
     load_universal: bool = False,
-    overlap=None,
-    optimizer_states: str = "fp32",
 ):
     """The DeepSpeed engine of ``model`` with mt3d's parameter groups (``mt3d.ds.engine``);
-    ``load_universal``: the checkpoint it will load was converted to DeepSpeed's universal format;
-    ``overlap``: ``mt3d.train.overlap``; ``optimizer_states``: ``mt3d.train.optimizer_states``."""
+    ``train``: the overlap and optimizer-state choices; ``load_universal``: the checkpoint it will
+    load was converted to DeepSpeed's universal format."""
     from ..ds.engine import deepspeed_config
     from ..ds.engine import initialize as ds_initialize
+    from ..ds.pipe import InterleavedPipeline
 
     on_cpu = rt.device.type == "cpu"
     stream_tuple = getattr(model, "stream_tuple", False)
     config = deepspeed_config(ds, layout, sequence_parallel=sequence_parallel, on_cpu=on_cpu,
-                              stream_tuple=stream_tuple,
-                              overlap_grad_reduce=overlap is not None and overlap.grad_reduce,
-                              mt3d_schedule=overlap is not None and overlap.p2p,
-                              optimizer_states=optimizer_states)  # fmt: skip
+                              stream_tuple=stream_tuple, overlap_grad_reduce=train.overlap.grad_reduce,
+                              mt3d_schedule=isinstance(model, InterleavedPipeline),
+                              optimizer_states=train.optimizer_states)  # fmt: skip
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
-    return ds_initialize(model, param_groups(model), config, layout, mpu=mpu, ep=rt.state.ep, overlap=overlap)
+    return ds_initialize(
+        model, param_groups(model), config, layout, mpu=mpu, ep=rt.state.ep, overlap=train.overlap
+    )

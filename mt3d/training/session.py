@@ -122,8 +122,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         model,
         sequence_parallel=sp,
         load_universal=not same_layout,
-        overlap=run.mt3d.train.overlap,
-        optimizer_states=run.mt3d.train.optimizer_states,
+        train=run.mt3d.train,
     )
     start = 0
     if plan is not None:
