@@ -83,27 +83,10 @@ def optimizer_states_worker(raw, steps=5):
     import torch
     import torch.distributed as dist
 
-    from mt3d.bench.common import build_engine
-    from mt3d.data.loader import StepBatches
+    from mt3d.bench.common import build_engine, train_step
 
     _, layout, rt, engine, data, _ = build_engine(copy.deepcopy(raw))
-    split = dict(
-        global_batch=layout.global_batch, micro_batch=layout.micro_batch, grad_accum=layout.grad_accum
-    )
-    losses = []
-    for k in range(steps):
-        it = StepBatches(data.train, **split, dp_rank=rt.state.dp.rank, start_step=k)
-        if layout.zero_stage < 2:
-            losses.append(float(engine.train_batch(data_iter=it)))
-            continue
-        step = []
-        for _ in range(layout.grad_accum):  # the regular engine (ZeRO-2/3): micro-batches by hand
-            x, y = next(it)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            step.append(float(loss))
-        losses.append(sum(step) / len(step))
+    losses = [train_step(engine, layout, rt, data, layout.micro_batch, k) for k in range(steps)]
     inner = engine.optimizer.optimizer  # the torch optimizer over ZeRO's flat partitions
     master = [p for g in inner.param_groups for p in g["params"]]
     states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]

@@ -135,6 +135,25 @@ def build_engine(raw: dict, fast_init: bool = False):
     return run, layout, rt, engine, data, cfg
 
 
+def train_step(engine, layout, rt, data, micro: int, k: int) -> float:
+    """Train step ``k`` of ``build_engine``'s engine; its loss (the regular engine's: this rank's mean
+    over the micro-batches, which it runs one by one)."""
+    from ..data.loader import StepBatches
+
+    split = dict(global_batch=layout.global_batch, micro_batch=micro, grad_accum=layout.grad_accum)
+    it = StepBatches(data.train, **split, dp_rank=rt.state.dp.rank, start_step=k, cp=rt.state.cp)
+    if layout.zero_stage < 2:
+        return float(engine.train_batch(data_iter=it))
+    losses = []
+    for _ in range(layout.grad_accum):  # the regular engine (ZeRO-2/3): micro-batches by hand
+        x, y = next(it)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return sum(losses) / len(losses)
+
+
 def hf_twin(cfg, vocab: int | None = None):
     """The transformers model (GPT2LMHeadModel / LlamaForCausalLM, SDPA attention) with the same shape
     as ``cfg``, from the same config mapping ``mt3d export-hf`` writes; built on the default device."""

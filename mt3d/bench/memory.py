@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import resource
 
-from .common import bench_run_config, build_engine, emit, table
+from .common import bench_run_config, build_engine, emit, table, train_step
 
 MODEL = dict(preset="tiny", hidden=512, layers=8, heads=8, max_seq_len=256)
 NULL = dict(preset="tiny", hidden=16, layers=8, heads=4, max_seq_len=256)
@@ -91,7 +91,7 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     try:
         _, layout, rt, engine, data, _ = build_engine(raw)
         for k in range(2):
-            _train_step(engine, layout, rt, data, micro, k)
+            train_step(engine, layout, rt, data, micro, k)
     except (MemoryError, RuntimeError) as e:
         if cap is None or "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
             raise
@@ -101,20 +101,6 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     vm_added = (_status_kb("VmPeak") - base_vm) * 1024
     return {"ok": True, "measured": (peak - base) * 1024, "vm_added": vm_added, "stage": rt.state.pp.rank}
-
-
-def _train_step(engine, layout, rt, data, micro: int, k: int) -> None:
-    from ..data.loader import StepBatches
-
-    split = dict(global_batch=layout.global_batch, micro_batch=micro, grad_accum=layout.grad_accum)
-    it = StepBatches(data.train, **split, dp_rank=rt.state.dp.rank, start_step=k, cp=rt.state.cp)
-    if layout.zero_stage >= 2:  # the regular engine: micro-batches by hand
-        for _ in range(layout.grad_accum):
-            x, y = next(it)
-            engine.backward(engine(x, y))
-            engine.step()
-    else:
-        engine.train_batch(data_iter=it)
 
 
 def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="none", *, cp=1, tile_len=0,
