@@ -670,7 +670,7 @@ def _add_plan(sub) -> None:
 def _add_plan_stack(p) -> None:
     """``mt3d plan``'s flags for another stack's choices: pinned degrees and batch split (each takes
     one value or a list to try) and how that stack runs (``planner.search.Stack``)."""
-    from .planner.choices import ATTENTION_KERNELS, OPTIMIZER_STATES, OVERLAPS, RECOMPUTE
+    from .planner.choices import ATTENTION_KERNELS, DEFAULT_OVERLAP, OPTIMIZER_STATES, OVERLAPS, RECOMPUTE
     from .planner.offload import OFFLOAD_OPTIONS
 
     p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
@@ -707,9 +707,11 @@ def _add_plan_stack(p) -> None:
     p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="fp32",
                    help="optimizer-state dtype of 16-bit training: fp32 master and moments (12 B/param), "
                    "bf16-moments (8), bf16 master and moments (6)")  # fmt: skip
-    p.add_argument("--overlap", type=choices_list(OVERLAPS, "--overlap"), default=(),
-                   help="transfers the stack overlaps with compute: dp (gradient reduction during the last "
-                   "backward: mt3d.train.overlap.grad_reduce)")  # fmt: skip
+    p.add_argument("--overlap", type=choices_list(OVERLAPS + ("none",), "--overlap"), default=DEFAULT_OVERLAP,
+                   help="transfers the stack overlaps with compute (default tp, what mt3d always does; none: "
+                   "nothing): tp (each column-parallel linear's backward transfers behind its GEMMs), dp "
+                   "(gradient reduction during the last backward: mt3d.train.overlap.grad_reduce), pp "
+                   "(pipeline transfers posted ahead: mt3d.train.overlap.p2p)")  # fmt: skip
     p.add_argument(
         "--activation-model",
         choices=("mt3d", "korthikanti"),
@@ -756,7 +758,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.optimizer_states,
             args.gemm_fraction,
             not args.other_stack,
-            tuple(args.overlap),
+            tuple(x for x in args.overlap if x != "none"),
         ),  # fmt: skip
     )
 

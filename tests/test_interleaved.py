@@ -18,11 +18,32 @@ RTOL = 1e-5
 @pytest.mark.parametrize("v", [1, 2, 3])
 def test_the_schedule_runs_every_pass_once_without_deadlock(p, v):
     """Rendezvous FIFO channels per pair (NCCL has no tags), p = 2 included (up- and downstream peer
-    are the same rank), training and evaluation, m from p to 4p."""
+    are the same rank), training and evaluation, m from p to 4p; each commit waited for, and posted
+    ahead with the split steps (mt3d.train.overlap.p2p)."""
     for m in range(p, 4 * p + 1, p):
         for train in (True, False):
-            counts = simulate(p, v, m, train)
-            assert counts["fwd"] == p * v * m and counts.get("bwd", 0) == (p * v * m if train else 0)
+            for posted in (False, True):
+                counts = simulate(p, v, m, train, posted=posted)
+                assert counts["fwd"] == p * v * m and counts.get("bwd", 0) == (p * v * m if train else 0)
+
+
+@pytest.mark.parametrize("p, v", [(2, 1), (4, 1), (4, 2), (8, 2)])
+def test_posted_transfers_wait_only_on_the_first_micro_batchs_trip(p, v):
+    """Transfers a tenth of a chunk's forward: waiting at every commit exposes one per step or more;
+    posted ahead with a commit after each pass only the first micro-batch's trip through the p v
+    virtual stages and back waits, 2 (p v - 1) transfers, whatever m. Posted with one commit per step
+    (the activation leaves after the backward that follows its forward) hides nothing."""
+    f, b = 1.0 / v, 2.0 / v
+    for m in (2 * p, 4 * p):
+        free = simulate(p, v, m, fwd_s=f, bwd_s=b)["makespan"]
+        exposed = {
+            mode: (simulate(p, v, m, fwd_s=f, bwd_s=b, p2p_s=0.1 * f, posted=posted, split=split)["makespan"]
+                   - free) / (0.1 * f)
+            for mode, posted, split in (("blocking", False, False), ("posted", True, True),
+                                        ("one commit", True, False))
+        }  # fmt: skip
+        assert exposed["posted"] == pytest.approx(2 * (p * v - 1))
+        assert exposed["blocking"] >= v * m and exposed["one commit"] == pytest.approx(exposed["blocking"])
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])

@@ -11,8 +11,9 @@ def test_overlap_benchmark_hides_transfers_and_posts_buckets_in_the_backward():
     are posted while the last backward still runs (every one of them: the last fills when the
     backward ends)."""
     rec, text = bench("overlap", "--smoke", "--reps", "2", "--bucket-elements", "60000")
-    (row,) = rec["rows"]
-    assert row["comm_ms"] > 0 and row["gemms_ms"] > 0 and 0 < row["predicted"] <= 1
+    assert [row["sp"] for row in rec["rows"]] == [True, False]  # the re-gathered and the all-reduced path
+    for row in rec["rows"]:
+        assert row["comm_ms"] > 0 and row["gemms_ms"] > 0 and 0 < row["predicted"] <= 1
     dp = rec["dp"]
     assert dp["buckets"] > 2 and dp["posted_in_backward"] == dp["buckets"], dp
     assert dp["comm_ms"] > 0 and dp["last_backward_ms"] > 0 and 0 < dp["predicted"] <= 1

@@ -447,3 +447,46 @@ def test_another_stacks_rules_and_the_fidelity_rows_go_through_the_command_line(
         "materialized",
     )
     assert args.other_stack and args.pp_scatter_gather and args.activation_model == "korthikanti"
+
+
+def test_posted_pipeline_transfers_follow_the_simulated_schedule():
+    """costs.pp_posted_seconds (the planner's --overlap pp) against pipeline.schedule.simulate with
+    the schedule mt3d runs: within 10% for messages from a tenth of a chunk's forward to twice it."""
+    from mt3d.pipeline.schedule import simulate
+    from mt3d.planner.costs import pp_posted_seconds
+
+    for p, v, m in ((2, 1, 8), (4, 1, 16), (4, 2, 16), (4, 2, 32), (8, 1, 32), (8, 2, 32)):
+        f, b = 1.0 / v, 2.0 / v
+        free = simulate(p, v, m, fwd_s=f, bwd_s=b)["makespan"]
+        for ratio in (0.1, 0.5, 1.0, 2.0):
+            msg = ratio * f
+            sim = simulate(p, v, m, fwd_s=f, bwd_s=b, p2p_s=msg, posted=True)["makespan"] - free
+            model = pp_posted_seconds(2 * v * m * msg, p, v, m, msg, f)
+            assert model == pytest.approx(sim, rel=0.10), (p, v, m, ratio)
+    assert pp_posted_seconds(1.0, 4, 2, 4, 0.01, 1.0) == 1.0  # m = p: all forwards first, nothing hides
+
+
+@pytest.mark.parametrize("sp, share", [(True, 4 / 10), (False, 4 / 8)])
+def test_tp_overlap_hides_the_column_linears_backward_transfers(sp, share):
+    """--overlap tp (the default): with GEMMs that outlast the transfers (a fast NVLink), the column
+    linears' backward transfers are hidden: with SP the 2 input-gradient reduce-scatters and the 2
+    input re-gathers of the 10 half-all-reduces of a block, without SP 2 of its 4 all-reduces. Full
+    recompute runs the forward's transfers again."""
+    from mt3d.cli import build_parser, plan_inputs
+
+    def tp_comm(*extra, recompute="none"):
+        args = build_parser().parse_args(
+            ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048",
+             "--global-batch", "64", "--tensor", "4", "--pipeline", "1", "--micro-batch", "4", "--zero",
+             "1", "--offload", "none", "--context", "1", "--recompute", recompute, "--json", *extra]
+        )  # fmt: skip
+        inputs = plan_inputs(args, get_preset("gpt3-1.3b"))
+        rows = plan(get_preset("gpt3-1.3b"), **inputs)["feasible"]
+        return next(r["tp_comm_s"] for r in rows if r["sequence_parallel"] == sp)
+
+    exposed = tp_comm("--nvlink-gbps", "5000")
+    none = tp_comm("--nvlink-gbps", "5000", "--overlap", "none")
+    assert 1 - exposed / none == pytest.approx(share)
+    assert tp_comm("--nvlink-gbps", "5000", "--overlap", "none", recompute="full") == pytest.approx(
+        none * ((10 + 4) / 10 if sp else (8 + 4) / 8)
+    )

@@ -27,8 +27,9 @@ BENCHES = {
     "planner, and one process vs cp 4 under an address-space cap",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
     "gemm": "a GEMM sweep of transformer shapes beside the planner's shape model (--smoke: CPU)",
-    "overlap": "the share of a sequence-parallel linear's backward communication (tp 2) and of the data-"
-    "parallel gradient reduction (dp 2) hidden behind compute, beside the schedule's prediction",
+    "overlap": "the share of a column-parallel linear's backward communication (tp 2, with and without SP), "
+    "of the data-parallel gradient reduction (dp 2) and of pipeline transfers (pp 2) hidden behind compute, "
+    "beside the schedule's prediction",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and the planner's "
     "step time, local attention at 32k, long context), with a dated record in docs/benchmarks/",
 }

@@ -1,12 +1,14 @@
-"""``overlap``: how much communication is hidden behind compute: a sequence-parallel linear's backward
-transfers (tp 2), and the data-parallel gradient reduction of a training step (dp 2).
+"""``overlap``: how much communication is hidden behind compute: a column-parallel linear's backward
+transfers (tp 2), the data-parallel gradient reduction of a training step (dp 2), and pipeline
+transfers (pp 2).
 
 Under SP a column-parallel linear keeps its 1/tp input shard (``parallel/layers.py``); its backward
 all-gathers that shard while it computes the input gradient, then reduce-scatters the input gradient
-while it computes the weight gradient. At tp 2, for each (rows, in, out) shape, this measures the
-two transfers (C = gather + scatter, each timed alone), the two GEMMs alone, the backward as mt3d
-runs it (T_o) and the same four steps one after another (T_s). Hidden fraction: (T_s - T_o) / C, beside the
-schedule's prediction (min(gather, dgrad) + min(scatter, wgrad)) / C.
+while it computes the weight gradient. Without SP it all-reduces the input gradient while it computes
+the weight gradient. At tp 2, for each (rows, in, out) shape and both paths, this measures the
+transfers (C = gather + scatter, or the all-reduce, each timed alone), the two GEMMs alone, the
+backward as mt3d runs it (T_o) and the same steps one after another (T_s). Hidden fraction: (T_s -
+T_o) / C, beside the schedule's prediction (each transfer hidden up to the GEMM beside it, ``tp_row``).
 
 Data parallelism (``mt3d.train.overlap.grad_reduce``, ``mt3d.ds.overlap``): a ZeRO-1 step at dp 2 on
 DeepSpeed's pipeline engine, once with DeepSpeed's reduction after the backward and once with the
@@ -33,46 +35,68 @@ SHAPES = ((2048, 2048, 512), (4096, 1024, 1024))
 
 
 def worker(shapes, reps: int) -> list[dict]:
-    """Times of the pieces and of the backward, overlapped and in series, on this rank, per shape."""
+    """Times of the pieces and of the backward, overlapped and in series, on this rank, per shape and
+    path (sequence-parallel and not)."""
     import torch.distributed as dist
 
     from ..parallel.state import ParallelState
     from ..parallel.topology import map_ranks
 
     tp = ParallelState.build(map_ranks(dist.get_world_size(), tp=dist.get_world_size())).tp
-    return [{"rows": r, "in": i, "out": o, **_times(tp, r, i, o, reps)} for r, i, o in shapes]
+    return [{"sp": sp, "rows": r, "in": i, "out": o, **_times(tp, sp, r, i, o, reps)}
+            for sp in (True, False) for r, i, o in shapes]  # fmt: skip
 
 
-def _times(tp, rows: int, fin: int, fout: int, reps: int) -> dict:
+def _times(tp, sp: bool, rows: int, fin: int, fout: int, reps: int) -> dict:
+    """``gather``/``scatter`` (SP) or ``all_reduce`` (not SP) and the two GEMMs timed alone, the four
+    (three) steps one after another, and the layer's backward as mt3d runs it."""
     from ..parallel.layers import ColumnParallelLinear, NormalInit
-    from ..parallel.mappings import SEQ_DIM, start_gather, start_reduce_scatter
+    from ..parallel.mappings import SEQ_DIM, start_all_reduce, start_gather, start_reduce_scatter
 
-    layer = ColumnParallelLinear(fin, fout * tp.size, tp=tp, bias=False, sequence_parallel=True,
+    layer = ColumnParallelLinear(fin, fout * tp.size, tp=tp, bias=False, sequence_parallel=sp,
                                  init=NormalInit(0.02, 1))  # fmt: skip
-    x = torch.randn(1, rows // tp.size, fin, requires_grad=True)
+    x = torch.randn(1, rows // tp.size if sp else rows, fin, requires_grad=True)
     y = layer(x)
     grad = torch.randn_like(y)
     w, shard = layer.weight.detach(), x.detach()
-    full = start_gather(shard, tp, SEQ_DIM)()
+    full = start_gather(shard, tp, SEQ_DIM)() if sp else shard
     dx = grad.matmul(w)
 
     def wgrad(gathered):
         return grad.reshape(-1, grad.shape[-1]).t().matmul(gathered.reshape(-1, fin))
 
-    def serial():  # the same four steps, each waiting for the one before
-        gathered = start_gather(shard, tp, SEQ_DIM)()
-        scattered = start_reduce_scatter(grad.matmul(w), tp, SEQ_DIM)()
+    def serial():  # the same steps, each waiting for the one before
+        gathered = start_gather(shard, tp, SEQ_DIM)() if sp else shard
+        dgrad = grad.matmul(w)
+        reduced = start_reduce_scatter(dgrad, tp, SEQ_DIM)() if sp else start_all_reduce(dgrad, tp)()
         wgrad(gathered)
-        return scattered
+        return reduced
 
+    pieces = {"gather": median_time(lambda: start_gather(shard, tp, SEQ_DIM)(), reps),
+              "scatter": median_time(lambda: start_reduce_scatter(dx, tp, SEQ_DIM)(), reps)} if sp else {
+              "all_reduce": median_time(lambda: start_all_reduce(dx.clone(), tp)(), reps)}  # fmt: skip
     return {
-        "gather": median_time(lambda: start_gather(shard, tp, SEQ_DIM)(), reps),
-        "scatter": median_time(lambda: start_reduce_scatter(dx, tp, SEQ_DIM)(), reps),
+        **pieces,
         "dgrad": median_time(lambda: grad.matmul(w), reps),
         "wgrad": median_time(lambda: wgrad(full), reps),
         "serial": median_time(serial, reps),
         "overlapped": median_time(lambda: y.backward(grad, retain_graph=True), reps),
     }
+
+
+def tp_row(r: dict) -> dict:
+    """One TP row: communication, hidden share and the schedule's prediction (each transfer hides
+    behind the GEMM that runs beside it: the gather behind the input gradient, the reduce-scatter or
+    all-reduce behind the weight gradient)."""
+    if r["sp"]:
+        comm = r["gather"] + r["scatter"]
+        predicted = (min(r["gather"], r["dgrad"]) + min(r["scatter"], r["wgrad"])) / comm
+    else:
+        comm = r["all_reduce"]
+        predicted = min(r["all_reduce"], r["wgrad"]) / comm
+    return {**r, "comm_ms": comm * 1e3, "gemms_ms": (r["dgrad"] + r["wgrad"]) * 1e3,
+            "serial_ms": r["serial"] * 1e3, "overlapped_ms": r["overlapped"] * 1e3,
+            "hidden": (r["serial"] - r["overlapped"]) / comm, "predicted": predicted}  # fmt: skip
 
 
 DP_MODEL = dict(preset="tiny-llama", hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, max_seq_len=128)
@@ -217,17 +241,12 @@ def run(args) -> dict:
     torch.set_num_threads(1)
     shapes = SHAPES[:1] if args.smoke else SHAPES
     model = dict(DP_MODEL, hidden=128, heads=4, kv_heads=2, ffn=256) if args.smoke else DP_MODEL
-    rows = []
-    for r in spawn(worker, 2, shapes, args.reps, timeout=900)[0]:
-        comm = r["gather"] + r["scatter"]
-        hidden = (r["serial"] - r["overlapped"]) / comm
-        predicted = (min(r["gather"], r["dgrad"]) + min(r["scatter"], r["wgrad"])) / comm
-        rows.append({**r, "comm_ms": comm * 1e3, "gemms_ms": (r["dgrad"] + r["wgrad"]) * 1e3,
-                     "serial_ms": r["serial"] * 1e3, "overlapped_ms": r["overlapped"] * 1e3,
-                     "hidden": hidden, "predicted": predicted})  # fmt: skip
-    print("SP column-parallel linear backward at tp 2 (rank 0): communication hidden behind the GEMMs")
-    print(table(rows, ["rows", "in", "out", "comm_ms", "gemms_ms", "serial_ms", "overlapped_ms", "hidden",
-                       "predicted"]))  # fmt: skip
+    rows = [tp_row(r) for r in spawn(worker, 2, shapes, args.reps, timeout=900)[0]]
+    print("column-parallel linear backward at tp 2 (rank 0), with sequence parallelism (sp True: the "
+          "input re-gathered, its gradient reduce-scattered) and without (its gradient all-reduced): "
+          "communication hidden behind the GEMMs")  # fmt: skip
+    print(table(rows, ["sp", "rows", "in", "out", "comm_ms", "gemms_ms", "serial_ms", "overlapped_ms",
+                       "hidden", "predicted"]))  # fmt: skip
     dp = dp_row(model, args.reps, args.bucket_elements)
     print("\ndata-parallel gradient reduction at dp 2 (ZeRO-1, rank 0): during the last backward vs after it")
     columns = ["comm_ms", "last_backward_ms", "overlapped_last_backward_ms", "reduce_after_ms", "step_ms",

@@ -30,6 +30,7 @@ from .rules import (
     offload_resume_conflict,
     optimizer_device,
     overlap_conflict,
+    p2p_conflict,
     virtual_stage_conflict,
     zero_pipeline_conflict,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "offload_resume_conflict",
     "optimizer_device",
     "overlap_conflict",
+    "p2p_conflict",
     "parse_override",
     "resolve_model",
     "validate",

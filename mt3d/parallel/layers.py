@@ -28,6 +28,7 @@ from .mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
+    start_all_reduce,
     start_gather,
     start_reduce_scatter,
 )
@@ -199,6 +200,28 @@ class _ShardSavingLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+class _AllReducingLinear(torch.autograd.Function):
+    """Y = X A^T + b entering a TP region without sequence parallelism (Megatron's f, then the column
+    linear): the backward starts the all-reduce of the input gradient as soon as that GEMM is done and
+    computes the weight gradient while it runs (Megatron-LM's async tensor-parallel all-reduce),
+    instead of autograd's order (both GEMMs, then the all-reduce of ``copy_to_tp``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g):
+        ctx.g, ctx.has_bias = g, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        reduced = start_all_reduce(grad.matmul(weight), ctx.g) if ctx.needs_input_grad[0] else None
+        rows = grad.reshape(-1, grad.shape[-1])  # the weight gradient overlaps the all-reduce
+        grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (reduced() if reduced else None), grad_w, grad_b, None
+
+
 class _RecomputedInputLinear(torch.autograd.Function):
     """z = fn(y) A^T keeping ``y`` for the backward, which recomputes ``fn(y)`` (cheap, elementwise)
     instead of keeping it: selective recompute of an MLP's activation function (its output, and for a
@@ -282,6 +305,8 @@ class ColumnParallelLinear(nn.Module):
         """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
         if self.sequence_parallel and self.tp.size > 1 and not self.keep_gathered:
             y = _ShardSavingLinear.apply(x, self.weight, self.bias, self.tp)
+        elif not self.sequence_parallel and self.tp.size > 1:
+            y = _AllReducingLinear.apply(x, self.weight, self.bias, self.tp)
         else:
             x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
             y = F.linear(x, self.weight, self.bias)

@@ -34,6 +34,14 @@ def all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     return x
 
 
+def start_all_reduce(x: torch.Tensor, g: AxisGroup):
+    """Start summing ``x`` over the group in place; returns a call that waits for the result."""
+    if g.size == 1:
+        return lambda: x
+    work = dist.all_reduce(x, group=g.group, async_op=True)
+    return lambda: (work.wait(), x)[1]
+
+
 def _split(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
     if g.size == 1:
         return x

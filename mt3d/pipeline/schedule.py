@@ -68,12 +68,19 @@ def check(p: int, v: int, m: int) -> None:
         raise ValueError(f"micro-batches per step ({m}) must be a multiple of the pipeline stages ({p})")
 
 
-def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True) -> list[list[Op]]:
+def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True, split: bool = False) -> list[list[Op]]:
     """The steps of ``rank``: each a list of ops, the last op of each a COMMIT of its p2p ops.
 
     Activations arrive from the previous virtual stage (rank - 1, or rank p - 1 one chunk earlier
     for rank 0) and gradients from the next one; rank 0 chunk 0 loads the inputs and rank p - 1
     chunk v - 1 loads the labels and computes the loss.
+
+    ``split`` (for posted transfers, ``mt3d.train.overlap.p2p``): each forward-and-backward step
+    commits twice, the forward's send and the next forward's receive right after the forward, the
+    backward's after the backward, so an activation leaves while its rank computes a backward
+    instead of after it. Each side posts its messages in the same order as unsplit (activations,
+    then gradients, step by step), so they match as unsplit; waited for at each commit, this order
+    could deadlock, so it is only for posted transfers.
     """
     check(p, v, m)
     total = m * v
@@ -118,6 +125,10 @@ def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True) -> list[li
         step(forward(k), send_act(k), recvs)
     for k in range(total - w):
         fk = k + w
+        if split:
+            step(forward(fk), send_act(fk), recv_act(fk + 1))
+            step([Op(BWD, *backward_item(k, p, v))], send_grad(k), recv_grad(k + 1))
+            continue
         step(forward(fk) + [Op(BWD, *backward_item(k, p, v))], send_act(fk) + send_grad(k),
              recv_act(fk + 1) + recv_grad(k + 1))  # fmt: skip
     if train:
@@ -126,12 +137,18 @@ def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True) -> list[li
     return [s for s in steps if len(s) > 1]  # drop steps with nothing but a commit
 
 
-def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd_s: float = 0.0) -> dict:
+def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd_s: float = 0.0,
+             p2p_s: float = 0.0, posted: bool = False, split: bool | None = None) -> dict:  # fmt: skip
     """Run every rank's steps without processes and check them; returns counts (for tests).
 
-    With ``fwd_s``/``bwd_s`` (seconds of one chunk's forward/backward, p2p free) it also keeps each
-    rank's clock and returns ``makespan`` and per-rank ``idle`` fractions: the schedule's own
-    bubble, free of any machine's noise (PTD-P: (p - 1) / (v m + p - 1) when bwd_s = 2 fwd_s).
+    With ``fwd_s``/``bwd_s`` (seconds of one chunk's forward/backward) it also keeps each rank's
+    clock and returns ``makespan`` and per-rank ``idle`` fractions: the schedule's own bubble, free of
+    any machine's noise (PTD-P: (p - 1) / (v m + p - 1) when bwd_s = 2 fwd_s and p2p is free).
+    ``p2p_s``: seconds one message takes once both sides have posted it (messages of a step move at
+    once); ``posted``: ``mt3d.train.overlap.p2p``, where a rank goes on after posting its step's
+    messages and waits for a received tensor only right before the pass that reads it (sends drain
+    at the end), instead of waiting for every message of the step; ``split``: ``rank_steps``' (default:
+    as mt3d runs it, split when posted).
 
     Semantics of ``batch_isend_irecv`` under rendezvous (no buffering): a rank posts all the sends
     and receives of its step at once; on each (sender, receiver) pair posted sends and posted
@@ -140,23 +157,27 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
     AssertionError on a deadlock, on a message that is not the one the receiver expects, and on a
     forward or backward whose input has not arrived.
     """
-    return _Simulation(p, v, m, train, fwd_s, bwd_s).run()
+    split = posted if split is None else split
+    return _Simulation(p, v, m, train, fwd_s, bwd_s, p2p_s, posted, split).run()
 
 
 class _Simulation:
     """The state of ``simulate``: each rank's program, position, posted messages and clock."""
 
-    def __init__(self, p: int, v: int, m: int, train: bool, fwd_s: float, bwd_s: float) -> None:
-        self.p, self.v, self.fwd_s, self.bwd_s = p, v, fwd_s, bwd_s
-        self.programs = [rank_steps(p, v, m, r, train) for r in range(p)]
-        self.pos = [0] * p
+    def __init__(self, p: int, v: int, m: int, train: bool, fwd_s: float, bwd_s: float, p2p_s: float,
+                 posted: bool, split: bool) -> None:  # fmt: skip
+        self.p, self.v, self.fwd_s, self.bwd_s, self.p2p_s, self.posted = p, v, fwd_s, bwd_s, p2p_s, posted
+        self.programs = [rank_steps(p, v, m, r, train, split) for r in range(p)]
+        self.pos = [-1] * p  # the step each rank has posted (-1: none yet)
         self.pending = [0] * p  # unmatched messages of each rank's posted step
         self.sends: dict[tuple[int, int], list] = defaultdict(list)
         self.recvs: dict[tuple[int, int], list] = defaultdict(list)
         self.have: list[set] = [set() for _ in range(p)]
+        self.arrival: dict[tuple[int, tuple], float] = {}  # (receiver, message) -> when it arrived
         self.counts: dict[str, int] = defaultdict(int)
         self.clock = [0.0] * p  # when each rank's current step's p2p was posted (after its compute)
-        self.done = [0.0] * p  # when the last message of that step completed
+        self.done = [0.0] * p  # when the last message of that step completed (blocking), or its compute
+        self.drained = [0.0] * p  # when each rank's last send arrived
         self.busy = [0.0] * p
 
     def route(self, r: int, o: Op) -> tuple[int, int, tuple]:
@@ -170,8 +191,19 @@ class _Simulation:
         src = (r - 1) % p if o.kind == RECV_ACT else (r + 1) % p
         return src, r, (kind, o.chunk, o.mb)
 
-    def compute(self, r: int, ops: list[Op]) -> float:
-        """Check and record the compute ops of a step (they use what earlier steps received)."""
+    def inputs(self, r: int, ops: list[Op]) -> list[tuple]:
+        """The received messages the compute ops of a step read."""
+        need = []
+        for o in ops:
+            if o.kind == FWD and not (r == 0 and o.chunk == 0):
+                need.append(("act", o.chunk, o.mb))
+            elif o.kind == BWD and not (r == self.p - 1 and o.chunk == self.v - 1):
+                need.append(("grad", o.chunk, o.mb))
+        return need
+
+    def compute(self, r: int, ops: list[Op], t: float) -> float:
+        """Check and time the compute ops of a step from ``t`` (they use what earlier steps received;
+        each waits for its input's arrival); returns when the last one ends."""
         have = self.have[r]
         for o in ops:
             if o.kind == LOAD:
@@ -185,14 +217,18 @@ class _Simulation:
                 if not (r == self.p - 1 and o.chunk == self.v - 1):
                     assert ("grad", o.chunk, o.mb) in have, f"rank {r}: {o} before its gradient"
                 self.counts["bwd"] += 1
-        return sum(self.fwd_s if o.kind == FWD else self.bwd_s if o.kind == BWD else 0.0 for o in ops)
+            if o.kind in (FWD, BWD):
+                needed = self.inputs(r, [o])
+                t = max([t] + [self.arrival.get((r, msg), 0.0) for msg in needed])
+                work = self.fwd_s if o.kind == FWD else self.bwd_s
+                t += work
+                self.busy[r] += work
+        return t
 
     def post(self, r: int) -> None:
         """Run rank ``r``'s current step's compute and post its messages."""
         ops = self.programs[r][self.pos[r]]
-        work = self.compute(r, ops)
-        self.busy[r] += work
-        self.clock[r] = self.done[r] = self.clock[r] + work
+        self.clock[r] = self.done[r] = self.compute(r, ops, self.clock[r])
         p2p = [o for o in ops if o.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)]
         self.pending[r] = len(p2p)
         for o in p2p:
@@ -208,19 +244,33 @@ class _Simulation:
                 (sent, s_rank, s_t), (want, r_rank, r_t) = self.sends[pair].pop(0), self.recvs[pair].pop(0)
                 assert sent == want, f"rank {r_rank} expected {want} from {pair[0]}, got {sent}"
                 self.have[r_rank].add(want)
-                for x in (s_rank, r_rank):  # a message completes once both sides have posted it
-                    self.done[x] = max(self.done[x], s_t, r_t)
+                arrived = max(s_t, r_t) + self.p2p_s  # a message moves once both sides have posted it
+                self.arrival[(r_rank, want)] = arrived
+                self.drained[s_rank] = max(self.drained[s_rank], arrived)
+                if not self.posted:  # the step's commit waits for every message of it
+                    for x in (s_rank, r_rank):
+                        self.done[x] = max(self.done[x], arrived)
                 self.pending[s_rank] -= 1
                 self.pending[r_rank] -= 1
                 self.counts["messages"] += 1
                 moved = True
         return moved
 
+    def ready(self, r: int) -> bool:
+        """Whether rank ``r`` can go on to its next step: its commit completed (blocking), or (posted)
+        the messages the next step's compute reads have been matched."""
+        nxt = self.pos[r] + 1
+        if nxt > len(self.programs[r]) or (self.pending[r] and not self.posted):
+            return False
+        if nxt == len(self.programs[r]) or not self.posted:
+            return True
+        return all(msg in self.have[r] for msg in self.inputs(r, self.programs[r][nxt]))
+
     def advance(self) -> bool:
-        """Move every rank whose step completed to its next step."""
+        """Move every rank that can go on to its next step."""
         moved = False
         for r in range(self.p):
-            if self.pos[r] < len(self.programs[r]) and self.pending[r] == 0:
+            if self.ready(r):
                 self.pos[r] += 1
                 self.clock[r] = self.done[r]
                 moved = True
@@ -230,15 +280,13 @@ class _Simulation:
 
     def run(self) -> dict:
         """Simulate to the end; the counts (and clock figures) of ``simulate``."""
-        for r in range(self.p):
-            if self.programs[r]:
-                self.post(r)
         while self.match() | self.advance():
             pass
         stuck = [r for r in range(self.p) if self.pos[r] < len(self.programs[r])]
         assert not stuck, f"deadlock: ranks {stuck} wait at steps {[self.pos[r] for r in stuck]}"
         assert not any(self.sends.values()) and not any(self.recvs.values()), "unmatched messages"
-        makespan = max(self.clock)
+        end = [max(c, d) for c, d in zip(self.clock, self.drained)]
+        makespan = max(end)
         if makespan > 0:
             self.counts["makespan"] = makespan
             self.counts["idle"] = [1 - b / makespan for b in self.busy]

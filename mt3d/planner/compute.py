@@ -87,6 +87,25 @@ def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     ]
 
 
+COLUMN_GEMMS = (0, 2)
+"""The column-parallel linears among ``block_gemms`` (QKV and the MLP's input): the ones whose
+backward transfers overlap their GEMMs (``costs.tp_hidden``)."""
+
+
+def column_backward_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, fraction: float = GEMM_FRACTION,
+                            rate: float | None = None) -> list[tuple[float, float]]:  # fmt: skip
+    """(input-gradient, weight-gradient) GEMM seconds of each column-parallel linear of one block for
+    ``tokens`` tokens: from the shape model on a calibrated ``dev``, else at ``rate`` FLOP/s."""
+    out = []
+    for g in (block_gemms(cfg, tokens, tp)[i] for i in COLUMN_GEMMS):
+        pair = g.backward()
+        if rate is None:
+            out.append(tuple(gemm_seconds(x, dev, fraction=fraction) for x in pair))
+        else:
+            out.append(tuple(x.flops / rate for x in pair))
+    return out
+
+
 def elementwise_elements(
     cfg: ModelConfig, seq_len: int, keys: float, tp: int, sp: bool, attention: str
 ) -> float:

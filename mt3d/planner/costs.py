@@ -17,7 +17,7 @@ from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
 from .choices import OPTIMIZER_STATES  # its home imports nothing (the CLI parser reads it)
 from .offload import offload_traffic, tier_bytes
-from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, tp_bytes
+from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, ring_factor, tp_bytes
 
 # DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
 # project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
@@ -296,6 +296,29 @@ def dp_hidden(dp: float, grads: float, micro_compute: float, recompute: bool) ->
     return min(dp * (1 - 1 / buckets), backward)
 
 
+def tp_hidden(columns: list[tuple[float, float]], half: float, sp: bool, regather: bool) -> float:
+    """Seconds of one block's TP transfers (one micro-batch) hidden behind the GEMMs they run beside,
+    from each column-parallel linear's backward (``columns``: its input- and weight-gradient GEMM
+    seconds; ``half``: seconds of an all-gather or reduce-scatter of b*s*h, half an all-reduce):
+    the input gradient's reduce-scatter (SP) or all-reduce (no SP) behind the weight gradient, and
+    with ``regather`` the input shard's all-gather behind the input gradient. mt3d's layers run both
+    (``parallel.layers``); the forward's transfers and the row-parallel linears' stay exposed."""
+    reduce = half if sp else 2 * half
+    return sum(min(reduce, wgrad) + (min(half, dgrad) if regather else 0.0) for dgrad, wgrad in columns)
+
+
+def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, chunk_forward: float) -> float:
+    """Pipeline transfer seconds left exposed when every transfer is posted ahead (``overlap`` pp:
+    ``mt3d.train.overlap.p2p``; Megatron-Core's overlap_p2p_comm), from the schedule as
+    ``pipeline.schedule.simulate`` runs it: while one message takes no longer than a chunk's forward
+    only the first micro-batch's trip through the p v virtual stages and back waits for transfers
+    (2 (p v - 1) messages, whatever m), and each step beyond that adds what a message outlasts the
+    forward. m = p runs all forwards first: nothing hides. Never more than ``blocking``."""
+    if m <= p:
+        return blocking
+    return min(blocking, 2 * (p * v - 1) * message + m * v * max(0.0, message - chunk_forward))
+
+
 def step_time(
     cfg: ModelConfig,
     vocab: int,
@@ -319,21 +342,21 @@ def step_time(
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
     of ``compute.micro_batch_seconds`` (the heaviest stage's blocks, plus the output layer) and the
     GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. TP and PP transfers
-    are not overlapped with compute, DP transfers only with ``overlap`` "dp"; ZeRO-3's parameter
-    all-gathers and gradient reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
+    are overlapped with compute only as ``overlap`` says; ZeRO-3's parameter all-gathers and gradient
+    reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
     ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
     over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
     they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
     ``gemm_fraction``: of the device's GEMM ceiling (default ``compute.GEMM_FRACTION``).
     ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
-    ``overlap``: "dp" hides the data-parallel gradient reduction (ZeRO 0-2) behind the last
-    micro-batch's backward, as far as the schedule allows (``dp_hidden``).
+    ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
+    (``pp_posted_seconds``): each hides as much as the schedule allows.
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
-    v, m, t, d = lay.virtual_stages, lay.grad_accum, lay.tp, lay.dense
+    v, m, t = lay.virtual_stages, lay.grad_accum, lay.tp
     blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1))
     grads = stage_params(cfg, vocab, t, lay.pp, lay.ep)
@@ -345,20 +368,14 @@ def step_time(
     bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
     act = seq_len // lay.cp * lay.micro_batch * cfg.hidden * comm_bytes
-    tp = tp_bytes(blocks, m, act, t) / (bw["tp"] * 1e9)
+    timing = (peak_tflops, efficiency, device, gemm_fraction)
+    tp = _tp_seconds(cfg, seq_len, lay, act, blocks, bw, "tp" in overlap, timing)
     cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
     cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
-    pp = pp_bytes(m, act / (t if pp_scatter_gather else 1), v) / (bw["pp"] * 1e9) if lay.pp > 1 else 0.0
+    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, "pp" in overlap)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
-    gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
-    # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
-    dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
-    dp = dp_bytes(grads, comm_bytes, d, lay.zero_stage, gathers) / (dense_bw * 1e9)
-    if lay.zero_stage == 3:
-        dp = max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
-    elif "dp" in overlap:
-        dp -= dp_hidden(dp, grads, compute / m, lay.recompute)
+    dp = _dp_seconds(lay, grads, comm_bytes, compute, bw, "dp" in overlap)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
@@ -376,6 +393,61 @@ def step_time(
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops,
     }
+
+
+def _dp_seconds(lay: Layout, grads: float, elem: int, compute: float, bw: dict, overlapped: bool) -> float:
+    """Exposed data-parallel transfer seconds of a step: ZeRO-3's beyond ``ZERO3_OVERLAP`` of the
+    compute, else the reduction less ``dp_hidden`` when ``overlapped``."""
+    gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
+    # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
+    dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
+    dp = dp_bytes(grads, elem, lay.dense, lay.zero_stage, gathers) / (dense_bw * 1e9)
+    if lay.zero_stage == 3:
+        return max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
+    if overlapped:
+        return dp - dp_hidden(dp, grads, compute / lay.grad_accum, lay.recompute)
+    return dp
+
+
+def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dict, overlapped: bool,
+                timing: tuple) -> float:  # fmt: skip
+    """Exposed TP transfer seconds of a step (``tp_bytes``, less ``tp_hidden`` when ``overlapped``).
+    ``timing``: (peak_tflops, efficiency, device, gemm_fraction), timing the column-parallel linears'
+    backward GEMMs as ``_compute_seconds`` does (the shape model on a calibrated device, else
+    ``efficiency`` x peak)."""
+    from .compute import GEMM_FRACTION, column_backward_seconds
+
+    t, m = lay.tp, lay.grad_accum
+    sp = lay.sequence_parallel and t > 1
+    regather = sp and not lay.sp_gathered  # mt3d's default SP path: the shard gathered again
+    tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regather=regather) / (bw["tp"] * 1e9)
+    if not overlapped or t == 1:
+        return tp
+    peak_tflops, efficiency, device, gemm_fraction = timing
+    tokens = seq_len // lay.cp * lay.micro_batch
+    if efficiency is None and device is not None and getattr(device, "sms", 0):
+        fraction = GEMM_FRACTION if gemm_fraction is None else gemm_fraction
+        columns = column_backward_seconds(cfg, tokens, t, device, fraction)
+    else:
+        rate = peak_tflops * 1e12 * (efficiency or 0.5)
+        columns = column_backward_seconds(cfg, tokens, t, device, rate=rate)
+    half = ring_factor(t) / 2 * act / (bw["tp"] * 1e9)
+    return tp - blocks * m * tp_hidden(columns, half, sp, regather)
+
+
+def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, posted: bool) -> float:
+    """Pipeline transfer seconds of a step: ``pp_bytes``, or with ``posted`` what
+    ``pp_posted_seconds`` leaves exposed (a chunk's forward: a third of its compute, a quarter with
+    recompute)."""
+    if lay.pp == 1:
+        return 0.0
+    v, m = lay.virtual_stages, lay.grad_accum
+    message = message_bytes / (bw["pp"] * 1e9)  # seconds of one transfer
+    pp = pp_bytes(m, message, v)
+    if not posted:
+        return pp
+    chunk_forward = compute / (m * v) * (1 / 4 if lay.recompute else 1 / 3)
+    return pp_posted_seconds(pp, lay.pp, v, m, message, chunk_forward)
 
 
 def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *, peak_tflops, efficiency,

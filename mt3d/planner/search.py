@@ -22,6 +22,7 @@ from ..config import (
     expert_conflict,
     moe_conflict,
     overlap_conflict,
+    p2p_conflict,
     virtual_stage_conflict,
     zero_pipeline_conflict,
 )
@@ -566,8 +567,14 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
     states = result.get("optimizer_states", "fp32")
     if states != "fp32":  # what the plan's memory assumed; refused at start-up where it cannot run
         conf["mt3d"]["train"]["optimizer_states"] = states
+    # what the plan's step time assumed, where mt3d runs it (tp: always)
+    overlap = {}
     if "dp" in result.get("overlap", ()) and overlap_rule is None:
-        conf["mt3d"]["train"]["overlap"] = {"grad_reduce": True}  # what the plan's step time assumed
+        overlap["grad_reduce"] = True
+    if "pp" in result.get("overlap", ()) and p2p_conflict(True, best["pp"], best["grad_accum"]) is None:
+        overlap["p2p"] = True
+    if overlap:
+        conf["mt3d"]["train"]["overlap"] = overlap
     with open(path, "w") as f:
         json.dump(conf, f, indent=2)
     return conf
