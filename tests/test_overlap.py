@@ -18,8 +18,8 @@ def test_overlap_benchmark_hides_transfers_and_posts_buckets_in_the_backward():
     assert dp["buckets"] > 2 and dp["posted_in_backward"] == dp["buckets"], dp
     assert dp["comm_ms"] > 0 and dp["last_backward_ms"] > 0 and 0 < dp["predicted"] <= 1
     assert "data-parallel gradient reduction at dp 2" in text
-    # pp 2, m = 4: each stage sends as much as it receives; waiting is measured both ways on each stage
-    assert [(r["stage"], r["predicted"]) for r in rec["pp"]] == [(0, 0.5), (1, 0.5)]
+    # pp 2, m = 4: waiting is measured both ways on each stage, beside the simulated schedule's saving
+    assert [r["stage"] for r in rec["pp"]] == [0, 1] and all(0 < r["predicted"] <= 1 for r in rec["pp"])
     assert all(r["wait_ms"] > 0 and r["async_wait_ms"] >= 0 and r["step_ms"] > 0 for r in rec["pp"])
 
 
