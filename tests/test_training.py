@@ -394,11 +394,13 @@ def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
 def test_overlapped_grad_reduce_is_deepspeeds_reduction_to_the_bit(tmp_path, world, zero, precision):
     """At dp 2 the overlapped reduction sums and scales as DeepSpeed's own (plain DP's all-reduce; the
     BF16 optimizer's fp32 gradients, which DeepSpeed picks for bf16 with fp32 gradient accumulation,
-    with its immediate updates): the same losses and norms, bit for bit."""
+    with its immediate updates): the same losses and norms, bit for bit. At pp 2 the second run also
+    posts its pipeline transfers ahead (mt3d's schedule engine at v 1, a commit after each pass)
+    against DeepSpeed's own 1F1B engine."""
     runs = []
     for overlap in (False, True):
-        raw = tiny_config(tmp_path / f"o{overlap}", model=TINY_LLAMA, zero=zero, pp=world // 2,
-                          overlap={**OVERLAP, "grad_reduce": overlap})  # fmt: skip
+        keys = {**OVERLAP, "grad_reduce": overlap, "p2p": overlap and world > 2}
+        raw = tiny_config(tmp_path / f"o{overlap}", model=TINY_LLAMA, zero=zero, pp=world // 2, overlap=keys)
         if precision == "bf16":
             raw["bf16"] = {"enabled": True}
             raw["data_types"] = {"grad_accum_dtype": "fp32"}
