@@ -22,8 +22,9 @@ def bench(*args, timeout=600):
 
 def test_gpu_suite_smoke_mode_on_cpu(tmp_path):
     """The suite a lent GPU runs first, in its CPU smoke mode: the GEMM sweep and the one-GPU MFU
-    benchmark (mt3d with and without selective recompute beside transformers + DeepSpeed), each in its
-    own process, and the dated record with every step's output; without --smoke and a GPU: exit 2."""
+    benchmark (mt3d with and without selective recompute and with the optimizer offloaded, beside
+    transformers + DeepSpeed), each in its own process, and the dated record with every step's output;
+    --only runs some steps; without --smoke and a GPU: exit 2."""
     rec, text = bench("gpu-suite", "--smoke", "--out", str(tmp_path))
     assert [(s["step"], s["status"]) for s in rec["steps"]] == [("gemm", "ok"), ("gpu", "ok")]
     gemm, gpu = (s["bench"] for s in rec["steps"])
@@ -34,7 +35,7 @@ def test_gpu_suite_smoke_mode_on_cpu(tmp_path):
     frameworks = sorted((r["model"], r["framework"]) for r in gpu["rows"])
     assert frameworks == sorted(
         (m, f) for m in ("gpt3-1.3b", "llama-1b")
-        for f in ("mt3d", "mt3d recompute=selective", "transformers+deepspeed")
+        for f in ("mt3d", "mt3d recompute=selective", "mt3d offload=opt-cpu", "transformers+deepspeed")
     )  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in gpu["rows"]) and gpu["smoke"] is True
     assert "| gpt3-1.3b | mt3d |" in render([gpu])
@@ -43,6 +44,8 @@ def test_gpu_suite_smoke_mode_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mt3d.bench", "gpu-suite"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2 and "no GPU here" in out.stderr
+    rec, _ = bench("gpu-suite", "--smoke", "--only", "gemm", "--out", str(tmp_path))
+    assert [s["step"] for s in rec["steps"]] == ["gemm"] and rec["record"].endswith("-gemm.log")
 
 
 def test_comm_benchmark_matches_megatron_theory():

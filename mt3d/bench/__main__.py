@@ -30,8 +30,9 @@ BENCHES = {
     "overlap": "the share of a column-parallel linear's backward communication (tp 2, with and without SP), "
     "of the data-parallel gradient reduction (dp 2) and of pipeline transfers (pp 2) hidden behind compute, "
     "beside the schedule's prediction",
-    "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and the planner's "
-    "step time, local attention at 32k, long context), with a dated record in docs/benchmarks/",
+    "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and optimizer "
+    "offload beside the planner's step time and memory, local attention at 32k, long context), with a dated "
+    "record in docs/benchmarks/",
 }
 
 
@@ -106,8 +107,15 @@ def _add_device_and_model_parsers(sub) -> None:
     gp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of the code path)")
     gp.add_argument("--recompute", type=choices_list(("none", "full", "selective"), "--recompute"),
                     default=("none",), help="mt3d rows per recompute mode")  # fmt: skip
+    gp.add_argument("--offload", type=choices_list(("none", "opt-cpu"), "--offload"), default=("none",),
+                    help="opt-cpu: one more mt3d row per model, its optimizer on the CPU")  # fmt: skip
     su = sub.add_parser("gpu-suite", help=BENCHES["gpu-suite"])
     su.add_argument("--smoke", action="store_true", help="the suite's CPU check: gemm and gpu in smoke mode")
+    from .gpu_suite import STEP_NAMES
+
+    su.add_argument("--only", type=choices_list(STEP_NAMES, "--only"), default=None,
+                    help="run these steps only (the device tool's 10-minute calls: gemm,gpu then "
+                    "attention,longctx)")  # fmt: skip
     su.add_argument("--out", default="docs/benchmarks", help="directory of the dated record")
     ck = sub.add_parser("checkpoint", help=BENCHES["checkpoint"])
     ck.add_argument("--sizes", default="tiny,100m", help="tiny, 100m, 1b (1b needs ~20 GB of memory)")

@@ -6,7 +6,10 @@ LlamaForCausalLM of the same shape, SDPA attention) under ``deepspeed.initialize
 DeepSpeed bf16, ZeRO-1 and torch's fused AdamW, the same micro-batch and random tokens. Reported:
 tokens/s, model TFLOP/s (FORMULAS.md, identical counting for both), MFU against the dense bf16
 peak of the device (989 TFLOP/s on H100/H200) and against the bf16 matmul peak measured in the
-same run. ``--smoke`` runs the same code on the CPU with tiny shapes (tests).
+same run. Each mt3d row stands beside the planner's step time and GPU memory for its layout (on a
+device the planner knows by name). ``--offload opt-cpu`` adds a row per model with ZeRO-Offload of
+the optimizer to the CPU (DeepSpeedCPUAdam), whose peak GPU memory and step time the planner predicts
+too. ``--smoke`` runs the same code on the CPU with tiny shapes (tests).
 """
 
 from __future__ import annotations
@@ -95,9 +98,10 @@ RECOMPUTE_KEYS = {"none": {}, "full": {"interval": 1}, "selective": {"granularit
 
 
 def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int, compile_blocks: bool,
-                recompute: str = "none"):  # fmt: skip
-    """Seconds per step of mt3d at tp = pp = dp = 1 (inside a one-rank process group)."""
-    from ..config import from_dict, resolve_model, validate
+                recompute: str = "none", offload: str = "none"):  # fmt: skip
+    """Seconds per step of mt3d at tp = pp = dp = 1 (inside a one-rank process group); ``offload``: a
+    planner label (opt-cpu: the optimizer on the CPU, DeepSpeedCPUAdam)."""
+    from ..config import Offload, from_dict, resolve_model, validate
     from ..data.loader import StepBatches
     from ..train import preflight
     from ..training.runtime import setup
@@ -111,6 +115,10 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
             "train": {"compile": compile_blocks, "recompute": RECOMPUTE_KEYS[recompute]},
         },
     }
+    if offload != "none":  # DeepSpeed's CPU Adam steps the offloaded states (torch's fused AdamW cannot)
+        raw["optimizer"]["params"] = {k: v for k, v in raw["optimizer"]["params"].items()
+                                      if k not in ("torch_adam", "fused")}  # fmt: skip
+        raw["zero_optimization"].update(Offload.from_label(offload).ds_keys())
     run = from_dict(raw)
     cfg = resolve_model(run.mt3d.model)
     layout = validate(run, 1, cfg)
@@ -179,26 +187,29 @@ PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"))
 """Planner presets by a substring of ``torch.cuda.get_device_name()``."""
 
 
-def predicted_step(model: dict, seq: int, micro: int, accum: int, recompute: str,
-                   smoke: bool) -> float | None:  # fmt: skip
-    """The planner's step time for one mt3d row (one GPU, ZeRO-1, bf16), on the preset of the GPU at
-    hand (an H200, H100 or A100 by name; None on other devices and in smoke mode)."""
+def predicted(model: dict, seq: int, micro: int, accum: int, recompute: str, smoke: bool,
+              offload: str = "none") -> dict:  # fmt: skip
+    """The planner's step time and GPU memory (GB) for one mt3d row (one GPU, ZeRO-1, bf16), on the
+    preset of the GPU at hand (an H200, H100 or A100 by name; None on other devices and in smoke
+    mode)."""
     if smoke or not torch.cuda.is_available():
-        return None
+        return {"predicted_s": None, "predicted_gb": None}
     from ..config import resolve_model
-    from ..planner.costs import Layout, step_time
+    from ..planner.costs import Layout, Precision, memory_bytes, step_time
     from ..planner.hardware import get_device
     from ..planner.search import Cluster, bandwidths
 
     name = torch.cuda.get_device_name().lower()
     preset = next((p for key, p in PRESETS if key in name), None)
     if preset is None:
-        return None
+        return {"predicted_s": None, "predicted_gb": None}
     cfg, dev = resolve_model(model), get_device(preset)
-    lay = Layout(1, 1, 1, micro, accum, 1, recompute == "full", False, selective=recompute == "selective")
+    lay = Layout(1, 1, 1, micro, accum, 1, recompute == "full", False, selective=recompute == "selective",
+                 offload=offload)  # fmt: skip
     t = step_time(cfg, cfg.vocab_size, seq, micro * accum, lay, peak_tflops=dev.peak_tflops, efficiency=None,
                   bw=bandwidths(Cluster(1, 1, dev), 1, 1), device=dev)  # fmt: skip
-    return t["step_time_s"]
+    mem = memory_bytes(cfg, cfg.vocab_size, seq, lay, Precision.of("bf16", 1))
+    return {"predicted_s": t["step_time_s"], "predicted_gb": mem["total"] / 1e9}
 
 
 def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_peak: float) -> list[dict]:
@@ -220,6 +231,7 @@ def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_pea
             "peak_mem_gb": res.get("peak_mem_gb"),
             "step_s": res["seconds"],
             "planner_s": res.get("predicted_s"),
+            "planner_gb": res.get("predicted_gb"),
         })  # fmt: skip
     return rows
 
@@ -254,7 +266,13 @@ def run(args) -> dict:
             results[key] = spawn(
                 mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, timeout=1500
             )[0]
-            results[key]["predicted_s"] = predicted_step(model, seq, micro, accum, mode, smoke)
+            results[key].update(predicted(model, seq, micro, accum, mode, smoke))
+        for off in (o for o in getattr(args, "offload", None) or () if o != "none"):
+            key = f"mt3d offload={off}"
+            results[key] = spawn(
+                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, False, "none", off, timeout=1500
+            )[0]
+            results[key].update(predicted(model, seq, micro, accum, "none", smoke, off))
         results["transformers+deepspeed"] = spawn(
             hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
         )[0]
@@ -278,6 +296,7 @@ def run(args) -> dict:
                 "peak_mem_gb",
                 "step_s",
                 "planner_s",
+                "planner_gb",
             ],
         )
     )
