@@ -5,9 +5,9 @@ fails or runs over is recorded as such and the next one runs), so one call of ab
 brings back every GPU figure:
 
 1. ``gemm``: the GEMM sweep beside the planner's shape model; its best rate is ``--gemm-tflops``;
-2. ``gpu``: one-GPU bf16 MFU of gpt3-1.3b and llama-1b (mt3d, with compiled blocks, against
-   transformers + DeepSpeed), mt3d with no, full and selective recompute and with the optimizer
-   offloaded to the CPU, each beside the planner's predicted step time and GPU memory;
+2. ``gpu``: one-GPU bf16 MFU of gpt3-1.3b and llama-1b (mt3d, also with compiled blocks, against
+   transformers + DeepSpeed), mt3d with no, full and selective recompute (compiled at none only) and
+   with the optimizer offloaded to the CPU, each beside the planner's step time and GPU memory;
 3. ``attention``: the local-attention patterns at 32k tokens beside their speed-of-light bound;
 4. ``longctx``: one 32k-token sample's memory with and without sequence tiles.
 
