@@ -490,3 +490,27 @@ def test_tp_overlap_hides_the_column_linears_backward_transfers(sp, share):
     assert tp_comm("--nvlink-gbps", "5000", "--overlap", "none", recompute="full") == pytest.approx(
         none * ((10 + 4) / 10 if sp else (8 + 4) / 8)
     )
+
+
+def test_written_config_runs_the_overlaps_the_plan_assumed(tmp_path, capsys):
+    """--write-config with --overlap dp,pp sets mt3d.train.overlap.grad_reduce and p2p (tp needs no key:
+    mt3d's layers always overlap it), and the config validates; a layout whose micro-batches per step
+    are not a multiple of pp gets no p2p key (mt3d's schedule engine could not run it)."""
+    from mt3d.cli import main
+
+    def written(batch):
+        path = tmp_path / f"c{batch}.json"
+        argv = ["plan", "--model", "gpt2-small", "--gpus", "8", "--gpu", "h100", "--seq-len", "1024",
+                "--global-batch", str(batch), "--tensor", "1", "--pipeline", "2", "--zero", "1",
+                "--micro-batch", "1", "--offload", "none", "--context", "1", "--virtual-stages", "1",
+                "--overlap", "tp,dp,pp", "--json", "--write-config", str(path)]  # fmt: skip
+        assert main(argv) == 0
+        capsys.readouterr()
+        run = load(path)
+        validate(run, 8, resolve_model(run.mt3d.model))
+        return run.mt3d.train.overlap
+
+    overlap = written(64)  # dp 4, m 16
+    assert (overlap.grad_reduce, overlap.p2p) == (True, True)
+    overlap = written(12)  # dp 4, m 3: not a multiple of pp 2
+    assert (overlap.grad_reduce, overlap.p2p) == (True, False)
