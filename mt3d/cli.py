@@ -708,8 +708,9 @@ def _add_plan_stack(p) -> None:
                    help="optimizer-state dtype of 16-bit training: fp32 master and moments (12 B/param), "
                    "bf16-moments (8), bf16 master and moments (6)")  # fmt: skip
     p.add_argument("--overlap", type=choices_list(OVERLAPS + ("none",), "--overlap"), default=DEFAULT_OVERLAP,
-                   help="transfers the stack overlaps with compute (default tp, what mt3d always does; none: "
-                   "nothing): tp (each column-parallel linear's backward transfers behind its GEMMs), dp "
+                   help="transfers the stack overlaps with compute (mt3d: tp always, the list adds to it; "
+                   "--other-stack: the list, none for nothing): tp (each column-parallel linear's backward "
+                   "transfers behind its GEMMs), dp "
                    "(gradient reduction during the last backward: mt3d.train.overlap.grad_reduce), pp "
                    "(pipeline transfers posted ahead: mt3d.train.overlap.p2p)")  # fmt: skip
     p.add_argument(
@@ -758,9 +759,16 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.optimizer_states,
             args.gemm_fraction,
             not args.other_stack,
-            tuple(x for x in args.overlap if x != "none"),
+            planned_overlap(args.overlap, args.other_stack),
         ),  # fmt: skip
     )
+
+
+def planned_overlap(given: tuple[str, ...], other_stack: bool) -> tuple[str, ...]:
+    """``--overlap``'s transfers as the planner counts them: mt3d's layers always overlap tp (whatever
+    the list says); another stack overlaps what the list names (``none``: nothing)."""
+    chosen = tuple(x for x in given if x != "none")
+    return chosen if other_stack or "tp" in chosen else ("tp", *chosen)
 
 
 PLAN_PINS = {"tp": "tensor", "pp": "pipeline", "dp": "data", "ep": "expert"}

@@ -68,7 +68,8 @@ def _peak_in_flight(steps, forward, backward) -> int:
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_in_flight_blocks_match_the_schedules_that_run(p):
     """The planner's activation count is the first stage's peak of live forwards in the schedules the
-    engines execute: DeepSpeed's TrainSchedule for v = 1, ours (PTD-P) for v > 1."""
+    engines execute: DeepSpeed's TrainSchedule for v = 1, ours (PTD-P) for v > 1 and for posted
+    transfers."""
     from deepspeed.runtime.pipe import schedule as ds
 
     from mt3d.ds.interleaved import deepspeed_schedule
@@ -80,6 +81,10 @@ def test_in_flight_blocks_match_the_schedules_that_run(p):
             steps = deepspeed_schedule(p, v, m, 0).steps()
             peak = _peak_in_flight(steps, ds.ForwardPass, ds.BackwardPass)  # in chunks of 1/v stage
             assert in_flight_blocks(v, p, m, v) == peak
+        # posted transfers run mt3d's schedule at v = 1 too: 2(p - 1) warm-up forwards + 1 (m > p)
+        steps = deepspeed_schedule(p, 1, m, 0, split=True).steps()
+        peak = _peak_in_flight(steps, ds.ForwardPass, ds.BackwardPass)
+        assert in_flight_blocks(1, p, m, 1, schedule_engine=True) == peak == min(2 * p - 1, m)
     # interleaving holds a little more than 1F1B: p + (p - 2)/v stages' worth once m > p
     assert in_flight_blocks(4, 8, 32, 4) / 4 == pytest.approx(8 + 6 / 4 + 1 / 4)
 
@@ -466,29 +471,34 @@ def test_posted_pipeline_transfers_follow_the_simulated_schedule():
     assert pp_posted_seconds(1.0, 4, 2, 4, 0.01, 1.0) == 1.0  # m = p: all forwards first, nothing hides
 
 
-@pytest.mark.parametrize("sp, share", [(True, 4 / 10), (False, 4 / 8)])
-def test_tp_overlap_hides_the_column_linears_backward_transfers(sp, share):
-    """--overlap tp (the default): with GEMMs that outlast the transfers (a fast NVLink), the column
-    linears' backward transfers are hidden: with SP the 2 input-gradient reduce-scatters and the 2
-    input re-gathers of the 10 half-all-reduces of a block, without SP 2 of its 4 all-reduces. Full
-    recompute runs the forward's transfers again."""
+@pytest.mark.parametrize("model", ["gpt3-1.3b", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("sp", [True, False])
+def test_tp_overlap_hides_the_column_linears_backward_transfers(model, sp):
+    """mt3d's layers always overlap (--overlap tp): with GEMMs that outlast the transfers (a fast
+    NVLink), a dense block hides its 2 column linears' input-gradient reduce-scatters and 2 input
+    re-gathers of its 10 half-all-reduces with SP, 2 of its 4 all-reduces without; a sparse block's
+    experts take their input whole, so only its QKV linear's (2 of 9, 2 of 8). --other-stack
+    --overlap none counts every transfer. Full recompute runs the forward's transfers again."""
     from mt3d.cli import build_parser, plan_inputs
+
+    cfg = get_preset(model)
+    dense = 1 - cfg.sparse_layers / cfg.layers
 
     def tp_comm(*extra, recompute="none"):
         args = build_parser().parse_args(
-            ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048",
-             "--global-batch", "64", "--tensor", "4", "--pipeline", "1", "--micro-batch", "4", "--zero",
-             "1", "--offload", "none", "--context", "1", "--recompute", recompute, "--json", *extra]
+            ["plan", "--model", model, "--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--vocab", "512",
+             "--global-batch", "64", "--tensor", "2", "--pipeline", "1", "--micro-batch", "4", "--zero", "1",
+             "--offload", "none", "--context", "1", "--recompute", recompute, "--nvlink-gbps", "5000", *extra]
         )  # fmt: skip
-        inputs = plan_inputs(args, get_preset("gpt3-1.3b"))
-        rows = plan(get_preset("gpt3-1.3b"), **inputs)["feasible"]
+        rows = plan(cfg, **plan_inputs(args, cfg))["feasible"]
         return next(r["tp_comm_s"] for r in rows if r["sequence_parallel"] == sp)
 
-    exposed = tp_comm("--nvlink-gbps", "5000")
-    none = tp_comm("--nvlink-gbps", "5000", "--overlap", "none")
-    assert 1 - exposed / none == pytest.approx(share)
-    assert tp_comm("--nvlink-gbps", "5000", "--overlap", "none", recompute="full") == pytest.approx(
-        none * ((10 + 4) / 10 if sp else (8 + 4) / 8)
+    exposed, none = tp_comm(), tp_comm("--other-stack", "--overlap", "none")
+    assert tp_comm("--overlap", "dp") == exposed  # mt3d: tp always counted
+    halves = 8 + (1 + dense if sp else 0)
+    assert 1 - exposed / none == pytest.approx((2 + 2 * dense) / halves)
+    assert tp_comm("--other-stack", "--overlap", "none", recompute="full") == pytest.approx(
+        none * (halves + 4) / halves
     )
 
 

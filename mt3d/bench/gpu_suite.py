@@ -73,7 +73,13 @@ def run(args) -> dict:
         raise SystemExit(2)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-smoke"
     only = getattr(args, "only", None)
-    steps = [run_step(*step) for step in (SMOKE if args.smoke else STEPS) if not only or step[0] in only]
+    chosen = [step for step in (SMOKE if args.smoke else STEPS) if not only or step[0] in only]
+    if not chosen:
+        which = "--smoke" if args.smoke else "the suite"
+        print(f"gpu-suite: --only {','.join(only)} names no step of {which}"
+              f" (--smoke runs {', '.join(s[0] for s in SMOKE)})", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    steps = [run_step(*step) for step in chosen]
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     part = "-" + "-".join(only) if only else ""
     out = Path(args.out) / f"{datetime.date.today().isoformat()}-gpu-suite-{slug}{part}.log"

@@ -21,7 +21,7 @@ shard's all-gather); pp, pipeline transfers posted ahead of need (``mt3d.train.o
 
 DEFAULT_OVERLAP = ("tp",)
 """What ``mt3d plan`` counts as overlapped unless ``--overlap`` says otherwise: what mt3d always
-overlaps (``none``: nothing, as Megatron-LM 2021)."""
+overlaps (with ``--other-stack``, ``none``: nothing, as Megatron-LM 2021)."""
 
 GRAD_BUCKET_ELEMENTS = 40_000_000
 """Gradient elements per overlapped bucket (``mt3d.train.overlap.bucket_elements``' default)."""

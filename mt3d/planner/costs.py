@@ -170,15 +170,23 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
 
-def in_flight_blocks(blocks: int, p: int, m: int, v: int) -> float:
+def posts_p2p(overlap: tuple[str, ...], lay: Layout) -> bool:
+    """Whether the layout's pipeline transfers are posted ahead (``overlap`` pp): only where the
+    schedule that posts them runs, with micro-batches per step a multiple of pp (mt3d's schedule
+    engine, ``config.rules.p2p_conflict``; Megatron's interleaved schedule likewise)."""
+    return "pp" in overlap and lay.pp > 1 and lay.grad_accum % lay.pp == 0
+
+
+def in_flight_blocks(blocks: int, p: int, m: int, v: int, schedule_engine: bool = False) -> float:
     """Blocks' worth of activations the first stage holds at its peak.
 
     1F1B (DeepSpeed's TrainSchedule): up to p micro-batches of the stage's blocks. Interleaved
-    (PTD-P): the warm-up forwards of rank 0 plus the one in flight, each chunk 1/v of the stage's
-    blocks: about p + (p - 2)/v stages' worth, a little more than 1F1B. tests/test_planner.py walks
-    both schedules to check this.
+    (PTD-P; mt3d's schedule engine, which also runs v = 1 when ``schedule_engine``: posted transfers):
+    the warm-up forwards of rank 0 plus the one in flight, each chunk 1/v of the stage's blocks:
+    about p + (p - 2)/v stages' worth, a little more than 1F1B once v > 1, 2p - 1 at v = 1.
+    tests/test_planner.py walks both schedules to check this.
     """
-    if v == 1:
+    if v == 1 and not schedule_engine:
         return blocks * min(p, m)
     chunks = min(warmup(p, v, m, 0) + 1, m * v)
     return blocks / v * chunks
@@ -245,9 +253,11 @@ def memory_bytes(
     activation_model: str = "mt3d",
     bucket_elems: float = 5e8,
     sub_group_size: float | None = None,
+    overlap: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
-    rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``)."""
+    rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
+    ``overlap`` as ``step_time``'s (posted pipeline transfers run mt3d's schedule engine)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
     tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
@@ -275,7 +285,8 @@ def memory_bytes(
     rows = min(local, lay.tile_len) if lay.tile_len > 0 else local  # sequence tiles: one tile's logits
     logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
-    first = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages) * per_layer + working
+    in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, posts_p2p(overlap, lay))
+    first = in_flight * per_layer + working
     last = blocks * per_layer + working + logits
     acts = max(first, last) if p > 1 else last
     buckets = min(bucket_elems, params) * 4 if lay.zero_stage >= 1 else 0.0  # ZeRO's fp32 reduce bucket
@@ -313,8 +324,12 @@ def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, c
     ``pipeline.schedule.simulate`` runs it: while one message takes no longer than a chunk's forward
     only the first micro-batch's trip through the p v virtual stages and back waits for transfers
     (2 (p v - 1) messages, whatever m), and each step beyond that adds what a message outlasts the
-    forward. m = p runs all forwards first: nothing hides. Never more than ``blocking``."""
-    if m <= p:
+    forward. m = p runs all forwards first: nothing hides. Never more than ``blocking``. The engine
+    waits for the whole batch a needed message came in (and those before it), the simulation for the
+    message alone: the same while a message takes up to about a third of a chunk's forward, longer
+    messages expose more than this (a read-only model of the engine: 18.5 instead of 14 message
+    times at p 8, v 1, m 16 with messages 0.8 of a forward)."""
+    if m <= p or m % p:
         return blocking
     return min(blocking, 2 * (p * v - 1) * message + m * v * max(0.0, message - chunk_forward))
 
@@ -372,7 +387,7 @@ def step_time(
     tp = _tp_seconds(cfg, seq_len, lay, act, blocks, bw, "tp" in overlap, timing)
     cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
     cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
-    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, "pp" in overlap)
+    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posts_p2p(overlap, lay))
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
     dp = _dp_seconds(lay, grads, comm_bytes, compute, bw, "dp" in overlap)
@@ -419,9 +434,12 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
 
     t, m = lay.tp, lay.grad_accum
     sp = lay.sequence_parallel and t > 1
-    regather = sp and not lay.sp_gathered  # mt3d's default SP path: the shard gathered again
-    tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regather=regather) / (bw["tp"] * 1e9)
-    if not overlapped or t == 1:
+    # a sparse block's experts take the gathered input whole (mt3d.model.moe): only its QKV linear
+    # keeps a shard and overlaps its backward transfers (``ColumnParallelLinear``)
+    dense = 1 - cfg.sparse_layers / cfg.layers
+    regathers = (1 + dense) if sp and not lay.sp_gathered else 0.0  # mt3d's default SP path
+    tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regathers=regathers) / (bw["tp"] * 1e9)
+    if not overlapped or t == 1 or (sp and lay.sp_gathered):  # kept whole: gathered by autograd, after
         return tp
     peak_tflops, efficiency, device, gemm_fraction = timing
     tokens = seq_len // lay.cp * lay.micro_batch
@@ -432,7 +450,9 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
         rate = peak_tflops * 1e12 * (efficiency or 0.5)
         columns = column_backward_seconds(cfg, tokens, t, device, rate=rate)
     half = ring_factor(t) / 2 * act / (bw["tp"] * 1e9)
-    return tp - blocks * m * tp_hidden(columns, half, sp, regather)
+    qkv, mlp = columns
+    hidden = tp_hidden([qkv], half, sp, sp) + dense * tp_hidden([mlp], half, sp, sp)
+    return tp - blocks * m * hidden
 
 
 def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, posted: bool) -> float:

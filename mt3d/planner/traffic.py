@@ -19,12 +19,12 @@ def ring_factor(n: int) -> float:
 
 
 def tp_bytes(blocks: float, micro_batches: int, act_bytes: float, t: int, *, recompute: bool = False,
-             regather: bool = False) -> float:  # fmt: skip
+             regathers: float = 0.0) -> float:  # fmt: skip
     """Megatron TP: per block and micro-batch 2 all-reduces forward and 2 backward of b*s*h (with
     sequence parallelism all-gather + reduce-scatter pairs, the same bytes). Full ``recompute`` runs
-    the forward's 2 again; ``regather``: with SP, each of the 2 column-parallel linears all-gathers its
-    saved input shard again in the backward (half an all-reduce each: 1 more in all)."""
-    per_block = 4 + (2 if recompute else 0) + (1 if regather else 0)
+    the forward's 2 again; ``regathers``: with SP, how many column-parallel linears per block (2 in a
+    dense block) all-gather their saved input shard again in the backward, half an all-reduce each."""
+    per_block = 4 + (2 if recompute else 0) + regathers / 2
     return per_block * blocks * micro_batches * ring_factor(t) * act_bytes
 
 
