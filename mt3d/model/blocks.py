@@ -27,6 +27,7 @@ from ..parallel.layers import (
     NormalInit,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_linear,
     mark_sequence_parallel,
     mark_tp,
     mark_tp_partial_grad,
@@ -451,8 +452,10 @@ def lm_logits(x, weight: torch.Tensor, ctx: BuildContext, softcap: float | None 
     it tile by tile: the result is then the pair (gathered hidden states, weight). A sparse model's
     stream gives a ``moe.Routed`` holding that result and the router statistics."""
     x, stats = split_stream(x)
-    x = gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp)
-    out = (x, weight) if ctx.tile_len > 0 else project(x, weight, softcap)
+    if ctx.tile_len > 0:  # the loss projects each tile of the gathered hidden states
+        out = (gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp), weight)
+    else:
+        out = cap(column_linear(x, weight, None, ctx.tp, ctx.sp), softcap)
     if stats is None:
         return out
     from .moe import Routed
@@ -461,9 +464,14 @@ def lm_logits(x, weight: torch.Tensor, ctx: BuildContext, softcap: float | None 
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
-    """This rank's vocabulary slice of the logits, soft-capped (cap * tanh(logits / cap), elementwise,
-    so each rank caps its own slice) when ``softcap`` is set."""
-    logits = F.linear(x, weight)
+    """This rank's vocabulary slice of the logits of hidden states already in the TP region, soft-capped
+    when ``softcap`` is set (``cap``)."""
+    return cap(F.linear(x, weight), softcap)
+
+
+def cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (elementwise, so each rank caps its own slice), or the logits as they
+    are without a ``softcap``."""
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 

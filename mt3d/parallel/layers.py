@@ -246,6 +246,21 @@ class _RecomputedInputLinear(torch.autograd.Function):
         return grad_y, grad_w, None
 
 
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: AxisGroup,
+                  sequence_parallel: bool, keep_gathered: bool = False) -> torch.Tensor:  # fmt: skip
+    """Enter the TP region and apply this rank's columns of a linear: [b, s, in] (or [b, s/tp, in] with
+    SP) -> [b, s, out/tp]. The backward's transfers overlap its GEMMs: with SP the input shard is
+    gathered again during the input gradient and that gradient reduce-scattered during the weight
+    gradient (``_ShardSavingLinear``; ``keep_gathered``: the gathered input kept instead, no
+    overlap), without SP the input gradient is all-reduced during the weight gradient
+    (``_AllReducingLinear``). The column-parallel linears and the vocabulary-parallel head use it."""
+    if tp.size > 1 and not (sequence_parallel and keep_gathered):
+        fn = _ShardSavingLinear if sequence_parallel else _AllReducingLinear
+        return fn.apply(x, weight, bias, tp)
+    x = gather_from_sequence(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) over TP: Y_i = X A_i + b_i.
 
@@ -303,13 +318,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
-        if self.sequence_parallel and self.tp.size > 1 and not self.keep_gathered:
-            y = _ShardSavingLinear.apply(x, self.weight, self.bias, self.tp)
-        elif not self.sequence_parallel and self.tp.size > 1:
-            y = _AllReducingLinear.apply(x, self.weight, self.bias, self.tp)
-        else:
-            x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-            y = F.linear(x, self.weight, self.bias)
+        y = column_linear(x, self.weight, self.bias, self.tp, self.sequence_parallel, self.keep_gathered)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
