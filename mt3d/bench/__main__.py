@@ -114,7 +114,7 @@ def _add_device_and_model_parsers(sub) -> None:
     from .gpu_suite import STEP_NAMES
 
     su.add_argument("--only", type=choices_list(STEP_NAMES, "--only"), default=None,
-                    help="run these steps only (the device tool's 10-minute calls: gemm,gpu then "
+                    help="run these steps only (the device tool's 10-minute calls: gemm, then gpu, then "
                     "attention,longctx)")  # fmt: skip
     su.add_argument("--out", default="docs/benchmarks", help="directory of the dated record")
     ck = sub.add_parser("checkpoint", help=BENCHES["checkpoint"])

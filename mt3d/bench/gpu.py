@@ -261,20 +261,18 @@ def run(args) -> dict:
         if getattr(args, "compile_only", False) and not smoke:
             variants = [("mt3d+compile", True)]
         results = {}
-        # compiled blocks at recompute none only (the MFU row); the recompute modes without compiling
-        runs = [(v, m) for v in variants for m in modes if not v[1] or m == "none" or len(variants) == 1]
-        for (label, comp), mode in runs:
-            key = label if mode == "none" else f"{label} recompute={mode}"
+        # (row, compiled, recompute, offload): compiled blocks at recompute none only (the MFU row), the
+        # recompute modes without compiling, then one uncompiled row per offload tier
+        runs = [(label if mode == "none" else f"{label} recompute={mode}", comp, mode, "none")
+                for label, comp in variants for mode in modes
+                if not comp or mode == "none" or len(variants) == 1]  # fmt: skip
+        runs += [(f"mt3d offload={off}", False, "none", off) for off in getattr(args, "offload", None) or ()
+                 if off != "none"]  # fmt: skip
+        for key, comp, mode, off in runs:
             results[key] = spawn(
-                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, timeout=1500
+                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, off, timeout=1500
             )[0]
-            results[key].update(predicted(model, seq, micro, accum, mode, smoke))
-        for off in (o for o in getattr(args, "offload", None) or () if o != "none"):
-            key = f"mt3d offload={off}"
-            results[key] = spawn(
-                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, False, "none", off, timeout=1500
-            )[0]
-            results[key].update(predicted(model, seq, micro, accum, "none", smoke, off))
+            results[key].update(predicted(model, seq, micro, accum, mode, smoke, off))
         results["transformers+deepspeed"] = spawn(
             hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
         )[0]

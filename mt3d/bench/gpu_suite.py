@@ -14,8 +14,9 @@ brings back every GPU figure:
 The record (every step's table and ``BENCH`` line, with the device and the time each took) goes to
 ``<out>/<date>-gpu-suite-<device>.log``. ``--smoke`` runs the GEMM and one-GPU steps in their CPU
 smoke modes (the suite's own check; no GPU needed). ``--only gemm,gpu`` runs some steps (the record
-is then named after them): the device tool runs a command for at most 10 minutes, so the suite
-takes two calls there, ``--only gemm,gpu`` and ``--only attention,longctx``.
+is then named after them): the device tool runs a command for at most 10 minutes, so there the
+suite runs in parts (``--only gemm``, ``--only gpu``, ``--only attention,longctx``) or in its own
+process session across chained calls (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ while it computes the weight gradient. Without SP it all-reduces the input gradi
 the weight gradient. At tp 2, for each (rows, in, out) shape and both paths, this measures the
 transfers (C = gather + scatter, or the all-reduce, each timed alone), the two GEMMs alone, the
 backward as mt3d runs it (T_o) and the same steps one after another (T_s). Hidden fraction: (T_s -
-T_o) / C, beside the schedule's prediction (each transfer hidden up to the GEMM beside it, ``tp_row``).
+T_o) / C, beside the schedule's prediction (each transfer hidden up to the GEMM beside it: the
+planner's ``costs.tp_hidden``).
 
 Data parallelism (``mt3d.train.overlap.grad_reduce``, ``mt3d.ds.overlap``): a ZeRO-1 step at dp 2 on
 DeepSpeed's pipeline engine, once with DeepSpeed's reduction after the backward and once with the
@@ -87,15 +88,14 @@ def _times(tp, sp: bool, rows: int, fin: int, fout: int, reps: int) -> dict:
 
 
 def tp_row(r: dict) -> dict:
-    """One TP row: communication, hidden share and the schedule's prediction (each transfer hides
-    behind the GEMM that runs beside it: the gather behind the input gradient, the reduce-scatter or
-    all-reduce behind the weight gradient)."""
-    if r["sp"]:
-        comm = r["gather"] + r["scatter"]
-        predicted = (min(r["gather"], r["dgrad"]) + min(r["scatter"], r["wgrad"])) / comm
-    else:
-        comm = r["all_reduce"]
-        predicted = min(r["all_reduce"], r["wgrad"]) / comm
+    """One TP row: communication, hidden share and the schedule's prediction (the planner's
+    ``tp_hidden`` with the measured times: the gather behind the input gradient, the reduce-scatter
+    or all-reduce behind the weight gradient)."""
+    from ..planner.costs import tp_hidden
+
+    gather, reduce = (r["gather"], r["scatter"]) if r["sp"] else (0.0, r["all_reduce"])
+    comm = gather + reduce
+    predicted = tp_hidden([(r["dgrad"], r["wgrad"])], gather, reduce) / comm
     return {**r, "comm_ms": comm * 1e3, "gemms_ms": (r["dgrad"] + r["wgrad"]) * 1e3,
             "serial_ms": r["serial"] * 1e3, "overlapped_ms": r["overlapped"] * 1e3,
             "hidden": (r["serial"] - r["overlapped"]) / comm, "predicted": predicted}  # fmt: skip

@@ -216,8 +216,7 @@ class _Simulation:
                 self.counts["fwd"] += 1
             elif o.kind == BWD:
                 assert ("out", o.chunk, o.mb) in have, f"rank {r}: {o} before its forward"
-                if not (r == self.p - 1 and o.chunk == self.v - 1):
-                    assert ("grad", o.chunk, o.mb) in have, f"rank {r}: {o} before its gradient"
+                assert all(msg in have for msg in self.inputs(r, [o])), f"rank {r}: {o} before its gradient"
                 self.counts["bwd"] += 1
             if o.kind in (FWD, BWD):
                 needed = self.inputs(r, [o])

@@ -172,9 +172,11 @@ class Layout:
 
 def posts_p2p(overlap: tuple[str, ...], lay: Layout) -> bool:
     """Whether the layout's pipeline transfers are posted ahead (``overlap`` pp): only where the
-    schedule that posts them runs, with micro-batches per step a multiple of pp (mt3d's schedule
-    engine, ``config.rules.p2p_conflict``; Megatron's interleaved schedule likewise)."""
-    return "pp" in overlap and lay.pp > 1 and lay.grad_accum % lay.pp == 0
+    schedule that posts them runs (``config.rules.p2p_conflict``: pp >= 2 and micro-batches per step a
+    multiple of pp, for mt3d's schedule engine; Megatron's interleaved schedule likewise)."""
+    from ..config.rules import p2p_conflict
+
+    return "pp" in overlap and p2p_conflict(True, lay.pp, lay.grad_accum) is None
 
 
 def in_flight_blocks(blocks: int, p: int, m: int, v: int, schedule_engine: bool = False) -> float:
@@ -307,15 +309,15 @@ def dp_hidden(dp: float, grads: float, micro_compute: float, recompute: bool) ->
     return min(dp * (1 - 1 / buckets), backward)
 
 
-def tp_hidden(columns: list[tuple[float, float]], half: float, sp: bool, regather: bool) -> float:
-    """Seconds of one block's TP transfers (one micro-batch) hidden behind the GEMMs they run beside,
-    from each column-parallel linear's backward (``columns``: its input- and weight-gradient GEMM
-    seconds; ``half``: seconds of an all-gather or reduce-scatter of b*s*h, half an all-reduce):
-    the input gradient's reduce-scatter (SP) or all-reduce (no SP) behind the weight gradient, and
-    with ``regather`` the input shard's all-gather behind the input gradient. mt3d's layers run both
-    (``parallel.layers``); the forward's transfers and the row-parallel linears' stay exposed."""
-    reduce = half if sp else 2 * half
-    return sum(min(reduce, wgrad) + (min(half, dgrad) if regather else 0.0) for dgrad, wgrad in columns)
+def tp_hidden(columns: list[tuple[float, float]], gather: float, reduce: float) -> float:
+    """Seconds of column-parallel linears' backward transfers hidden behind the GEMMs they run beside
+    (``columns``: each linear's input- and weight-gradient GEMM seconds): the input gradient's
+    reduction (``reduce``: seconds of its reduce-scatter with SP, its all-reduce without) behind the
+    weight gradient, and the input shard's all-gather again (``gather`` seconds; 0 without SP) behind
+    the input gradient. mt3d's layers run both (``parallel.layers.column_linear``); the forward's
+    transfers and the row-parallel linears' stay exposed. ``python -m mt3d.bench overlap`` holds
+    measured figures against it."""
+    return sum(min(reduce, wgrad) + min(gather, dgrad) for dgrad, wgrad in columns)
 
 
 def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, chunk_forward: float) -> float:
@@ -430,7 +432,7 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
     ``timing``: (peak_tflops, efficiency, device, gemm_fraction), timing the column-parallel linears'
     backward GEMMs as ``_compute_seconds`` does (the shape model on a calibrated device, else
     ``efficiency`` x peak)."""
-    from .compute import GEMM_FRACTION, column_backward_seconds
+    from .compute import column_backward_seconds
 
     t, m = lay.tp, lay.grad_accum
     sp = lay.sequence_parallel and t > 1
@@ -443,15 +445,16 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
         return tp
     peak_tflops, efficiency, device, gemm_fraction = timing
     tokens = seq_len // lay.cp * lay.micro_batch
-    if efficiency is None and device is not None and getattr(device, "sms", 0):
-        fraction = GEMM_FRACTION if gemm_fraction is None else gemm_fraction
+    fraction = _shape_model_fraction(device, efficiency, gemm_fraction)
+    if fraction is not None:
         columns = column_backward_seconds(cfg, tokens, t, device, fraction)
     else:
         rate = peak_tflops * 1e12 * (efficiency or 0.5)
         columns = column_backward_seconds(cfg, tokens, t, device, rate=rate)
-    half = ring_factor(t) / 2 * act / (bw["tp"] * 1e9)
+    half = ring_factor(t) / 2 * act / (bw["tp"] * 1e9)  # an all-gather or reduce-scatter of b*s*h
+    gather, reduce = (half, half) if sp else (0.0, 2 * half)
     qkv, mlp = columns
-    hidden = tp_hidden([qkv], half, sp, sp) + dense * tp_hidden([mlp], half, sp, sp)
+    hidden = tp_hidden([qkv], gather, reduce) + dense * tp_hidden([mlp], gather, reduce)
     return tp - blocks * m * hidden
 
 
@@ -470,13 +473,25 @@ def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, pos
     return pp_posted_seconds(pp, lay.pp, v, m, message, chunk_forward)
 
 
+def _shape_model_fraction(device, efficiency, gemm_fraction) -> float | None:
+    """The share of the GEMM ceiling to time GEMMs with by their shapes (``compute``): ``gemm_fraction``
+    or the calibration, on a device with a GEMM calibration and no ``efficiency`` given; None: time
+    the work at ``efficiency`` x peak instead."""
+    if efficiency is None and device is not None and getattr(device, "sms", 0):
+        from .compute import GEMM_FRACTION
+
+        return GEMM_FRACTION if gemm_fraction is None else gemm_fraction
+    return None
+
+
 def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *, peak_tflops, efficiency,
                      device, attention_fraction, attention_kernel, gemm_fraction):  # fmt: skip
     """(compute, GPU optimizer step) seconds of one step: the GEMM shape model with a calibrated
     device, else the executed FLOPs at ``efficiency`` x peak (see ``step_time``)."""
     gpus = lay.gpus
-    if efficiency is None and device is not None and getattr(device, "sms", 0):
-        from .compute import GEMM_FRACTION, micro_batch_seconds, optimizer_seconds
+    fraction = _shape_model_fraction(device, efficiency, gemm_fraction)
+    if fraction is not None:
+        from .compute import micro_batch_seconds, optimizer_seconds
 
         # with cp a rank computes seq_len / cp tokens, each against as many keys as at cp = 1
         per_micro = micro_batch_seconds(
@@ -484,7 +499,7 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
             sp=lay.sequence_parallel and lay.tp > 1, recompute=lay.recompute, selective=lay.selective,
             attention=attention_kernel,
             keys=seq_len * attention_fraction,
-            fraction=GEMM_FRACTION if gemm_fraction is None else gemm_fraction,
+            fraction=fraction,
         )["total_s"]  # fmt: skip
         optimizer = 0.0
         if lay.offload == "none":
