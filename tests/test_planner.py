@@ -14,6 +14,8 @@ from mt3d.planner.costs import (
     Precision,
     in_flight_blocks,
     korthikanti_layer_bytes,
+    korthikanti_working_bytes,
+    logit_bytes,
     memory_bytes,
     model_state_bytes,
     stage_params,
@@ -45,15 +47,50 @@ def test_korthikanti_activation_table():
 def test_first_stage_holds_p_micro_batches_in_flight():
     cfg = get_preset("gpt3-175b")
     prec = Precision.of("bf16", 1)
-    one = memory_bytes(
-        cfg, 50257, 2048, Layout(8, 1, 1, 1, 8, 1, False, True), prec, activation_model="korthikanti"
-    )
-    eight = memory_bytes(
-        cfg, 50257, 2048, Layout(8, 8, 1, 1, 8, 1, False, True), prec, activation_model="korthikanti"
-    )
+    megatron = dict(activation_model="korthikanti", attention_kernel="materialized")
+    one = memory_bytes(cfg, 50257, 2048, Layout(8, 1, 1, 1, 8, 1, False, True), prec, **megatron)
+    eight = memory_bytes(cfg, 50257, 2048, Layout(8, 8, 1, 1, 8, 1, False, True), prec, **megatron)
     per_layer = korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, False)
     assert eight["activations"] == pytest.approx(12 * per_layer * 8)  # 96/8 layers x 8 in flight
     assert one["activations"] > 96 * per_layer  # one micro-batch of all 96 layers, plus the logits
+    # a flash kernel keeps no scores: Korthikanti's 5 a s / h term goes (as with selective recompute)
+    flash = memory_bytes(cfg, 50257, 2048, Layout(8, 8, 1, 1, 8, 1, False, True), prec,
+                         activation_model="korthikanti", attention_kernel="flash")  # fmt: skip
+    no_scores = korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, False, selective=True)
+    assert flash["activations"] == pytest.approx(12 * no_scores * 8)
+    # another stack posting its transfers still runs 1F1B at v 1: p in flight, not mt3d's 2p - 1
+    lay = Layout(8, 8, 1, 1, 16, 1, False, True)  # 16 micro-batches: mt3d's engine can post them
+    posted = dict(megatron, overlap=("pp",))
+    other = memory_bytes(cfg, 50257, 2048, lay, prec, **posted, schedule_engine=False)["activations"]
+    assert other == pytest.approx(12 * per_layer * 8)
+    mt3d = memory_bytes(cfg, 50257, 2048, lay, prec, **posted)["activations"]
+    assert mt3d == pytest.approx(12 * per_layer * 15)
+
+
+def test_recompute_working_set_and_logits_do_not_add():
+    """With full recompute a stage's peak is its checkpoints plus the larger of one block's rebuilt
+    activations with their gradients and the loss's logits: the loss's backward is over (its logits
+    freed) before the last block is rebuilt. Korthikanti's working set: the block's activations and
+    the largest pair of gradients (the softmax's, with materialised scores; else the MLP's)."""
+    s, b, h, a = 2048, 4, 20480, 128
+    sbh = s * b * h
+    scores_grads = 2 * 2 * a * s * s * b  # the softmax's output and input gradients, 16-bit
+    assert korthikanti_working_bytes(s, b, h, a, 1, False, True) == sbh * (34 + 5 * a * s / h) + scores_grads
+    assert korthikanti_working_bytes(s, b, h, a, 8, True, False) == pytest.approx(sbh * 34 / 8 + 16 * sbh / 8)
+    cfg = get_preset("mtnlg-530b")
+    prec = Precision.of("fp16", 3)
+    for vocab in (51200, 51200 * 64):  # logits smaller, then larger, than the working set
+        mem = memory_bytes(cfg, vocab, s, Layout(1, 1, 640, b, 1, 3, True, False), prec,
+                           activation_model="korthikanti", attention_kernel="materialized")  # fmt: skip
+        logits = s * b * vocab * logit_bytes(1, 2)
+        working = korthikanti_working_bytes(s, b, h, a, 1, False, True)
+        assert mem["activations"] == pytest.approx(105 * 2 * sbh + max(logits, working))
+    # PTD-P's 530B ZeRO-3 run at 640 A100s, micro-batch 4 (Narayanan et al. 2021, Table 2) fits 80 GB
+    # less the planner's 2 GB reserve; ZeRO-3's reduce bucket is fp16 (5e8 elements: 1 GB)
+    assert mem["buckets"] == 1e9
+    fits = memory_bytes(cfg, 51200, s, Layout(1, 1, 640, b, 1, 3, True, False), prec,
+                        activation_model="korthikanti", attention_kernel="materialized")  # fmt: skip
+    assert 70e9 < fits["total"] < 78e9
 
 
 def _peak_in_flight(steps, forward, backward) -> int:
@@ -256,26 +293,28 @@ def test_gemm_model_quantises_tiles_and_waves():
 def test_planner_fidelity_against_published_runs():
     """The fidelity table of README (python -m mt3d.bench planner): every row of PTD-P's Table 1 and
     its PTD-P rows of Table 2 within 10% with the one fitted GEMM fraction, which a refit reproduces."""
-    from mt3d.bench.planner import PTDP_TABLE1, PTDP_TABLE2, calibrate, predict
+    from mt3d.bench.planner import MTNLG_RUNS, PTDP_TABLE1, PTDP_TABLE2, calibrate, predict
     from mt3d.planner.compute import GEMM_FRACTION
 
     for row in PTDP_TABLE1 + [r for r in PTDP_TABLE2 if "PTD-P" in r[0]]:
         assert abs(predict(row)["error"]) <= 0.10, predict(row)
+    for row in PTDP_TABLE2 + MTNLG_RUNS:  # every layout that ran fits (ZeRO-3 530B at 640: 76.5 GB)
+        assert predict(row)["rejected_for_memory_gb"] is None, row[0]
     small, large = predict(PTDP_TABLE1[0]), predict(PTDP_TABLE1[-2])
     assert large["predicted"] / small["predicted"] > 1.15  # large models run closer to peak, as published
     assert calibrate() == pytest.approx(GEMM_FRACTION, abs=0.01)
 
 
-def test_a_million_token_sequence_is_planned_with_context_parallelism(tmp_path):
-    """Llama-7B at 1M tokens on 64 H100s: nothing fits without cp (the smallest layout needs 115 GB per
+def test_a_two_million_token_sequence_is_planned_with_context_parallelism(tmp_path):
+    """Llama-7B at 2M tokens on 64 H100s: nothing fits without cp (the smallest layout needs 152 GB per
     GPU), and the plan answers with a cp layout that fits, its exchange counted on the cp links."""
     from mt3d.planner.search import explain_infeasible
 
     cfg, cluster = get_preset("llama-7b"), Cluster(64, 8, get_device("h100"))
-    without = plan(cfg, cluster, global_batch=8, seq_len=2**20, context=(1,))
+    without = plan(cfg, cluster, global_batch=8, seq_len=2**21, context=(1,))
     assert not without["feasible"]
-    assert re.search(r"the smallest needs 1[01][0-9]\.\d GB per GPU", explain_infeasible(without))
-    result = plan(cfg, cluster, global_batch=8, seq_len=2**20)
+    assert re.search(r"the smallest needs 1[45][0-9]\.\d GB per GPU", explain_infeasible(without))
+    result = plan(cfg, cluster, global_batch=8, seq_len=2**21)
     best = result["feasible"][0]
     assert best["cp"] > 1 and best["memory_gb"] < 80 and best["cp_comm_s"] > 0
     assert all(r["cp"] > 1 and r["zero_stage"] <= 1 for r in result["feasible"])
@@ -524,3 +563,29 @@ def test_written_config_runs_the_overlaps_the_plan_assumed(tmp_path, capsys):
     assert (overlap.grad_reduce, overlap.p2p) == (True, True)
     overlap = written(12)  # dp 4, m 3: not a multiple of pp 2
     assert (overlap.grad_reduce, overlap.p2p) == (True, False)
+
+
+def test_deepspeed_still_allocates_the_reduce_buckets_the_memory_model_counts():
+    """``memory_bytes`` counts ZeRO's reduce bucket at 4 bytes under ZeRO-1 and at the parameters'
+    dtype under ZeRO-2/3: ZeRO-3 keys its buckets by the communication dtype (the parameters' unless
+    configured) and allocates each in that dtype; ZeRO-1/2 stage in the gradient-accumulation dtype
+    only when gradients are not partitioned (ZeRO-1 with fp32 accumulation beside 16-bit weights)."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    comm = inspect.getsource(DeepSpeedEngine.communication_data_type.fget)
+    assert "return torch.float16" in comm and "return torch.bfloat16" in comm  # unless configured
+
+    z3 = stage3.DeepSpeedZeroOptimizer_Stage3
+    assert "comm_dtypes = {self.communication_data_type}" in inspect.getsource(z3.__init__)
+    setup = inspect.getsource(z3._setup_for_real_optimizer)
+    assert "for dtype, bucket in self.ipg_buckets.items():" in setup and "dtype=dtype," in setup
+    z12 = stage_1_and_2.DeepSpeedZeroOptimizer
+    assert "dtype=self._gradient_reduction_buffer_dtype()" in inspect.getsource(z12.setup_buckets)
+    assert "if self.use_grad_accum_attribute else self.dtype" in inspect.getsource(
+        z12._gradient_reduction_buffer_dtype
+    )
+    init = inspect.getsource(z12.__init__)
+    assert "if self.use_separate_grad_accum and not self.partition_gradients:" in init

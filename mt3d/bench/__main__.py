@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--micro", type=int, default=4)
     mem.add_argument("--accum", type=int, default=2)
     mem.add_argument("--layouts", type=int, default=99, help="run only the first N layouts")
+    mem.add_argument("--vocab", type=int, default=512, help="vocabulary of both models (the loss's logits)")
     mem.add_argument(
         "--rows", type=positive_ints, default=None, help="run only these layouts (1-based: 10,12)"
     )

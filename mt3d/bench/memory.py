@@ -12,6 +12,7 @@ with the planner's ``memory_bytes`` for the same difference. Target: within 15 %
 from __future__ import annotations
 
 import ctypes
+import functools
 import resource
 
 from .common import bench_run_config, build_engine, emit, table, train_step
@@ -130,10 +131,12 @@ def run(args) -> dict:
     for tp, pp, dp, zero, rc, sp, off in chosen:
         with tempfile.TemporaryDirectory(prefix="mt3d-nvme-") as nvme:
             common = (tp, pp, zero, rc, sp, args.seq_len, args.micro, args.accum, off, nvme)
-            full = max(r["measured"] for r in spawn(worker, tp * pp * dp, MODEL, *common, timeout=900))
-            null = max(r["measured"] for r in spawn(worker, tp * pp * dp, NULL, *common, timeout=900))
+            run_at = functools.partial(worker, vocab=args.vocab)
+            full = max(r["measured"] for r in spawn(run_at, tp * pp * dp, MODEL, *common, timeout=900))
+            null = max(r["measured"] for r in spawn(run_at, tp * pp * dp, NULL, *common, timeout=900))
         shape = (tp, pp, dp, zero, rc, sp, args.seq_len, args.micro, args.accum, off)
-        pred = predict(MODEL, *shape)["rss"] - predict(NULL, *shape)["rss"]
+        pred = predict(MODEL, *shape, vocab=args.vocab)["rss"]
+        pred -= predict(NULL, *shape, vocab=args.vocab)["rss"]
         rows.append({"tp": tp, "pp": pp, "dp": dp, "zero": zero, "recompute": rc, "sp": sp, "offload": off,
                      "peak_mb": full / 1e6, "fixed_mb": null / 1e6, "measured_mb": (full - null) / 1e6,
                      "predicted_mb": pred / 1e6, "ratio": (full - null) / pred})  # fmt: skip
@@ -143,7 +146,8 @@ def run(args) -> dict:
     )
     print(table(rows, ["tp", "pp", "dp", "zero", "recompute", "sp", "offload", "peak_mb", "fixed_mb",
                        "measured_mb", "predicted_mb", "ratio"]))  # fmt: skip
-    return emit("memory", {"rows": rows, "within_15pct": within, "model": MODEL, "seq_len": args.seq_len})
+    return emit("memory", {"rows": rows, "within_15pct": within, "model": MODEL, "seq_len": args.seq_len,
+                           "vocab": args.vocab})  # fmt: skip
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:

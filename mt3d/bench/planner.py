@@ -133,6 +133,7 @@ def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None
         "tp": round(t["tp_comm_s"] / t["step_time_s"], 3),
         "pp": round(t["pp_comm_s"] / t["step_time_s"], 3),
         "dp": round(t["dp_comm_s"] / t["step_time_s"], 3),
+        "memory_gb": round(too_big or t["memory_gb"], 1),
         "rejected_for_memory_gb": round(too_big, 1) if too_big else None,
     }
 
@@ -194,6 +195,7 @@ def run(args) -> None:
         "tp",
         "pp",
         "dp",
+        "memory_gb",
         "rejected_for_memory_gb",
     ]
     print("each row: python -m mt3d plan --model <its shape> " + " ".join(command_line(PTDP_TABLE1[0])))

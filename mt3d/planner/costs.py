@@ -90,6 +90,18 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, re
     return sbh * (10 + 24 / t + scores / t)
 
 
+def korthikanti_working_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, scores: bool) -> float:
+    """Peak bytes of one block's backward beyond its checkpoint, in Korthikanti et al.'s accounting,
+    when the block is recomputed: its whole activations (``korthikanti_layer_bytes`` without
+    recompute) plus the largest pair of gradients alive at once, an operation's output gradient and its
+    input gradient. With materialised scores (``scores``) that is the softmax's, 2 x 2 a s^2 b / t
+    bytes; otherwise (flash kernels) the MLP activation's, 2 x 8 s b h / t. An upper bound: by then
+    the MLP's activations are freed. (mt3d's blocks use the 2x measured on them instead.)"""
+    full = korthikanti_layer_bytes(s, b, h, a, t, sp, False, not scores)
+    grads = 2 * (2 * a * s * s * b if scores else 8 * s * b * h) / t
+    return full + grads
+
+
 def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: bool, elem: int,
                      tiled: bool = False, sp_gathered: bool = False,
                      selective: bool = False) -> float:  # fmt: skip
@@ -256,10 +268,14 @@ def memory_bytes(
     bucket_elems: float = 5e8,
     sub_group_size: float | None = None,
     overlap: tuple[str, ...] = (),
+    attention_kernel: str = "flash",
+    schedule_engine: bool = True,
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
-    ``overlap`` as ``step_time``'s (posted pipeline transfers run mt3d's schedule engine)."""
+    ``overlap`` as ``step_time``'s. ``schedule_engine``: posted pipeline transfers run mt3d's schedule
+    engine (more micro-batches in flight at v = 1; False: another stack's 1F1B). The Korthikanti model
+    keeps the attention scores only with the ``materialized`` kernel (FlashAttention keeps none)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
     tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
@@ -268,8 +284,9 @@ def memory_bytes(
     local = seq_len // lay.cp  # tokens of each sample on this rank
     if activation_model == "korthikanti":
         args = (local, lay.micro_batch, cfg.hidden, cfg.heads, t, sp)
-        per_layer = korthikanti_layer_bytes(*args, lay.recompute, lay.selective)
-        full_layer = korthikanti_layer_bytes(*args, False, lay.selective)
+        scores = attention_kernel == "materialized" and not lay.selective
+        per_layer = korthikanti_layer_bytes(*args, lay.recompute, not scores)
+        working = korthikanti_working_bytes(*args, scores) if lay.recompute else 0.0
     else:
         e, tiled = prec.activation, lay.tile_len > 0
         g, sel = lay.sp_gathered, lay.selective
@@ -280,18 +297,23 @@ def memory_bytes(
         gathered = cp_gathered_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, e)
         per_layer += 0.0 if lay.recompute else gathered
         full_layer += gathered
+        # recompute: one block's activations are rebuilt at a time, and its backward briefly holds
+        # gradients of the same size (measured on CPU, mt3d.bench memory)
+        working = 2 * full_layer if lay.recompute else 0.0
     blocks = math.ceil(cfg.layers / p)
-    # recompute: one block's activations are rebuilt at a time, and its backward briefly holds
-    # gradients of the same size (measured on CPU, mt3d.bench memory)
-    working = 2 * full_layer if lay.recompute else 0.0
     rows = min(local, lay.tile_len) if lay.tile_len > 0 else local  # sequence tiles: one tile's logits
     logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
-    in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, posts_p2p(overlap, lay))
+    engine = schedule_engine and posts_p2p(overlap, lay)
+    in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine)
     first = in_flight * per_layer + working
-    last = blocks * per_layer + working + logits
+    # the loss's backward frees the logits and their gradient before the last block is recomputed
+    last = blocks * per_layer + max(working, logits)
     acts = max(first, last) if p > 1 else last
-    buckets = min(bucket_elems, params) * 4 if lay.zero_stage >= 1 else 0.0  # ZeRO's fp32 reduce bucket
+    # ZeRO's reduce bucket (the pinned DeepSpeed): ZeRO-1 stages the fp32 gradient accumulator it keeps
+    # beside 16-bit weights, ZeRO-2 and -3 allocate it in the parameters' dtype
+    bucket_elem = 4 if lay.zero_stage == 1 else prec.param
+    buckets = min(bucket_elems, params) * bucket_elem if lay.zero_stage >= 1 else 0.0
     total = states + acts + buckets
     return {"model_states": states, "activations": acts, "buckets": buckets, "total": total,
             "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip

@@ -332,7 +332,8 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     dev, per_node = cluster.device, min(cluster.gpus, cluster.gpus_per_node)
     prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states)
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
-                       overlap=stack.overlap)  # fmt: skip
+                       overlap=stack.overlap, attention_kernel=stack.attention_kernel,
+                       schedule_engine=stack.mt3d_rules)  # fmt: skip
     row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
            "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
