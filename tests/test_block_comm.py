@@ -50,6 +50,8 @@ CONFIGS = {
         attention={"window": 3},
     ),
 }
+# a sparse block whose shared expert is an MLP with a TP region of its own beside the routed experts'
+CONFIGS["moe-shared"] = dict(CONFIGS["llama"], moe=dict(experts=4, top_k=2, expert_ffn=16, shared_ffn=24))
 
 
 DTYPE = {"every-option": torch.float64}
@@ -105,11 +107,13 @@ def test_block_collectives_and_parity(tp, sp):
             big_f = [c for c in got["fwd"] if c[1] == bsh]
             big_b = [c for c in got["bwd"] if c[1] == bsh]
             assert all(c[2] == ranks for c in got["fwd"] + got["bwd"]), "every collective is on the TP group"
-            if not sp:
+            assert tp_units(got["fwd"] + got["bwd"], bsh) == planned_units(cfg, tp, sp), (arch, got)
+            dense = cfg.moe is None  # a sparse block also gathers the router's weights and choices (small)
+            if dense and not sp:
                 assert [c[0] for c in got["fwd"]] == ["all_reduce"] * 2, got["fwd"]
                 assert [c[0] for c in big_b] == ["all_reduce"] * 2, got["bwd"]
                 assert len(big_f) == 2
-            else:
+            elif dense:
                 ops = lambda cs: sorted(c[0].split("_single")[0].split("_tensor")[0] for c in cs)  # noqa: E731
                 assert ops(big_f) == ["all_gather"] * 2 + ["reduce_scatter"] * 2, got["fwd"]
                 # and the QKV and MLP-in linears gather their kept input shards again
@@ -119,7 +123,8 @@ def test_block_collectives_and_parity(tp, sp):
             # and row biases under SP, q/k head norms always)
             small = sorted(c[1] for c in got["bwd"] if c[1] != bsh)
             partial = sorted(p.numel() for p in params.values() if getattr(p, "tp_partial_grad", False))
-            assert all(c[0] == "all_reduce" for c in got["bwd"] if c[1] != bsh) and small == partial
+            if dense:
+                assert all(c[0] == "all_reduce" for c in got["bwd"] if c[1] != bsh) and small == partial
             y, dx = ref["y"], ref["dx"]
             if sp:
                 y, dx = y.chunk(tp, 1)[rank], dx.chunk(tp, 1)[rank]
@@ -129,3 +134,19 @@ def test_block_collectives_and_parity(tp, sp):
             for name, g in got["grads"].items():
                 want = shard_of(ref["grads"][name], params[name], rank, tp)
                 torch.testing.assert_close(g, want, **tol, msg=f"{arch} grad {name}")
+
+
+def tp_units(calls, bsh: int) -> float:
+    """A block's b*s*h-sized TP transfers in all-reduces (an all-gather or a reduce-scatter is half)."""
+    return sum(1.0 if op.startswith("all_reduce") else 0.5 for op, numel, _ in calls if numel == bsh)
+
+
+def planned_units(cfg: ModelConfig, tp: int, sp: bool) -> float:
+    """What the planner's TP time counts for one block and micro-batch (``costs._tp_seconds``, through
+    ``traffic.tp_bytes``), in all-reduces of b*s*h: 4 in a dense block (5 with SP's re-gathers), 6 in
+    a sparse block with a shared expert (7)."""
+    from mt3d.planner.costs import Layout, _tp_seconds
+    from mt3d.planner.traffic import ring_factor
+
+    lay = Layout(tp, 1, 1, B, 1, 0, False, sp)
+    return _tp_seconds(cfg, S, lay, 1.0, 1, {"tp": 1e-9}, False, ()) / ring_factor(tp)

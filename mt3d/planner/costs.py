@@ -459,10 +459,14 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
     t, m = lay.tp, lay.grad_accum
     sp = lay.sequence_parallel and t > 1
     # a sparse block's experts take the gathered input whole (mt3d.model.moe): only its QKV linear
-    # keeps a shard and overlaps its backward transfers (``ColumnParallelLinear``)
-    dense = 1 - cfg.sparse_layers / cfg.layers
-    regathers = (1 + dense) if sp and not lay.sp_gathered else 0.0  # mt3d's default SP path
-    tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regathers=regathers) / (bw["tp"] * 1e9)
+    # keeps a shard and overlaps its backward transfers (``ColumnParallelLinear``); its shared expert,
+    # where there is one, is an MLP of its own with its own TP region (not credited with overlap)
+    sparse = cfg.sparse_layers / cfg.layers
+    shared = sparse if cfg.moe_spec is not None and cfg.moe_spec.shared_ffn else 0.0
+    dense = 1 - sparse
+    regathers = (1 + dense + shared) if sp and not lay.sp_gathered else 0.0  # mt3d's default SP path
+    tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regathers=regathers, mlps=1 + shared)
+    tp /= bw["tp"] * 1e9
     if not overlapped or t == 1 or (sp and lay.sp_gathered):  # kept whole: gathered by autograd, after
         return tp
     peak_tflops, efficiency, device, gemm_fraction = timing

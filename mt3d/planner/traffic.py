@@ -19,12 +19,15 @@ def ring_factor(n: int) -> float:
 
 
 def tp_bytes(blocks: float, micro_batches: int, act_bytes: float, t: int, *, recompute: bool = False,
-             regathers: float = 0.0) -> float:  # fmt: skip
+             regathers: float = 0.0, mlps: float = 1.0) -> float:  # fmt: skip
     """Megatron TP: per block and micro-batch 2 all-reduces forward and 2 backward of b*s*h (with
-    sequence parallelism all-gather + reduce-scatter pairs, the same bytes). Full ``recompute`` runs
-    the forward's 2 again; ``regathers``: with SP, how many column-parallel linears per block (2 in a
-    dense block) all-gather their saved input shard again in the backward, half an all-reduce each."""
-    per_block = 4 + (2 if recompute else 0) + regathers / 2
+    sequence parallelism all-gather + reduce-scatter pairs, the same bytes): one of each for the
+    attention's TP region and for each of the block's ``mlps`` (on average: a sparse block with a
+    shared expert has two, ``mt3d.model.moe``). Full ``recompute`` runs the forward's again;
+    ``regathers``: with SP, how many column-parallel linears per block (2 in a dense block) all-gather
+    their saved input shard again in the backward, half an all-reduce each."""
+    regions = 1 + mlps
+    per_block = regions * (2 + (1 if recompute else 0)) + regathers / 2
     return per_block * blocks * micro_batches * ring_factor(t) * act_bytes
 
 
