@@ -712,7 +712,9 @@ def _add_plan_stack(p) -> None:
                    "--other-stack: the list, none for nothing): tp (each column-parallel linear's backward "
                    "transfers behind its GEMMs), dp "
                    "(gradient reduction during the last backward: mt3d.train.overlap.grad_reduce), pp "
-                   "(pipeline transfers posted ahead: mt3d.train.overlap.p2p)")  # fmt: skip
+                   "(pipeline transfers posted ahead: mt3d.train.overlap.p2p), tp-comm (--other-stack: "
+                   "every TP transfer of an SP layout behind the GEMM beside it, Megatron-Core's "
+                   "--tp-comm-overlap)")  # fmt: skip
     p.add_argument(
         "--activation-model",
         choices=("mt3d", "korthikanti"),
@@ -768,6 +770,9 @@ def planned_overlap(given: tuple[str, ...], other_stack: bool) -> tuple[str, ...
     """``--overlap``'s transfers as the planner counts them: mt3d's layers always overlap tp (whatever
     the list says); another stack overlaps what the list names (``none``: nothing)."""
     chosen = tuple(x for x in given if x != "none")
+    if "tp-comm" in chosen and not other_stack:
+        raise UserError("--overlap tp-comm states another stack's TP overlap (Megatron-Core's "
+                        "--tp-comm-overlap), which mt3d does not run: add --other-stack")  # fmt: skip
     return chosen if other_stack or "tp" in chosen else ("tp", *chosen)
 
 

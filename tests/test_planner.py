@@ -539,6 +539,19 @@ def test_tp_overlap_hides_the_column_linears_backward_transfers(model, sp):
     assert tp_comm("--other-stack", "--overlap", "none", recompute="full") == pytest.approx(
         none * (halves + 4) / halves
     )
+    # another stack's --tp-comm-overlap (--overlap tp-comm): with SP every transfer beside a GEMM hides,
+    # the forward's too (all 10 of a dense block, its attention's 5 of a sparse block's 9; with full
+    # recompute the forward's 4 again, 2 of them a sparse block's); without SP it is tp's
+    comm = tp_comm("--other-stack", "--overlap", "tp-comm")
+    if sp:
+        assert 1 - comm / none == pytest.approx((5 + 5 * dense) / halves)
+        again = tp_comm("--other-stack", "--overlap", "tp-comm", recompute="full")
+        unhidden = halves + 4 - (7 + 7 * dense)
+        assert again == pytest.approx(none * unhidden / halves, abs=1e-12)
+    else:
+        assert comm == pytest.approx(exposed)
+    with pytest.raises(UserError, match="add --other-stack"):
+        tp_comm("--overlap", "tp-comm")
 
 
 def test_written_config_runs_the_overlaps_the_plan_assumed(tmp_path, capsys):

@@ -92,18 +92,27 @@ COLUMN_GEMMS = (0, 2)
 backward transfers overlap their GEMMs (``costs.tp_hidden``)."""
 
 
+def block_gemm_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, fraction: float = GEMM_FRACTION,
+                       rate: float | None = None) -> list[tuple[float, float, float]]:  # fmt: skip
+    """(forward, input-gradient, weight-gradient) GEMM seconds of each of ``block_gemms`` (QKV, output,
+    MLP in and out) for ``tokens`` tokens: from the shape model on a calibrated ``dev``, else at
+    ``rate`` FLOP/s."""
+    out = []
+    for g in block_gemms(cfg, tokens, tp):
+        three = (g, *g.backward())
+        if rate is None:
+            out.append(tuple(gemm_seconds(x, dev, fraction=fraction) for x in three))
+        else:
+            out.append(tuple(x.flops / rate for x in three))
+    return out
+
+
 def column_backward_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, fraction: float = GEMM_FRACTION,
                             rate: float | None = None) -> list[tuple[float, float]]:  # fmt: skip
-    """(input-gradient, weight-gradient) GEMM seconds of each column-parallel linear of one block for
-    ``tokens`` tokens: from the shape model on a calibrated ``dev``, else at ``rate`` FLOP/s."""
-    out = []
-    for g in (block_gemms(cfg, tokens, tp)[i] for i in COLUMN_GEMMS):
-        pair = g.backward()
-        if rate is None:
-            out.append(tuple(gemm_seconds(x, dev, fraction=fraction) for x in pair))
-        else:
-            out.append(tuple(x.flops / rate for x in pair))
-    return out
+    """(input-gradient, weight-gradient) GEMM seconds of each column-parallel linear of one block
+    (``block_gemm_seconds``' backward pairs of ``COLUMN_GEMMS``)."""
+    gemms = block_gemm_seconds(cfg, tokens, tp, dev, fraction, rate)
+    return [gemms[i][1:] for i in COLUMN_GEMMS]
 
 
 def elementwise_elements(

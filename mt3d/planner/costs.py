@@ -342,6 +342,20 @@ def tp_hidden(columns: list[tuple[float, float]], gather: float, reduce: float) 
     return sum(min(reduce, wgrad) + min(gather, dgrad) for dgrad, wgrad in columns)
 
 
+def tp_comm_hidden(gemm: tuple[float, float, float], half: float, recompute: bool, column: bool) -> float:
+    """Seconds of one linear's TP transfers hidden when every transfer is pipelined with the GEMM
+    beside it, each up to that GEMM's time (``overlap`` tp-comm: Megatron-Core's ``--tp-comm-overlap``,
+    TransformerEngine's userbuffers; sequence parallel only). ``gemm``: its (forward, input-gradient,
+    weight-gradient) seconds; ``half``: one all-gather or reduce-scatter of b*s*h. A column linear:
+    its input's all-gather behind the forward GEMM (again with full recompute), and in the backward the
+    re-gather behind the input gradient and the input gradient's reduce-scatter behind the weight
+    gradient (``tp_hidden``'s pair). A row linear: its output's reduce-scatter behind the forward GEMM
+    (again with recompute) and the output gradient's all-gather behind the input gradient."""
+    fwd, dgrad, wgrad = gemm
+    hidden = min(half, fwd) * (2 if recompute else 1) + min(half, dgrad)
+    return hidden + (min(half, wgrad) if column else 0.0)
+
+
 def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, chunk_forward: float) -> float:
     """Pipeline transfer seconds left exposed when every transfer is posted ahead (``overlap`` pp:
     ``mt3d.train.overlap.p2p``; Megatron-Core's overlap_p2p_comm), from the schedule as
@@ -408,7 +422,8 @@ def step_time(
     comm_bytes = prec.param
     act = seq_len // lay.cp * lay.micro_batch * cfg.hidden * comm_bytes
     timing = (peak_tflops, efficiency, device, gemm_fraction)
-    tp = _tp_seconds(cfg, seq_len, lay, act, blocks, bw, "tp" in overlap, timing)
+    tp_mode = "tp-comm" if "tp-comm" in overlap else ("tp" if "tp" in overlap else None)
+    tp = _tp_seconds(cfg, seq_len, lay, act, blocks, bw, tp_mode, timing)
     cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
     cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
     pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posts_p2p(overlap, lay))
@@ -448,13 +463,13 @@ def _dp_seconds(lay: Layout, grads: float, elem: int, compute: float, bw: dict, 
     return dp
 
 
-def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dict, overlapped: bool,
+def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dict, overlapped: str | None,
                 timing: tuple) -> float:  # fmt: skip
-    """Exposed TP transfer seconds of a step (``tp_bytes``, less ``tp_hidden`` when ``overlapped``).
-    ``timing``: (peak_tflops, efficiency, device, gemm_fraction), timing the column-parallel linears'
-    backward GEMMs as ``_compute_seconds`` does (the shape model on a calibrated device, else
-    ``efficiency`` x peak)."""
-    from .compute import column_backward_seconds
+    """Exposed TP transfer seconds of a step: ``tp_bytes``, less what ``overlapped`` hides ("tp":
+    ``tp_hidden``; "tp-comm": ``tp_comm_hidden``; None: nothing). ``timing``: (peak_tflops,
+    efficiency, device, gemm_fraction), timing the block's GEMMs as ``_compute_seconds`` does (the
+    shape model on a calibrated device, else ``efficiency`` x peak)."""
+    from .compute import COLUMN_GEMMS, block_gemm_seconds
 
     t, m = lay.tp, lay.grad_accum
     sp = lay.sequence_parallel and t > 1
@@ -472,16 +487,16 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
     peak_tflops, efficiency, device, gemm_fraction = timing
     tokens = seq_len // lay.cp * lay.micro_batch
     fraction = _shape_model_fraction(device, efficiency, gemm_fraction)
-    if fraction is not None:
-        columns = column_backward_seconds(cfg, tokens, t, device, fraction)
-    else:
-        rate = peak_tflops * 1e12 * (efficiency or 0.5)
-        columns = column_backward_seconds(cfg, tokens, t, device, rate=rate)
+    rate = None if fraction is not None else peak_tflops * 1e12 * (efficiency or 0.5)
+    gemms = block_gemm_seconds(cfg, tokens, t, device, fraction or 0.0, rate)
     half = ring_factor(t) / 2 * act / (bw["tp"] * 1e9)  # an all-gather or reduce-scatter of b*s*h
-    gather, reduce = (half, half) if sp else (0.0, 2 * half)
-    qkv, mlp = columns
-    hidden = tp_hidden([qkv], gather, reduce) + dense * tp_hidden([mlp], gather, reduce)
-    return tp - blocks * m * hidden
+    if overlapped == "tp-comm" and sp:
+        parts = [tp_comm_hidden(g, half, lay.recompute, i in COLUMN_GEMMS) for i, g in enumerate(gemms)]
+        attention, mlp = parts[0] + parts[1], parts[2] + parts[3]
+    else:
+        gather, reduce = (half, half) if sp else (0.0, 2 * half)
+        attention, mlp = (tp_hidden([gemms[i][1:]], gather, reduce) for i in COLUMN_GEMMS)
+    return tp - blocks * m * (attention + dense * mlp)
 
 
 def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, posted: bool) -> float:
