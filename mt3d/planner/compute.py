@@ -107,14 +107,6 @@ def block_gemm_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, fraction: fl
     return out
 
 
-def column_backward_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, fraction: float = GEMM_FRACTION,
-                            rate: float | None = None) -> list[tuple[float, float]]:  # fmt: skip
-    """(input-gradient, weight-gradient) GEMM seconds of each column-parallel linear of one block
-    (``block_gemm_seconds``' backward pairs of ``COLUMN_GEMMS``)."""
-    gemms = block_gemm_seconds(cfg, tokens, tp, dev, fraction, rate)
-    return [gemms[i][1:] for i in COLUMN_GEMMS]
-
-
 def elementwise_elements(
     cfg: ModelConfig, seq_len: int, keys: float, tp: int, sp: bool, attention: str
 ) -> float:
