@@ -139,7 +139,8 @@ def rank_steps(p: int, v: int, m: int, rank: int, train: bool = True, split: boo
 
 
 def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd_s: float = 0.0,
-             p2p_s: float = 0.0, posted: bool = False, split: bool | None = None) -> dict:  # fmt: skip
+             p2p_s: float = 0.0, posted: bool = False, split: bool | None = None,
+             in_order: bool = False) -> dict:  # fmt: skip
     """Run every rank's steps without processes and check them; returns counts (for tests).
 
     With ``fwd_s``/``bwd_s`` (seconds of one chunk's forward/backward) it also keeps each rank's
@@ -149,7 +150,10 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
     once); ``posted``: ``mt3d.train.overlap.p2p``, where a rank goes on after posting its step's
     messages and waits for a received tensor only right before the pass that reads it (sends drain
     at the end), instead of waiting for every message of the step; ``split``: ``rank_steps``' (default:
-    as mt3d runs it, split when posted).
+    as mt3d runs it, split when posted); ``in_order`` (posted): a pass waits for the whole batch its
+    input came in and every batch its rank posted before, sends included, as mt3d's engine waits
+    (``ds.interleaved``; NCCL runs one rank's batches in order on one stream anyway), instead of for
+    its input alone.
 
     Semantics of ``batch_isend_irecv`` under rendezvous (no buffering): a rank posts all the sends
     and receives of its step at once; on each (sender, receiver) pair posted sends and posted
@@ -160,15 +164,19 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
     forward or backward whose input has not arrived.
     """
     split = posted if split is None else split
-    return _Simulation(p, v, m, train, fwd_s, bwd_s, p2p_s, posted, split).run()
+    return _Simulation(p, v, m, train, fwd_s, bwd_s, p2p_s, posted, split, in_order and posted).run()
 
 
 class _Simulation:
     """The state of ``simulate``: each rank's program, position, posted messages and clock."""
 
     def __init__(self, p: int, v: int, m: int, train: bool, fwd_s: float, bwd_s: float, p2p_s: float,
-                 posted: bool, split: bool) -> None:  # fmt: skip
+                 posted: bool, split: bool, in_order: bool = False) -> None:  # fmt: skip
         self.p, self.v, self.fwd_s, self.bwd_s, self.p2p_s, self.posted = p, v, fwd_s, bwd_s, p2p_s, posted
+        self.in_order = in_order
+        # each rank's posted batches: [unmatched messages, when the last matched one arrived, received]
+        self.batches: list[list[list]] = [[] for _ in range(p)]
+        self.waited = [0] * p  # batches before this index have been waited for (in_order)
         self.programs = [rank_steps(p, v, m, r, train, split) for r in range(p)]
         self.pos = [-1] * p  # the step each rank has posted (-1: none yet)
         self.pending = [0] * p  # unmatched messages of each rank's posted step
@@ -221,6 +229,10 @@ class _Simulation:
             if o.kind in (FWD, BWD):
                 needed = self.inputs(r, [o])
                 t = max([t] + [self.arrival.get((r, msg), 0.0) for msg in needed])
+                if self.in_order:  # and for every batch up to the one it came in
+                    last = self._batch_of(r, needed)
+                    t = max([t] + [b[1] for b in self.batches[r][self.waited[r] : last + 1]])
+                    self.waited[r] = max(self.waited[r], last + 1)
                 work = self.fwd_s if o.kind == FWD else self.bwd_s
                 t += work
                 self.busy[r] += work
@@ -232,21 +244,34 @@ class _Simulation:
         self.clock[r] = self.done[r] = self.compute(r, ops, self.clock[r])
         p2p = [o for o in ops if o.kind in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)]
         self.pending[r] = len(p2p)
+        batch = [len(p2p), 0.0, set()]
+        if p2p:
+            self.batches[r].append(batch)
         for o in p2p:
             src, dst, msg = self.route(r, o)
             queue = self.sends if o.kind in (SEND_ACT, SEND_GRAD) else self.recvs
-            queue[(src, dst)].append((msg, r, self.clock[r]))
+            queue[(src, dst)].append((msg, r, self.clock[r], batch))
+            if queue is self.recvs:
+                batch[2].add(msg)
+
+    def _batch_of(self, r: int, msgs: list[tuple]) -> int:
+        """Index of rank ``r``'s last posted batch that receives one of ``msgs`` (-1: none)."""
+        return max((k for k, b in enumerate(self.batches[r]) if b[2].intersection(msgs)), default=-1)
 
     def match(self) -> bool:
         """Match posted sends with posted receives, pair by pair in posting order."""
         moved = False
         for pair in list(self.sends):
             while self.sends[pair] and self.recvs[pair]:
-                (sent, s_rank, s_t), (want, r_rank, r_t) = self.sends[pair].pop(0), self.recvs[pair].pop(0)
+                sent, s_rank, s_t, s_b = self.sends[pair].pop(0)
+                want, r_rank, r_t, r_b = self.recvs[pair].pop(0)
                 assert sent == want, f"rank {r_rank} expected {want} from {pair[0]}, got {sent}"
                 self.have[r_rank].add(want)
                 arrived = max(s_t, r_t) + self.p2p_s  # a message moves once both sides have posted it
                 self.arrival[(r_rank, want)] = arrived
+                for b in (s_b, r_b):
+                    b[0] -= 1
+                    b[1] = max(b[1], arrived)
                 self.drained[s_rank] = max(self.drained[s_rank], arrived)
                 if not self.posted:  # the step's commit waits for every message of it
                     for x in (s_rank, r_rank):
@@ -265,7 +290,10 @@ class _Simulation:
             return False
         if nxt == len(self.programs[r]) or not self.posted:
             return True
-        return all(msg in self.have[r] for msg in self.inputs(r, self.programs[r][nxt]))
+        need = self.inputs(r, self.programs[r][nxt])
+        if self.in_order:  # every batch up to the last one its inputs come in has completed
+            return all(b[0] == 0 for b in self.batches[r][self.waited[r] : self._batch_of(r, need) + 1])
+        return all(msg in self.have[r] for msg in need)
 
     def advance(self) -> bool:
         """Move every rank that can go on to its next step."""

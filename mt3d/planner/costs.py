@@ -362,11 +362,12 @@ def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, c
     ``pipeline.schedule.simulate`` runs it: while one message takes no longer than a chunk's forward
     only the first micro-batch's trip through the p v virtual stages and back waits for transfers
     (2 (p v - 1) messages, whatever m), and each step beyond that adds what a message outlasts the
-    forward. m = p runs all forwards first: nothing hides. Never more than ``blocking``. The engine
-    waits for the whole batch a needed message came in (and those before it), the simulation for the
-    message alone: the same while a message takes up to about a third of a chunk's forward, longer
-    messages expose more than this (a read-only model of the engine: 18.5 instead of 14 message
-    times at p 8, v 1, m 16 with messages 0.8 of a forward)."""
+    forward. m = p runs all forwards first: nothing hides. Never more than ``blocking``. This follows
+    the simulation waiting for a needed message alone; mt3d's engine waits for the whole batch it came
+    in and every batch before it (``simulate(in_order=True)``, as NCCL runs one stream's batches):
+    the same while a message takes up to a quarter of a chunk's forward, more for longer messages
+    (18.5 instead of 14 message times at p 8, v 1, m 16 with messages 0.8 of a forward;
+    tests/test_interleaved.py), where this is optimistic."""
     if m <= p or m % p:
         return blocking
     return min(blocking, 2 * (p * v - 1) * message + m * v * max(0.0, message - chunk_forward))
