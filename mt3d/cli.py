@@ -714,7 +714,7 @@ def _add_plan_stack(p) -> None:
                    "(gradient reduction during the last backward: mt3d.train.overlap.grad_reduce), pp "
                    "(pipeline transfers posted ahead: mt3d.train.overlap.p2p), tp-comm (--other-stack: "
                    "every TP transfer of an SP layout behind the GEMM beside it, Megatron-Core's "
-                   "--tp-comm-overlap)")  # fmt: skip
+                   "--tp-comm-overlap; without SP tp's)")  # fmt: skip
     p.add_argument(
         "--activation-model",
         choices=("mt3d", "korthikanti"),

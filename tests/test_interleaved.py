@@ -52,19 +52,23 @@ def test_posted_transfers_wait_only_on_the_first_micro_batchs_trip(p, v):
 def test_in_order_waits_expose_more_once_a_transfer_outlasts_part_of_a_forward():
     """The engine's in-order waits (``simulate(in_order=True)``) against waiting on the input alone,
     which ``costs.pp_posted_seconds`` follows: equal while a transfer takes at most a quarter of a
-    chunk's forward; at p 8, v 1, m 16 with transfers 0.8 of a forward 18.5 transfer times exposed
-    instead of 14, at 1.0 20 instead of 14 (the planner is optimistic there)."""
-    p, v, m, f, b = 8, 1, 16, 1.0, 2.0
-    free = simulate(p, v, m, fwd_s=f, bwd_s=b)["makespan"]
+    chunk's forward (at p 8, v 2, m 16; at v 1 and at p 4 up to half); beyond, at p 8, v 1, m 16 with
+    transfers 0.8 of a forward 18.5 transfer times exposed instead of 14, at 1.0 20 instead of 14,
+    and at v 2 with 0.3 31.3 instead of 30 (the planner is optimistic there)."""
 
-    def exposed(ratio, in_order):
+    def exposed(p, v, m, ratio, in_order):
+        f, b = 1.0 / v, 2.0 / v
+        free = simulate(p, v, m, fwd_s=f, bwd_s=b)["makespan"]
         run = simulate(p, v, m, fwd_s=f, bwd_s=b, p2p_s=ratio * f, posted=True, in_order=in_order)
         return (run["makespan"] - free) / (ratio * f)
 
-    for ratio in (0.1, 0.25):
-        assert exposed(ratio, True) == pytest.approx(exposed(ratio, False))
-    assert (exposed(0.8, True), exposed(0.8, False)) == pytest.approx((18.5, 14.0))
-    assert (exposed(1.0, True), exposed(1.0, False)) == pytest.approx((20.0, 14.0))
+    for p, v, bound in ((8, 1, 0.5), (8, 2, 0.25), (4, 2, 0.5)):
+        for ratio in (0.1, bound):
+            assert exposed(p, v, 16, ratio, True) == pytest.approx(exposed(p, v, 16, ratio, False))
+        assert exposed(p, v, 16, bound + 0.05, True) > exposed(p, v, 16, bound + 0.05, False) + 0.3
+    assert (exposed(8, 1, 16, 0.8, True), exposed(8, 1, 16, 0.8, False)) == pytest.approx((18.5, 14.0))
+    assert (exposed(8, 1, 16, 1.0, True), exposed(8, 1, 16, 1.0, False)) == pytest.approx((20.0, 14.0))
+    assert (exposed(8, 2, 16, 0.3, True), exposed(8, 2, 16, 0.3, False)) == pytest.approx((31 + 1 / 3, 30.0))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])

@@ -61,7 +61,7 @@ def test_first_stage_holds_p_micro_batches_in_flight():
     # another stack posting its transfers still runs 1F1B at v 1: p in flight, not mt3d's 2p - 1
     lay = Layout(8, 8, 1, 1, 16, 1, False, True)  # 16 micro-batches: mt3d's engine can post them
     posted = dict(megatron, overlap=("pp",))
-    other = memory_bytes(cfg, 50257, 2048, lay, prec, **posted, schedule_engine=False)["activations"]
+    other = memory_bytes(cfg, 50257, 2048, lay, prec, **posted, mt3d_engine=False)["activations"]
     assert other == pytest.approx(12 * per_layer * 8)
     mt3d = memory_bytes(cfg, 50257, 2048, lay, prec, **posted)["activations"]
     assert mt3d == pytest.approx(12 * per_layer * 15)
@@ -69,9 +69,10 @@ def test_first_stage_holds_p_micro_batches_in_flight():
 
 def test_recompute_working_set_and_logits_do_not_add():
     """With full recompute a stage's peak is its checkpoints plus the larger of one block's rebuilt
-    activations with their gradients and the loss's logits: the loss's backward is over (its logits
-    freed) before the last block is rebuilt. Korthikanti's working set: the block's activations and
-    the largest pair of gradients (the softmax's, with materialised scores; else the MLP's)."""
+    activations with their gradients and the loss's logits: the loss's backward is over (what it kept
+    freed) before the last block is rebuilt; DeepSpeed's pipeline engine still holds the logits
+    themselves. Korthikanti's working set: the block's activations and the largest pair of gradients
+    (the softmax's, with materialised scores; else the MLP's)."""
     s, b, h, a = 2048, 4, 20480, 128
     sbh = s * b * h
     scores_grads = 2 * 2 * a * s * s * b  # the softmax's output and input gradients, 16-bit
@@ -91,6 +92,16 @@ def test_recompute_working_set_and_logits_do_not_add():
     fits = memory_bytes(cfg, 51200, s, Layout(1, 1, 640, b, 1, 3, True, False), prec,
                         activation_model="korthikanti", attention_kernel="materialized")  # fmt: skip
     assert 70e9 < fits["total"] < 78e9
+    # mt3d at ZeRO 0/1 runs DeepSpeed's pipeline engine, which keeps the stage's output, the 16-bit
+    # logits, in pipe_buffers['outputs'] until the backward has ended: beside the rebuilt block (another
+    # stack's loss frees them); its reduce bucket is in the weights' dtype (no fp32 accumulation set)
+    bf16, lay = Precision.of("bf16", 1), Layout(1, 1, 640, b, 1, 1, True, False)
+    kw = dict(activation_model="korthikanti", attention_kernel="materialized")
+    ours, other = (memory_bytes(cfg, 51200, s, lay, bf16, **kw, mt3d_engine=e) for e in (True, False))
+    working, logits = korthikanti_working_bytes(s, b, h, a, 1, False, True), s * b * 51200
+    assert other["activations"] == pytest.approx(105 * 2 * sbh + max(logits * logit_bytes(1, 2), working))
+    assert ours["activations"] == pytest.approx(105 * 2 * sbh + working + logits * 2)
+    assert ours["buckets"] == other["buckets"] == 5e8 * 2
 
 
 def _peak_in_flight(steps, forward, backward) -> int:
@@ -510,6 +521,22 @@ def test_posted_pipeline_transfers_follow_the_simulated_schedule():
     assert pp_posted_seconds(1.0, 4, 2, 4, 0.01, 1.0) == 1.0  # m = p: all forwards first, nothing hides
 
 
+def test_posted_pipeline_transfers_only_where_a_schedule_posts_them():
+    """mt3d's schedule engine posts at v 1 too (m a multiple of pp); another stack only interleaved
+    (Megatron-LM refuses overlap_p2p_comm with its 1F1B): its v 1 step keeps the blocking transfers."""
+    from mt3d.planner.costs import posts_p2p
+
+    cfg, bw = get_preset("gpt3-175b"), {"tp": 300.0, "pp": 2.0, "dp": 25.0}
+    kw = dict(peak_tflops=312, efficiency=0.5, bw=bw, overlap=("pp",))
+    for v in (1, 2):
+        lay = Layout(8, 8, 1, 1, 64, 1, False, True, v)
+        assert posts_p2p(("pp",), lay) and posts_p2p(("pp",), lay, mt3d_engine=False) == (v > 1)
+        ours, other = (step_time(cfg, 50257, 2048, 64, lay, **kw, mt3d_engine=e)["pp_comm_s"] for e in (1, 0))
+        blocking = step_time(cfg, 50257, 2048, 64, lay, **{**kw, "overlap": ()})["pp_comm_s"]
+        assert ours < blocking and other == (blocking if v == 1 else ours)
+    assert not posts_p2p(("pp",), Layout(8, 8, 1, 1, 12, 1, False, True))  # 12 micro-batches, pp 8
+
+
 @pytest.mark.parametrize("model", ["gpt3-1.3b", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("sp", [True, False])
 def test_tp_overlap_hides_the_column_linears_backward_transfers(model, sp):
@@ -579,15 +606,21 @@ def test_written_config_runs_the_overlaps_the_plan_assumed(tmp_path, capsys):
 
 
 def test_deepspeed_still_allocates_the_reduce_buckets_the_memory_model_counts():
-    """``memory_bytes`` counts ZeRO's reduce bucket at 4 bytes under ZeRO-1 and at the parameters'
-    dtype under ZeRO-2/3: ZeRO-3 keys its buckets by the communication dtype (the parameters' unless
-    configured) and allocates each in that dtype; ZeRO-1/2 stage in the gradient-accumulation dtype
-    only when gradients are not partitioned (ZeRO-1 with fp32 accumulation beside 16-bit weights)."""
+    """``memory_bytes`` counts ZeRO's reduce bucket in the parameters' dtype: ZeRO-3 keys its buckets
+    by the communication dtype (the parameters' unless configured) and allocates each in that dtype;
+    ZeRO-1/2 stage in the gradient-accumulation dtype only when gradients are not partitioned and it
+    differs from the weights', which never happens in mt3d: unset, it is the weights' dtype, and fp32
+    accumulation beside bf16 weights at ZeRO-1 picks the BF16 optimizer (no bucket) instead."""
     import inspect
 
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
+    types = inspect.getsource(DeepSpeedEngine.get_data_types)
+    assert "if self._config.grad_accum_dtype is None:" in types and "grad_accum_dtype = model_dtype" in types
+    check = inspect.getsource(DeepSpeedEngine._do_optimizer_sanity_check)
+    assert "model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32" in check
+    assert "return BFLOAT16" in check
     comm = inspect.getsource(DeepSpeedEngine.communication_data_type.fget)
     assert "return torch.float16" in comm and "return torch.bfloat16" in comm  # unless configured
 

@@ -75,7 +75,7 @@ def _hf_deepspeed(cfg, vocab, batches, grad_accum, micro, seq_len):
 
 def worker(size: str, reps: int, seq_len: int, micro: int, global_batch: int, zero: int) -> dict:
     """Runs inside a one-rank process group."""
-    from ..training.engine import uses_pipeline_engine
+    from ..config.rules import uses_pipeline_engine
 
     raw = bench_run_config(
         model=SIZES[size], seq_len=seq_len, micro=micro, global_batch=global_batch, zero=zero

@@ -24,6 +24,12 @@ def degrees_for(par: ParallelConfig, world: int) -> dict[str, int]:
         raise ConfigError(str(e)) from None
 
 
+def uses_pipeline_engine(layout) -> bool:
+    """Whether a layout trains on DeepSpeed's pipeline engine (ZeRO 0/1, any pp, 1 included) rather
+    than its regular engine (ZeRO-2/3, pp 1). ``layout``: anything with a ``zero_stage``."""
+    return layout.zero_stage < 2
+
+
 def zero_pipeline_conflict(pp: int, zero_stage: int) -> str | None:
     """Why a ZeRO stage cannot run with ``pp`` pipeline stages (None: it can)."""
     from ..ds import running_version

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config.rules import uses_pipeline_engine
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
@@ -182,13 +183,17 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
 
-def posts_p2p(overlap: tuple[str, ...], lay: Layout) -> bool:
+def posts_p2p(overlap: tuple[str, ...], lay: Layout, mt3d_engine: bool = True) -> bool:
     """Whether the layout's pipeline transfers are posted ahead (``overlap`` pp): only where the
     schedule that posts them runs (``config.rules.p2p_conflict``: pp >= 2 and micro-batches per step a
-    multiple of pp, for mt3d's schedule engine; Megatron's interleaved schedule likewise)."""
+    multiple of pp, for mt3d's schedule engine, which also runs v = 1). Another stack
+    (``mt3d_engine`` False) posts them only with interleaving, as Megatron-LM's overlap_p2p_comm,
+    which its non-interleaved 1F1B refuses."""
     from ..config.rules import p2p_conflict
 
-    return "pp" in overlap and p2p_conflict(True, lay.pp, lay.grad_accum) is None
+    if "pp" not in overlap or (not mt3d_engine and lay.virtual_stages == 1):
+        return False
+    return p2p_conflict(True, lay.pp, lay.grad_accum) is None
 
 
 def in_flight_blocks(blocks: int, p: int, m: int, v: int, schedule_engine: bool = False) -> float:
@@ -269,13 +274,15 @@ def memory_bytes(
     sub_group_size: float | None = None,
     overlap: tuple[str, ...] = (),
     attention_kernel: str = "flash",
-    schedule_engine: bool = True,
+    mt3d_engine: bool = True,
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
-    ``overlap`` as ``step_time``'s. ``schedule_engine``: posted pipeline transfers run mt3d's schedule
-    engine (more micro-batches in flight at v = 1; False: another stack's 1F1B). The Korthikanti model
-    keeps the attention scores only with the ``materialized`` kernel (FlashAttention keeps none)."""
+    ``overlap`` as ``step_time``'s. ``mt3d_engine``: the stack is mt3d's on DeepSpeed's engines (posted
+    pipeline transfers run mt3d's schedule engine, more micro-batches in flight at v = 1; the pipeline
+    engine holds the last stage's logits through its backward); False: another stack (its 1F1B, its
+    logits freed by the loss's backward). The Korthikanti
+    model keeps the attention scores only with the ``materialized`` kernel (FlashAttention keeps none)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
     tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
@@ -302,18 +309,22 @@ def memory_bytes(
         working = 2 * full_layer if lay.recompute else 0.0
     blocks = math.ceil(cfg.layers / p)
     rows = min(local, lay.tile_len) if lay.tile_len > 0 else local  # sequence tiles: one tile's logits
-    logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
+    logit_elems = rows * lay.micro_batch * pad_vocab(vocab, t) / t
+    logits = logit_elems * logit_bytes(t, prec.activation)
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
-    engine = schedule_engine and posts_p2p(overlap, lay)
+    engine = mt3d_engine and posts_p2p(overlap, lay)
     in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine)
     first = in_flight * per_layer + working
-    # the loss's backward frees the logits and their gradient before the last block is recomputed
-    last = blocks * per_layer + max(working, logits)
+    # The loss's backward frees what it kept (softmax, gradients) before the last block is recomputed;
+    # DeepSpeed's pipeline engine (and mt3d's schedule engine, its subclass) keeps the stage's output,
+    # the logits, in pipe_buffers['outputs'] until that micro-batch's backward has ended.
+    held = logit_elems * prec.activation if mt3d_engine and uses_pipeline_engine(lay) else 0.0
+    last = blocks * per_layer + max(working + held, logits)
     acts = max(first, last) if p > 1 else last
-    # ZeRO's reduce bucket (the pinned DeepSpeed): ZeRO-1 stages the fp32 gradient accumulator it keeps
-    # beside 16-bit weights, ZeRO-2 and -3 allocate it in the parameters' dtype
-    bucket_elem = 4 if lay.zero_stage == 1 else prec.param
-    buckets = min(bucket_elems, params) * bucket_elem if lay.zero_stage >= 1 else 0.0
+    # ZeRO's reduce bucket (the pinned DeepSpeed) is in the gradient-accumulation dtype, which mt3d
+    # leaves at the weights' (DeepSpeed's default; fp32 accumulation beside bf16 weights would pick
+    # DeepSpeed's BF16 optimizer at ZeRO-1, which has no bucket); counted for other stacks alike
+    buckets = min(bucket_elems, params) * prec.param if lay.zero_stage >= 1 else 0.0
     total = states + acts + buckets
     return {"model_states": states, "activations": acts, "buckets": buckets, "total": total,
             "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
@@ -390,6 +401,7 @@ def step_time(
     pp_scatter_gather: bool = False,
     gemm_fraction: float | None = None,
     overlap: tuple[str, ...] = (),
+    mt3d_engine: bool = True,
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
@@ -405,7 +417,8 @@ def step_time(
     ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
-    (``pp_posted_seconds``): each hides as much as the schedule allows.
+    (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
+    ``memory_bytes``'s (``posts_p2p``).
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
@@ -427,7 +440,8 @@ def step_time(
     tp = _tp_seconds(cfg, seq_len, lay, act, blocks, bw, tp_mode, timing)
     cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
     cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
-    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posts_p2p(overlap, lay))
+    posted = posts_p2p(overlap, lay, mt3d_engine)
+    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posted)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
     dp = _dp_seconds(lay, grads, comm_bytes, compute, bw, "dp" in overlap)

@@ -333,7 +333,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states)
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
                        overlap=stack.overlap, attention_kernel=stack.attention_kernel,
-                       schedule_engine=stack.mt3d_rules)  # fmt: skip
+                       mt3d_engine=stack.mt3d_rules)  # fmt: skip
     row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
            "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
@@ -343,7 +343,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         cfg, vocab, seq_len, global_batch, lay, peak_tflops=dev.peak_tflops, efficiency=efficiency, bw=bw,
         device=dev, attention_fraction=tile_fraction, precision=precision,
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
-        gemm_fraction=stack.gemm_fraction, overlap=stack.overlap,
+        gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
     )  # fmt: skip
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from ..config import DeepSpeedSection, Layout, TrainConfig
+from ..config.rules import uses_pipeline_engine
 from ..model.blocks import BuildContext
 from ..model.config import ModelConfig
 from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
@@ -33,11 +34,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
     if weight_decay is not None:
         groups[0]["weight_decay"] = weight_decay
     return [g for g in groups if g["params"]]
-
-
-def uses_pipeline_engine(layout: Layout) -> bool:
-    """DeepSpeed's pipeline engine for ZeRO 0/1; the regular engine for ZeRO-2/3 (pp must be 1)."""
-    return layout.zero_stage < 2
 
 
 def build_model(

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import Layout, TrainConfig
+from ..config.rules import uses_pipeline_engine
 from ..data.loader import DataBundle, StepBatches
 from ..model.config import ModelConfig
 from ..parallel.mappings import all_reduce
-from .engine import uses_pipeline_engine
 from .metrics import MetricsLog, device_peak_tflops, peak_memory_gb, router_figures, step_figures
 from .runtime import Runtime
 
