@@ -158,11 +158,12 @@ def dp_worker(model: dict, overlap: bool, reps: int, bucket: int) -> dict:
 def dp_row(model: dict, reps: int, bucket: int) -> dict:
     """The data-parallel row: both runs, the hidden share and the schedule's prediction."""
     from ..parallel.spawn import spawn
+    from ..planner.costs import bucket_reduction_hidden
 
     off = spawn(dp_worker, 2, model, False, reps, bucket, timeout=900)[0]
     on = spawn(dp_worker, 2, model, True, reps, bucket, timeout=900)[0]
     comm = off["reduce"]
-    predicted = min(comm * (1 - on["last_bucket_share"]), off["last_backward"]) / comm
+    predicted = bucket_reduction_hidden(comm, on["last_bucket_share"], off["last_backward"]) / comm
     return {"comm_ms": comm * 1e3, "last_backward_ms": off["last_backward"] * 1e3,
             "step_ms": off["step"] * 1e3, "overlapped_step_ms": on["step"] * 1e3,
             "reduce_after_ms": on["reduce"] * 1e3, "overlapped_last_backward_ms": on["last_backward"] * 1e3,

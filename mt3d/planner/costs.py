@@ -330,16 +330,24 @@ def memory_bytes(
             "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
 
 
+def bucket_reduction_hidden(dp: float, last_bucket_share: float, backward: float) -> float:
+    """Seconds of a gradient reduction (``dp``) hidden behind the backward that fills its buckets:
+    they are reduced in backward order as they fill, so all but the last bucket (``last_bucket_share``
+    of the gradients) can hide, and no more than that ``backward`` lasts. The one statement of the
+    rule: ``dp_hidden`` plans with it, ``mt3d.bench overlap`` predicts its measured row with it."""
+    return min(dp * (1 - last_bucket_share), backward)
+
+
 def dp_hidden(dp: float, grads: float, micro_compute: float, recompute: bool) -> float:
     """Seconds of a data-parallel gradient reduction (``dp``) hidden behind the last micro-batch's
-    backward, from the schedule: buckets of ``GRAD_BUCKET_ELEMENTS`` are reduced in backward order as
-    they fill, so all but the last bucket can hide, and no more than that backward lasts (2/3 of a
-    micro-batch's ``micro_compute``, 3/4 with full recompute)."""
+    backward (``bucket_reduction_hidden``) with buckets of ``GRAD_BUCKET_ELEMENTS``, the last one a
+    whole bucket's share, and that backward 2/3 of a micro-batch's ``micro_compute`` (3/4 with full
+    recompute)."""
     from .choices import GRAD_BUCKET_ELEMENTS
 
     buckets = max(1, math.ceil(grads / GRAD_BUCKET_ELEMENTS))
     backward = micro_compute * (3 / 4 if recompute else 2 / 3)
-    return min(dp * (1 - 1 / buckets), backward)
+    return bucket_reduction_hidden(dp, 1 / buckets, backward)
 
 
 def tp_hidden(columns: list[tuple[float, float]], gather: float, reduce: float) -> float:
