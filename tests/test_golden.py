@@ -44,11 +44,22 @@ def _run(expected, tmp_path, name, world, **parallel):
     return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in got]
 
 
-def test_a_checkpoint_of_the_three_axis_code_resumes_exactly_and_reshards(tmp_path):
-    expected = json.loads((GOLDEN / "checkpoint_v1" / "expected.json").read_text())
-    assert _run(expected, tmp_path, "same", 8) == expected["unstopped"][3:]  # bit for bit
-    resharded = _run(expected, tmp_path, "one", 1, tensor=1, pipeline=1)
-    for got, want in zip(resharded, expected["reshard_1_1_1"], strict=True):
-        assert got["step"] == want["step"]
+def _assert_same_run(got, want):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
         for key in ("loss", "grad_norm", "lr"):
-            assert got[key] == pytest.approx(want[key], rel=1e-6), (got, want)
+            assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
+
+
+def test_a_checkpoint_of_the_three_axis_code_resumes_exactly_and_reshards(tmp_path):
+    """The golden run's last three steps, resumed from its step-3 checkpoint at the same layout and
+    resharded to one rank. Within 1e-6, not bit for bit: the checkpoint carries the rounding of the CPU
+    that made it. The key bias's gradient is zero but for rounding (softmax ignores a constant added to
+    a query's every score), and Adam turns that noise into steps of +-lr: on a Xeon with AVX-512 FP16
+    the same code's own step-3 key biases differ from the checkpoint's in sign, its other weights by
+    a median of 31 ulps, and the resumed step 6's loss by one ulp (4.810022354 against 4.810022831),
+    while a resume that loses state is off by far more. Bit-exact resume on the machine that saved the
+    checkpoint: test_checkpoint.py::test_resume_is_exact."""
+    expected = json.loads((GOLDEN / "checkpoint_v1" / "expected.json").read_text())
+    _assert_same_run(_run(expected, tmp_path, "same", 8), expected["unstopped"][3:])
+    _assert_same_run(_run(expected, tmp_path, "one", 1, tensor=1, pipeline=1), expected["reshard_1_1_1"])
