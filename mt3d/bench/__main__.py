@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--accum", type=int, default=2)
     mem.add_argument("--layouts", type=int, default=99, help="run only the first N layouts")
     mem.add_argument("--vocab", type=int, default=512, help="vocabulary of both models (the loss's logits)")
+    mem.add_argument("--keep-logits", action="store_true",
+                     help="run DeepSpeed's own forward pass, whose last stage keeps its logits (what mt3d's "
+                     "release saves)")  # fmt: skip
     mem.add_argument(
         "--rows", type=positive_ints, default=None, help="run only these layouts (1-based: 10,12)"
     )

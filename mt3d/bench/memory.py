@@ -54,10 +54,11 @@ def _rss_kb() -> int:
 
 
 def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none", nvme=None, *, cp=1,
-           tile_len=0, vocab=512, cap=None) -> dict:  # fmt: skip
+           tile_len=0, vocab=512, cap=None, keep_logits=False) -> dict:  # fmt: skip
     """Train two steps; return peak RSS above the pre-model baseline (bytes). ``cap``: bytes of address
     space the process may add to what it holds before the model is built (RLIMIT_AS); a run that
-    needs more fails, and ``ok`` says whether it did."""
+    needs more fails, and ``ok`` says whether it did. ``keep_logits``: DeepSpeed's own forward pass
+    (``mt3d.ds.engine.release_loss_outputs`` undone)."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
 
@@ -91,6 +92,8 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
         resource.setrlimit(resource.RLIMIT_AS, (base_vm * 1024 + cap, resource.RLIM_INFINITY))
     try:
         _, layout, rt, engine, data, _ = build_engine(raw)
+        if keep_logits and "_INSTRUCTION_MAP" in vars(engine):
+            del engine._INSTRUCTION_MAP  # the class's table: DeepSpeed's forward pass
         for k in range(2):
             train_step(engine, layout, rt, data, micro, k)
     except (MemoryError, RuntimeError) as e:
@@ -131,7 +134,7 @@ def run(args) -> dict:
     for tp, pp, dp, zero, rc, sp, off in chosen:
         with tempfile.TemporaryDirectory(prefix="mt3d-nvme-") as nvme:
             common = (tp, pp, zero, rc, sp, args.seq_len, args.micro, args.accum, off, nvme)
-            run_at = functools.partial(worker, vocab=args.vocab)
+            run_at = functools.partial(worker, vocab=args.vocab, keep_logits=args.keep_logits)
             full = max(r["measured"] for r in spawn(run_at, tp * pp * dp, MODEL, *common, timeout=900))
             null = max(r["measured"] for r in spawn(run_at, tp * pp * dp, NULL, *common, timeout=900))
         shape = (tp, pp, dp, zero, rc, sp, args.seq_len, args.micro, args.accum, off)
@@ -147,7 +150,7 @@ def run(args) -> dict:
     print(table(rows, ["tp", "pp", "dp", "zero", "recompute", "sp", "offload", "peak_mb", "fixed_mb",
                        "measured_mb", "predicted_mb", "ratio"]))  # fmt: skip
     return emit("memory", {"rows": rows, "within_15pct": within, "model": MODEL, "seq_len": args.seq_len,
-                           "vocab": args.vocab})  # fmt: skip
+                           "vocab": args.vocab, "keep_logits": args.keep_logits})  # fmt: skip
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:

@@ -95,6 +95,9 @@ REACHES = (
           "table copied per instance (backward and tied reduction wrapped), its reduction skipped or run "
           "with ZeRO-1's average_tensor a no-op, bf16.immediate_grad_update set",
           "test_overlap.py::test_deepspeed_still_needs_what_mt3d_ds_overlap_does"),
+    Reach("engine", "the pipeline engine's last stage keeps its logits until a buffer is reused (its "
+          "backward returns early): dropped once the loss is computed (the instance's instruction table)",
+          "test_training.py::test_the_last_stage_releases_its_logits_once_the_loss_holds_them"),
     Reach("ops", "a JIT op build's stale lock makes every later run wait forever: named with its fix",
           "test_offload.py::test_torch_still_waits_on_build_locks_without_a_time_limit"),
 )  # fmt: skip

@@ -162,8 +162,9 @@ class InterleavedPipelineEngine(PipelineEngine):
         with self._in_chunk(chunk):
             super()._exec_forward_pass(buffer_id)
             loss_chunk = self.is_last_stage()
-        if loss_chunk and torch.is_grad_enabled():
+        if loss_chunk and torch.is_grad_enabled():  # the loss holds what its backward needs
             self.pipe_buffers["losses"][buffer_id] = self.loss
+            self.pipe_buffers["outputs"][buffer_id] = None  # the logits (engine.release_loss_outputs)
         if not torch.is_grad_enabled():  # no backward frees them
             self.pipe_buffers["inputs"][buffer_id] = None
             self.pipe_buffers["labels"][buffer_id] = None

@@ -206,9 +206,9 @@ def install(engine, bucket_elements: int) -> GradReduceOverlap | None:
     if not engine.pipeline_enable_backward_allreduce:
         return None
     ov = GradReduceOverlap(engine, bucket_elements)
-    table = dict(type(engine)._INSTRUCTION_MAP)
+    table = dict(engine._INSTRUCTION_MAP)
     # DeepSpeed dispatches instructions through this class-level table (``_exec_schedule`` looks it
-    # up on the instance): the instance's own copy wraps three of them.
+    # up on the instance): the instance's own copy (or the copy it already has) wraps two of them.
     backward = table[ds_schedule.BackwardPass]
     tied = table[ds_schedule.ReduceTiedGrads]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.rules import uses_pipeline_engine
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
@@ -278,10 +277,9 @@ def memory_bytes(
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
-    ``overlap`` as ``step_time``'s. ``mt3d_engine``: the stack is mt3d's on DeepSpeed's engines (posted
-    pipeline transfers run mt3d's schedule engine, more micro-batches in flight at v = 1; the pipeline
-    engine holds the last stage's logits through its backward); False: another stack (its 1F1B, its
-    logits freed by the loss's backward). The Korthikanti
+    ``overlap`` as ``step_time``'s. ``mt3d_engine``: the stack is mt3d's (posted pipeline transfers run
+    mt3d's schedule engine, more micro-batches in flight at v = 1); False: another stack's 1F1B. The
+    Korthikanti
     model keeps the attention scores only with the ``materialized`` kernel (FlashAttention keeps none)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
@@ -309,17 +307,15 @@ def memory_bytes(
         working = 2 * full_layer if lay.recompute else 0.0
     blocks = math.ceil(cfg.layers / p)
     rows = min(local, lay.tile_len) if lay.tile_len > 0 else local  # sequence tiles: one tile's logits
-    logit_elems = rows * lay.micro_batch * pad_vocab(vocab, t) / t
-    logits = logit_elems * logit_bytes(t, prec.activation)
+    logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
     engine = mt3d_engine and posts_p2p(overlap, lay)
     in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine)
     first = in_flight * per_layer + working
-    # The loss's backward frees what it kept (softmax, gradients) before the last block is recomputed;
-    # DeepSpeed's pipeline engine (and mt3d's schedule engine, its subclass) keeps the stage's output,
-    # the logits, in pipe_buffers['outputs'] until that micro-batch's backward has ended.
-    held = logit_elems * prec.activation if mt3d_engine and uses_pipeline_engine(lay) else 0.0
-    last = blocks * per_layer + max(working + held, logits)
+    # The loss's backward frees what it kept (softmax, gradients) before the last block is recomputed,
+    # and the logits are gone by then: mt3d releases the pipeline engine's reference to them once the
+    # loss is computed (ds.engine.release_loss_outputs; DeepSpeed alone keeps two micro-batches' worth).
+    last = blocks * per_layer + max(working, logits)
     acts = max(first, last) if p > 1 else last
     # ZeRO's reduce bucket (the pinned DeepSpeed) is in the gradient-accumulation dtype, which mt3d
     # leaves at the weights' (DeepSpeed's default; fp32 accumulation beside bf16 weights would pick
