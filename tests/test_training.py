@@ -550,23 +550,32 @@ def test_overlap_and_optimizer_state_settings_it_cannot_run_are_one_line(tmp_pat
     assert "\n" not in str(info.value)
 
 
-def released_logits_worker(virtual_stages: int) -> dict:
-    """Two steps at pp 2 (a tiny GPT, 4 micro-batches), then two more on DeepSpeed's own instruction
-    table (the release undone, at v 1): which forward outputs each stage still holds after each pair."""
+def released_logits_worker(virtual_stages: int, deepspeeds: bool = False) -> dict:
+    """Two steps at pp 2 (a tiny GPT, 4 micro-batches) recording, as each backward of the loss's chunk
+    starts, whether the forward's output (the logits) is still held; ``deepspeeds`` (v 1): with
+    DeepSpeed's own forward pass back in the instance's instruction table."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
     from mt3d.bench.common import bench_run_config, build_engine, train_step
 
     raw = bench_run_config(model=TINY_GPT, pp=2, global_batch=8, micro=2, seq_len=32, vocab=128)
     raw["mt3d"]["parallel"]["virtual_stages"] = virtual_stages
     _, layout, rt, engine, data, _ = build_engine(raw)
-    held = lambda: [o is not None for o in engine.pipe_buffers["outputs"]]  # noqa: E731
+    table, held = engine._INSTRUCTION_MAP, []
+    if deepspeeds:
+        table[ds_schedule.ForwardPass] = PipelineEngine._INSTRUCTION_MAP[ds_schedule.ForwardPass]
+    backward = table[ds_schedule.BackwardPass]
+
+    def record(self, buffer_id, **chunk):  # the interleaved engine's passes name their chunk
+        loss_chunk = chunk.get("chunk", virtual_stages - 1) == virtual_stages - 1
+        if self.stage_id == self.num_stages - 1 and loss_chunk:
+            held.append(self.pipe_buffers["outputs"][buffer_id] is not None)
+        return backward(self, buffer_id, **chunk)
+
+    table[ds_schedule.BackwardPass] = record
     losses = [train_step(engine, layout, rt, data, 2, k) for k in range(2)]
-    out = {"stage": rt.state.pp.rank, "released": held(), "losses": losses}
-    if virtual_stages == 1:
-        del engine._INSTRUCTION_MAP  # the class's table: DeepSpeed's forward pass
-        for k in range(2, 4):
-            train_step(engine, layout, rt, data, 2, k)
-        out["deepspeed"] = held()
-    return out
+    return {"stage": rt.state.pp.rank, "held": held, "losses": losses}
 
 
 @pytest.mark.parametrize("virtual_stages", [1, 2])
@@ -574,19 +583,19 @@ def test_the_last_stage_releases_its_logits_once_the_loss_holds_them(virtual_sta
     """DeepSpeed's pipeline engine keeps every forward's output until its backward frees it, but the
     last stage's backward returns early: the logits of its last two micro-batches stay alive (537 MB
     of a 2.1 GB peak at 4096 tokens x 16384 vocabulary, docs/benchmarks.md). mt3d drops them once the
-    loss is computed (ds.engine.release_loss_outputs; mt3d's schedule engine likewise): after a step
-    no stage holds a forward output, while DeepSpeed's own table still leaves the last stage's
-    logits behind (this fails when upstream frees them itself)."""
+    loss is computed (ds.engine.release_loss_outputs; mt3d's schedule engine likewise, which held them
+    until the backward had run): no backward of the loss's chunk starts with them held, while with
+    DeepSpeed's own forward pass every one does (this fails when upstream frees them itself), with
+    the same losses."""
     import inspect
 
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     backward = inspect.getsource(PipelineEngine._exec_backward_pass)
     assert "if self.is_last_stage():\n            super().backward(self.loss)\n            return" in backward
-    ranks = spawn(released_logits_worker, 2, virtual_stages, timeout=300)
-    for r in ranks:
-        assert r["released"] and not any(r["released"]), r
-        assert all(0 < loss < 10 for loss in r["losses"])
-    if virtual_stages == 1:
+    variants = (False, True) if virtual_stages == 1 else (False,)
+    runs = [spawn(released_logits_worker, 2, virtual_stages, ds, timeout=300) for ds in variants]
+    for ranks, held in zip(runs, variants, strict=True):
         first, last = sorted(ranks, key=lambda r: r["stage"])
-        assert not any(first["deepspeed"]) and sum(last["deepspeed"]) == 2, (first, last)
+        assert first["held"] == [] and last["held"] == [held] * 8, (first, last)
+    assert all([r["losses"] for r in run] == [r["losses"] for r in runs[0]] for run in runs)

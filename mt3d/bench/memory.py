@@ -59,6 +59,11 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     space the process may add to what it holds before the model is built (RLIMIT_AS); a run that
     needs more fails, and ``ok`` says whether it did. ``keep_logits``: DeepSpeed's own forward pass
     (``mt3d.ds.engine.release_loss_outputs`` undone)."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from ..config.rules import uses_pipeline_engine
+
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
 
@@ -92,8 +97,9 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
         resource.setrlimit(resource.RLIMIT_AS, (base_vm * 1024 + cap, resource.RLIM_INFINITY))
     try:
         _, layout, rt, engine, data, _ = build_engine(raw)
-        if keep_logits and "_INSTRUCTION_MAP" in vars(engine):
-            del engine._INSTRUCTION_MAP  # the class's table: DeepSpeed's forward pass
+        if keep_logits and uses_pipeline_engine(layout):  # DeepSpeed's forward pass back in the table
+            forward = ds_schedule.ForwardPass
+            engine._INSTRUCTION_MAP[forward] = PipelineEngine._INSTRUCTION_MAP[forward]
         for k in range(2):
             train_step(engine, layout, rt, data, micro, k)
     except (MemoryError, RuntimeError) as e:

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..config import DeepSpeedSection, Layout
+from ..config.rules import uses_pipeline_engine
 from ..parallel.axes import deepspeed_sizes
 
 
@@ -206,7 +207,7 @@ def initialize(
         # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
         # gradient each step even over a one-rank data-parallel group: exact no-op work, skipped.
         engine.pipeline_enable_backward_allreduce = False
-    if mpu is None and not isinstance(model, InterleavedPipeline):  # that engine releases its own
+    if uses_pipeline_engine(layout) and not isinstance(model, InterleavedPipeline):  # that one does itself
         release_loss_outputs(engine)
     if overlap is not None and overlap.grad_reduce:
         from .overlap import install as overlap_grad_reduce

@@ -279,8 +279,8 @@ def memory_bytes(
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
     ``overlap`` as ``step_time``'s. ``mt3d_engine``: the stack is mt3d's (posted pipeline transfers run
     mt3d's schedule engine, more micro-batches in flight at v = 1); False: another stack's 1F1B. The
-    Korthikanti
-    model keeps the attention scores only with the ``materialized`` kernel (FlashAttention keeps none)."""
+    Korthikanti model keeps the attention scores only with the ``materialized`` kernel (FlashAttention
+    keeps none)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
     tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
@@ -319,7 +319,8 @@ def memory_bytes(
     acts = max(first, last) if p > 1 else last
     # ZeRO's reduce bucket (the pinned DeepSpeed) is in the gradient-accumulation dtype, which mt3d
     # leaves at the weights' (DeepSpeed's default; fp32 accumulation beside bf16 weights would pick
-    # DeepSpeed's BF16 optimizer at ZeRO-1, which has no bucket); counted for other stacks alike
+    # DeepSpeed's BF16 optimizer at ZeRO-1, which has no bucket). For another stack it stands in for its
+    # communication buffers (Megatron-LM's fp32 gradient buffer of the whole stage is more: optimistic)
     buckets = min(bucket_elems, params) * prec.param if lay.zero_stage >= 1 else 0.0
     total = states + acts + buckets
     return {"model_states": states, "activations": acts, "buckets": buckets, "total": total,
