@@ -367,10 +367,10 @@ OVERLAP = {"grad_reduce": True, "bucket_elements": 3000}  # several buckets per 
          {"recompute": {"granularity": "selective"}, "overlap": OVERLAP}),
         (8, dict(tensor=2, pipeline=2, sequence_parallel=True), {"recompute": {"gathered_sp_inputs": True}}),
         (4, dict(tensor=2, pipeline=2, virtual_stages=2, sequence_parallel=True),
-         {"recompute": {"granularity": "selective"}}),
+         {"recompute": {"granularity": "selective"}, "overlap": {"p2p": True}}),
         (4, dict(pipeline=2, virtual_stages=2), {"overlap": {**OVERLAP, "p2p": True}}),
     ],
-    ids=["selective-overlap-2-2-2-sp", "gathered-sp-inputs-2-2-2", "selective-2-2-1-v2-sp",
+    ids=["selective-overlap-2-2-2-sp", "gathered-sp-inputs-2-2-2", "selective-p2p-2-2-1-v2-sp",
          "overlap-1-2-2-v2"],
 )  # fmt: skip
 def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
@@ -379,8 +379,8 @@ def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
     """Selective recompute (attention core and MLP activation again in the backward), both ways of
     keeping a column-parallel linear's SP input (its 1/tp shard, the default, or all of it), and the
     data-parallel gradient reduction overlapped with the last micro-batch's backward (ZeRO-1, with
-    and without virtual stages, the second with pipeline transfers posted ahead) give the
-    single-process losses and grad norms."""
+    and without virtual stages) and pipeline transfers posted ahead (at (2, 2, 1) x 2 virtual stages
+    with SP, and at (1, 2, 2) x 2) give the single-process losses and grad norms."""
     raw = tiny_config(tmp_path / "run", model=TINY_LLAMA, **train_keys)
     raw["mt3d"]["parallel"].update(parallel)
     assert_same(step_records(spawn(train_worker, world, raw, timeout=300)[0]), reference["llama"])
