@@ -555,16 +555,16 @@ def released_logits_worker(virtual_stages: int, deepspeeds: bool = False) -> dic
     starts, whether the forward's output (the logits) is still held; ``deepspeeds`` (v 1): with
     DeepSpeed's own forward pass back in the instance's instruction table."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
-    from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from mt3d.bench.common import bench_run_config, build_engine, train_step
+    from mt3d.ds.engine import keep_loss_outputs
 
     raw = bench_run_config(model=TINY_GPT, pp=2, global_batch=8, micro=2, seq_len=32, vocab=128)
     raw["mt3d"]["parallel"]["virtual_stages"] = virtual_stages
     _, layout, rt, engine, data, _ = build_engine(raw)
-    table, held = engine._INSTRUCTION_MAP, []
     if deepspeeds:
-        table[ds_schedule.ForwardPass] = PipelineEngine._INSTRUCTION_MAP[ds_schedule.ForwardPass]
+        keep_loss_outputs(engine)
+    table, held = engine._INSTRUCTION_MAP, []
     backward = table[ds_schedule.BackwardPass]
 
     def record(self, buffer_id, **chunk):  # the interleaved engine's passes name their chunk

@@ -59,10 +59,8 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
     space the process may add to what it holds before the model is built (RLIMIT_AS); a run that
     needs more fails, and ``ok`` says whether it did. ``keep_logits``: DeepSpeed's own forward pass
     (``mt3d.ds.engine.release_loss_outputs`` undone)."""
-    from deepspeed.runtime.pipe import schedule as ds_schedule
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
     from ..config.rules import uses_pipeline_engine
+    from ..ds.engine import keep_loss_outputs
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
@@ -97,9 +95,8 @@ def worker(model, tp, pp, zero, recompute, sp, seq, micro, accum, offload="none"
         resource.setrlimit(resource.RLIMIT_AS, (base_vm * 1024 + cap, resource.RLIM_INFINITY))
     try:
         _, layout, rt, engine, data, _ = build_engine(raw)
-        if keep_logits and uses_pipeline_engine(layout):  # DeepSpeed's forward pass back in the table
-            forward = ds_schedule.ForwardPass
-            engine._INSTRUCTION_MAP[forward] = PipelineEngine._INSTRUCTION_MAP[forward]
+        if keep_logits and uses_pipeline_engine(layout):
+            keep_loss_outputs(engine)
         for k in range(2):
             train_step(engine, layout, rt, data, micro, k)
     except (MemoryError, RuntimeError) as e:

@@ -111,6 +111,17 @@ def release_loss_outputs(engine) -> None:
     engine._INSTRUCTION_MAP = table
 
 
+def keep_loss_outputs(engine) -> None:
+    """Undo ``release_loss_outputs`` on a (non-interleaved) pipeline engine: DeepSpeed's own forward
+    pass back in the instance's table, other wrappers kept (what ``mt3d.bench memory --keep-logits``
+    and the release's test compare against)."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    forward = ds_schedule.ForwardPass
+    engine._INSTRUCTION_MAP[forward] = PipelineEngine._INSTRUCTION_MAP[forward]
+
+
 def guard_fp32_without_zero(engine) -> None:
     """Give DeepSpeed's fp32 path without ZeRO what its ZeRO optimizers already do.
 
