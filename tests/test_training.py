@@ -557,23 +557,25 @@ def released_logits_worker(virtual_stages: int, deepspeeds: bool = False) -> dic
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from mt3d.bench.common import bench_run_config, build_engine, train_step
-    from mt3d.ds.engine import keep_loss_outputs
+    from mt3d.ds.engine import keep_loss_outputs, wrap_instructions
 
     raw = bench_run_config(model=TINY_GPT, pp=2, global_batch=8, micro=2, seq_len=32, vocab=128)
     raw["mt3d"]["parallel"]["virtual_stages"] = virtual_stages
     _, layout, rt, engine, data, _ = build_engine(raw)
     if deepspeeds:
         keep_loss_outputs(engine)
-    table, held = engine._INSTRUCTION_MAP, []
-    backward = table[ds_schedule.BackwardPass]
+    held = []
 
-    def record(self, buffer_id, **chunk):  # the interleaved engine's passes name their chunk
-        loss_chunk = chunk.get("chunk", virtual_stages - 1) == virtual_stages - 1
-        if self.stage_id == self.num_stages - 1 and loss_chunk:
-            held.append(self.pipe_buffers["outputs"][buffer_id] is not None)
-        return backward(self, buffer_id, **chunk)
+    def wrap(kind, backward):
+        def record(self, buffer_id, **chunk):  # the interleaved engine's passes name their chunk
+            loss_chunk = chunk.get("chunk", virtual_stages - 1) == virtual_stages - 1
+            if self.stage_id == self.num_stages - 1 and loss_chunk:
+                held.append(self.pipe_buffers["outputs"][buffer_id] is not None)
+            return backward(self, buffer_id, **chunk)
 
-    table[ds_schedule.BackwardPass] = record
+        return record if kind is ds_schedule.BackwardPass else backward
+
+    wrap_instructions(engine, wrap)
     losses = [train_step(engine, layout, rt, data, 2, k) for k in range(2)]
     return {"stage": rt.state.pp.rank, "held": held, "losses": losses}
 

@@ -28,10 +28,11 @@ EXCLUDED = ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
 
 
 def _instrument(engine):
-    totals: dict[str, float] = defaultdict(float)
-    timed = {}
-    for kind, fn in engine._INSTRUCTION_MAP.items():
+    from ..ds.engine import wrap_instructions
 
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(kind, fn):
         def wrapper(self, _fn=fn, _name=kind.__name__, **kw):
             t0 = time.perf_counter()
             try:
@@ -39,8 +40,9 @@ def _instrument(engine):
             finally:
                 totals[_name] += time.perf_counter() - t0
 
-        timed[kind] = wrapper
-    engine._INSTRUCTION_MAP = timed  # instance attribute shadows the class table
+        return wrapper
+
+    wrap_instructions(engine, timed)
     return totals
 
 

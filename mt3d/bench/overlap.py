@@ -113,6 +113,7 @@ def dp_worker(model: dict, overlap: bool, reps: int, bucket: int) -> dict:
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from ..data.loader import StepBatches
+    from ..ds.engine import wrap_instructions
     from .common import bench_run_config, build_engine
 
     raw = bench_run_config(model=model, seq_len=128, global_batch=8, micro=2, zero=1)
@@ -120,8 +121,6 @@ def dp_worker(model: dict, overlap: bool, reps: int, bucket: int) -> dict:
     _, layout, rt, engine, data, _ = build_engine(raw)
     spent = {"reduce": [], "backward": []}
     reduce = engine.allreduce_gradients
-    table = dict(engine._INSTRUCTION_MAP)  # the engine's own table (mt3d.ds.overlap) or the class's
-    backward = table[ds_schedule.BackwardPass]
 
     def timed(fn, key):
         def run(*a, **k):
@@ -133,8 +132,9 @@ def dp_worker(model: dict, overlap: bool, reps: int, bucket: int) -> dict:
         return run
 
     engine.allreduce_gradients = timed(reduce, "reduce")
-    table[ds_schedule.BackwardPass] = timed(backward, "backward")
-    engine._INSTRUCTION_MAP = table
+    wrap_instructions(
+        engine, lambda kind, fn: timed(fn, "backward") if kind is ds_schedule.BackwardPass else fn
+    )
     split = dict(global_batch=layout.global_batch, micro_batch=2, grad_accum=layout.grad_accum)
     steps = []
     for k in range(reps + 1):

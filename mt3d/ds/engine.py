@@ -88,6 +88,16 @@ def deepspeed_config(
     return out
 
 
+def wrap_instructions(engine, wrap) -> None:
+    """Replace each handler of a pipeline engine's instruction table by ``wrap(instruction, handler)``
+    (the handler itself where nothing changes), on this engine instance only. DeepSpeed dispatches
+    ``self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)``, a class-level table looked up on the
+    instance (tests/test_overlap.py watches that line): the instance's copy overrides the class's, and
+    each call wraps what the previous ones left, so the wrappers compose. The one home of that table
+    for mt3d (the overlap, the logits release, the bubble and overlap benchmarks)."""
+    engine._INSTRUCTION_MAP = {kind: wrap(kind, fn) for kind, fn in engine._INSTRUCTION_MAP.items()}
+
+
 def release_loss_outputs(engine) -> None:
     """Drop the last stage's forward output (the logits) from ``pipe_buffers['outputs']`` as soon as
     the loss is computed from it. DeepSpeed's pipeline engine keeps each forward's output there until
@@ -95,20 +105,21 @@ def release_loss_outputs(engine) -> None:
     without freeing it, so the logits of its last two micro-batches (its two buffers) stay alive
     beside the next forward and backward, and after the step: measured at 4096 tokens with a
     16384-token vocabulary (fp32, CPU), 537 MB of a 2.1 GB peak. The loss keeps what its backward
-    needs (the cross entropy's softmax), not the logits. The engine dispatches through a class-level
-    table looked up on the instance: the instance's copy wraps the forward pass."""
+    needs (the cross entropy's softmax), not the logits."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
-    table = dict(engine._INSTRUCTION_MAP)
-    forward = table[ds_schedule.ForwardPass]
+    def wrap(kind, forward):
+        if kind is not ds_schedule.ForwardPass:
+            return forward
 
-    def forward_pass(self, buffer_id):
-        forward(self, buffer_id)
-        if self.is_last_stage() and torch.is_grad_enabled():
-            self.pipe_buffers["outputs"][buffer_id] = None
+        def forward_pass(self, buffer_id):
+            forward(self, buffer_id)
+            if self.is_last_stage() and torch.is_grad_enabled():
+                self.pipe_buffers["outputs"][buffer_id] = None
 
-    table[ds_schedule.ForwardPass] = forward_pass
-    engine._INSTRUCTION_MAP = table
+        return forward_pass
+
+    wrap_instructions(engine, wrap)
 
 
 def keep_loss_outputs(engine) -> None:
@@ -118,8 +129,8 @@ def keep_loss_outputs(engine) -> None:
     from deepspeed.runtime.pipe import schedule as ds_schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    forward = ds_schedule.ForwardPass
-    engine._INSTRUCTION_MAP[forward] = PipelineEngine._INSTRUCTION_MAP[forward]
+    own = PipelineEngine._INSTRUCTION_MAP[ds_schedule.ForwardPass]
+    wrap_instructions(engine, lambda kind, fn: own if kind is ds_schedule.ForwardPass else fn)
 
 
 def guard_fp32_without_zero(engine) -> None:

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from .engine import wrap_instructions
+
 log = logging.getLogger("mt3d")
 
 
@@ -206,24 +208,26 @@ def install(engine, bucket_elements: int) -> GradReduceOverlap | None:
     if not engine.pipeline_enable_backward_allreduce:
         return None
     ov = GradReduceOverlap(engine, bucket_elements)
-    table = dict(engine._INSTRUCTION_MAP)
-    # DeepSpeed dispatches instructions through this class-level table (``_exec_schedule`` looks it
-    # up on the instance): the instance's own copy (or the copy it already has) wraps two of them.
-    backward = table[ds_schedule.BackwardPass]
-    tied = table[ds_schedule.ReduceTiedGrads]
 
-    def backward_pass(self, buffer_id, chunk=None, **kw):
-        if chunk is not None:
-            kw["chunk"] = chunk
-        ov.backward(lambda: backward(self, buffer_id, **kw), chunk)
+    def wrap(kind, handler):
+        if kind is ds_schedule.BackwardPass:
 
-    def reduce_tied(self):
-        ov.finish()
-        return tied(self)
+            def backward_pass(self, buffer_id, chunk=None, **kw):
+                if chunk is not None:
+                    kw["chunk"] = chunk
+                ov.backward(lambda: handler(self, buffer_id, **kw), chunk)
 
-    table[ds_schedule.BackwardPass] = backward_pass
-    table[ds_schedule.ReduceTiedGrads] = reduce_tied
-    engine._INSTRUCTION_MAP = table
+            return backward_pass
+        if kind is ds_schedule.ReduceTiedGrads:
+
+            def reduce_tied(self):
+                ov.finish()
+                return handler(self)
+
+            return reduce_tied
+        return handler
+
+    wrap_instructions(engine, wrap)
     train_batch = engine.train_batch
 
     def train_batch_afresh(*args, **kwargs):
