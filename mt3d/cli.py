@@ -670,7 +670,14 @@ def _add_plan(sub) -> None:
 def _add_plan_stack(p) -> None:
     """``mt3d plan``'s flags for another stack's choices: pinned degrees and batch split (each takes
     one value or a list to try) and how that stack runs (``planner.search.Stack``)."""
-    from .planner.choices import ATTENTION_KERNELS, DEFAULT_OVERLAP, OPTIMIZER_STATES, OVERLAPS, RECOMPUTE
+    from .planner.choices import (
+        ATTENTION_KERNELS,
+        DEFAULT_OVERLAP,
+        GRAD_DTYPES,
+        OPTIMIZER_STATES,
+        OVERLAPS,
+        RECOMPUTE,
+    )
     from .planner.offload import OFFLOAD_OPTIONS
 
     p.add_argument("--tensor", type=positive_ints, default=None, help="tensor-parallel degrees to try")
@@ -707,6 +714,10 @@ def _add_plan_stack(p) -> None:
     p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="fp32",
                    help="optimizer-state dtype of 16-bit training: fp32 master and moments (12 B/param), "
                    "bf16-moments (8), bf16 master and moments (6)")  # fmt: skip
+    p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="param",
+                   help="gradients of 16-bit training in the weights' dtype (param: DeepSpeed's default), or "
+                   "fp32: reduced in fp32 too (mt3d: data_types.grad_accum_dtype fp32, DeepSpeed's BF16 "
+                   "optimizer at ZeRO-1; Megatron-Core's default gradient buffer)")  # fmt: skip
     p.add_argument("--overlap", type=choices_list(OVERLAPS + ("none",), "--overlap"), default=DEFAULT_OVERLAP,
                    help="transfers the stack overlaps with compute (mt3d: tp always, the list adds to it; "
                    "--other-stack: the list, none for nothing): tp (each column-parallel linear's backward "
@@ -759,6 +770,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.pp_scatter_gather,
             args.activation_model,
             args.optimizer_states,
+            args.grad_dtype,
             args.gemm_fraction,
             not args.other_stack,
             planned_overlap(args.overlap, args.other_stack),

@@ -78,8 +78,8 @@ def train_rc_worker(raw):
 
 def optimizer_states_worker(raw, steps=5):
     """Build ``raw``'s engine on the spawned ranks, train ``steps`` steps; return the optimizer's bytes
-    on this rank (its master-weight partitions and Adam moments), their dtypes, the losses and the
-    trainable parameters on this rank."""
+    on this rank (its master-weight partitions and Adam moments), their dtypes, the gradient buffer
+    DeepSpeed's BF16 optimizer keeps, the losses and the trainable parameters on this rank."""
     import torch
     import torch.distributed as dist
 
@@ -91,7 +91,10 @@ def optimizer_states_worker(raw, steps=5):
     master = [p for g in inner.param_groups for p in g["params"]]
     states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    grads = getattr(engine.optimizer, "fp32_groups_gradients_flat", None) or []  # DeepSpeed's BF16 optimizer
     return {
+        "optimizer": type(engine.optimizer).__name__,
+        "grad_buffer_bytes": nbytes(grads),
         "rank": dist.get_rank(),
         "master_bytes": nbytes(master),
         "moment_bytes": nbytes(states),

@@ -51,14 +51,16 @@ def test_first_stage_holds_p_micro_batches_in_flight():
     one = memory_bytes(cfg, 50257, 2048, Layout(8, 1, 1, 1, 8, 1, False, True), prec, **megatron)
     eight = memory_bytes(cfg, 50257, 2048, Layout(8, 8, 1, 1, 8, 1, False, True), prec, **megatron)
     per_layer = korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, False)
-    assert eight["activations"] == pytest.approx(12 * per_layer * 8)  # 96/8 layers x 8 in flight
+    recv = 2048 * 12288 * 2 / 8  # DeepSpeed's pipeline engine: one receive buffer of an SP boundary shard
+    assert eight["activations"] == pytest.approx(12 * per_layer * 8 + recv)  # 96/8 layers x 8 in flight
     assert one["activations"] > 96 * per_layer  # one micro-batch of all 96 layers, plus the logits
     # a flash kernel keeps no scores: Korthikanti's 5 a s / h term goes (as with selective recompute)
     flash = memory_bytes(cfg, 50257, 2048, Layout(8, 8, 1, 1, 8, 1, False, True), prec,
                          activation_model="korthikanti", attention_kernel="flash")  # fmt: skip
     no_scores = korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, False, selective=True)
-    assert flash["activations"] == pytest.approx(12 * no_scores * 8)
-    # another stack posting its transfers still runs 1F1B at v 1: p in flight, not mt3d's 2p - 1
+    assert flash["activations"] == pytest.approx(12 * no_scores * 8 + recv)
+    # another stack posting its transfers still runs 1F1B at v 1: p in flight, not mt3d's 2p - 1 (and,
+    # like mt3d's schedule engine, keeps no receive buffer beyond the transfers in flight)
     lay = Layout(8, 8, 1, 1, 16, 1, False, True)  # 16 micro-batches: mt3d's engine can post them
     posted = dict(megatron, overlap=("pp",))
     other = memory_bytes(cfg, 50257, 2048, lay, prec, **posted, mt3d_engine=False)["activations"]
@@ -69,8 +71,9 @@ def test_first_stage_holds_p_micro_batches_in_flight():
 
 def test_recompute_working_set_and_logits_do_not_add():
     """With full recompute a stage's peak is its checkpoints plus the larger of one block's rebuilt
-    activations with their gradients and the loss's logits: the loss's backward is over (what it kept
-    freed, and the logits released from the pipeline engine) before the last block is rebuilt.
+    activations with their gradients and the loss's logits (beside the final norm's input and output):
+    the loss's backward is over (what it kept freed, and the logits released from the pipeline engine)
+    before the last block is rebuilt.
     Korthikanti's working set: the block's activations and the largest pair of gradients
     (the softmax's, with materialised scores; else the MLP's)."""
     s, b, h, a = 2048, 4, 20480, 128
@@ -85,7 +88,8 @@ def test_recompute_working_set_and_logits_do_not_add():
                            activation_model="korthikanti", attention_kernel="materialized")  # fmt: skip
         logits = s * b * vocab * logit_bytes(1, 2)
         working = korthikanti_working_bytes(s, b, h, a, 1, False, True)
-        assert mem["activations"] == pytest.approx(105 * 2 * sbh + max(logits, working))
+        head = 2 * sbh * 2  # the final norm's input and output, 16-bit
+        assert mem["activations"] == pytest.approx(105 * 2 * sbh + max(logits + head, working))
     # PTD-P's 530B ZeRO-3 run at 640 A100s, micro-batch 4 (Narayanan et al. 2021, Table 2) fits 80 GB
     # less the planner's 2 GB reserve; ZeRO-3's reduce bucket is fp16 (5e8 elements: 1 GB)
     assert mem["buckets"] == 1e9
@@ -479,6 +483,51 @@ def test_optimizer_state_dtype_is_a_planner_flag(capsys):
     assert fits == {"fp32": (1, False), "bf16": (0, True)}
 
 
+def test_fp32_gradients_are_a_planner_flag(capsys, tmp_path):
+    """--grad-dtype fp32 beside bf16 weights: 2 + 4 + 12/d bytes per parameter at ZeRO-1 (DeepSpeed's
+    BF16 optimizer, Megatron-Core's distributed optimizer), no reduce bucket beside that buffer, the
+    gradients reduce-scattered in fp32. mt3d plans it only where DeepSpeed's BF16 optimizer runs
+    (bf16, ZeRO-1), another stack anywhere; the written config accumulates in fp32."""
+    from mt3d.cli import main
+    from mt3d.planner.traffic import dp_bytes
+
+    cfg, d = get_preset("gpt3-1.3b"), 8
+    lay = Layout(1, 1, d, 1, 8, 1, False, False)
+    params = stage_params(cfg, 50257, 1, 1)
+    base = memory_bytes(cfg, 50257, 2048, lay, Precision.of("bf16", 1))
+    fp32 = memory_bytes(cfg, 50257, 2048, lay, Precision.of("bf16", 1, grads="fp32"))
+    assert fp32["model_states"] == pytest.approx((2 + 4 + 12 / d) * params)
+    assert fp32["model_states"] - base["model_states"] == pytest.approx(2 * params)
+    assert fp32["buckets"] == 0 < base["buckets"]
+    with pytest.raises(ValueError, match="gradients must be one of"):
+        Precision.of("bf16", 1, grads="fp8")
+    # ZeRO-1: (d-1)/d of the gradients reduce-scattered and of the weights all-gathered
+    assert dp_bytes(params, 2, 4, d, 1) == pytest.approx((d - 1) / d * params * (4 + 2))
+    assert dp_bytes(params, 2, 2, d, 0) == pytest.approx(2 * (d - 1) / d * params * 2)
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "h100",
+            "--seq-len", "2048", "--global-batch", "64", "--tensor", "1", "--pipeline", "1", "--context", "1",
+            "--offload", "none", "--recompute", "none", "--micro-batch", "2", "--json"]  # fmt: skip
+    plans = {}
+    for extra in ([], ["--grad-dtype", "fp32"], ["--grad-dtype", "fp32", "--other-stack"]):
+        assert main([*argv, *extra]) == 0
+        plans[tuple(extra)] = json.loads(capsys.readouterr().out)
+    param, mt3d, other = plans.values()
+    assert {r["zero_stage"] for r in mt3d["feasible"]} == {1}
+    assert {r["zero_stage"] for r in other["feasible"]} == {0, 1, 2, 3}
+    assert any("BF16 optimizer" in r["reason"] for r in mt3d["rejected"])
+    by_zero = {r["zero_stage"]: r for r in param["feasible"]}
+    z1 = next(r for r in mt3d["feasible"])
+    bucket = 5e8 * 2  # DeepSpeed's default reduce bucket, bf16
+    assert z1["memory_gb"] - by_zero[1]["memory_gb"] == pytest.approx((2 * params - bucket) / 1e9)
+    assert z1["dp_comm_s"] == pytest.approx(by_zero[1]["dp_comm_s"] * 6 / 4)
+    out = tmp_path / "fp32-grads.json"
+    assert main([*argv, "--grad-dtype", "fp32", "--write-config", str(out)]) == 0
+    capsys.readouterr()
+    written = json.loads(out.read_text())
+    assert written["data_types"] == {"grad_accum_dtype": "fp32"} and written["bf16"]["enabled"]
+    assert written["zero_optimization"]["stage"] == 1
+
+
 def test_another_stacks_rules_and_the_fidelity_rows_go_through_the_command_line(capsys):
     """ZeRO-0 with a pipeline is mt3d's DeepSpeed rule, not Megatron's: --other-stack plans it. The
     fidelity benchmark states each published run with mt3d plan's own flags."""
@@ -620,6 +669,8 @@ def test_deepspeed_still_allocates_the_reduce_buckets_the_memory_model_counts():
     check = inspect.getsource(DeepSpeedEngine._do_optimizer_sanity_check)
     assert "model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32" in check
     assert "return BFLOAT16" in check
+    # and no 16-bit weights beside fp32 gradients without ZeRO (config.rules.grad_accum_conflict refuses it)
+    assert 'raise NotImplementedError(f"unsupported mix of {model_dtype=} and {grad_accum_dtype=}")' in check
     comm = inspect.getsource(DeepSpeedEngine.communication_data_type.fget)
     assert "return torch.float16" in comm and "return torch.bfloat16" in comm  # unless configured
 

@@ -460,27 +460,43 @@ def test_bad_recompute_settings_are_one_line(tmp_path, recompute, match):
 def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tmp_path):
     """mt3d.train.optimizer_states 'bf16' (dp 2): DeepSpeed keeps master weights and moments in bf16,
     6 bytes per parameter / dp at ZeRO-1 as the planner sizes them (12 with fp32 states; ZeRO-3's
-    moments 4), and the runs train like the fp32-state one (bf16 rounding of the update apart)."""
+    moments 4), and the runs train like the fp32-state one (bf16 rounding of the update apart). With
+    fp32 gradient accumulation (data_types.grad_accum_dtype, the planner's --grad-dtype fp32) DeepSpeed's
+    BF16 optimizer runs instead: 12 bytes / dp of states beside a whole fp32 gradient buffer, 4 bytes
+    per parameter on every rank, as the planner sizes them."""
     from mt3d.planner.costs import Precision
 
     from helpers import optimizer_states_worker
 
     got = {}
-    for states, zero in (("fp32", 1), ("bf16", 1), ("bf16", 3)):
-        raw = tiny_config(tmp_path / f"{states}{zero}", model=TINY_LLAMA, optimizer_states=states, zero=zero)
+    for states, zero, grads in (
+        ("fp32", 1, "param"),
+        ("bf16", 1, "param"),
+        ("bf16", 3, "param"),
+        ("fp32", 1, "fp32"),
+    ):
+        raw = tiny_config(
+            tmp_path / f"{states}{zero}{grads}", model=TINY_LLAMA, optimizer_states=states, zero=zero
+        )
         raw["bf16"] = {"enabled": True}
-        got[states, zero] = spawn(optimizer_states_worker, 2, raw, timeout=300)
-    for (states, zero), ranks in got.items():
-        prec = Precision.of("bf16", zero, states)
+        if grads == "fp32":
+            raw["data_types"] = {"grad_accum_dtype": "fp32"}
+        got[states, zero, grads] = spawn(optimizer_states_worker, 2, raw, timeout=300)
+    for (states, zero, grads), ranks in got.items():
+        prec = Precision.of("bf16", zero, states, grads)
         for r in ranks:
             held = r["moment_bytes"] + (r["master_bytes"] if zero == 1 else prec.master * r["params"] / 2)
             assert held == pytest.approx((prec.master + prec.optim) * r["params"] / 2, rel=0.01), (states, r)
+            assert r["optimizer"] == ("BF16_Optimizer" if grads == "fp32" else "DeepSpeedZeroOptimizer"
+                                      + ("_Stage3" if zero == 3 else ""))  # fmt: skip
+            if grads == "fp32":
+                assert r["grad_buffer_bytes"] == pytest.approx(prec.grad * r["params"], rel=0.01), r
         assert ranks[0]["dtypes"] == ["torch.float32" if states == "fp32" else "torch.bfloat16"]
-    fp32 = got["fp32", 1][0]["losses"]
-    for key in (("bf16", 1), ("bf16", 3)):
-        bf16 = got[key][0]["losses"]
-        assert bf16[-1] < bf16[0]  # (ZeRO-3's regular engine reports rank 0's loss, not the dp mean)
-        assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in zip(fp32, bf16)), (key, fp32, bf16)
+    fp32 = got["fp32", 1, "param"][0]["losses"]
+    for key in (("bf16", 1, "param"), ("bf16", 3, "param"), ("fp32", 1, "fp32")):
+        other = got[key][0]["losses"]
+        assert other[-1] < other[0]  # (ZeRO-3's regular engine reports rank 0's loss, not the dp mean)
+        assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in zip(fp32, other)), (key, fp32, other)
 
 
 @pytest.mark.parametrize(
@@ -500,6 +516,11 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         ({"states": "bf16", "bf16": True, "zero": 0}, 1, "'bf16' needs ZeRO 1-3"),
         ({"ds_master": True, "bf16": True}, 1, "are set by mt3d.train.optimizer_states 'bf16'"),
         ({"p2p": True}, 2, "overlap.p2p overlaps pipeline transfers: it needs pipeline >= 2"),
+        (
+            {"grad_accum": "fp32", "bf16": True, "zero": 0},
+            1,
+            "grad_accum_dtype fp32 beside bf16 weights needs ZeRO",
+        ),
         (
             {"moe": True, "pp": 2},
             2,
@@ -522,12 +543,13 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         "states-zero0",
         "states-by-hand",
         "p2p-pp1",
+        "fp32-grads-zero0",
         "moe-pp2",
         "p2p-micro-batches",
     ],
 )
 def test_overlap_and_optimizer_state_settings_it_cannot_run_are_one_line(tmp_path, change, world, match):
-    reduce = not {"states", "ds_master", "p2p"} & set(change)
+    reduce = not {"states", "ds_master", "p2p", "grad_accum"} & set(change)
     overlap = {"grad_reduce": reduce, "p2p": change.get("p2p", False),
                "bucket_elements": change.get("bucket_elements", 100)}  # fmt: skip
     raw = tiny_config(tmp_path, model=TINY_LLAMA, zero=change.get("zero", 1), overlap=overlap,
@@ -539,6 +561,8 @@ def test_overlap_and_optimizer_state_settings_it_cannot_run_are_one_line(tmp_pat
         raw["bf16"]["bf16_master_weights_and_grads"] = True
     if change.get("offload"):
         raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if change.get("grad_accum"):
+        raw["data_types"] = {"grad_accum_dtype": change["grad_accum"]}
     if change.get("fp16"):
         raw["fp16"] = {"enabled": True}
     if change.get("ep") or change.get("moe"):

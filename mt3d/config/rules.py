@@ -294,6 +294,28 @@ def optimizer_states_conflict(
     return f"{key} 'bf16' needs {why}" if why else None
 
 
+FP32_NAMES = ("fp32", "float32", "float")
+"""How DeepSpeed's ``data_types.grad_accum_dtype`` may name fp32 (its DtypeEnum)."""
+
+
+def grad_accum_conflict(grad_dtype: str, precision: str, zero_stage: int, off: Offload,
+                        planned: bool = False) -> str | None:  # fmt: skip
+    """Why gradients cannot accumulate in ``grad_dtype`` beside ``precision`` weights (None: they can).
+    DeepSpeed runs fp32 gradients beside 16-bit weights only in its ZeRO optimizers (at ZeRO 0 it
+    raises NotImplementedError once the model is built). ``planned``: what ``mt3d plan`` sizes, the
+    path mt3d's tests cover: DeepSpeed's BF16 optimizer (bf16, ZeRO-1, optimizer on the accelerator:
+    a full fp32 gradient buffer, the master weights and moments partitioned)."""
+    if grad_dtype not in FP32_NAMES or precision == "fp32":
+        return None
+    if zero_stage == 0:
+        return (f"data_types.grad_accum_dtype fp32 beside {precision} weights needs ZeRO (DeepSpeed runs "
+                "that mix only in its ZeRO optimizers): set zero_optimization.stage 1 or remove "
+                "data_types.grad_accum_dtype")  # fmt: skip
+    if planned and (precision != "bf16" or zero_stage != 1 or off.optimizer != "none"):
+        return "fp32 gradients are planned as DeepSpeed's BF16 optimizer: bf16, ZeRO-1, no optimizer offload"
+    return None
+
+
 def tiles_conflict(tile_len: int, zero_stage: int) -> str | None:
     """Why sequence tiles cannot run with this ZeRO stage (None: they can)."""
     if tile_len > 0 and zero_stage == 3:

@@ -8,6 +8,12 @@ as GEMMs (Megatron-LM 2021)."""
 OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16")
 """The optimizer-state dtypes the planner can size (``costs.Precision.of``)."""
 
+GRAD_DTYPES = ("param", "fp32")
+"""Gradient dtypes the planner can size (``--grad-dtype``): the weights' (DeepSpeed's default, which
+mt3d leaves), or fp32 beside 16-bit weights: mt3d's ``data_types.grad_accum_dtype: fp32`` (DeepSpeed's
+BF16 optimizer, ZeRO-1 with bf16 only), Megatron-Core's default (its fp32 gradient buffer, reduced in
+fp32)."""
+
 RECOMPUTE = ("none", "full", "selective")
 """Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention
 core and the MLP's activation of every block (``Layout.selective``)."""

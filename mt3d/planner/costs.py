@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
-from .choices import OPTIMIZER_STATES  # its home imports nothing (the CLI parser reads it)
+from .choices import GRAD_DTYPES, OPTIMIZER_STATES  # their home imports nothing (the CLI parser reads it)
 from .offload import offload_traffic, tier_bytes
 from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, ring_factor, tp_bytes
 
@@ -43,17 +43,20 @@ class Precision:
     activation: int
 
     @classmethod
-    def of(cls, name: str, zero_stage: int, states: str = "fp32") -> Precision:
+    def of(cls, name: str, zero_stage: int, states: str = "fp32", grads: str = "param") -> Precision:
         """bf16 (mixed precision, fp32 master) or fp32 (DeepSpeed keeps an fp32 partition copy under
         ZeRO). ``states`` (``OPTIMIZER_STATES``), with 16-bit training: fp32 master weights and Adam
         moments (12 bytes per parameter), bf16 moments beside an fp32 master (8; stacks such as
         torchao's), or bf16 master weights and moments (6; DeepSpeed's bf16_master_weights_and_grads
-        with bf16_optimizer_states, ZeRO 1-3)."""
+        with bf16_optimizer_states, ZeRO 1-3). ``grads`` (``GRAD_DTYPES``): the gradients in the weights'
+        dtype, or fp32 beside 16-bit weights (4 bytes per parameter instead of 2)."""
         if states not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer states must be one of {', '.join(OPTIMIZER_STATES)}, got {states!r}")
+        if grads not in GRAD_DTYPES:
+            raise ValueError(f"gradients must be one of {', '.join(GRAD_DTYPES)}, got {grads!r}")
         if name in ("bf16", "fp16"):
             master, optim = {"fp32": (4, 8), "bf16-moments": (4, 4), "bf16": (2, 4)}[states]
-            return cls(name, 2, 2, master, optim, 2)
+            return cls(name, 2, 4 if grads == "fp32" else 2, master, optim, 2)
         if name == "fp32":
             return cls(name, 4, 4, 4 if zero_stage >= 1 else 0, 8, 4)
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {name!r}")
@@ -312,16 +315,27 @@ def memory_bytes(
     engine = mt3d_engine and posts_p2p(overlap, lay)
     in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine)
     first = in_flight * per_layer + working
+    # One stage-boundary tensor (a block's input or output, a 1/t sequence shard with SP). Beside the
+    # logits the loss holds two more: the final norm's input and its output, the head's input (kept
+    # whole when SP inputs are gathered). Traced per instruction on CPU (tp 2, pp 2, full recompute).
+    boundary = local * lay.micro_batch * cfg.hidden * prec.activation / (t if sp else 1)
+    head = boundary * (1 + (t if sp and lay.sp_gathered else 1))
     # The loss's backward frees what it kept (softmax, gradients) before the last block is recomputed,
     # and the logits are gone by then: mt3d releases the pipeline engine's reference to them once the
     # loss is computed (ds.engine.release_loss_outputs; DeepSpeed alone keeps two micro-batches' worth).
-    last = blocks * per_layer + max(working, logits)
-    acts = max(first, last) if p > 1 else last
+    last = blocks * per_layer + max(working, logits + head)
+    # DeepSpeed's pipeline engine (v 1, transfers not posted) keeps one receive buffer of the boundary
+    # tensor on every stage that receives (pipe_recv_buf, grad_layer: allocated once, each received
+    # tensor cloned out of it); mt3d's schedule engine, like other stacks', allocates each anew.
+    recv = boundary if p > 1 and mt3d_engine and not engine and lay.virtual_stages == 1 else 0.0
+    acts = (max(first, last) if p > 1 else last) + recv
     # ZeRO's reduce bucket (the pinned DeepSpeed) is in the gradient-accumulation dtype, which mt3d
-    # leaves at the weights' (DeepSpeed's default; fp32 accumulation beside bf16 weights would pick
-    # DeepSpeed's BF16 optimizer at ZeRO-1, which has no bucket). For another stack it stands in for its
-    # communication buffers (Megatron-LM's fp32 gradient buffer of the whole stage is more: optimistic)
-    buckets = min(bucket_elems, params) * prec.param if lay.zero_stage >= 1 else 0.0
+    # leaves at the weights' (DeepSpeed's default). fp32 gradients beside 16-bit weights reduce out of
+    # their own buffer, counted in the model states: DeepSpeed's BF16 optimizer (ZeRO-1) has no bucket,
+    # Megatron-Core's buckets are views of its fp32 gradient buffer. For another stack with the weights'
+    # dtype it stands in for its communication buffers.
+    own_buffer = prec.grad > prec.param and lay.zero_stage < 3
+    buckets = min(bucket_elems, params) * prec.param if lay.zero_stage >= 1 and not own_buffer else 0.0
     total = states + acts + buckets
     return {"model_states": states, "activations": acts, "buckets": buckets, "total": total,
             "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
@@ -407,6 +421,7 @@ def step_time(
     gemm_fraction: float | None = None,
     overlap: tuple[str, ...] = (),
     mt3d_engine: bool = True,
+    grads: str = "param",
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
@@ -423,14 +438,15 @@ def step_time(
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
     (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
-    ``memory_bytes``'s (``posts_p2p``).
+    ``memory_bytes``'s (``posts_p2p``). ``grads``: their dtype (``Precision.of``), which the data-parallel
+    reduction sends.
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
     v, m, t = lay.virtual_stages, lay.grad_accum, lay.tp
     blocks = math.ceil(cfg.layers / lay.pp)
-    prec = Precision.of(precision, max(lay.zero_stage, 1))
+    prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grads)
     grads = stage_params(cfg, vocab, t, lay.pp, lay.ep)
     compute, optimizer = _compute_seconds(
         cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
@@ -449,7 +465,7 @@ def step_time(
     pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posted)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
-    dp = _dp_seconds(lay, grads, comm_bytes, compute, bw, "dp" in overlap)
+    dp = _dp_seconds(lay, grads, (comm_bytes, prec.grad), compute, bw, "dp" in overlap)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
@@ -469,13 +485,15 @@ def step_time(
     }
 
 
-def _dp_seconds(lay: Layout, grads: float, elem: int, compute: float, bw: dict, overlapped: bool) -> float:
+def _dp_seconds(lay: Layout, grads: float, elems: tuple[int, int], compute: float, bw: dict,
+                overlapped: bool) -> float:  # fmt: skip
     """Exposed data-parallel transfer seconds of a step: ZeRO-3's beyond ``ZERO3_OVERLAP`` of the
-    compute, else the reduction less ``dp_hidden`` when ``overlapped``."""
+    compute, else the reduction less ``dp_hidden`` when ``overlapped``. ``elems``: bytes per
+    parameter and per gradient element sent."""
     gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
     # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
     dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
-    dp = dp_bytes(grads, elem, lay.dense, lay.zero_stage, gathers) / (dense_bw * 1e9)
+    dp = dp_bytes(grads, *elems, lay.dense, lay.zero_stage, gathers) / (dense_bw * 1e9)
     if lay.zero_stage == 3:
         return max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     if overlapped:

@@ -20,6 +20,7 @@ from ..config import (
     context_sequence_conflict,
     context_zero_conflict,
     expert_conflict,
+    grad_accum_conflict,
     moe_conflict,
     overlap_conflict,
     p2p_conflict,
@@ -243,6 +244,8 @@ class Stack:
     """Activation memory of mt3d's blocks, or Korthikanti et al.'s Table 2 (korthikanti)."""
     optimizer_states: str = "fp32"
     """Master weights and moments: ``costs.OPTIMIZER_STATES``."""
+    grad_dtype: str = "param"
+    """Gradients in the weights' dtype, or fp32 (``choices.GRAD_DTYPES``)."""
     gemm_fraction: float | None = None
     """Share of the GEMM ceiling its GEMMs reach (None: ``compute.GEMM_FRACTION``, the calibration)."""
     mt3d_rules: bool = True
@@ -314,6 +317,7 @@ def plan(
         "precision": precision,
         "overlap": list(stack.overlap),
         "optimizer_states": stack.optimizer_states,
+        "grad_dtype": stack.grad_dtype,
         "efficiency": efficiency,
         "gemm_tflops": dev.gemm_tflops,
         "attention": attention,
@@ -330,13 +334,16 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     """Step 4: one candidate's memory per GPU and, when it fits, its step time: (row, why it does not fit
     or None)."""
     dev, per_node = cluster.device, min(cluster.gpus, cluster.gpus_per_node)
-    prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states)
+    prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states, stack.grad_dtype)
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
                        overlap=stack.overlap, attention_kernel=stack.attention_kernel,
                        mt3d_engine=stack.mt3d_rules)  # fmt: skip
     row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
            "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
+    if stack.mt3d_rules and not why:
+        off = Offload.from_label(lay.offload)
+        why = grad_accum_conflict(stack.grad_dtype, precision, lay.zero_stage, off, planned=True)
     if why:
         return row, why
     t = step_time(
@@ -344,6 +351,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         device=dev, attention_fraction=tile_fraction, precision=precision,
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
+        grads=stack.grad_dtype,
     )  # fmt: skip
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
@@ -569,6 +577,8 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
     states = result.get("optimizer_states", "fp32")
     if states != "fp32":  # what the plan's memory assumed; refused at start-up where it cannot run
         conf["mt3d"]["train"]["optimizer_states"] = states
+    if result.get("grad_dtype") == "fp32" and result["precision"] != "fp32":  # DeepSpeed's BF16 optimizer
+        conf["data_types"] = {"grad_accum_dtype": "fp32"}
     # what the plan's step time assumed, where mt3d runs it (tp: always)
     overlap = {}
     if "dp" in result.get("overlap", ()) and overlap_rule is None:

@@ -94,13 +94,17 @@ def pp_bytes(micro_batches: int, act_bytes: float, virtual_stages: int = 1) -> f
     return 2 * virtual_stages * micro_batches * act_bytes
 
 
-def dp_bytes(stage_params: float, elem_bytes: int, d: int, zero_stage: int, gathers: int = 2) -> float:
-    """Gradient all-reduce (ZeRO 0) or reduce-scatter + all-gather (ZeRO 1/2) of the rank's model
-    slice: 2(d-1)/d of it. ZeRO-3 all-gathers the parameters for every pass that uses them (forward
-    and backward: ``gathers`` 2; 3 with recompute) and reduce-scatters the gradients once:
-    (gathers + 1)(d-1)/d."""
-    share = (gathers + 1) / 2 if zero_stage == 3 else 1.0
-    return share * ring_factor(d) * stage_params * elem_bytes
+def dp_bytes(stage_params: float, param_bytes: int, grad_bytes: int, d: int, zero_stage: int,
+             gathers: int = 2) -> float:  # fmt: skip
+    """Bytes each rank sends for the data-parallel reduction of its model slice, (d-1)/d of a ring
+    per pass: the gradients all-reduced (ZeRO 0: twice), or reduce-scattered then the parameters
+    all-gathered (ZeRO 1/2). ZeRO-3 all-gathers the parameters for every pass that uses them (forward
+    and backward: ``gathers`` 2; 3 with recompute) and reduce-scatters the gradients once."""
+    half_ring = ring_factor(d) / 2
+    if zero_stage == 0:
+        return 2 * half_ring * stage_params * grad_bytes
+    gathered = gathers if zero_stage == 3 else 1
+    return half_ring * stage_params * (gathered * param_bytes + grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ def per_rank_bytes(pl: Placement, model: TrafficModel) -> dict[str, float]:
     act = model.micro_batch * model.seq_len * model.hidden * e
     return {
         "tp": tp_bytes(model.layers / pl.pp, model.micro_batches, act, pl.tp),
-        "dp": dp_bytes(model.params / (pl.tp * pl.pp), e, pl.dp, model.zero_stage),
+        "dp": dp_bytes(model.params / (pl.tp * pl.pp), e, e, pl.dp, model.zero_stage),
         "pp": pp_bytes(model.micro_batches, act),
     }
 
