@@ -716,8 +716,8 @@ def _add_plan_stack(p) -> None:
                    "bf16-moments (8), bf16 master and moments (6)")  # fmt: skip
     p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="param",
                    help="gradients of 16-bit training in the weights' dtype (param: DeepSpeed's default), or "
-                   "fp32: reduced in fp32 too (mt3d: data_types.grad_accum_dtype fp32, DeepSpeed's BF16 "
-                   "optimizer at ZeRO-1; Megatron-Core's default gradient buffer)")  # fmt: skip
+                   "fp32 (mt3d: data_types.grad_accum_dtype fp32, DeepSpeed's BF16 optimizer at bf16 "
+                   "ZeRO-1; Megatron-Core's default fp32 gradient buffer)")  # fmt: skip
     p.add_argument("--overlap", type=choices_list(OVERLAPS + ("none",), "--overlap"), default=DEFAULT_OVERLAP,
                    help="transfers the stack overlaps with compute (mt3d: tp always, the list adds to it; "
                    "--other-stack: the list, none for nothing): tp (each column-parallel linear's backward "

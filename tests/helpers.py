@@ -79,22 +79,31 @@ def train_rc_worker(raw):
 def optimizer_states_worker(raw, steps=5):
     """Build ``raw``'s engine on the spawned ranks, train ``steps`` steps; return the optimizer's bytes
     on this rank (its master-weight partitions and Adam moments), their dtypes, the gradient buffer
-    DeepSpeed's BF16 optimizer keeps, the losses and the trainable parameters on this rank."""
+    DeepSpeed's BF16 optimizer keeps and the weights' gradients still allocated when a step starts (the
+    most of any step), the losses and the trainable parameters on this rank."""
     import torch
     import torch.distributed as dist
 
     from mt3d.bench.common import build_engine, train_step
 
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     _, layout, rt, engine, data, _ = build_engine(copy.deepcopy(raw))
+    lp_grads, step = [], engine.optimizer.step
+
+    def step_recording(*args, **kwargs):  # the weights' gradients still allocated as the step starts
+        lp_grads.append(nbytes(p.grad for p in engine.module.parameters() if p.grad is not None))
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = step_recording
     losses = [train_step(engine, layout, rt, data, layout.micro_batch, k) for k in range(steps)]
     inner = engine.optimizer.optimizer  # the torch optimizer over ZeRO's flat partitions
     master = [p for g in inner.param_groups for p in g["params"]]
     states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     grads = getattr(engine.optimizer, "fp32_groups_gradients_flat", None) or []  # DeepSpeed's BF16 optimizer
     return {
         "optimizer": type(engine.optimizer).__name__,
         "grad_buffer_bytes": nbytes(grads),
+        "lp_grad_bytes": max(lp_grads),
         "rank": dist.get_rank(),
         "master_bytes": nbytes(master),
         "moment_bytes": nbytes(states),

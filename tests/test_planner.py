@@ -484,21 +484,31 @@ def test_optimizer_state_dtype_is_a_planner_flag(capsys):
 
 
 def test_fp32_gradients_are_a_planner_flag(capsys, tmp_path):
-    """--grad-dtype fp32 beside bf16 weights: 2 + 4 + 12/d bytes per parameter at ZeRO-1 (DeepSpeed's
-    BF16 optimizer, Megatron-Core's distributed optimizer), no reduce bucket beside that buffer, the
-    gradients reduce-scattered in fp32. mt3d plans it only where DeepSpeed's BF16 optimizer runs
-    (bf16, ZeRO-1), another stack anywhere; the written config accumulates in fp32."""
+    """--grad-dtype fp32 beside bf16 weights at ZeRO-1: Megatron-Core's distributed optimizer holds
+    2 + 4 + 12/d bytes per parameter, no reduce bucket beside its gradient buffer; mt3d's (DeepSpeed's
+    BF16 optimizer) keeps the bf16 gradients too unless its overlapped reduction folds each in
+    (tests/test_training.py measures both), and at the step's end holds the flat copies of its
+    all-reduce. The reduction sends 4 + 2 bytes per parameter and ring pass. mt3d plans it only where
+    DeepSpeed's BF16 optimizer runs (bf16, ZeRO-1, fp32 optimizer states), another stack anywhere; the
+    written config accumulates in fp32."""
     from mt3d.cli import main
+    from mt3d.planner.costs import DEEPSPEED_ALLREDUCE_ELEMENTS, reduction_bytes
     from mt3d.planner.traffic import dp_bytes
 
     cfg, d = get_preset("gpt3-1.3b"), 8
     lay = Layout(1, 1, d, 1, 8, 1, False, False)
     params = stage_params(cfg, 50257, 1, 1)
-    base = memory_bytes(cfg, 50257, 2048, lay, Precision.of("bf16", 1))
-    fp32 = memory_bytes(cfg, 50257, 2048, lay, Precision.of("bf16", 1, grads="fp32"))
-    assert fp32["model_states"] == pytest.approx((2 + 4 + 12 / d) * params)
-    assert fp32["model_states"] - base["model_states"] == pytest.approx(2 * params)
-    assert fp32["buckets"] == 0 < base["buckets"]
+    bf16, fp32 = Precision.of("bf16", 1), Precision.of("bf16", 1, grads="fp32")
+    base = memory_bytes(cfg, 50257, 2048, lay, bf16)
+    megatron = memory_bytes(cfg, 50257, 2048, lay, fp32, mt3d_engine=False)
+    assert megatron["model_states"] == pytest.approx((2 + 4 + 12 / d) * params)
+    assert megatron["model_states"] - base["model_states"] == pytest.approx(2 * params)
+    assert megatron["buckets"] == 0 < base["buckets"] == 5e8 * 2
+    flat = min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * (4 + 2)  # fp32 copy, cast to bf16
+    assert reduction_bytes(params, lay, fp32, (), True, 5e8) == pytest.approx((2 * params, flat))
+    assert reduction_bytes(params, lay, fp32, ("dp",), True, 5e8) == pytest.approx((0, 2 * params))
+    assert reduction_bytes(params, lay, bf16, ("dp",), True, 5e8) == pytest.approx((1e9, 2 * params))
+    assert reduction_bytes(params, lay, bf16, (), True, 5e8) == (1e9, 0)  # ZeRO-1's bucket
     with pytest.raises(ValueError, match="gradients must be one of"):
         Precision.of("bf16", 1, grads="fp8")
     # ZeRO-1: (d-1)/d of the gradients reduce-scattered and of the weights all-gathered
@@ -515,17 +525,21 @@ def test_fp32_gradients_are_a_planner_flag(capsys, tmp_path):
     assert {r["zero_stage"] for r in mt3d["feasible"]} == {1}
     assert {r["zero_stage"] for r in other["feasible"]} == {0, 1, 2, 3}
     assert any("BF16 optimizer" in r["reason"] for r in mt3d["rejected"])
-    by_zero = {r["zero_stage"]: r for r in param["feasible"]}
-    z1 = next(r for r in mt3d["feasible"])
-    bucket = 5e8 * 2  # DeepSpeed's default reduce bucket, bf16
-    assert z1["memory_gb"] - by_zero[1]["memory_gb"] == pytest.approx((2 * params - bucket) / 1e9)
-    assert z1["dp_comm_s"] == pytest.approx(by_zero[1]["dp_comm_s"] * 6 / 4)
+    z1 = next(r for r in param["feasible"] if r["zero_stage"] == 1)
+    z1_fp32 = next(r for r in mt3d["feasible"])
+    # 2 bytes of fp32 gradients more and the bf16 ones kept, less the bucket (the activations outweigh
+    # the all-reduce's flat copies)
+    assert z1_fp32["memory_gb"] - z1["memory_gb"] == pytest.approx((4 * params - 1e9) / 1e9)
+    assert z1_fp32["dp_comm_s"] == pytest.approx(z1["dp_comm_s"] * 6 / 4)
+    assert main([*argv, "--grad-dtype", "fp32", "--optimizer-states", "bf16"]) == 1  # DeepSpeed ignores one
+    capsys.readouterr()
     out = tmp_path / "fp32-grads.json"
     assert main([*argv, "--grad-dtype", "fp32", "--write-config", str(out)]) == 0
     capsys.readouterr()
     written = json.loads(out.read_text())
     assert written["data_types"] == {"grad_accum_dtype": "fp32"} and written["bf16"]["enabled"]
     assert written["zero_optimization"]["stage"] == 1
+    validate(load(out), 8, resolve_model(load(out).mt3d.model))  # and mt3d starts from it
 
 
 def test_another_stacks_rules_and_the_fidelity_rows_go_through_the_command_line(capsys):

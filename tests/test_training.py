@@ -462,27 +462,27 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
     6 bytes per parameter / dp at ZeRO-1 as the planner sizes them (12 with fp32 states; ZeRO-3's
     moments 4), and the runs train like the fp32-state one (bf16 rounding of the update apart). With
     fp32 gradient accumulation (data_types.grad_accum_dtype, the planner's --grad-dtype fp32) DeepSpeed's
-    BF16 optimizer runs instead: 12 bytes / dp of states beside a whole fp32 gradient buffer, 4 bytes
-    per parameter on every rank, as the planner sizes them."""
-    from mt3d.planner.costs import Precision
+    BF16 optimizer runs instead: 12 bytes / dp of states beside a whole fp32 gradient buffer, and the
+    bf16 gradients left allocated unless the overlapped reduction folds each in as it is produced, as
+    the planner sizes them."""
+    from mt3d.planner.costs import Layout, Precision, reduction_bytes
 
     from helpers import optimizer_states_worker
 
+    runs = {  # (optimizer states, ZeRO stage, gradient dtype, overlapped reduction)
+        ("fp32", 1, "param", False), ("bf16", 1, "param", False), ("bf16", 3, "param", False),
+        ("fp32", 1, "fp32", False), ("fp32", 1, "fp32", True),
+    }  # fmt: skip
     got = {}
-    for states, zero, grads in (
-        ("fp32", 1, "param"),
-        ("bf16", 1, "param"),
-        ("bf16", 3, "param"),
-        ("fp32", 1, "fp32"),
-    ):
-        raw = tiny_config(
-            tmp_path / f"{states}{zero}{grads}", model=TINY_LLAMA, optimizer_states=states, zero=zero
-        )
+    for states, zero, grads, overlap in sorted(runs):
+        keys = {**OVERLAP, "grad_reduce": overlap}
+        raw = tiny_config(tmp_path / f"{states}{zero}{grads}{overlap}", model=TINY_LLAMA, zero=zero,
+                          optimizer_states=states, overlap=keys)  # fmt: skip
         raw["bf16"] = {"enabled": True}
         if grads == "fp32":
             raw["data_types"] = {"grad_accum_dtype": "fp32"}
-        got[states, zero, grads] = spawn(optimizer_states_worker, 2, raw, timeout=300)
-    for (states, zero, grads), ranks in got.items():
+        got[states, zero, grads, overlap] = spawn(optimizer_states_worker, 2, raw, timeout=300)
+    for (states, zero, grads, overlap), ranks in got.items():
         prec = Precision.of("bf16", zero, states, grads)
         for r in ranks:
             held = r["moment_bytes"] + (r["master_bytes"] if zero == 1 else prec.master * r["params"] / 2)
@@ -490,10 +490,15 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
             assert r["optimizer"] == ("BF16_Optimizer" if grads == "fp32" else "DeepSpeedZeroOptimizer"
                                       + ("_Stage3" if zero == 3 else ""))  # fmt: skip
             if grads == "fp32":
-                assert r["grad_buffer_bytes"] == pytest.approx(prec.grad * r["params"], rel=0.01), r
+                lay = Layout(1, 1, 2, 2, 2, 1, False, False)
+                planned = prec.grad * r["params"] + reduction_bytes(
+                    r["params"], lay, prec, ("dp",) if overlap else (), True, 5e8
+                )[0]  # fmt: skip
+                assert r["grad_buffer_bytes"] + r["lp_grad_bytes"] == pytest.approx(planned, rel=0.01), r
+                assert (r["lp_grad_bytes"] > 0) != overlap, r
         assert ranks[0]["dtypes"] == ["torch.float32" if states == "fp32" else "torch.bfloat16"]
-    fp32 = got["fp32", 1, "param"][0]["losses"]
-    for key in (("bf16", 1, "param"), ("bf16", 3, "param"), ("fp32", 1, "fp32")):
+    fp32 = got["fp32", 1, "param", False][0]["losses"]
+    for key in runs - {("fp32", 1, "param", False)}:
         other = got[key][0]["losses"]
         assert other[-1] < other[0]  # (ZeRO-3's regular engine reports rank 0's loss, not the dp mean)
         assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in zip(fp32, other)), (key, fp32, other)

@@ -294,25 +294,32 @@ def optimizer_states_conflict(
     return f"{key} 'bf16' needs {why}" if why else None
 
 
-FP32_NAMES = ("fp32", "float32", "float")
-"""How DeepSpeed's ``data_types.grad_accum_dtype`` may name fp32 (its DtypeEnum)."""
+DTYPE_NAMES = {
+    "fp32": ("fp32", "float32", "float", "torch.float32"),
+    "fp16": ("fp16", "float16", "half", "torch.float16"),
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+}
+"""How DeepSpeed's ``data_types.grad_accum_dtype`` may name each dtype (its ``DtypeEnum``)."""
 
 
-def grad_accum_conflict(grad_dtype: str, precision: str, zero_stage: int, off: Offload,
+def grad_accum_conflict(grad_dtype: str, precision: str, zero_stage: int, off: Offload, states: str = "fp32",
                         planned: bool = False) -> str | None:  # fmt: skip
-    """Why gradients cannot accumulate in ``grad_dtype`` beside ``precision`` weights (None: they can).
-    DeepSpeed runs fp32 gradients beside 16-bit weights only in its ZeRO optimizers (at ZeRO 0 it
-    raises NotImplementedError once the model is built). ``planned``: what ``mt3d plan`` sizes, the
-    path mt3d's tests cover: DeepSpeed's BF16 optimizer (bf16, ZeRO-1, optimizer on the accelerator:
-    a full fp32 gradient buffer, the master weights and moments partitioned)."""
-    if grad_dtype not in FP32_NAMES or precision == "fp32":
+    """Why gradients cannot accumulate in ``grad_dtype`` (a ``DTYPE_NAMES`` spelling; empty: the weights'
+    dtype) beside ``precision`` weights (None: they can). DeepSpeed mixes the two dtypes only in its ZeRO
+    optimizers (at ZeRO 0 it raises NotImplementedError once the model is built). ``planned``: what
+    ``mt3d plan`` sizes, the path mt3d's tests cover: fp32 gradients as DeepSpeed's BF16 optimizer
+    (bf16, ZeRO-1, the optimizer on the accelerator, fp32 optimizer states: a full fp32 gradient buffer,
+    the master weights and moments partitioned)."""
+    accum = next((name for name, spellings in DTYPE_NAMES.items() if grad_dtype.lower() in spellings), None)
+    if not grad_dtype or accum == precision:
         return None
     if zero_stage == 0:
-        return (f"data_types.grad_accum_dtype fp32 beside {precision} weights needs ZeRO (DeepSpeed runs "
-                "that mix only in its ZeRO optimizers): set zero_optimization.stage 1 or remove "
+        return (f"data_types.grad_accum_dtype {grad_dtype} beside {precision} weights needs ZeRO (DeepSpeed "
+                "mixes the two only in its ZeRO optimizers): set zero_optimization.stage 1 or remove "
                 "data_types.grad_accum_dtype")  # fmt: skip
-    if planned and (precision != "bf16" or zero_stage != 1 or off.optimizer != "none"):
-        return "fp32 gradients are planned as DeepSpeed's BF16 optimizer: bf16, ZeRO-1, no optimizer offload"
+    if planned and (precision != "bf16" or zero_stage != 1 or off.optimizer != "none" or states != "fp32"):
+        return ("fp32 gradients are planned as DeepSpeed's BF16 optimizer: bf16, ZeRO-1, no optimizer "
+                "offload, fp32 optimizer states")  # fmt: skip
     return None
 
 

@@ -123,11 +123,18 @@ def release_loss_outputs(engine) -> None:
 
 
 def keep_loss_outputs(engine) -> None:
-    """Undo ``release_loss_outputs`` on a (non-interleaved) pipeline engine: DeepSpeed's own forward
-    pass back in the instance's table, other wrappers kept (what ``mt3d.bench memory --keep-logits``
-    and the release's test compare against)."""
+    """Undo ``release_loss_outputs`` on DeepSpeed's pipeline engine: DeepSpeed's own forward pass in
+    place of whatever handles that instruction (wrappers of the other instructions kept; call it
+    before wrapping the forward pass), what ``mt3d.bench memory --keep-logits`` and the release's test
+    compare against. mt3d's schedule engine releases the logits in its own forward pass: refused."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from .interleaved import InterleavedPipelineEngine
+
+    if isinstance(engine, InterleavedPipelineEngine):
+        raise ValueError("mt3d's schedule engine (v > 1 or overlap.p2p) releases the logits in its own "
+                         "forward pass: keep them only with DeepSpeed's pipeline engine")  # fmt: skip
 
     own = PipelineEngine._INSTRUCTION_MAP[ds_schedule.ForwardPass]
     wrap_instructions(engine, lambda kind, fn: own if kind is ds_schedule.ForwardPass else fn)

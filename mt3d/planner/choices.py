@@ -10,9 +10,10 @@ OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16")
 
 GRAD_DTYPES = ("param", "fp32")
 """Gradient dtypes the planner can size (``--grad-dtype``): the weights' (DeepSpeed's default, which
-mt3d leaves), or fp32 beside 16-bit weights: mt3d's ``data_types.grad_accum_dtype: fp32`` (DeepSpeed's
-BF16 optimizer, ZeRO-1 with bf16 only), Megatron-Core's default (its fp32 gradient buffer, reduced in
-fp32)."""
+mt3d leaves), or fp32 beside 16-bit weights: Megatron-Core's default (its fp32 gradient buffer,
+reduce-scattered in fp32), or mt3d's ``data_types.grad_accum_dtype: fp32`` (DeepSpeed's BF16 optimizer,
+ZeRO-1 with bf16 only: the bf16 gradients stay allocated beside the fp32 buffer unless
+``overlap.grad_reduce`` folds each in as it is produced; reduced in bf16)."""
 
 RECOMPUTE = ("none", "full", "selective")
 """Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention

@@ -316,29 +316,72 @@ def memory_bytes(
     in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine)
     first = in_flight * per_layer + working
     # One stage-boundary tensor (a block's input or output, a 1/t sequence shard with SP). Beside the
-    # logits the loss holds two more: the final norm's input and its output, the head's input (kept
-    # whole when SP inputs are gathered). Traced per instruction on CPU (tp 2, pp 2, full recompute).
+    # logits the loss holds two more: the final norm's input and its output, the head's input (its 1/t
+    # shard with SP; sequence tiles keep the gathered hidden states for the loss to project tile by
+    # tile). Traced per instruction on CPU (tp 2, pp 2, full recompute).
     boundary = local * lay.micro_batch * cfg.hidden * prec.activation / (t if sp else 1)
-    head = boundary * (1 + (t if sp and lay.sp_gathered else 1))
+    head = boundary * (1 + (t if sp and lay.tile_len > 0 else 1))
     # The loss's backward frees what it kept (softmax, gradients) before the last block is recomputed,
     # and the logits are gone by then: mt3d releases the pipeline engine's reference to them once the
     # loss is computed (ds.engine.release_loss_outputs; DeepSpeed alone keeps two micro-batches' worth).
     last = blocks * per_layer + max(working, logits + head)
     # DeepSpeed's pipeline engine (v 1, transfers not posted) keeps one receive buffer of the boundary
     # tensor on every stage that receives (pipe_recv_buf, grad_layer: allocated once, each received
-    # tensor cloned out of it); mt3d's schedule engine, like other stacks', allocates each anew.
-    recv = boundary if p > 1 and mt3d_engine and not engine and lay.virtual_stages == 1 else 0.0
+    # tensor cloned out of it), a 1/t part of it at tp > 1 without SP (pipe_partitioned and
+    # grad_partitioned, DeepSpeed's defaults, which mt3d keeps there for dense models); mt3d's schedule
+    # engine, like other stacks', allocates each transfer's anew.
+    recv = 0.0
+    if p > 1 and mt3d_engine and not engine and lay.virtual_stages == 1:
+        recv = boundary / (t if not sp and cfg.moe is None else 1)
     acts = (max(first, last) if p > 1 else last) + recv
-    # ZeRO's reduce bucket (the pinned DeepSpeed) is in the gradient-accumulation dtype, which mt3d
-    # leaves at the weights' (DeepSpeed's default). fp32 gradients beside 16-bit weights reduce out of
-    # their own buffer, counted in the model states: DeepSpeed's BF16 optimizer (ZeRO-1) has no bucket,
-    # Megatron-Core's buckets are views of its fp32 gradient buffer. For another stack with the weights'
-    # dtype it stands in for its communication buffers.
-    own_buffer = prec.grad > prec.param and lay.zero_stage < 3
-    buckets = min(bucket_elems, params) * prec.param if lay.zero_stage >= 1 and not own_buffer else 0.0
-    total = states + acts + buckets
-    return {"model_states": states, "activations": acts, "buckets": buckets, "total": total,
+    held, at_end = reduction_bytes(params, lay, prec, overlap, mt3d_engine, bucket_elems)
+    # what the reduction holds at the end of the last backward grows as that backward frees its
+    # activations: the larger of the two counts
+    acts = max(acts, at_end)
+    total = states + held + acts
+    return {"model_states": states, "activations": acts, "buckets": held, "total": total,
             "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
+
+
+DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
+"""Gradients DeepSpeed's own data-parallel all-reduce flattens at a time (``MEMORY_OPT_ALLREDUCE_SIZE``:
+plain DP and the BF16 optimizer), a copy in the gradients' dtype, cast to the communication dtype."""
+
+
+def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool,
+                    bucket_elems: float) -> tuple[float, float]:  # fmt: skip
+    """Bytes of the data-parallel gradient reduction per GPU: (held all step, held at the end of the last
+    backward), for ``params`` parameters on this GPU.
+
+    Held: ZeRO's reduce bucket, in the gradient-accumulation dtype, which mt3d leaves at the weights'
+    (DeepSpeed's default); for another stack with gradients in the weights' dtype it stands in for its
+    communication buffers. fp32 gradients beside 16-bit weights reduce out of their own buffer (model
+    states): Megatron-Core's buckets are views of it; in mt3d DeepSpeed's BF16 optimizer (ZeRO-1) runs
+    them, which keeps the 16-bit gradients allocated too (zeroed each step, not freed) unless each is
+    folded in as it is produced (bf16.immediate_grad_update, set with mt3d's overlapped reduction).
+    At the end: mt3d's overlapped reduction (``mt3d.ds.overlap``) all-reduces a flat copy of every
+    bucket in the communication dtype (the weights') and writes them back once the backward is over;
+    without it, DeepSpeed's own all-reduce (ZeRO 0, the BF16 optimizer) flattens
+    ``DEEPSPEED_ALLREDUCE_ELEMENTS`` gradients at a time and casts them to the weights' dtype."""
+    from ..config import Offload
+    from ..config.rules import overlap_conflict
+
+    fp32_grads = prec.grad > prec.param
+    held = 0.0
+    if lay.zero_stage >= 1 and not (fp32_grads and lay.zero_stage < 3):
+        held = min(bucket_elems, params) * prec.param
+    if not mt3d_engine or lay.dense == 1 or lay.zero_stage >= 2:
+        return held, 0.0
+    off = Offload.from_label(lay.offload)
+    overlapped = "dp" in overlap and overlap_conflict(True, lay.zero_stage, lay.ep, off, prec.name) is None
+    if fp32_grads and not overlapped:
+        held += params * prec.param
+    if overlapped:
+        return held, params * prec.param
+    if lay.zero_stage == 0 or fp32_grads:
+        cast = prec.param if fp32_grads else 0
+        return held, min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * (prec.grad + cast)
+    return held, 0.0
 
 
 def bucket_reduction_hidden(dp: float, last_bucket_share: float, backward: float) -> float:
@@ -421,7 +464,7 @@ def step_time(
     gemm_fraction: float | None = None,
     overlap: tuple[str, ...] = (),
     mt3d_engine: bool = True,
-    grads: str = "param",
+    grad_dtype: str = "param",
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
@@ -438,15 +481,17 @@ def step_time(
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
     (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
-    ``memory_bytes``'s (``posts_p2p``). ``grads``: their dtype (``Precision.of``), which the data-parallel
-    reduction sends.
+    ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``). fp32 beside bf16
+    weights at ZeRO-1: Megatron-Core reduce-scatters the fp32 gradients and all-gathers the bf16 weights
+    (4 + 2 bytes per parameter and ring pass); mt3d's BF16 optimizer all-reduces them cast to bf16,
+    DeepSpeed's communication dtype (2 x 2), then all-gathers the weights (2): the same count.
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
     v, m, t = lay.virtual_stages, lay.grad_accum, lay.tp
     blocks = math.ceil(cfg.layers / lay.pp)
-    prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grads)
+    prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grad_dtype)
     grads = stage_params(cfg, vocab, t, lay.pp, lay.ep)
     compute, optimizer = _compute_seconds(
         cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,

@@ -343,7 +343,8 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
     if stack.mt3d_rules and not why:
         off = Offload.from_label(lay.offload)
-        why = grad_accum_conflict(stack.grad_dtype, precision, lay.zero_stage, off, planned=True)
+        grads = "fp32" if stack.grad_dtype == "fp32" else ""
+        why = grad_accum_conflict(grads, precision, lay.zero_stage, off, stack.optimizer_states, planned=True)
     if why:
         return row, why
     t = step_time(
@@ -351,7 +352,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         device=dev, attention_fraction=tile_fraction, precision=precision,
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
-        grads=stack.grad_dtype,
+        grad_dtype=stack.grad_dtype,
     )  # fmt: skip
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
