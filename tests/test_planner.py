@@ -508,7 +508,8 @@ def test_fp32_gradients_are_a_planner_flag(capsys, tmp_path):
     assert reduction_bytes(params, lay, fp32, (), True, 5e8) == pytest.approx((2 * params, flat))
     assert reduction_bytes(params, lay, fp32, ("dp",), True, 5e8) == pytest.approx((0, 2 * params))
     assert reduction_bytes(params, lay, bf16, ("dp",), True, 5e8) == pytest.approx((1e9, 2 * params))
-    assert reduction_bytes(params, lay, bf16, (), True, 5e8) == (1e9, 0)  # ZeRO-1's bucket
+    # ZeRO-1's bucket; in the step, its flat copy of the rank's gradient partition cast to fp32
+    assert reduction_bytes(params, lay, bf16, (), True, 5e8) == pytest.approx((1e9, params / d * (2 + 4)))
     with pytest.raises(ValueError, match="gradients must be one of"):
         Precision.of("bf16", 1, grads="fp8")
     # ZeRO-1: (d-1)/d of the gradients reduce-scattered and of the weights all-gathered

@@ -336,11 +336,11 @@ def memory_bytes(
     acts = (max(first, last) if p > 1 else last) + recv
     held, at_end = reduction_bytes(params, lay, prec, overlap, mt3d_engine, bucket_elems)
     # what the reduction holds at the end of the last backward grows as that backward frees its
-    # activations: the larger of the two counts
-    acts = max(acts, at_end)
-    total = states + held + acts
-    return {"model_states": states, "activations": acts, "buckets": held, "total": total,
-            "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
+    # activations, and the step runs without them: only its excess over the activations counts
+    end_of_step = max(0.0, at_end - acts)
+    total = states + held + acts + end_of_step
+    return {"model_states": states, "activations": acts, "buckets": held, "end_of_step": end_of_step,
+            "total": total, "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
 
 
 DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
@@ -350,8 +350,9 @@ plain DP and the BF16 optimizer), a copy in the gradients' dtype, cast to the co
 
 def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool,
                     bucket_elems: float) -> tuple[float, float]:  # fmt: skip
-    """Bytes of the data-parallel gradient reduction per GPU: (held all step, held at the end of the last
-    backward), for ``params`` parameters on this GPU.
+    """Bytes of the data-parallel gradient reduction and the optimizer step per GPU: (held all step, held
+    once the activations are gone: at the end of the last backward and in the step), for ``params``
+    parameters on this GPU.
 
     Held: ZeRO's reduce bucket, in the gradient-accumulation dtype, which mt3d leaves at the weights'
     (DeepSpeed's default); for another stack with gradients in the weights' dtype it stands in for its
@@ -362,7 +363,9 @@ def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[
     At the end: mt3d's overlapped reduction (``mt3d.ds.overlap``) all-reduces a flat copy of every
     bucket in the communication dtype (the weights') and writes them back once the backward is over;
     without it, DeepSpeed's own all-reduce (ZeRO 0, the BF16 optimizer) flattens
-    ``DEEPSPEED_ALLREDUCE_ELEMENTS`` gradients at a time and casts them to the weights' dtype."""
+    ``DEEPSPEED_ALLREDUCE_ELEMENTS`` gradients at a time and casts them to the weights' dtype. In the
+    step, DeepSpeed's ZeRO-1/2 optimizer copies this rank's gradient partition into an fp32 flat buffer
+    (on a CPU, torch's unfused Adam adds temporaries of the partition's size: not counted)."""
     from ..config import Offload
     from ..config.rules import overlap_conflict
 
@@ -370,18 +373,25 @@ def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[
     held = 0.0
     if lay.zero_stage >= 1 and not (fp32_grads and lay.zero_stage < 3):
         held = min(bucket_elems, params) * prec.param
-    if not mt3d_engine or lay.dense == 1 or lay.zero_stage >= 2:
+    if not mt3d_engine or lay.zero_stage == 3:
         return held, 0.0
+    # DeepSpeed's ZeRO-1/2 optimizer step flattens this rank's partition of the gradients and casts it
+    # to the master weights' dtype (fp32) while the gradients are still held
+    step = (
+        0.0 if fp32_grads or lay.zero_stage == 0 else params / lay.dense * (prec.grad + 4 * (prec.grad < 4))
+    )
+    if lay.dense == 1 or lay.zero_stage == 2:
+        return held, step
     off = Offload.from_label(lay.offload)
     overlapped = "dp" in overlap and overlap_conflict(True, lay.zero_stage, lay.ep, off, prec.name) is None
     if fp32_grads and not overlapped:
         held += params * prec.param
     if overlapped:
-        return held, params * prec.param
+        return held, max(step, params * prec.param)
     if lay.zero_stage == 0 or fp32_grads:
         cast = prec.param if fp32_grads else 0
         return held, min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * (prec.grad + cast)
-    return held, 0.0
+    return held, step
 
 
 def bucket_reduction_hidden(dp: float, last_bucket_share: float, backward: float) -> float:

@@ -359,7 +359,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
 
 TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
               "offload_s", "optimizer_s")  # fmt: skip
-MEMORY_PARTS = ("model_states", "activations", "buckets")
+MEMORY_PARTS = ("model_states", "activations", "buckets", "end_of_step")
 
 
 def explain(row: dict) -> str:
