@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from itertools import product
 
 import pytest
 
@@ -463,7 +464,9 @@ def test_another_stacks_recompute_attention_kernel_and_pipeline_transfers_are_fl
 
 def test_optimizer_state_dtype_is_a_planner_flag(capsys):
     """16 / 12 / 10 bytes per parameter without ZeRO for fp32, bf16-moments and bf16 optimizer states;
-    Llama-7B on 8 H100s with plain data parallelism fits only with bf16 master weights and moments."""
+    Llama-7B on 8 H100s with another stack's plain data parallelism fits only with bf16 master weights
+    and moments. mt3d's ZeRO-0 runs DeepSpeed's BF16 optimizer (its states partitioned: it fits with
+    fp32 states), which takes no bf16 states (refused, as at start-up)."""
     from mt3d.cli import main
 
     per_param = [
@@ -477,20 +480,24 @@ def test_optimizer_state_dtype_is_a_planner_flag(capsys):
             "--offload", "none", "--context", "1", "--recompute", "full", "--micro-batch", "1",
             "--json"]  # fmt: skip
     fits = {}
-    for states in ("fp32", "bf16"):
-        rc = main([*argv, "--optimizer-states", states])  # 1: nothing feasible
-        fits[states] = (rc, bool(json.loads(capsys.readouterr().out)["feasible"]))
-    assert fits == {"fp32": (1, False), "bf16": (0, True)}
+    for states, stack in product(("fp32", "bf16"), (["--other-stack"], [])):
+        rc = main([*argv, "--optimizer-states", states, *stack])  # 1: nothing feasible
+        out = json.loads(capsys.readouterr().out)
+        fits[states, bool(stack)] = (rc, bool(out["feasible"]))
+        if not stack and states == "bf16":
+            assert any("needs ZeRO 1-3" in r["reason"] for r in out["rejected"]), out["rejected"]
+    assert fits == {("fp32", True): (1, False), ("bf16", True): (0, True), ("fp32", False): (0, True),
+                    ("bf16", False): (1, False)}  # fmt: skip
 
 
 def test_fp32_gradients_are_a_planner_flag(capsys, tmp_path):
     """--grad-dtype fp32 beside bf16 weights at ZeRO-1: Megatron-Core's distributed optimizer holds
     2 + 4 + 12/d bytes per parameter, no reduce bucket beside its gradient buffer; mt3d's (DeepSpeed's
-    BF16 optimizer) keeps the bf16 gradients too unless its overlapped reduction folds each in
-    (tests/test_training.py measures both), and at the step's end holds the flat copies of its
-    all-reduce. The reduction sends 4 + 2 bytes per parameter and ring pass. mt3d plans it only where
-    DeepSpeed's BF16 optimizer runs (bf16, ZeRO-1, fp32 optimizer states), another stack anywhere; the
-    written config accumulates in fp32."""
+    BF16 optimizer, as at ZeRO-0 with bf16 gradients) keeps the bf16 gradients too unless its
+    overlapped reduction folds each in (tests/test_training.py measures both), and at the step's end
+    holds its all-reduce's cast copy. The reduction sends 4 + 2 bytes per parameter and ring pass.
+    mt3d plans it only where DeepSpeed's BF16 optimizer runs (bf16, ZeRO-1, fp32 optimizer states),
+    another stack anywhere; the written config accumulates in fp32."""
     from mt3d.cli import main
     from mt3d.planner.costs import DEEPSPEED_ALLREDUCE_ELEMENTS, reduction_bytes
     from mt3d.planner.traffic import dp_bytes
@@ -504,12 +511,24 @@ def test_fp32_gradients_are_a_planner_flag(capsys, tmp_path):
     assert megatron["model_states"] == pytest.approx((2 + 4 + 12 / d) * params)
     assert megatron["model_states"] - base["model_states"] == pytest.approx(2 * params)
     assert megatron["buckets"] == 0 < base["buckets"] == 5e8 * 2
-    flat = min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * (4 + 2)  # fp32 copy, cast to bf16
-    assert reduction_bytes(params, lay, fp32, (), True, 5e8) == pytest.approx((2 * params, flat))
+    ours = memory_bytes(cfg, 50257, 2048, lay, fp32)
+    assert ours["model_states"] == pytest.approx((2 + 4 + 2 + 12 / d) * params) and ours["buckets"] == 0
+    folded = memory_bytes(cfg, 50257, 2048, lay, fp32, overlap=("dp",))
+    assert folded["model_states"] == pytest.approx(megatron["model_states"])
+    # mt3d's ZeRO-0 with bf16 runs the same optimizer (bf16 buffer): not the 16 bytes of plain DP
+    zero0 = memory_bytes(cfg, 50257, 2048, Layout(1, 1, d, 1, 8, 0, False, False), Precision.of("bf16", 0))
+    assert zero0["model_states"] == pytest.approx((2 + 2 + 2 + 12 / d) * params)
+    # once the activations are gone: the all-reduce's copy of the fp32 buffer (two groups: one batch
+    # of DeepSpeed's below 500M gradients) and its bf16 cast; the overlapped reduction's bucket copies;
+    # ZeRO-1's fp32 copy of the gradient partition, after freeing the rest (nothing net at d 8)
+    assert reduction_bytes(4e8, lay, fp32, (), True, 5e8) == pytest.approx((0, 4e8 * (4 + 2)))
+    assert reduction_bytes(params, lay, fp32, (), True, 5e8) == pytest.approx((0, params * 2))
+    assert params > DEEPSPEED_ALLREDUCE_ELEMENTS  # its groups go alone, uncopied
     assert reduction_bytes(params, lay, fp32, ("dp",), True, 5e8) == pytest.approx((0, 2 * params))
     assert reduction_bytes(params, lay, bf16, ("dp",), True, 5e8) == pytest.approx((1e9, 2 * params))
-    # ZeRO-1's bucket; in the step, its flat copy of the rank's gradient partition cast to fp32
-    assert reduction_bytes(params, lay, bf16, (), True, 5e8) == pytest.approx((1e9, params / d * (2 + 4)))
+    two = Layout(1, 1, 2, 1, 8, 1, False, False)
+    assert reduction_bytes(params, lay, bf16, (), True, 5e8) == (1e9, 0)
+    assert reduction_bytes(params, two, bf16, (), True, 5e8) == pytest.approx((1e9, params / 2 * 6 - params))
     with pytest.raises(ValueError, match="gradients must be one of"):
         Precision.of("bf16", 1, grads="fp8")
     # ZeRO-1: (d-1)/d of the gradients reduce-scattered and of the weights all-gathered

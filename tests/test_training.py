@@ -460,18 +460,18 @@ def test_bad_recompute_settings_are_one_line(tmp_path, recompute, match):
 def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tmp_path):
     """mt3d.train.optimizer_states 'bf16' (dp 2): DeepSpeed keeps master weights and moments in bf16,
     6 bytes per parameter / dp at ZeRO-1 as the planner sizes them (12 with fp32 states; ZeRO-3's
-    moments 4), and the runs train like the fp32-state one (bf16 rounding of the update apart). With
-    fp32 gradient accumulation (data_types.grad_accum_dtype, the planner's --grad-dtype fp32) DeepSpeed's
-    BF16 optimizer runs instead: 12 bytes / dp of states beside a whole fp32 gradient buffer, and the
-    bf16 gradients left allocated unless the overlapped reduction folds each in as it is produced, as
-    the planner sizes them."""
-    from mt3d.planner.costs import Layout, Precision, reduction_bytes
+    moments 4), and the runs train like the fp32-state one (bf16 rounding of the update apart).
+    DeepSpeed's BF16 optimizer runs at ZeRO-0 (mt3d's model is a PipelineModule) and, with fp32
+    gradient accumulation (the planner's --grad-dtype fp32), at ZeRO-1: 12 bytes / dp of states beside
+    a whole gradient buffer in the accumulation dtype, and the bf16 gradients left allocated unless the
+    overlapped reduction folds each in as it is produced, as the planner sizes them."""
+    from mt3d.planner.costs import Layout, Precision, bf16_optimizer_gradient_bytes, runs_bf16_optimizer
 
     from helpers import optimizer_states_worker
 
     runs = {  # (optimizer states, ZeRO stage, gradient dtype, overlapped reduction)
         ("fp32", 1, "param", False), ("bf16", 1, "param", False), ("bf16", 3, "param", False),
-        ("fp32", 1, "fp32", False), ("fp32", 1, "fp32", True),
+        ("fp32", 0, "param", False), ("fp32", 1, "fp32", False), ("fp32", 1, "fp32", True),
     }  # fmt: skip
     got = {}
     for states, zero, grads, overlap in sorted(runs):
@@ -484,16 +484,14 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         got[states, zero, grads, overlap] = spawn(optimizer_states_worker, 2, raw, timeout=300)
     for (states, zero, grads, overlap), ranks in got.items():
         prec = Precision.of("bf16", zero, states, grads)
+        bf16_optimizer = runs_bf16_optimizer(Layout(1, 1, 2, 2, 2, zero, False, False), prec, True)
         for r in ranks:
-            held = r["moment_bytes"] + (r["master_bytes"] if zero == 1 else prec.master * r["params"] / 2)
+            held = r["moment_bytes"] + (r["master_bytes"] if zero < 3 else prec.master * r["params"] / 2)
             assert held == pytest.approx((prec.master + prec.optim) * r["params"] / 2, rel=0.01), (states, r)
-            assert r["optimizer"] == ("BF16_Optimizer" if grads == "fp32" else "DeepSpeedZeroOptimizer"
-                                      + ("_Stage3" if zero == 3 else ""))  # fmt: skip
-            if grads == "fp32":
-                lay = Layout(1, 1, 2, 2, 2, 1, False, False)
-                planned = prec.grad * r["params"] + reduction_bytes(
-                    r["params"], lay, prec, ("dp",) if overlap else (), True, 5e8
-                )[0]  # fmt: skip
+            zero_optimizer = "DeepSpeedZeroOptimizer" + ("_Stage3" if zero == 3 else "")
+            assert r["optimizer"] == ("BF16_Optimizer" if bf16_optimizer else zero_optimizer), r
+            if bf16_optimizer:
+                planned = bf16_optimizer_gradient_bytes(prec, overlap) * r["params"]
                 assert r["grad_buffer_bytes"] + r["lp_grad_bytes"] == pytest.approx(planned, rel=0.01), r
                 assert (r["lp_grad_bytes"] > 0) != overlap, r
         assert ranks[0]["dtypes"] == ["torch.float32" if states == "fp32" else "torch.bfloat16"]
@@ -526,6 +524,7 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
             1,
             "grad_accum_dtype fp32 beside bf16 weights needs ZeRO",
         ),
+        ({"grad_accum": "FP32", "bf16": True}, 1, "'FP32' is not a dtype DeepSpeed knows"),
         (
             {"moe": True, "pp": 2},
             2,
@@ -549,6 +548,7 @@ def test_bf16_optimizer_states_hold_half_the_bytes_the_planner_says_and_train(tm
         "states-by-hand",
         "p2p-pp1",
         "fp32-grads-zero0",
+        "grads-dtype-spelling",
         "moe-pp2",
         "p2p-micro-batches",
     ],

@@ -310,8 +310,13 @@ def grad_accum_conflict(grad_dtype: str, precision: str, zero_stage: int, off: O
     ``mt3d plan`` sizes, the path mt3d's tests cover: fp32 gradients as DeepSpeed's BF16 optimizer
     (bf16, ZeRO-1, the optimizer on the accelerator, fp32 optimizer states: a full fp32 gradient buffer,
     the master weights and moments partitioned)."""
-    accum = next((name for name, spellings in DTYPE_NAMES.items() if grad_dtype.lower() in spellings), None)
-    if not grad_dtype or accum == precision:
+    if not grad_dtype:
+        return None
+    accum = next((name for name, spellings in DTYPE_NAMES.items() if grad_dtype in spellings), None)
+    if accum is None:
+        return (f"data_types.grad_accum_dtype {grad_dtype!r} is not a dtype DeepSpeed knows (its names are "
+                "case-sensitive): use fp32, fp16 or bf16")  # fmt: skip
+    if accum == precision:
         return None
     if zero_stage == 0:
         return (f"data_types.grad_accum_dtype {grad_dtype} beside {precision} weights needs ZeRO (DeepSpeed "

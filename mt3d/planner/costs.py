@@ -286,8 +286,16 @@ def memory_bytes(
     keeps none)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
-    tiers = tier_bytes(params, lay.data, lay.zero_stage, prec, lay.offload, sub_group_size)
+    # DeepSpeed's BF16 optimizer partitions the master weights and moments as ZeRO-1 does
+    bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
+    tiers = tier_bytes(
+        params, lay.data, 1 if bf16_optimizer else lay.zero_stage, prec, lay.offload, sub_group_size
+    )
     states = tiers["gpu"]
+    if bf16_optimizer:
+        states += params * (
+            bf16_optimizer_gradient_bytes(prec, overlaps_reduction(lay, prec, overlap, True)) - prec.grad
+        )
     sp = lay.sequence_parallel and t > 1
     local = seq_len // lay.cp  # tokens of each sample on this rank
     if activation_model == "korthikanti":
@@ -336,8 +344,9 @@ def memory_bytes(
     acts = (max(first, last) if p > 1 else last) + recv
     held, at_end = reduction_bytes(params, lay, prec, overlap, mt3d_engine, bucket_elems)
     # what the reduction holds at the end of the last backward grows as that backward frees its
-    # activations, and the step runs without them: only its excess over the activations counts
-    end_of_step = max(0.0, at_end - acts)
+    # activations, and the step runs without them (DeepSpeed's receive buffer stays): only its excess
+    # over the activations counts
+    end_of_step = max(0.0, at_end - (acts - recv))
     total = states + held + acts + end_of_step
     return {"model_states": states, "activations": acts, "buckets": held, "end_of_step": end_of_step,
             "total": total, "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
@@ -345,53 +354,90 @@ def memory_bytes(
 
 DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
 """Gradients DeepSpeed's own data-parallel all-reduce flattens at a time (``MEMORY_OPT_ALLREDUCE_SIZE``:
-plain DP and the BF16 optimizer), a copy in the gradients' dtype, cast to the communication dtype."""
+plain DP and the BF16 optimizer; a tensor larger than that is sent alone, uncopied), cast to the
+communication dtype."""
+
+
+def runs_bf16_optimizer(lay: Layout, prec: Precision, mt3d_engine: bool) -> bool:
+    """Whether mt3d trains this layout on DeepSpeed's BF16 optimizer: bf16 weights on its pipeline engine
+    (ZeRO 0/1, every layout at those stages, one stage included), at ZeRO-0 (DeepSpeed picks it for a
+    PipelineModule with gradients accumulated in bf16) or at ZeRO-1 with fp32 gradients, the optimizer
+    on the accelerator. It partitions the master weights and moments over dp, keeps a whole gradient
+    buffer in the accumulation dtype, all-reduces the gradients and all-gathers the updated weights."""
+    from ..config import Offload
+
+    if not mt3d_engine or prec.name != "bf16" or Offload.from_label(lay.offload).optimizer != "none":
+        return False
+    return lay.zero_stage == 0 or (lay.zero_stage == 1 and prec.grad > prec.param)
+
+
+def bf16_optimizer_gradient_bytes(prec: Precision, overlapped: bool) -> float:
+    """Gradient bytes per parameter DeepSpeed's BF16 optimizer holds: its buffer in the accumulation
+    dtype, and the weights' own gradients, zeroed each step but not freed, unless each is folded in as
+    it is produced (bf16.immediate_grad_update, which mt3d sets with its ``overlapped`` reduction)."""
+    return prec.grad + (0 if overlapped else prec.param)
+
+
+def overlaps_reduction(lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool) -> bool:
+    """Whether mt3d's overlapped gradient reduction (``mt3d.ds.overlap``) runs for this layout."""
+    from ..config import Offload
+    from ..config.rules import overlap_conflict
+
+    if not mt3d_engine or "dp" not in overlap or lay.data == 1:
+        return False
+    return overlap_conflict(True, lay.zero_stage, lay.ep, Offload.from_label(lay.offload), prec.name) is None
 
 
 def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool,
                     bucket_elems: float) -> tuple[float, float]:  # fmt: skip
-    """Bytes of the data-parallel gradient reduction and the optimizer step per GPU: (held all step, held
-    once the activations are gone: at the end of the last backward and in the step), for ``params``
-    parameters on this GPU.
+    """Bytes of the data-parallel gradient reduction and the optimizer step per GPU beyond the model
+    states: (held all step, held once the activations are gone: at the end of the last backward and in
+    the step), for ``params`` parameters on this GPU.
 
     Held: ZeRO's reduce bucket, in the gradient-accumulation dtype, which mt3d leaves at the weights'
     (DeepSpeed's default); for another stack with gradients in the weights' dtype it stands in for its
-    communication buffers. fp32 gradients beside 16-bit weights reduce out of their own buffer (model
-    states): Megatron-Core's buckets are views of it; in mt3d DeepSpeed's BF16 optimizer (ZeRO-1) runs
-    them, which keeps the 16-bit gradients allocated too (zeroed each step, not freed) unless each is
-    folded in as it is produced (bf16.immediate_grad_update, set with mt3d's overlapped reduction).
+    communication buffers. fp32 gradients beside 16-bit weights reduce out of their own buffer:
+    Megatron-Core's buckets are views of it, and DeepSpeed's BF16 optimizer (``runs_bf16_optimizer``)
+    has no bucket.
     At the end: mt3d's overlapped reduction (``mt3d.ds.overlap``) all-reduces a flat copy of every
     bucket in the communication dtype (the weights') and writes them back once the backward is over;
-    without it, DeepSpeed's own all-reduce (ZeRO 0, the BF16 optimizer) flattens
+    without it, DeepSpeed's own all-reduce (plain DP, the BF16 optimizer) flattens up to
     ``DEEPSPEED_ALLREDUCE_ELEMENTS`` gradients at a time and casts them to the weights' dtype. In the
     step, DeepSpeed's ZeRO-1/2 optimizer copies this rank's gradient partition into an fp32 flat buffer
-    (on a CPU, torch's unfused Adam adds temporaries of the partition's size: not counted)."""
+    (at ZeRO-1 after freeing the gradients outside the partition), the BF16 optimizer casts the
+    partition of a bf16 gradient buffer to fp32; with the optimizer offloaded DeepSpeed copies to the
+    CPU instead (on a CPU, torch's unfused Adam adds temporaries of the partition's size: not counted,
+    a GPU runs the fused kernel)."""
     from ..config import Offload
-    from ..config.rules import overlap_conflict
 
-    fp32_grads = prec.grad > prec.param
+    fp32_grads, bf16_optimizer = prec.grad > prec.param, runs_bf16_optimizer(lay, prec, mt3d_engine)
     held = 0.0
-    if lay.zero_stage >= 1 and not (fp32_grads and lay.zero_stage < 3):
+    if lay.zero_stage >= 1 and not (fp32_grads and lay.zero_stage < 3) and not bf16_optimizer:
         held = min(bucket_elems, params) * prec.param
     if not mt3d_engine or lay.zero_stage == 3:
         return held, 0.0
-    # DeepSpeed's ZeRO-1/2 optimizer step flattens this rank's partition of the gradients and casts it
-    # to the master weights' dtype (fp32) while the gradients are still held
-    step = (
-        0.0 if fp32_grads or lay.zero_stage == 0 else params / lay.dense * (prec.grad + 4 * (prec.grad < 4))
-    )
-    if lay.dense == 1 or lay.zero_stage == 2:
-        return held, step
-    off = Offload.from_label(lay.offload)
-    overlapped = "dp" in overlap and overlap_conflict(True, lay.zero_stage, lay.ep, off, prec.name) is None
-    if fp32_grads and not overlapped:
-        held += params * prec.param
-    if overlapped:
+    part, g = params / lay.data, prec.grad
+    step = 0.0
+    if Offload.from_label(lay.offload).optimizer != "none":
+        step = 0.0  # the partition goes to the CPU
+    elif bf16_optimizer:
+        step = 0.0 if fp32_grads else part * 4
+    elif lay.zero_stage == 2:
+        step = part * (g + 4 * (g < 4))
+    elif lay.zero_stage == 1:
+        step = max(0.0, part * (g + 4 * (g < 4)) - params * g * (1 - 1 / lay.data))
+    if overlaps_reduction(lay, prec, overlap, mt3d_engine):
         return held, max(step, params * prec.param)
-    if lay.zero_stage == 0 or fp32_grads:
-        cast = prec.param if fp32_grads else 0
-        return held, min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * (prec.grad + cast)
-    return held, step
+    if lay.zero_stage == 1 and not bf16_optimizer or lay.zero_stage == 2:
+        return held, step
+    if lay.zero_stage == 0 and lay.data == 1:  # mt3d skips DeepSpeed's reduction over one rank
+        return held, step
+    if bf16_optimizer:  # one gradient buffer per parameter group (mt3d: two), copied when both fit a batch
+        copy = params * g if params <= DEEPSPEED_ALLREDUCE_ELEMENTS else 0.0
+    else:  # the weights' gradients, a batch at a time
+        copy = min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * g
+    cast = params * prec.param if fp32_grads else 0.0  # to the communication dtype
+    return held, max(step, copy + cast)
 
 
 def bucket_reduction_hidden(dp: float, last_bucket_share: float, backward: float) -> float:
@@ -520,7 +566,11 @@ def step_time(
     pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posted)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
-    dp = _dp_seconds(lay, grads, (comm_bytes, prec.grad), compute, bw, "dp" in overlap)
+    # DeepSpeed's BF16 optimizer all-reduces the gradients in the weights' dtype, then all-gathers the
+    # updated weights: ZeRO-1's count with the gradients' bytes twice
+    bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
+    elems = (comm_bytes, 2 * comm_bytes) if bf16_optimizer else (comm_bytes, prec.grad)
+    dp = _dp_seconds(lay, grads, elems, compute, bw, "dp" in overlap, 1 if bf16_optimizer else lay.zero_stage)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
@@ -541,14 +591,14 @@ def step_time(
 
 
 def _dp_seconds(lay: Layout, grads: float, elems: tuple[int, int], compute: float, bw: dict,
-                overlapped: bool) -> float:  # fmt: skip
+                overlapped: bool, zero_stage: int) -> float:  # fmt: skip
     """Exposed data-parallel transfer seconds of a step: ZeRO-3's beyond ``ZERO3_OVERLAP`` of the
     compute, else the reduction less ``dp_hidden`` when ``overlapped``. ``elems``: bytes per
-    parameter and per gradient element sent."""
+    parameter and per gradient element sent; ``zero_stage``: whose pattern they follow."""
     gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
     # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
     dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
-    dp = dp_bytes(grads, *elems, lay.dense, lay.zero_stage, gathers) / (dense_bw * 1e9)
+    dp = dp_bytes(grads, *elems, lay.dense, zero_stage, gathers) / (dense_bw * 1e9)
     if lay.zero_stage == 3:
         return max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     if overlapped:
