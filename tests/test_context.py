@@ -115,6 +115,7 @@ def _model(name):
 
 LAYOUTS = [  # (model, world, parallel keys): each exchange that applies, with tp (SP), pp and v
     ("gpt", 2, dict(context=2, context_exchange="alltoall")),
+    ("gpt", 2, dict(context=2, zero=0)),  # dp 1: DeepSpeed's data axis (dp x cp) still averages gradients
     ("gpt", 2, dict(context=2, context_exchange="allgather", offload="opt-cpu")),  # DeepSpeedCPUAdam too
     ("llama", 4, dict(context=4)),  # auto: all-to-all (8 heads, 4 kv heads)
     ("llama", 4, dict(tensor=2, context=2, sequence_parallel=True, context_exchange="allgather")),

@@ -232,9 +232,11 @@ def initialize(
         install(engine, ep)
     if layout.zero_stage == 0 and layout.precision == "fp32":
         guard_fp32_without_zero(engine)
-    if mpu is None and layout.dp == 1 and layout.zero_stage == 0:
+    if mpu is None and layout.degrees["dp"] * layout.degrees["cp"] == 1 and layout.zero_stage == 0:
         # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
-        # gradient each step even over a one-rank data-parallel group: exact no-op work, skipped.
+        # gradient each step even when no other rank holds the same dense weights: exact no-op work,
+        # skipped. Not with cp ranks (they average their chunks' gradients in DeepSpeed's data axis),
+        # nor with ep ranks (within dp: mt3d.ds.experts sums dense gradients over them in that step).
         engine.pipeline_enable_backward_allreduce = False
     if uses_pipeline_engine(layout) and not isinstance(model, InterleavedPipeline):  # that one does itself
         release_loss_outputs(engine)

@@ -379,11 +379,14 @@ def bf16_optimizer_gradient_bytes(prec: Precision, overlapped: bool) -> float:
 
 
 def overlaps_reduction(lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool) -> bool:
-    """Whether mt3d's overlapped gradient reduction (``mt3d.ds.overlap``) runs for this layout."""
+    """Whether mt3d runs this layout with its overlapped gradient reduction (``mt3d.train.overlap.
+    grad_reduce``, which ``--write-config`` sets with ``--overlap dp`` where it can run): it sets
+    bf16.immediate_grad_update whatever dp is, and reduces buckets (``mt3d.ds.overlap``) where DeepSpeed's
+    data-parallel group has more than one rank."""
     from ..config import Offload
     from ..config.rules import overlap_conflict
 
-    if not mt3d_engine or "dp" not in overlap or lay.data == 1:
+    if not mt3d_engine or "dp" not in overlap:
         return False
     return overlap_conflict(True, lay.zero_stage, lay.ep, Offload.from_label(lay.offload), prec.name) is None
 
@@ -426,13 +429,15 @@ def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[
         step = part * (g + 4 * (g < 4))
     elif lay.zero_stage == 1:
         step = max(0.0, part * (g + 4 * (g < 4)) - params * g * (1 - 1 / lay.data))
-    if overlaps_reduction(lay, prec, overlap, mt3d_engine):
+    if overlaps_reduction(lay, prec, overlap, mt3d_engine) and lay.data > 1:
         return held, max(step, params * prec.param)
     if lay.zero_stage == 1 and not bf16_optimizer or lay.zero_stage == 2:
         return held, step
-    if lay.zero_stage == 0 and lay.data == 1:  # mt3d skips DeepSpeed's reduction over one rank
+    if lay.zero_stage == 0 and lay.dense == 1:  # no other rank holds these weights: mt3d skips it
         return held, step
-    if bf16_optimizer:  # one gradient buffer per parameter group (mt3d: two), copied when both fit a batch
+    if bf16_optimizer:
+        # one gradient buffer per parameter group (mt3d: decay, then no-decay), flattened (copied) with
+        # the next one when the first is within a batch (taken here as all of them)
         copy = params * g if params <= DEEPSPEED_ALLREDUCE_ELEMENTS else 0.0
     else:  # the weights' gradients, a batch at a time
         copy = min(DEEPSPEED_ALLREDUCE_ELEMENTS, params) * g

@@ -346,9 +346,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         off = Offload.from_label(lay.offload)
         grads = "fp32" if stack.grad_dtype == "fp32" else ""
         why = grad_accum_conflict(grads, precision, lay.zero_stage, off, stack.optimizer_states, planned=True)
-        why = why or _short(
-            optimizer_states_conflict(stack.optimizer_states, precision, lay.zero_stage, off, {})
-        )
+        why = why or optimizer_states_conflict(stack.optimizer_states, precision, lay.zero_stage, off, {})
     if why:
         return row, why
     t = step_time(
