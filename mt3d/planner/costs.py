@@ -286,36 +286,11 @@ def memory_bytes(
     keeps none)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
-    # DeepSpeed's BF16 optimizer partitions the master weights and moments as ZeRO-1 does
-    bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
-    tiers = tier_bytes(
-        params, lay.data, 1 if bf16_optimizer else lay.zero_stage, prec, lay.offload, sub_group_size
-    )
+    tiers = _model_state_tiers(params, lay, prec, overlap, mt3d_engine, sub_group_size)
     states = tiers["gpu"]
-    if bf16_optimizer:
-        states += params * (
-            bf16_optimizer_gradient_bytes(prec, overlaps_reduction(lay, prec, overlap, True)) - prec.grad
-        )
     sp = lay.sequence_parallel and t > 1
     local = seq_len // lay.cp  # tokens of each sample on this rank
-    if activation_model == "korthikanti":
-        args = (local, lay.micro_batch, cfg.hidden, cfg.heads, t, sp)
-        scores = attention_kernel == "materialized" and not lay.selective
-        per_layer = korthikanti_layer_bytes(*args, lay.recompute, not scores)
-        working = korthikanti_working_bytes(*args, scores) if lay.recompute else 0.0
-    else:
-        e, tiled = prec.activation, lay.tile_len > 0
-        g, sel = lay.sp_gathered, lay.selective
-        per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled, g, sel)
-        full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled, g, sel)
-        if tiled:  # the tile being rebuilt in the backward, and its gradient
-            full_layer += 2 * min(local, lay.tile_len) * lay.micro_batch * mlp_inner_elements(cfg, t) * e
-        gathered = cp_gathered_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, e)
-        per_layer += 0.0 if lay.recompute else gathered
-        full_layer += gathered
-        # recompute: one block's activations are rebuilt at a time, and its backward briefly holds
-        # gradients of the same size (measured on CPU, mt3d.bench memory)
-        working = 2 * full_layer if lay.recompute else 0.0
+    per_layer, working = _block_bytes(cfg, seq_len, lay, prec, activation_model, attention_kernel)
     blocks = math.ceil(cfg.layers / p)
     rows = min(local, lay.tile_len) if lay.tile_len > 0 else local  # sequence tiles: one tile's logits
     logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
@@ -350,6 +325,46 @@ def memory_bytes(
     total = states + held + acts + end_of_step
     return {"model_states": states, "activations": acts, "buckets": held, "end_of_step": end_of_step,
             "total": total, "cpu": tiers["cpu"], "nvme": tiers["nvme"]}  # fmt: skip
+
+
+def _model_state_tiers(params: float, lay: Layout, prec: Precision, overlap: tuple[str, ...],
+                       mt3d_engine: bool, sub_group_size: float | None) -> dict[str, float]:  # fmt: skip
+    """``offload.tier_bytes`` of the stage's model states; DeepSpeed's BF16 optimizer partitions the
+    master weights and moments as ZeRO-1 does, and holds the gradients ``bf16_optimizer_gradient_bytes``
+    says."""
+    bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
+    stage = 1 if bf16_optimizer else lay.zero_stage
+    tiers = tier_bytes(params, lay.data, stage, prec, lay.offload, sub_group_size)
+    if bf16_optimizer:
+        folded = overlaps_reduction(lay, prec, overlap, True)
+        tiers["gpu"] += params * (bf16_optimizer_gradient_bytes(prec, folded) - prec.grad)
+    return tiers
+
+
+def _block_bytes(cfg: ModelConfig, seq_len: int, lay: Layout, prec: Precision, activation_model: str,
+                 attention_kernel: str) -> tuple[float, float]:  # fmt: skip
+    """(bytes one block keeps for its backward, the working set of one block's backward beyond its
+    checkpoint when recomputed) on this rank, in mt3d's or Korthikanti et al.'s accounting."""
+    t = lay.tp
+    sp = lay.sequence_parallel and t > 1
+    local = seq_len // lay.cp  # tokens of each sample on this rank
+    if activation_model == "korthikanti":
+        args = (local, lay.micro_batch, cfg.hidden, cfg.heads, t, sp)
+        scores = attention_kernel == "materialized" and not lay.selective
+        per_layer = korthikanti_layer_bytes(*args, lay.recompute, not scores)
+        return per_layer, korthikanti_working_bytes(*args, scores) if lay.recompute else 0.0
+    e, tiled = prec.activation, lay.tile_len > 0
+    g, sel = lay.sp_gathered, lay.selective
+    per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled, g, sel)
+    full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled, g, sel)
+    if tiled:  # the tile being rebuilt in the backward, and its gradient
+        full_layer += 2 * min(local, lay.tile_len) * lay.micro_batch * mlp_inner_elements(cfg, t) * e
+    gathered = cp_gathered_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, e)
+    per_layer += 0.0 if lay.recompute else gathered
+    full_layer += gathered
+    # recompute: one block's activations are rebuilt at a time, and its backward briefly holds
+    # gradients of the same size (measured on CPU, mt3d.bench memory)
+    return per_layer, 2 * full_layer if lay.recompute else 0.0
 
 
 DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
@@ -542,10 +557,8 @@ def step_time(
     ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
     (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
-    ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``). fp32 beside bf16
-    weights at ZeRO-1: Megatron-Core reduce-scatters the fp32 gradients and all-gathers the bf16 weights
-    (4 + 2 bytes per parameter and ring pass); mt3d's BF16 optimizer all-reduces them cast to bf16,
-    DeepSpeed's communication dtype (2 x 2), then all-gathers the weights (2): the same count.
+    ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
+    stack sends: ``_dp_seconds``).
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
@@ -571,11 +584,7 @@ def step_time(
     pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posted)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
-    # DeepSpeed's BF16 optimizer all-reduces the gradients in the weights' dtype, then all-gathers the
-    # updated weights: ZeRO-1's count with the gradients' bytes twice
-    bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
-    elems = (comm_bytes, 2 * comm_bytes) if bf16_optimizer else (comm_bytes, prec.grad)
-    dp = _dp_seconds(lay, grads, elems, compute, bw, "dp" in overlap, 1 if bf16_optimizer else lay.zero_stage)
+    dp = _dp_seconds(lay, grads, prec, compute, bw, "dp" in overlap, mt3d_engine)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
@@ -595,11 +604,17 @@ def step_time(
     }
 
 
-def _dp_seconds(lay: Layout, grads: float, elems: tuple[int, int], compute: float, bw: dict,
-                overlapped: bool, zero_stage: int) -> float:  # fmt: skip
+def _dp_seconds(lay: Layout, grads: float, prec: Precision, compute: float, bw: dict, overlapped: bool,
+                mt3d_engine: bool) -> float:  # fmt: skip
     """Exposed data-parallel transfer seconds of a step: ZeRO-3's beyond ``ZERO3_OVERLAP`` of the
-    compute, else the reduction less ``dp_hidden`` when ``overlapped``. ``elems``: bytes per
-    parameter and per gradient element sent; ``zero_stage``: whose pattern they follow."""
+    compute, else the reduction less ``dp_hidden`` when ``overlapped``. The weights travel in their
+    dtype, the gradients in theirs (Megatron-Core reduce-scatters fp32 gradients); DeepSpeed's BF16
+    optimizer all-reduces the gradients in the weights' dtype, then all-gathers the updated weights:
+    ZeRO-1's count with the gradients' bytes twice (with fp32 gradients, 2 x 2 + 2 bytes per parameter
+    and ring pass, as Megatron-Core's 4 + 2)."""
+    zero_stage, elems = lay.zero_stage, (prec.param, prec.grad)
+    if runs_bf16_optimizer(lay, prec, mt3d_engine):
+        zero_stage, elems = 1, (prec.param, 2 * prec.param)
     gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
     # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
     dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
