@@ -446,7 +446,7 @@ def reduction_bytes(params: float, lay: Layout, prec: Precision, overlap: tuple[
         step = max(0.0, part * (g + 4 * (g < 4)) - params * g * (1 - 1 / lay.data))
     if overlaps_reduction(lay, prec, overlap, mt3d_engine) and lay.data > 1:
         return held, max(step, params * prec.param)
-    if lay.zero_stage == 1 and not bf16_optimizer or lay.zero_stage == 2:
+    if lay.zero_stage == 2 or (lay.zero_stage == 1 and not bf16_optimizer):  # ZeRO's own reduction
         return held, step
     if lay.zero_stage == 0 and lay.dense == 1:  # no other rank holds these weights: mt3d skips it
         return held, step
