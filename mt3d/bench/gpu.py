@@ -98,9 +98,11 @@ RECOMPUTE_KEYS = {"none": {}, "full": {"interval": 1}, "selective": {"granularit
 
 
 def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int, compile_blocks: bool,
-                recompute: str = "none", offload: str = "none"):  # fmt: skip
+                recompute: str = "none", offload: str = "none", fp8: str | None = None,
+                profile: bool = False):  # fmt: skip
     """Seconds per step of mt3d at tp = pp = dp = 1 (inside a one-rank process group); ``offload``: a
-    planner label (opt-cpu: the optimizer on the CPU, DeepSpeedCPUAdam)."""
+    planner label (opt-cpu: the optimizer on the CPU, DeepSpeedCPUAdam); ``fp8``: a ``train.fp8``
+    recipe; ``profile``: also the top kernels of one more step (``kernel_table``)."""
     from ..config import Offload, from_dict, resolve_model, validate
     from ..data.loader import StepBatches
     from ..train import preflight
@@ -115,6 +117,8 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
             "train": {"compile": compile_blocks, "recompute": RECOMPUTE_KEYS[recompute]},
         },
     }
+    if fp8:
+        raw["mt3d"]["train"]["fp8"] = {"recipe": fp8}
     if offload != "none":  # DeepSpeed's CPU Adam steps the offloaded states (torch's fused AdamW cannot)
         raw["optimizer"]["params"] = {k: v for k, v in raw["optimizer"]["params"].items()
                                       if k not in ("torch_adam", "fused")}  # fmt: skip
@@ -149,7 +153,25 @@ def mt3d_worker(model: dict, seq: int, micro: int, accum: int, steps: int, warmu
         "flops_per_token": cfg.flops_per_token(seq, cfg.vocab_size),
         "peak_mem_gb": mem,
         "params": cfg.num_params(),
+        "kernels": kernel_table(step, dev) if profile else None,
     }
+
+
+def kernel_table(step, device: str, top: int = 25) -> str:
+    """The ``top`` kernels (or CPU ops) of one ``step`` by their own time, as torch's profiler prints them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    keys = ("self_device_time_total", "self_cuda_time_total") if device == "cuda" else ("self_cpu_time_total",)
+    for key in keys:  # torch renamed the CUDA column to "device" (older builds know one name only)
+        try:
+            return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return prof.key_averages().table(row_limit=top, max_name_column_width=60)
 
 
 def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: int, warmup: int):
@@ -215,7 +237,8 @@ def predicted(model: dict, seq: int, micro: int, accum: int, recompute: str, smo
 def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_peak: float) -> list[dict]:
     """One table row per framework measured on model ``name``."""
     fpt = next(iter(results.values()))["flops_per_token"]
-    hf_tps = tokens / results["transformers+deepspeed"]["seconds"]
+    hf = results.get("transformers+deepspeed")
+    hf_tps = tokens / hf["seconds"] if hf else None
     rows = []
     for label, res in results.items():
         tps = tokens / res["seconds"]
@@ -227,7 +250,7 @@ def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_pea
             "tflops": tflops,
             "mfu_dense": tflops / dense_peak,
             "of_measured_peak": tflops / measured_peak,
-            "vs_transformers": tps / hf_tps,
+            "vs_transformers": tps / hf_tps if hf_tps else None,
             "peak_mem_gb": res.get("peak_mem_gb"),
             "step_s": res["seconds"],
             "planner_s": res.get("predicted_s"),
@@ -246,7 +269,7 @@ def run(args) -> dict:
         return emit("gpu", {"skipped": "no GPU"})
     smoke = args.smoke or not cuda
     device = "cuda" if cuda else "cpu"
-    models = SMOKE if smoke else MODELS
+    models = {k: v for k, v in (SMOKE if smoke else MODELS).items() if k in getattr(args, "models", MODELS)}
     seq = 32 if smoke else args.seq_len
     micro, accum = (2, 1) if smoke else (args.micro, args.accum)
     steps, warmup = (2, 1) if smoke else (args.steps, args.warmup)
@@ -266,16 +289,24 @@ def run(args) -> dict:
         runs = [(label if mode == "none" else f"{label} recompute={mode}", comp, mode, "none")
                 for label, comp in variants for mode in modes
                 if not comp or mode == "none" or len(variants) == 1]  # fmt: skip
-        runs += [(f"mt3d offload={off}", False, "none", off) for off in getattr(args, "offload", None) or ()
+        runs = [(key, comp, mode, "none", None) for key, comp, mode, _ in runs]
+        label, comp = variants[-1]  # FP8 rows compiled when the benchmark compiles
+        runs += [(f"{label} fp8={r}", comp, "none", "none", r) for r in getattr(args, "fp8", ())]
+        runs += [(f"mt3d offload={off}", False, "none", off, None) for off in getattr(args, "offload", None) or ()
                  if off != "none"]  # fmt: skip
-        for key, comp, mode, off in runs:
+        for i, (key, comp, mode, off, fp8) in enumerate(runs):
+            prof = bool(getattr(args, "profile", False)) and i == 0
             results[key] = spawn(
-                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, off, timeout=1500
+                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, off, fp8, prof, timeout=1500
             )[0]
             results[key].update(predicted(model, seq, micro, accum, mode, smoke, off))
-        results["transformers+deepspeed"] = spawn(
-            hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
-        )[0]
+            if results[key].get("kernels"):
+                print(f"{name} {key}: one step's top kernels\n{results[key].pop('kernels')}", flush=True)
+            print(f"{name} {key}: {results[key]['seconds']:.4f} s per step", flush=True)
+        if not getattr(args, "no_hf", False):
+            results["transformers+deepspeed"] = spawn(
+                hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
+            )[0]
         rows += _rows(name, results, micro * accum * seq, dense_peak, measured_peak)
     gpu = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     print(

@@ -101,6 +101,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
         or rules.overlap_conflict(
             run.mt3d.train.overlap.grad_reduce, stage, degrees["ep"], run.deepspeed.offload, run.precision
         )
+        or rules.fp8_conflict(run.mt3d.train.fp8, run.precision)
         or rules.grad_accum_conflict(
             str((run.ds.get("data_types") or {}).get("grad_accum_dtype") or ""),
             run.precision,
@@ -168,8 +169,12 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
             raise ConfigError(why)
     rules.check_train(train)
     preflight.check_inputs(train, data)
-    preflight.check_device(ds.precision)
+    preflight.check_device(ds.precision, fp8=train.fp8 is not None)
     mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
+    if model is not None and train.fp8 is not None:
+        why = rules.fp8_shape_conflict(model, degrees["tp"], mb * data.seq_len // degrees["cp"])
+        if why:
+            raise ConfigError(why)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
     why = rules.virtual_stage_conflict(
         degrees["pp"], par.virtual_stages, micro_batches=ga

@@ -85,13 +85,21 @@ def fp16_supported() -> bool:
         return False
 
 
-def check_device(precision: str) -> None:
-    """The device can train in ``precision``."""
+def check_device(precision: str, fp8: bool = False) -> None:
+    """The device can train in ``precision`` (and run FP8 GEMMs, with ``fp8``)."""
     if precision == "fp16" and not fp16_supported():
         raise ConfigError(
             "fp16 is not supported on this device (DeepSpeed's CPU accelerator needs AVX512-FP16/AMX); "
             "use bf16.enabled or fp32, or run on a GPU"
         )
+    if fp8:
+        import torch
+
+        from ..parallel.fp8 import fp8_support
+
+        why = fp8_support(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        if why:
+            raise ConfigError(f"mt3d.train.fp8: {why}; remove mt3d.train.fp8 to train in bf16")
 
 
 ACCELERATE_KEYS = {

@@ -218,6 +218,40 @@ def check_train(train: TrainConfig) -> None:
         )
 
 
+def fp8_conflict(fp8, precision: str) -> str | None:
+    """Why ``mt3d.train.fp8`` cannot run with this precision (None: it can, or fp8 is off)."""
+    from ..parallel.fp8 import RECIPES
+
+    if fp8 is None:
+        return None
+    if fp8.recipe not in RECIPES:
+        return f"mt3d.train.fp8.recipe must be one of {', '.join(RECIPES)}, got {fp8.recipe!r}"
+    if precision != "bf16":
+        return (
+            f"mt3d.train.fp8 runs the linears' GEMMs in FP8 beside bf16 weights and activations: set "
+            f'"bf16": {{"enabled": true}} (this config trains in {precision})'
+        )
+    return None
+
+
+def fp8_shape_conflict(model, tp: int, tokens: int) -> str | None:
+    """Why the blocks' FP8 GEMMs cannot run at tensor parallelism ``tp`` with ``tokens`` rows per
+    micro-batch and rank (micro-batch x seq_len / cp): every GEMM dimension must be a multiple of 16."""
+    from ..parallel.fp8 import MULTIPLE
+
+    dims = {"hidden": model.hidden, "q heads x head_dim / tp": model.q_size // tp,
+            "kv heads x head_dim / tp": model.kv_size // tp, "ffn / tp": model.ffn // tp,
+            "tokens per micro-batch (micro x seq_len / cp)": tokens}  # fmt: skip
+    spec = model.moe_spec
+    if spec is not None and spec.shared_ffn:
+        dims["shared_ffn / tp"] = spec.shared_ffn // tp
+    bad = {k: v for k, v in dims.items() if v % MULTIPLE}
+    if bad:
+        what = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        return f"mt3d.train.fp8: FP8 GEMMs need every dimension a multiple of {MULTIPLE}; {what} is not"
+    return None
+
+
 def overlap_moe_conflict(grad_reduce: bool, pp: int) -> str | None:
     """Why ``mt3d.train.overlap.grad_reduce`` cannot run with a sparse model at this pp (None: it can):
     its stages pass (hidden states, router statistics), and DeepSpeed's pipeline engine runs one

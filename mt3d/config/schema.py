@@ -60,6 +60,24 @@ class OverlapConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 GEMMs in the transformer blocks' column- and row-parallel linears (``mt3d.parallel.fp8``),
+    with bf16 everywhere else: master weights, optimizer states, norms, softmax, the router, routed
+    experts, the embedding and the output layer keep their precision."""
+
+    recipe: str = "tensorwise"
+    """'tensorwise' (one scale per tensor; e4m3 inputs and weights, e5m2 output gradients) or
+    'rowwise' (one power-of-two scale per row along each GEMM's reduction dimension, all e4m3):
+    torchao's float8 training recipes, with current (dynamic) scaling."""
+    all_gather: bool = False
+    """With sequence parallelism, cast each column-parallel input's sequence shard to FP8 before the
+    forward all-gather (half its bytes; tensorwise all-reduces one amax first)."""
+    exclude_first_last: bool = False
+    """Keep the first and the last transformer block in bf16 (their inputs and outputs are the most
+    sensitive to rounding; a common choice for long runs)."""
+
+
+@dataclass
 class ParallelConfig:
     """How the model is split: one degree per configured axis (``mt3d.parallel.axes``); data
     parallelism is what remains of the world."""
@@ -180,6 +198,8 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     compile: bool = False
     """torch.compile each transformer block (fuses elementwise work on GPUs; first steps are slower)."""
+    fp8: Fp8Config | None = None
+    """FP8 GEMMs in the blocks' linears, e.g. {"recipe": "rowwise"} (needs bf16; None: off)."""
 
 
 @dataclass
@@ -257,6 +277,14 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
+def _optional_dataclass(tp: Any) -> type | None:
+    """The dataclass of an ``X | None`` field (None for any other type)."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and is_dataclass(args[0]) else None
+
+
 def build(cls: type, raw: Any, where: str) -> Any:
     """Instantiate dataclass ``cls`` from a dict, checking keys and types."""
     if not isinstance(raw, dict):
@@ -270,8 +298,9 @@ def build(cls: type, raw: Any, where: str) -> Any:
             hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(names)})"
             raise ConfigError(f"unknown key '{where}.{key}'{hint}")
         tp = hints[key]
-        if is_dataclass(tp):
-            kwargs[key] = build(tp, value, f"{where}.{key}")
+        inner = _optional_dataclass(tp)
+        if is_dataclass(tp) or (inner is not None and value is not None):
+            kwargs[key] = build(inner or tp, value, f"{where}.{key}")
             continue
         if not _type_ok(value, tp):
             raise ConfigError(

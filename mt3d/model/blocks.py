@@ -34,6 +34,7 @@ from ..parallel.layers import (
     mark_vocab,
     pad_vocab,
 )
+from ..parallel.fp8 import PLAIN, Gemms, gemms_for
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
 from ..parallel.random import RNGTracker, checkpoint
 from ..parallel.state import AxisGroup
@@ -65,6 +66,9 @@ class BuildContext:
             input for the backward instead of the 1/tp shard (``train.recompute.gathered_sp_inputs``).
         selective: recompute the attention core and the MLP's activation in the backward
             (``train.recompute.granularity`` selective).
+        fp8: the FP8 recipe of the blocks' column- and row-parallel linears (``train.fp8``; None:
+            their GEMMs in the parameters' dtype); ``fp8_all_gather``: with SP, all-gather the
+            column-parallel inputs in FP8; ``fp8_skip``: block indices whose linears stay plain.
     """
 
     tp: AxisGroup
@@ -81,12 +85,21 @@ class BuildContext:
     ep: AxisGroup | None = None
     keep_gathered: bool = False
     selective: bool = False
+    fp8: str | None = None
+    fp8_all_gather: bool = False
+    fp8_skip: frozenset[int] = frozenset()
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
         if self.skip_init:
             return NoInit()
         return NormalInit(std, (self.seed * 1_000_003 + layer * 7919 + zlib.crc32(name.encode())) % 2**61)
+
+    def gemms(self, layer: int) -> Gemms:
+        """How block ``layer``'s column- and row-parallel linears run their GEMMs."""
+        if self.fp8 is None or layer in self.fp8_skip:
+            return PLAIN
+        return gemms_for(self.fp8, self.fp8_all_gather and self.sp)
 
     @property
     def sp(self) -> bool:
@@ -217,6 +230,7 @@ class Attention(nn.Module):
             parts=(cfg.q_size, cfg.kv_size, cfg.kv_size),
             dtype=ctx.dtype,
             device=ctx.device,
+            gemms=ctx.gemms(layer),
         )
         if cfg.qk_norm:
             self.q_norm, self.k_norm = make_head_norm(cfg, ctx), make_head_norm(cfg, ctx)
@@ -229,6 +243,7 @@ class Attention(nn.Module):
             init=ctx.init(layer, "attn.out", out_std),
             dtype=ctx.dtype,
             device=ctx.device,
+            gemms=ctx.gemms(layer),
         )
 
     def _rope(self, past: int, s: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +330,7 @@ class MLP(nn.Module):
             parts=parts,
             dtype=ctx.dtype,
             device=ctx.device,
+            gemms=ctx.gemms(layer),
         )
         self.down = RowParallelLinear(
             ffn,
@@ -325,6 +341,7 @@ class MLP(nn.Module):
             init=ctx.init(layer, f"{name}.down", cfg.init_std / math.sqrt(2 * cfg.layers)),
             dtype=ctx.dtype,
             device=ctx.device,
+            gemms=ctx.gemms(layer),
         )
 
     def forward(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import PLAIN, Gemms
 from .mappings import (
     SEQ_DIM,
     all_reduce,
@@ -179,25 +180,26 @@ class _ShardSavingLinear(torch.autograd.Function):
     while it computes the weight gradient, so both transfers overlap a GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g):
-        ctx.g, ctx.has_bias = g, bias is not None
+    def forward(ctx, x, weight, bias, g, gemms):
+        ctx.g, ctx.gemms, ctx.has_bias = g, gemms, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(start_gather(x, g, SEQ_DIM)(), weight, bias)
+        return gemms.gather_linear(x, weight, bias, g, SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        gemms = ctx.gemms
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathered = start_gather(x, ctx.g, SEQ_DIM) if need_w else None
         grad_x = None
         if need_x:
-            scatter = start_reduce_scatter(grad.matmul(weight), ctx.g, SEQ_DIM)  # overlaps the gather
+            scatter = start_reduce_scatter(gemms.dgrad(grad, weight), ctx.g, SEQ_DIM)  # overlaps the gather
         rows = grad.reshape(-1, grad.shape[-1])  # the weight gradient overlaps the scatter
-        grad_w = rows.t().matmul(gathered().reshape(-1, x.shape[-1])) if need_w else None
+        grad_w = gemms.wgrad(rows, gathered().reshape(-1, x.shape[-1])) if need_w else None
         grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if need_x:
             grad_x = scatter()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _AllReducingLinear(torch.autograd.Function):
@@ -207,19 +209,50 @@ class _AllReducingLinear(torch.autograd.Function):
     instead of autograd's order (both GEMMs, then the all-reduce of ``copy_to_tp``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g):
-        ctx.g, ctx.has_bias = g, bias is not None
+    def forward(ctx, x, weight, bias, g, gemms):
+        ctx.g, ctx.gemms, ctx.has_bias = g, gemms, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
+        return gemms.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        reduced = start_all_reduce(grad.matmul(weight), ctx.g) if ctx.needs_input_grad[0] else None
+        gemms = ctx.gemms
+        reduced = start_all_reduce(gemms.dgrad(grad, weight), ctx.g) if ctx.needs_input_grad[0] else None
         rows = grad.reshape(-1, grad.shape[-1])  # the weight gradient overlaps the all-reduce
-        grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_w = gemms.wgrad(rows, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (reduced() if reduced else None), grad_w, grad_b, None
+        return (reduced() if reduced else None), grad_w, grad_b, None, None
+
+
+class _Linear(torch.autograd.Function):
+    """Y = X A^T + b through ``gemms`` (FP8), where the plain path is ``F.linear``: a linear outside
+    the TP collectives (tp 1, a row-parallel linear before its reduction, SP's kept gathered input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemms):
+        ctx.gemms, ctx.has_bias = gemms, bias is not None
+        ctx.save_for_backward(x, weight)
+        return gemms.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gemms = ctx.gemms
+        grad_x = gemms.dgrad(grad, weight) if ctx.needs_input_grad[0] else None
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_w = gemms.wgrad(rows, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 gemms: Gemms = PLAIN) -> torch.Tensor:  # fmt: skip
+    """``x W^T + b`` on this rank's shard: ``F.linear`` itself for the plain GEMMs (bit-identical to
+    what mt3d always ran), ``_Linear`` for FP8."""
+    if gemms.fp8 is None:
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias, gemms)
 
 
 class _RecomputedInputLinear(torch.autograd.Function):
@@ -228,37 +261,39 @@ class _RecomputedInputLinear(torch.autograd.Function):
     gated MLP the gate's activation, are never kept)."""
 
     @staticmethod
-    def forward(ctx, y, weight, fn):
-        ctx.fn = fn
+    def forward(ctx, y, weight, fn, gemms):
+        ctx.fn, ctx.gemms = fn, gemms
         ctx.save_for_backward(y, weight)
         with torch.no_grad():
-            return F.linear(fn(y), weight)
+            return gemms.linear(fn(y), weight, None)
 
     @staticmethod
     def backward(ctx, grad):
         y, weight = ctx.saved_tensors
+        gemms = ctx.gemms
         with torch.enable_grad():
             y = y.detach().requires_grad_(ctx.needs_input_grad[0])
             h = ctx.fn(y)
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_w = rows.t().matmul(h.detach().reshape(-1, h.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_y = torch.autograd.grad(h, y, grad.matmul(weight))[0] if ctx.needs_input_grad[0] else None
-        return grad_y, grad_w, None
+        grad_w = gemms.wgrad(rows, h.detach().reshape(-1, h.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_y = torch.autograd.grad(h, y, gemms.dgrad(grad, weight))[0] if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: AxisGroup,
-                  sequence_parallel: bool, keep_gathered: bool = False) -> torch.Tensor:  # fmt: skip
+                  sequence_parallel: bool, keep_gathered: bool = False, gemms: Gemms = PLAIN) -> torch.Tensor:  # fmt: skip
     """Enter the TP region and apply this rank's columns of a linear: [b, s, in] (or [b, s/tp, in] with
     SP) -> [b, s, out/tp]. The backward's transfers overlap its GEMMs: with SP the input shard is
     gathered again during the input gradient and that gradient reduce-scattered during the weight
     gradient (``_ShardSavingLinear``; ``keep_gathered``: the gathered input kept instead, no
     overlap), without SP the input gradient is all-reduced during the weight gradient
-    (``_AllReducingLinear``). The column-parallel linears and the vocabulary-parallel head use it."""
+    (``_AllReducingLinear``). The column-parallel linears and the vocabulary-parallel head use it;
+    ``gemms``: the GEMMs (plain, or FP8: ``mt3d.parallel.fp8``)."""
     if tp.size > 1 and not (sequence_parallel and keep_gathered):
         fn = _ShardSavingLinear if sequence_parallel else _AllReducingLinear
-        return fn.apply(x, weight, bias, tp)
+        return fn.apply(x, weight, bias, tp, gemms)
     x = gather_from_sequence(x, tp) if sequence_parallel else copy_to_tp(x, tp)
-    return F.linear(x, weight, bias)
+    return local_linear(x, weight, bias, gemms)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -278,6 +313,7 @@ class ColumnParallelLinear(nn.Module):
             (gate, up)); the local weight is the concatenation of each part's shard, so every
             rank holds matching slices of every part. Default: one part.
         dtype, device: of the local parameters.
+        gemms: how its GEMMs run (plain, or FP8: ``mt3d.parallel.fp8``).
     """
 
     def __init__(
@@ -294,10 +330,11 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         keep_gathered: bool = False,
+        gemms: Gemms = PLAIN,
     ) -> None:
         super().__init__()
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
-        self.keep_gathered = keep_gathered
+        self.keep_gathered, self.gemms = keep_gathered, gemms
         self.in_features, self.out_features = in_features, out_features
         self.parts = tuple(parts or (out_features,))
         if sum(self.parts) != out_features:
@@ -318,7 +355,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
-        y = column_linear(x, self.weight, self.bias, self.tp, self.sequence_parallel, self.keep_gathered)
+        y = column_linear(
+            x, self.weight, self.bias, self.tp, self.sequence_parallel, self.keep_gathered, self.gemms
+        )
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -340,6 +379,7 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: reduce-scatter over the sequence instead of all-reducing.
         init: weight initialisation (the unsharded tensor is [out_features, in_features]).
         dtype, device: of the local parameters.
+        gemms: how its GEMM runs (plain, or FP8: ``mt3d.parallel.fp8``).
     """
 
     def __init__(
@@ -354,9 +394,11 @@ class RowParallelLinear(nn.Module):
         init: NormalInit,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        gemms: Gemms = PLAIN,
     ) -> None:
         super().__init__()
         self.tp, self.input_is_parallel, self.sequence_parallel = tp, input_is_parallel, sequence_parallel
+        self.gemms = gemms
         self.in_features, self.out_features = in_features, out_features
         _divide(in_features, tp.size, "input features")
         w = init.shard((out_features, in_features), 1, tp.rank, tp.size, dtype)
@@ -371,12 +413,12 @@ class RowParallelLinear(nn.Module):
         """[b, s, in/tp] -> [b, s, out] (or [b, s/tp, out] with SP)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)
-        return self.finish(F.linear(x, self.weight))
+        return self.finish(local_linear(x, self.weight, None, self.gemms))
 
     def forward_recomputing(self, y: torch.Tensor, fn) -> torch.Tensor:
         """``forward(fn(y))`` keeping ``y`` rather than ``fn(y)`` for the backward, which recomputes
         ``fn`` (an elementwise function: selective recompute)."""
-        return self.finish(_RecomputedInputLinear.apply(y, self.weight, fn))
+        return self.finish(_RecomputedInputLinear.apply(y, self.weight, fn, self.gemms))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output (the reduction over TP, then the bias)."""

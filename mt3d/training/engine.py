@@ -67,6 +67,7 @@ def build_model(
         ep=rt.state.ep,
         keep_gathered=rec.gathered_sp_inputs,
         selective=rec.granularity == "selective",
+        **fp8_context(train.fp8, cfg.layers),
     )
     specs = layer_specs(cfg, ctx, vocab_size)
     loss_fn = LossFn.of(cfg, rt.state.tp, vocab_size, rt.state.cp, tile_len=rec.tile_len)
@@ -99,6 +100,14 @@ def build_model(
     model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size)
     model.stream_tuple = cfg.moe is not None  # stages pass (hidden, router statistics)
     return model
+
+
+def fp8_context(fp8, layers: int) -> dict:
+    """``BuildContext``'s FP8 fields from ``train.fp8`` (None: off) for a model of ``layers`` blocks."""
+    if fp8 is None:
+        return {}
+    skip = frozenset({0, layers - 1}) if fp8.exclude_first_last else frozenset()
+    return {"fp8": fp8.recipe, "fp8_all_gather": fp8.all_gather, "fp8_skip": skip}
 
 
 def initialize(

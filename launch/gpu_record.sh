@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU record in one device call (docs/benchmarks.md): steps in order of value, each with its own
+# time limit, every line appended to $OUT/record.log as it comes, so a call cut short still brings
+# back what ran. Prepare here first: `bash launch/device_wheels.sh` (DeepSpeed and its pure-Python
+# needs into .whl/); then the device tool runs, carrying .whl:
+#   bash launch/gpu_record.sh [part]
+# part: "main" (default: GEMMs, one-GPU MFU with FP8, attention, the cp/ep smoke) or "recompute"
+# (the selective and full recompute rows).
+set -uo pipefail
+OUT="${OUT:-/tmp/gpu-record}"
+mkdir -p "$OUT"
+LOG="$OUT/record.log"
+part="${1:-main}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >>"$LOG" 2>&1 || { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 WANDB_MODE=disabled
+export TOKENIZERS_PARALLELISM=false
+t_start=$(date +%s)
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log its output, time and status
+    local name=$1 limit=$2
+    shift 2
+    echo "## $name: $* (limit ${limit} s, at $(( $(date +%s) - t_start )) s)" | tee -a "$LOG"
+    local t0=$(date +%s)
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | grep -v -E "Warning|warn\(|^\s*$" >>"$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "## $name: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+}
+
+{
+    echo "# launch/gpu_record.sh $part on $(hostname), $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
+} >>"$LOG" 2>&1
+
+gpu="python3 -m mt3d.bench gpu --seq-len 2048 --micro ${MICRO:-16} --steps 6 --warmup 2 --compile-only"
+smoke="--set mt3d.parallel.tensor=1 --set mt3d.parallel.pipeline=1 --set mt3d.train.steps=5
+ --set mt3d.train.overwrite=true --set wandb.enabled=false --set mt3d.train.eval_interval=0
+ --set mt3d.train.eval_batches=0 --set mt3d.train.save_at_end=false --set mt3d.train.log_interval=1
+ --set bf16.enabled=true --set mt3d.data.seq_len=128"
+share="python3 -m torch.distributed.run --nproc_per_node 2 launch/gpu_share.py --config ds_configs/cpu_demo_3d.json"
+if [ "$part" = main ]; then
+    step gemm 50 python3 -m mt3d.bench gemm --reps 10 --fp8
+    step gpt3-1.3b 230 $gpu --models gpt3-1.3b --fp8 rowwise,tensorwise --profile
+    step llama-1b 150 $gpu --models llama-1b --fp8 rowwise
+    step attention 100 python3 -m mt3d.bench attention --part patterns --reps 3
+    step smoke-cp2 40 $share $smoke --set mt3d.parallel.context=2 --set mt3d.train.save_dir=/tmp/smoke-cp
+    step smoke-ep2 40 $share $smoke --set mt3d.model.preset=tiny-mixtral --set mt3d.parallel.expert=2 \
+        --set mt3d.train.save_dir=/tmp/smoke-ep
+elif [ "$part" = recompute ]; then
+    step gpt3-1.3b-recompute 150 $gpu --models gpt3-1.3b --recompute selective,full --no-hf
+    step llama-1b-recompute 150 $gpu --models llama-1b --recompute selective,full --no-hf
+else
+    echo "unknown part $part (main, recompute)" | tee -a "$LOG"
+    exit 2
+fi
+echo "# done after $(( $(date +%s) - t_start )) s" | tee -a "$LOG"
+grep '^BENCH ' "$LOG" >"$OUT/bench.jsonl" || true

@@ -1,0 +1,219 @@
+"""The GEMMs of the tensor-parallel linears, plain or in FP8 (``train.fp8``): one home for both.
+
+A linear runs three GEMMs: the forward ``Y = X W^T``, the input gradient ``dX = dY W`` and the weight
+gradient ``dW = dY^T X``. :class:`Gemms` runs them as they always ran (``F.linear`` and ``matmul``);
+:class:`Fp8Gemms` casts both operands of each to FP8 with current (dynamic) scaling, multiplies with
+``torch._scaled_mm`` (FP8 tensor cores on Hopper and Ada; a reference kernel on CPUs, where the
+numerics are tested) and returns the result in the operands' own dtype (bf16). The TP layers
+(``mt3d.parallel.layers``) call these three methods from their autograd functions, between their
+collectives, so every axis that reaches a column- or row-parallel linear gets FP8 from this file.
+
+Recipes (torchao's float8 training recipes, whose names and choices they follow):
+
+* ``tensorwise``: one scale per tensor, ``amax(|T|) -> 448 / amax`` for e4m3 inputs and weights; the
+  output gradient in e5m2 (wider range, 2 mantissa bits: gradients span more decades than they need
+  precision), scale ``57344 / amax``.
+* ``rowwise``: one scale per row of each operand along the GEMM's reduction dimension (so the
+  forward, the input gradient and the weight gradient each scale their operands along a different
+  axis), every operand in e4m3, and each scale rounded down to a power of two (exact to invert; the
+  rounding costs at most one bit of range).
+
+Scales are computed from this rank's shard: a TP rank never waits for another to cast (no amax
+all-reduce per GEMM). Without sequence parallelism a column-parallel input is the same on every TP
+rank, so its scale is too; weight shards and row-parallel inputs are scaled on their own, so FP8
+rounding depends on tp (tests hold layouts within a measured tolerance). With ``all_gather`` under
+SP the column-parallel input is cast before the all-gather (half the bytes): rowwise rows carry
+their own scales, so gathering (FP8 rows, scales) is exactly the cast of the gathered tensor;
+tensorwise needs one scale for the gathered tensor, so the shards' amax is all-reduced (MAX, one
+scalar) first. The backward gathers the bf16 shard again (the weight gradient scales X along the
+tokens under rowwise, which the forward's row scales cannot give).
+
+Why not torchao's ``Float8Linear``: it replaces a linear's forward and backward with its own autograd
+function, which would take the TP layers' collectives out of their place between the backward's
+GEMMs (the input-gradient all-reduce or reduce-scatter overlapped with the weight-gradient GEMM), and
+it would add a dependency pinned to one torch build on both the CPU and the GPU images. The three
+scaled GEMMs are a few lines on ``torch._scaled_mm``; the layers keep their own autograd.
+
+Master weights, optimizer states, norms, softmax, the router, routed experts (their token counts
+per expert vary, and FP8 GEMMs need every dimension a multiple of 16), the embedding and the output
+layer keep their own precision. Dynamic scaling has no state: a recomputed forward casts the same
+inputs to the same FP8 values, and a checkpoint has nothing extra to save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .state import AxisGroup
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12
+"""Smallest amax a scale is computed from (an all-zero tensor gets a finite scale)."""
+MULTIPLE = 16
+"""FP8 GEMMs need every dimension (rows, reduction, columns) a multiple of this (cuBLASLt)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a recipe casts the three GEMMs' operands."""
+
+    name: str
+    grad_dtype: torch.dtype
+    """The output gradient's FP8 dtype (inputs and weights are always e4m3)."""
+    rowwise: bool
+    """One scale per row along the reduction dimension (else one per tensor)."""
+    pow2_scales: bool
+    """Scales rounded down to a power of two."""
+
+
+RECIPES = {
+    "tensorwise": Recipe("tensorwise", E5M2, rowwise=False, pow2_scales=False),
+    "rowwise": Recipe("rowwise", E4M3, rowwise=True, pow2_scales=True),
+}
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool = False):
+    """``(q, inverse_scale)``: ``x`` cast to FP8 ``dtype`` with scale ``max(dtype) / amax``; ``dim``
+    None: one scale for the tensor (0-d); else one per slice along ``dim`` (keepdim shape).
+    ``q * inverse_scale`` approximates ``x``; ``torch._scaled_mm`` takes the inverse scales."""
+    a = x.abs()
+    amax = (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
+    return _cast(x, amax, dtype, pow2)
+
+
+def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool):
+    top = torch.finfo(dtype).max
+    scale = top / amax.clamp(min=EPS)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    q = (x.float() * scale).clamp(-top, top).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _col_major(q: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (``_scaled_mm``'s second operand)."""
+    return q.t().contiguous().t()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Gemms:
+    """A linear's three GEMMs as mt3d always ran them (bit-identical to F.linear and matmul)."""
+
+    fp8 = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + b``: [..., in] -> [..., out]."""
+        return F.linear(x, weight, bias)
+
+    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Input gradient ``dY W``: [..., out] -> [..., in]."""
+        return grad.matmul(weight)
+
+    def wgrad(self, grad_rows: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+        """Weight gradient ``dY^T X`` from [m, out] and [m, in] rows: [out, in]."""
+        return grad_rows.t().matmul(x_rows)
+
+    def gather_linear(self, x, weight, bias, g: AxisGroup, dim: int):
+        """``linear`` of ``x`` all-gathered over ``g`` along ``dim`` (sequence parallelism)."""
+        from .mappings import start_gather
+
+        return self.linear(start_gather(x, g, dim)(), weight, bias)
+
+
+PLAIN = Gemms()
+
+
+class Fp8Gemms(Gemms):
+    """The three GEMMs in FP8 with current scaling, per ``recipe`` (module docstring)."""
+
+    def __init__(self, recipe: str, all_gather: bool = False) -> None:
+        self.fp8 = RECIPES[recipe]
+        self.all_gather = all_gather
+
+    def __repr__(self) -> str:
+        return f"Fp8Gemms({self.fp8.name}, all_gather={self.all_gather})"
+
+    def _q(self, x: torch.Tensor, dtype: torch.dtype, dim: int):
+        """Cast ``x`` for a GEMM that reduces over ``dim`` of it."""
+        r = self.fp8
+        return quantize(x, dtype, dim if r.rowwise else None, r.pow2_scales)
+
+    def _mm(self, a, sa, b, sb, out_dtype, bias=None):
+        """``a @ b`` (a [m, k] row-major, b [k, n] column-major) from FP8 operands and their
+        inverse scales (rowwise: [m, 1] and [1, n])."""
+        y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return y if bias is None else y + bias
+
+    def linear(self, x, weight, bias):
+        """Forward: X (e4m3, scaled along in) x W^T (e4m3, scaled along in)."""
+        rows = _rows(x)
+        xq, sx = self._q(rows, E4M3, 1)
+        return self._linear_q(xq, sx, x.shape, weight, bias, x.dtype)
+
+    def _linear_q(self, xq, sx, shape, weight, bias, out_dtype):
+        wq, sw = self._q(weight, E4M3, 1)
+        y = self._mm(xq, sx, wq.t(), sw.t().contiguous() if sw.dim() else sw, out_dtype, bias)
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    def dgrad(self, grad, weight):
+        """Input gradient: dY (grad dtype, scaled along out) x W (e4m3, scaled along out)."""
+        rows = _rows(grad)
+        gq, sg = self._q(rows, self.fp8.grad_dtype, 1)
+        wq, sw = self._q(weight, E4M3, 0)
+        dx = self._mm(gq, sg, _col_major(wq), sw, grad.dtype)
+        return dx.reshape(*grad.shape[:-1], weight.shape[1])
+
+    def wgrad(self, grad_rows, x_rows):
+        """Weight gradient: dY^T (grad dtype, scaled along the tokens) x X (e4m3, along the tokens)."""
+        gq, sg = self._q(grad_rows.t().contiguous(), self.fp8.grad_dtype, 1)
+        xq, sx = self._q(x_rows, E4M3, 0)
+        return self._mm(gq, sg, _col_major(xq), sx, grad_rows.dtype)
+
+    def gather_linear(self, x, weight, bias, g: AxisGroup, dim: int):
+        """With ``all_gather``: cast this rank's sequence shard, all-gather the FP8 bytes (and the
+        rowwise scales), then the forward GEMM; else gather in the input's dtype (``Gemms``)."""
+        if not self.all_gather or g.size == 1:
+            return super().gather_linear(x, weight, bias, g, dim)
+        front = x.movedim(dim, 0).contiguous()  # gather along the first dimension, rows after it
+        rows = _rows(front)
+        if self.fp8.rowwise:
+            xq, sx = self._q(rows, E4M3, 1)
+            sx = _gather_rows(sx.contiguous(), g)
+        else:
+            amax = rows.abs().amax().float()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g.group)  # one scale for the gathered X
+            xq, sx = _cast(rows, amax, E4M3, self.fp8.pow2_scales)
+        xq = _gather_rows(xq.view(torch.uint8), g).view(E4M3)  # collectives move bytes, not float8
+        shape = (g.size * front.shape[0], *front.shape[1:])
+        y = self._linear_q(xq, sx, shape, weight, bias, x.dtype)
+        return y.movedim(0, dim).contiguous()
+
+
+def _gather_rows(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """All-gather a 2-d tensor's rows over ``g`` (rank order)."""
+    from .mappings import start_gather
+
+    return start_gather(t, g, 0)()
+
+
+def gemms_for(recipe: str | None, all_gather: bool = False) -> Gemms:
+    """The GEMMs of a linear: FP8 per ``recipe``, or the plain ones (None)."""
+    return PLAIN if recipe is None else Fp8Gemms(recipe, all_gather)
+
+
+def fp8_support(device: torch.device) -> str | None:
+    """Why FP8 GEMMs cannot run on ``device`` (None: they can). CUDA needs compute capability 8.9
+    (Ada) or newer; CPUs run ``torch._scaled_mm``'s reference kernel."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            return f"{name} (compute capability {major}.{minor}) has no FP8 GEMMs; they need 8.9 (Ada, Hopper) or newer"
+    return None
