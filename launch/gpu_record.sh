@@ -4,8 +4,8 @@
 # back what ran. Prepare here first: `bash launch/device_wheels.sh` (DeepSpeed and its pure-Python
 # needs into .whl/); then the device tool runs, carrying .whl:
 #   bash launch/gpu_record.sh [part]
-# part: "main" (default: GEMMs, one-GPU MFU with FP8, attention, the cp/ep smoke) or "recompute"
-# (the selective and full recompute rows).
+# part: "main" (default: GEMMs, one-GPU MFU with FP8, attention, the cp/ep smoke) or "second" (FP8
+# beside bf16 again, and no, selective and full recompute without compiling).
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu-record}"
 mkdir -p "$OUT"
@@ -47,11 +47,14 @@ if [ "$part" = main ]; then
     step smoke-cp2 40 $share $smoke --set mt3d.parallel.context=2 --set mt3d.train.save_dir=/tmp/smoke-cp
     step smoke-ep2 40 $share $smoke --set mt3d.model.preset=tiny-mixtral --set mt3d.parallel.expert=2 \
         --set mt3d.train.save_dir=/tmp/smoke-ep
-elif [ "$part" = recompute ]; then
-    step gpt3-1.3b-recompute 150 $gpu --models gpt3-1.3b --recompute selective,full --no-hf
-    step llama-1b-recompute 150 $gpu --models llama-1b --recompute selective,full --no-hf
+elif [ "$part" = second ]; then  # FP8 after the cast reuse, and the recompute rows (uncompiled)
+    eager="python3 -m mt3d.bench gpu --seq-len 2048 --micro ${MICRO:-16} --steps 6 --warmup 2"
+    step gpt3-1.3b-fp8 140 $gpu --models gpt3-1.3b --fp8 tensorwise,rowwise --no-hf
+    step gpt3-1.3b-recompute 100 $eager --models gpt3-1.3b --recompute none,selective,full --no-hf
+    step llama-1b-fp8 130 $gpu --models llama-1b --fp8 tensorwise,rowwise --no-hf
+    step llama-1b-recompute 100 $eager --models llama-1b --recompute none,selective,full --no-hf
 else
-    echo "unknown part $part (main, recompute)" | tee -a "$LOG"
+    echo "unknown part $part (main, second)" | tee -a "$LOG"
     exit 2
 fi
 echo "# done after $(( $(date +%s) - t_start )) s" | tee -a "$LOG"

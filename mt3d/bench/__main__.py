@@ -114,12 +114,12 @@ def _add_device_and_model_parsers(sub) -> None:
     gp.add_argument("--offload", type=choices_list(("none", "opt-cpu"), "--offload"), default=("none",),
                     help="opt-cpu: one more mt3d row per model, its optimizer on the CPU")  # fmt: skip
     gp.add_argument("--fp8", type=choices_list(("tensorwise", "rowwise"), "--fp8"), default=(),
-                    help="one more mt3d row per model and FP8 recipe (train.fp8), at recompute none")  # fmt: skip
+                    help="one more mt3d row per model and FP8 recipe (train.fp8)")  # fmt: skip
     gp.add_argument("--models", type=choices_list(("gpt3-1.3b", "llama-1b"), "--models"),
                     default=("gpt3-1.3b", "llama-1b"), help="which models to measure")  # fmt: skip
     gp.add_argument("--no-hf", action="store_true", help="skip the transformers + DeepSpeed rows")
     gp.add_argument("--profile", action="store_true",
-                    help="also profile one step of the first mt3d row: its top CUDA kernels by time")  # fmt: skip
+                    help="also profile one step of the first mt3d row: its top kernels")  # fmt: skip
     su = sub.add_parser("gpu-suite", help=BENCHES["gpu-suite"])
     su.add_argument("--smoke", action="store_true", help="the suite's CPU check: gemm and gpu in smoke mode")
     from .gpu_suite import STEP_NAMES
@@ -162,7 +162,7 @@ def _add_device_and_model_parsers(sub) -> None:
     gm = sub.add_parser("gemm", help=BENCHES["gemm"])
     gm.add_argument("--reps", type=int, default=20)
     gm.add_argument("--fp8", action="store_true",
-                    help="also time each shape in FP8 (torch._scaled_mm, tensorwise and rowwise scales)")  # fmt: skip
+                    help="also time each shape in FP8 (torch._scaled_mm; tensorwise, rowwise)")  # fmt: skip
     gm.add_argument(
         "--smoke", action="store_true", help="tiny fp32 shapes on the CPU (a check of the code path)"
     )

@@ -85,8 +85,11 @@ def layer_case(n: int, window: int | None, hidden: int, heads: int, reps: int) -
     return _measure(torch, cuda, step, reps)
 
 
-def pattern_case(n: int, pattern: tuple | None, heads: int, head_dim: int, reps: int) -> dict:
-    """The attention operation alone, forward + backward; ``pattern`` (W, s, d) or None (dense causal)."""
+def pattern_case(
+    n: int, pattern: tuple | None, heads: int, head_dim: int, reps: int, kernel: str = "auto"
+) -> dict:
+    """The attention operation alone, forward + backward; ``pattern`` (W, s, d) or None (dense causal);
+    ``kernel``: the attention kernel (auto: the one mt3d picks)."""
     torch, cuda, device, dtype = _setup()
     from ..model.attention import LocalPattern, attend, choose_block, choose_kernel
 
@@ -97,11 +100,11 @@ def pattern_case(n: int, pattern: tuple | None, heads: int, head_dim: int, reps:
     local = None if pattern is None else LocalPattern(*pattern)
 
     def step():
-        attend(q, k, v, pattern=local, scale=head_dim**-0.5).sum().backward()
+        attend(q, k, v, pattern=local, scale=head_dim**-0.5, kernel=kernel).sum().backward()
         q.grad = k.grad = v.grad = None
 
     out = _measure(torch, cuda, step, reps)
-    out["kernel"] = choose_kernel("auto", local, q.device, None, 0.0)
+    out["kernel"] = choose_kernel(kernel, local, q.device, None, 0.0)
     out["tile"] = choose_block(local, head_dim, n) if local and out["kernel"] == "block-local" else 128
     return out
 
@@ -145,13 +148,21 @@ def pattern_specs(window: int, strides: str, dilation: int) -> dict[str, tuple]:
 
 
 def run_patterns(args) -> list[dict]:
-    """Each pattern's kernel against dense causal attention, beside the speed-of-light bound."""
+    """Each pattern's kernel against dense causal attention, beside the speed-of-light bound (on a GPU
+    also against dense causal attention in FlexAttention itself: the pattern's share of the bound
+    apart from the gap between FlexAttention's and FlashAttention's dense rates)."""
+    import torch
+
     from ..planner.sparsity import tiles
 
     rows = []
     for n in [int(x) for x in args.pattern_lens.split(",")]:
         dense = _isolated(pattern_case, n, None, args.heads, args.head_dim, args.reps)
         rows.append({"n": n, "pattern": "dense causal", **dense})
+        flex_dense = None
+        if torch.cuda.is_available():  # the local kernel's own dense rate: kernel gap apart from sparsity
+            flex_dense = _isolated(pattern_case, n, None, args.heads, args.head_dim, args.reps, "flex")
+            rows.append({"n": n, "pattern": "dense causal", **flex_dense})
         for name, (w, s, d) in pattern_specs(args.pattern_window, args.strides, args.dilation).items():
             r = _isolated(pattern_case, n, (w, s, d), args.heads, args.head_dim, args.reps)
             bound = tiles(n, w, s, d, r["tile"], r["tile"]).bound
@@ -160,6 +171,8 @@ def run_patterns(args) -> list[dict]:
                 bound=bound, bound_128=tiles(n, w, s, d, 128, 128).bound,
             )  # fmt: skip
             r["of_bound"] = r["speedup"] / bound
+            if flex_dense is not None and r["kernel"] == "flex":
+                r["of_bound_same_kernel"] = flex_dense["seconds"] / r["seconds"] / bound
             rows.append(r)
     for r in rows:
         r["ms"], r["peak_mb"] = r["seconds"] * 1e3, r["peak_bytes"] / 2**20
@@ -167,7 +180,7 @@ def run_patterns(args) -> list[dict]:
         if prev:
             r["mem_x_per_4x_n"] = r["peak_bytes"] / max(prev["peak_bytes"], 1)
     cols = ["n", "pattern", "kernel", "tile", "ms", "peak_mb", "mem_x_per_4x_n", "speedup", "bound",
-            "of_bound", "bound_128"]  # fmt: skip
+            "of_bound", "of_bound_same_kernel", "bound_128"]  # fmt: skip
     print(table(rows, cols))
     return rows
 

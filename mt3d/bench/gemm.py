@@ -104,6 +104,7 @@ def run(args) -> dict:
     extra = {}
     if getattr(args, "fp8", False):
         extra = {f"best_{k}": max(r[k] for r in rows) for k in ("fp8_tensorwise", "fp8_rowwise")}
-        print("best FP8: " + ", ".join(f"{k} {v:g} TFLOP/s" for k, v in extra.items()) + " (--gemm-tflops-fp8)")
+        rates = ", ".join(f"{k} {v:g} TFLOP/s" for k, v in extra.items())
+        print(f"best FP8: {rates} (--gemm-tflops-fp8)")
     return emit("gemm", {"device": name, "preset": preset, "rows": rows, "best_tflops": best,
                          "smoke": bool(args.smoke), **extra})  # fmt: skip

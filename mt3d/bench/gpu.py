@@ -165,7 +165,8 @@ def kernel_table(step, device: str, top: int = 25) -> str:
     with profile(activities=acts) as prof:
         step()
         _sync(device)
-    keys = ("self_device_time_total", "self_cuda_time_total") if device == "cuda" else ("self_cpu_time_total",)
+    cuda_keys = ("self_device_time_total", "self_cuda_time_total")
+    keys = cuda_keys if device == "cuda" else ("self_cpu_time_total",)
     for key in keys:  # torch renamed the CUDA column to "device" (older builds know one name only)
         try:
             return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
@@ -292,13 +293,12 @@ def run(args) -> dict:
         runs = [(key, comp, mode, "none", None) for key, comp, mode, _ in runs]
         label, comp = variants[-1]  # FP8 rows compiled when the benchmark compiles
         runs += [(f"{label} fp8={r}", comp, "none", "none", r) for r in getattr(args, "fp8", ())]
-        runs += [(f"mt3d offload={off}", False, "none", off, None) for off in getattr(args, "offload", None) or ()
-                 if off != "none"]  # fmt: skip
+        offloads = getattr(args, "offload", None) or ()
+        runs += [(f"mt3d offload={off}", False, "none", off, None) for off in offloads if off != "none"]
         for i, (key, comp, mode, off, fp8) in enumerate(runs):
             prof = bool(getattr(args, "profile", False)) and i == 0
-            results[key] = spawn(
-                mt3d_worker, 1, model, seq, micro, accum, steps, warmup, comp, mode, off, fp8, prof, timeout=1500
-            )[0]
+            argv = (model, seq, micro, accum, steps, warmup, comp, mode, off, fp8, prof)
+            results[key] = spawn(mt3d_worker, 1, *argv, timeout=1500)[0]
             results[key].update(predicted(model, seq, micro, accum, mode, smoke, off))
             if results[key].get("kernels"):
                 print(f"{name} {key}: one step's top kernels\n{results[key].pop('kernels')}", flush=True)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import context
+from ..parallel.fp8 import PLAIN, Gemms, gemms_for
 from ..parallel.layers import (
     ColumnParallelLinear,
     NoInit,
@@ -34,7 +35,6 @@ from ..parallel.layers import (
     mark_vocab,
     pad_vocab,
 )
-from ..parallel.fp8 import PLAIN, Gemms, gemms_for
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
 from ..parallel.random import RNGTracker, checkpoint
 from ..parallel.state import AxisGroup
@@ -266,7 +266,8 @@ class Attention(nn.Module):
         """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
         qkv = self.qkv(x)
         if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward
-            o = checkpoint(self._core, qkv, tracker=self.ctx.tracker, tp=self.ctx.tp)
+            rng = self.cfg.attention_dropout > 0 and self.training  # the core's only random draw
+            o = checkpoint(self._core, qkv, tracker=self.ctx.tracker, tp=self.ctx.tp, rng=rng)
         else:
             o = self._core(qkv, cache)
         return self.out(o)

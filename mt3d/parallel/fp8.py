@@ -43,6 +43,7 @@ inputs to the same FP8 values, and a checkpoint has nothing extra to save.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -103,22 +104,44 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+class Grad(NamedTuple):
+    """A linear's output gradient as its backward GEMMs read it: ``rows`` [m, out] (cast to FP8 once,
+    with its inverse ``scale``, where the recipe reuses one cast for both GEMMs) and the gradient's
+    leading shape."""
+
+    rows: torch.Tensor
+    scale: torch.Tensor | None
+    shape: tuple
+
+
 class Gemms:
-    """A linear's three GEMMs as mt3d always ran them (bit-identical to F.linear and matmul)."""
+    """A linear's three GEMMs as mt3d always ran them (bit-identical to F.linear and matmul).
+
+    The autograd functions of ``mt3d.parallel.layers`` call ``linear`` in their forward (which also
+    returns what the backward keeps of the input: the input itself here), and ``grad_of``, ``dgrad``
+    and ``wgrad`` in their backward, between their collectives."""
 
     fp8 = None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + b``: [..., in] -> [..., out]."""
-        return F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """``(x W^T + b, kept)``: [..., in] -> [..., out], and the tensors the weight gradient reads."""
+        return F.linear(x, weight, bias), (x,)
 
-    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def kept_of(self, x_rows: torch.Tensor) -> tuple:
+        """What ``wgrad`` reads of an input the backward made again (gathered, recomputed): [m, in]."""
+        return (x_rows,)
+
+    def grad_of(self, grad: torch.Tensor) -> Grad:
+        """The output gradient as ``dgrad`` and ``wgrad`` read it."""
+        return Grad(grad, None, grad.shape)
+
+    def dgrad(self, g: Grad, weight: torch.Tensor) -> torch.Tensor:
         """Input gradient ``dY W``: [..., out] -> [..., in]."""
-        return grad.matmul(weight)
+        return g.rows.matmul(weight)
 
-    def wgrad(self, grad_rows: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
-        """Weight gradient ``dY^T X`` from [m, out] and [m, in] rows: [out, in]."""
-        return grad_rows.t().matmul(x_rows)
+    def wgrad(self, g: Grad, kept: tuple) -> torch.Tensor:
+        """Weight gradient ``dY^T X`` over every row: [out, in]."""
+        return _rows(g.rows).t().matmul(_rows(kept[0]))
 
     def gather_linear(self, x, weight, bias, g: AxisGroup, dim: int):
         """``linear`` of ``x`` all-gathered over ``g`` along ``dim`` (sequence parallelism)."""
@@ -131,7 +154,13 @@ PLAIN = Gemms()
 
 
 class Fp8Gemms(Gemms):
-    """The three GEMMs in FP8 with current scaling, per ``recipe`` (module docstring)."""
+    """The three GEMMs in FP8 with current scaling, per ``recipe`` (module docstring).
+
+    Tensorwise casts each operand once: the forward keeps the input's FP8 rows (half its bf16 bytes)
+    for the weight gradient, and one cast of the output gradient feeds both backward GEMMs (an FP8
+    transpose gives the weight gradient's layout). Rowwise scales each GEMM's operands along that
+    GEMM's reduction dimension, so the backward casts the bf16 input and gradient again along the
+    other axis (casting before the transpose: the FP8 copy moves half the bytes)."""
 
     def __init__(self, recipe: str, all_gather: bool = False) -> None:
         self.fp8 = RECIPES[recipe]
@@ -145,7 +174,8 @@ class Fp8Gemms(Gemms):
         r = self.fp8
         return quantize(x, dtype, dim if r.rowwise else None, r.pow2_scales)
 
-    def _mm(self, a, sa, b, sb, out_dtype, bias=None):
+    @staticmethod
+    def _mm(a, sa, b, sb, out_dtype, bias=None):
         """``a @ b`` (a [m, k] row-major, b [k, n] column-major) from FP8 operands and their
         inverse scales (rowwise: [m, 1] and [1, n])."""
         y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
@@ -153,32 +183,47 @@ class Fp8Gemms(Gemms):
 
     def linear(self, x, weight, bias):
         """Forward: X (e4m3, scaled along in) x W^T (e4m3, scaled along in)."""
-        rows = _rows(x)
-        xq, sx = self._q(rows, E4M3, 1)
-        return self._linear_q(xq, sx, x.shape, weight, bias, x.dtype)
+        xq, sx = self._q(_rows(x), E4M3, 1)
+        y = self._linear_q(xq, sx, x.shape, weight, bias, x.dtype)
+        return y, ((x,) if self.fp8.rowwise else (xq, sx))
 
     def _linear_q(self, xq, sx, shape, weight, bias, out_dtype):
         wq, sw = self._q(weight, E4M3, 1)
-        y = self._mm(xq, sx, wq.t(), sw.t().contiguous() if sw.dim() else sw, out_dtype, bias)
+        y = self._mm(xq, sx, wq.t(), sw.reshape(1, -1) if sw.dim() else sw, out_dtype, bias)
         return y.reshape(*shape[:-1], weight.shape[0])
 
-    def dgrad(self, grad, weight):
-        """Input gradient: dY (grad dtype, scaled along out) x W (e4m3, scaled along out)."""
-        rows = _rows(grad)
-        gq, sg = self._q(rows, self.fp8.grad_dtype, 1)
-        wq, sw = self._q(weight, E4M3, 0)
-        dx = self._mm(gq, sg, _col_major(wq), sw, grad.dtype)
-        return dx.reshape(*grad.shape[:-1], weight.shape[1])
+    def kept_of(self, x_rows):
+        """Tensorwise: the FP8 rows and their scale; rowwise: the bf16 rows."""
+        return (x_rows,) if self.fp8.rowwise else self._q(x_rows, E4M3, 1)
 
-    def wgrad(self, grad_rows, x_rows):
+    def grad_of(self, grad):
+        """Tensorwise: cast once (grad dtype, one scale); rowwise: the bf16 rows (cast per GEMM)."""
+        rows = _rows(grad)
+        if self.fp8.rowwise:
+            return Grad(rows, None, grad.shape)
+        gq, sg = self._q(rows, self.fp8.grad_dtype, 1)
+        return Grad(gq, sg, grad.shape)
+
+    def dgrad(self, g, weight):
+        """Input gradient: dY (grad dtype, scaled along out) x W (e4m3, scaled along out)."""
+        gq, sg = (g.rows, g.scale) if g.scale is not None else self._q(g.rows, self.fp8.grad_dtype, 1)
+        wq, sw = self._q(weight, E4M3, 0)
+        dx = self._mm(gq, sg, _col_major(wq), sw, weight.dtype)
+        return dx.reshape(*g.shape[:-1], weight.shape[1])
+
+    def wgrad(self, g, kept):
         """Weight gradient: dY^T (grad dtype, scaled along the tokens) x X (e4m3, along the tokens)."""
-        gq, sg = self._q(grad_rows.t().contiguous(), self.fp8.grad_dtype, 1)
-        xq, sx = self._q(x_rows, E4M3, 0)
-        return self._mm(gq, sg, _col_major(xq), sx, grad_rows.dtype)
+        if g.scale is not None:  # tensorwise: the casts are made; lay them out for the GEMM
+            xq, sx = kept
+            return self._mm(g.rows.t().contiguous(), g.scale, _col_major(xq), sx, torch.bfloat16)
+        gq, sg = self._q(g.rows, self.fp8.grad_dtype, 0)  # [m, out], one scale per column
+        xq, sx = self._q(_rows(kept[0]), E4M3, 0)
+        return self._mm(gq.t().contiguous(), sg.reshape(-1, 1), _col_major(xq), sx, g.rows.dtype)
 
     def gather_linear(self, x, weight, bias, g: AxisGroup, dim: int):
         """With ``all_gather``: cast this rank's sequence shard, all-gather the FP8 bytes (and the
-        rowwise scales), then the forward GEMM; else gather in the input's dtype (``Gemms``)."""
+        rowwise scales), then the forward GEMM; else gather in the input's dtype (``Gemms``). The
+        kept input is None: the backward gathers the shard again."""
         if not self.all_gather or g.size == 1:
             return super().gather_linear(x, weight, bias, g, dim)
         front = x.movedim(dim, 0).contiguous()  # gather along the first dimension, rows after it
@@ -193,7 +238,7 @@ class Fp8Gemms(Gemms):
         xq = _gather_rows(xq.view(torch.uint8), g).view(E4M3)  # collectives move bytes, not float8
         shape = (g.size * front.shape[0], *front.shape[1:])
         y = self._linear_q(xq, sx, shape, weight, bias, x.dtype)
-        return y.movedim(0, dim).contiguous()
+        return y.movedim(0, dim).contiguous(), None
 
 
 def _gather_rows(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -215,5 +260,6 @@ def fp8_support(device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             name = torch.cuda.get_device_name(device)
-            return f"{name} (compute capability {major}.{minor}) has no FP8 GEMMs; they need 8.9 (Ada, Hopper) or newer"
+            cc = f"{major}.{minor}"
+            return f"{name} (compute capability {cc}) has no FP8 GEMMs; they need 8.9 (Ada, Hopper) or newer"
     return None

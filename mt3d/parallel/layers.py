@@ -183,7 +183,7 @@ class _ShardSavingLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, g, gemms):
         ctx.g, ctx.gemms, ctx.has_bias = g, gemms, bias is not None
         ctx.save_for_backward(x, weight)
-        return gemms.gather_linear(x, weight, bias, g, SEQ_DIM)
+        return gemms.gather_linear(x, weight, bias, g, SEQ_DIM)[0]
 
     @staticmethod
     def backward(ctx, grad):
@@ -192,14 +192,20 @@ class _ShardSavingLinear(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathered = start_gather(x, ctx.g, SEQ_DIM) if need_w else None
         grad_x = None
+        dy = gemms.grad_of(grad)
         if need_x:
-            scatter = start_reduce_scatter(gemms.dgrad(grad, weight), ctx.g, SEQ_DIM)  # overlaps the gather
-        rows = grad.reshape(-1, grad.shape[-1])  # the weight gradient overlaps the scatter
-        grad_w = gemms.wgrad(rows, gathered().reshape(-1, x.shape[-1])) if need_w else None
-        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            scatter = start_reduce_scatter(gemms.dgrad(dy, weight), ctx.g, SEQ_DIM)  # overlaps the gather
+        # the weight gradient overlaps the scatter
+        grad_w = gemms.wgrad(dy, gemms.kept_of(gathered().reshape(-1, x.shape[-1]))) if need_w else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if need_x:
             grad_x = scatter()
         return grad_x, grad_w, grad_b, None, None
+
+
+def _save_kept(ctx, weight, kept: tuple) -> None:
+    """Save ``weight`` and what the weight gradient reads of the input (``Gemms.linear``'s kept)."""
+    ctx.save_for_backward(weight, *kept)
 
 
 class _AllReducingLinear(torch.autograd.Function):
@@ -211,17 +217,18 @@ class _AllReducingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, g, gemms):
         ctx.g, ctx.gemms, ctx.has_bias = g, gemms, bias is not None
-        ctx.save_for_backward(x, weight)
-        return gemms.linear(x, weight, bias)
+        y, kept = gemms.linear(x, weight, bias)
+        _save_kept(ctx, weight, kept)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        weight, *kept = ctx.saved_tensors
         gemms = ctx.gemms
-        reduced = start_all_reduce(gemms.dgrad(grad, weight), ctx.g) if ctx.needs_input_grad[0] else None
-        rows = grad.reshape(-1, grad.shape[-1])  # the weight gradient overlaps the all-reduce
-        grad_w = gemms.wgrad(rows, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dy = gemms.grad_of(grad)
+        reduced = start_all_reduce(gemms.dgrad(dy, weight), ctx.g) if ctx.needs_input_grad[0] else None
+        grad_w = gemms.wgrad(dy, kept) if ctx.needs_input_grad[1] else None  # overlaps the all-reduce
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (reduced() if reduced else None), grad_w, grad_b, None, None
 
 
@@ -232,17 +239,18 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gemms):
         ctx.gemms, ctx.has_bias = gemms, bias is not None
-        ctx.save_for_backward(x, weight)
-        return gemms.linear(x, weight, bias)
+        y, kept = gemms.linear(x, weight, bias)
+        _save_kept(ctx, weight, kept)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        weight, *kept = ctx.saved_tensors
         gemms = ctx.gemms
-        grad_x = gemms.dgrad(grad, weight) if ctx.needs_input_grad[0] else None
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_w = gemms.wgrad(rows, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dy = gemms.grad_of(grad)
+        grad_x = gemms.dgrad(dy, weight) if ctx.needs_input_grad[0] else None
+        grad_w = gemms.wgrad(dy, kept) if ctx.needs_input_grad[1] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
 
@@ -265,7 +273,7 @@ class _RecomputedInputLinear(torch.autograd.Function):
         ctx.fn, ctx.gemms = fn, gemms
         ctx.save_for_backward(y, weight)
         with torch.no_grad():
-            return gemms.linear(fn(y), weight, None)
+            return gemms.linear(fn(y), weight, None)[0]
 
     @staticmethod
     def backward(ctx, grad):
@@ -274,14 +282,16 @@ class _RecomputedInputLinear(torch.autograd.Function):
         with torch.enable_grad():
             y = y.detach().requires_grad_(ctx.needs_input_grad[0])
             h = ctx.fn(y)
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_w = gemms.wgrad(rows, h.detach().reshape(-1, h.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_y = torch.autograd.grad(h, y, gemms.dgrad(grad, weight))[0] if ctx.needs_input_grad[0] else None
+        dy = gemms.grad_of(grad)
+        kept = gemms.kept_of(h.detach().reshape(-1, h.shape[-1]))
+        grad_w = gemms.wgrad(dy, kept) if ctx.needs_input_grad[1] else None
+        grad_y = torch.autograd.grad(h, y, gemms.dgrad(dy, weight))[0] if ctx.needs_input_grad[0] else None
         return grad_y, grad_w, None, None
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: AxisGroup,
-                  sequence_parallel: bool, keep_gathered: bool = False, gemms: Gemms = PLAIN) -> torch.Tensor:  # fmt: skip
+                  sequence_parallel: bool, keep_gathered: bool = False,
+                  gemms: Gemms = PLAIN) -> torch.Tensor:  # fmt: skip
     """Enter the TP region and apply this rank's columns of a linear: [b, s, in] (or [b, s/tp, in] with
     SP) -> [b, s, out/tp]. The backward's transfers overlap its GEMMs: with SP the input shard is
     gathered again during the input gradient and that gradient reduce-scattered during the weight

@@ -90,9 +90,9 @@ class _Checkpoint(torch.autograd.Function):
     """Run ``fn`` without keeping activations; recompute it in backward with the same RNG."""
 
     @staticmethod
-    def forward(ctx, fn, tracker, tp, partition, x, *rest):
+    def forward(ctx, fn, tracker, tp, partition, rng, x, *rest):
         ctx.fn, ctx.tracker, ctx.tp, ctx.partition = fn, tracker, tp, partition
-        ctx.rng = (_device_states(), tracker.get_states() if tracker is not None else None)
+        ctx.rng = (_device_states(), tracker.get_states() if tracker is not None else None) if rng else None
         with torch.no_grad():
             out = fn(x, *rest)
         saved_x = x.detach()
@@ -109,17 +109,11 @@ class _Checkpoint(torch.autograd.Function):
         x = _gather(saved_x, ctx.tp, SEQ_DIM) if ctx.partition else saved_x
         x = x.detach().requires_grad_(ctx.x_requires_grad)
         rest = [r.detach().requires_grad_(g) for r, g in zip(rest, ctx.rest_requires_grad)]
-        now = (_device_states(), ctx.tracker.get_states() if ctx.tracker is not None else None)
-        _set_device_states(ctx.rng[0])
-        if ctx.tracker is not None:
-            ctx.tracker.set_states(ctx.rng[1])
-        try:
+        if ctx.rng is None:
             with torch.enable_grad():
                 out = ctx.fn(x, *rest)
-        finally:
-            _set_device_states(now[0])
-            if ctx.tracker is not None:
-                ctx.tracker.set_states(now[1])
+        else:
+            out = _recompute_with_rng(ctx, x, rest)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [
             (o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None
@@ -127,7 +121,22 @@ class _Checkpoint(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         rest_grads = [r.grad if g else None for r, g in zip(rest, ctx.rest_requires_grad)]
-        return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *rest_grads)
+        return (None, None, None, None, None, x.grad if ctx.x_requires_grad else None, *rest_grads)
+
+
+def _recompute_with_rng(ctx, x, rest):
+    """``ctx.fn(x, *rest)`` again under the RNG states of the forward (then back to today's)."""
+    now = (_device_states(), ctx.tracker.get_states() if ctx.tracker is not None else None)
+    _set_device_states(ctx.rng[0])
+    if ctx.tracker is not None:
+        ctx.tracker.set_states(ctx.rng[1])
+    try:
+        with torch.enable_grad():
+            return ctx.fn(x, *rest)
+    finally:
+        _set_device_states(now[0])
+        if ctx.tracker is not None:
+            ctx.tracker.set_states(now[1])
 
 
 def checkpoint(
@@ -137,8 +146,12 @@ def checkpoint(
     tracker: RNGTracker | None = None,
     tp: AxisGroup | None = None,
     partition: bool = False,
+    rng: bool = True,
 ):
     """Activation checkpointing of ``fn(x, *rest)``, recompute-safe for dropout under ``tracker``.
+
+    ``rng`` False: ``fn`` draws no random numbers, so the RNG states are neither saved nor restored
+    (reading them stops ``torch.compile``'s trace: seven graph breaks per block otherwise).
 
     With ``partition`` (and a TP group of size > 1 and a sequence divisible by it) only this
     rank's sequence slice of ``x`` is kept between forward and backward, and it is all-gathered
@@ -148,4 +161,8 @@ def checkpoint(
     if not torch.is_grad_enabled() or not x.requires_grad:
         return fn(x, *rest)  # nothing to save for backward (eval, or a graph that starts here)
     partition = bool(partition and tp is not None and tp.size > 1 and x.shape[SEQ_DIM] % tp.size == 0)
-    return _Checkpoint.apply(fn, tracker, tp, partition, x, *rest)
+    if not rng and not partition and torch.compiler.is_compiling():
+        # inside a compiled block: torch's own checkpoint, which the compiler traces (its recompute is
+        # planned into the backward graph); _Checkpoint's backward calls autograd, which it cannot
+        return torch.utils.checkpoint.checkpoint(fn, x, *rest, use_reentrant=False, preserve_rng_state=False)
+    return _Checkpoint.apply(fn, tracker, tp, partition, rng, x, *rest)
