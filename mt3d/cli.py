@@ -600,6 +600,7 @@ DEVICE_FLAGS = {
     "--peak-tflops": ("peak_tflops", "the device's dense peak, TFLOP/s"),
     "--memory-gb": ("memory_gb", "the device's memory, GB"),
     "--gemm-tflops": ("gemm_tflops", "the device's GEMM ceiling, TFLOP/s (largest achievable matmul rate)"),
+    "--gemm-tflops-fp8": ("gemm_tflops_fp8", "the device's FP8 GEMM ceiling, TFLOP/s (bench gemm --fp8)"),
     "--nvlink-gbps": ("intra_gbps", "GB/s per GPU inside a node (NVLink bus bandwidth)"),
     "--network-gbps": ("inter_gbps", "GB/s per node across nodes (all its NICs; shared by its GPUs)"),
     "--pcie-gbps": ("pcie_gbps", "GB/s per GPU between GPU and CPU memory (offload)"),
@@ -726,6 +727,8 @@ def _add_plan_stack(p) -> None:
                    "(pipeline transfers posted ahead: mt3d.train.overlap.p2p), tp-comm (--other-stack: "
                    "every TP transfer of an SP layout behind the GEMM beside it, Megatron-Core's "
                    "--tp-comm-overlap; without SP tp's)")  # fmt: skip
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
+                   help="the blocks' linears in FP8 with this recipe (mt3d.train.fp8; bf16 only)")  # fmt: skip
     p.add_argument(
         "--activation-model",
         choices=("mt3d", "korthikanti"),
@@ -774,6 +777,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.gemm_fraction,
             not args.other_stack,
             planned_overlap(args.overlap, args.other_stack),
+            args.fp8,
         ),  # fmt: skip
     )
 

@@ -211,7 +211,7 @@ PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"))
 
 
 def predicted(model: dict, seq: int, micro: int, accum: int, recompute: str, smoke: bool,
-              offload: str = "none") -> dict:  # fmt: skip
+              offload: str = "none", fp8: str | None = None) -> dict:  # fmt: skip
     """The planner's step time and GPU memory (GB) for one mt3d row (one GPU, ZeRO-1, bf16), on the
     preset of the GPU at hand (an H200, H100 or A100 by name; None on other devices and in smoke
     mode)."""
@@ -230,7 +230,7 @@ def predicted(model: dict, seq: int, micro: int, accum: int, recompute: str, smo
     lay = Layout(1, 1, 1, micro, accum, 1, recompute == "full", False, selective=recompute == "selective",
                  offload=offload)  # fmt: skip
     t = step_time(cfg, cfg.vocab_size, seq, micro * accum, lay, peak_tflops=dev.peak_tflops, efficiency=None,
-                  bw=bandwidths(Cluster(1, 1, dev), 1, 1), device=dev)  # fmt: skip
+                  bw=bandwidths(Cluster(1, 1, dev), 1, 1), device=dev, fp8=fp8)  # fmt: skip
     mem = memory_bytes(cfg, cfg.vocab_size, seq, lay, Precision.of("bf16", 1))
     return {"predicted_s": t["step_time_s"], "predicted_gb": mem["total"] / 1e9}
 
@@ -299,7 +299,7 @@ def run(args) -> dict:
             prof = bool(getattr(args, "profile", False)) and i == 0
             argv = (model, seq, micro, accum, steps, warmup, comp, mode, off, fp8, prof)
             results[key] = spawn(mt3d_worker, 1, *argv, timeout=1500)[0]
-            results[key].update(predicted(model, seq, micro, accum, mode, smoke, off))
+            results[key].update(predicted(model, seq, micro, accum, mode, smoke, off, fp8))
             if results[key].get("kernels"):
                 print(f"{name} {key}: one step's top kernels\n{results[key].pop('kernels')}", flush=True)
             print(f"{name} {key}: {results[key]['seconds']:.4f} s per step", flush=True)

@@ -61,10 +61,11 @@ class Gemm:
         return Gemm(self.m, self.k, self.n, self.batch), Gemm(self.k, self.n, self.m, self.batch)
 
 
-def gemm_seconds(g: Gemm, dev, elem: int = 2, fraction: float = GEMM_FRACTION) -> float:
+def gemm_seconds(g: Gemm, dev, elem: int = 2, fraction: float = GEMM_FRACTION,
+                 ceiling: float | None = None) -> float:  # fmt: skip
     """Time of ``g`` on ``dev``: the slower of the quantised compute (at ``fraction`` of the device's
-    GEMM ceiling) and the HBM traffic."""
-    per_sm = dev.gemm_tflops * fraction * 1e12 / dev.sms
+    GEMM ceiling, or of ``ceiling`` TFLOP/s: FP8's) and the HBM traffic."""
+    per_sm = (ceiling or dev.gemm_tflops) * fraction * 1e12 / dev.sms
     best = math.inf
     for tm, tn in TILES:
         tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.batch
@@ -107,6 +108,24 @@ def block_gemm_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, fraction: fl
     return out
 
 
+FP8_CAST_BYTES = {"tensorwise": 7.0, "rowwise": 12.0}
+"""Bytes moved per element of a linear's input and of its output gradient to cast them for FP8 GEMMs
+(``mt3d.parallel.fp8``): tensorwise reads the bf16 tensor for its amax (2), reads it again and writes
+e4m3/e5m2 (3), and transposes the FP8 copy once for the weight gradient (2); rowwise casts each along
+two axes (twice 2 + 3) and transposes one FP8 copy (2)."""
+
+
+def fp8_cast_seconds(cfg: ModelConfig, tokens: int, tp: int, dev, recipe: str, fwd_passes: int = 1) -> float:
+    """HBM time of one block's FP8 casts per micro-batch of ``tokens``: every linear's input and output
+    gradient (``FP8_CAST_BYTES``, the input once more per recomputed forward) and its weight (cast
+    along both axes, about 12 bytes per element)."""
+    per = FP8_CAST_BYTES[recipe]
+    moved = 0.0
+    for g in block_gemms(cfg, tokens, tp):  # (m tokens, n out, k in)
+        moved += g.m * (g.k * (per + 5.0 * (fwd_passes - 1)) + g.n * per) + 12.0 * g.k * g.n
+    return moved / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
+
+
 def elementwise_elements(
     cfg: ModelConfig, seq_len: int, keys: float, tp: int, sp: bool, attention: str
 ) -> float:
@@ -141,12 +160,15 @@ def micro_batch_seconds(
     with_logits: bool = True,
     elem: int = 2,
     fraction: float = GEMM_FRACTION,
+    fp8: str | None = None,
 ) -> dict[str, float]:
     """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
     GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer.
     ``fraction``: of the GEMM ceiling the GEMMs reach (the calibration). ``selective`` recompute runs
     the attention core's forward and the elementwise work once more (an upper bound for the latter:
-    only the MLP's activation is recomputed), no GEMM."""
+    only the MLP's activation is recomputed), no GEMM. ``fp8`` (a ``train.fp8`` recipe): the blocks'
+    linears at the device's FP8 GEMM ceiling with one-byte operands, plus their casts
+    (``fp8_cast_seconds``, counted as elementwise work); the output layer stays 16-bit."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     tokens = seq_len * micro_batch
@@ -154,12 +176,13 @@ def micro_batch_seconds(
     fwd_passes = 2 if recompute else 1
     again = 1 if selective and not recompute else 0  # the selectively recomputed parts' forward
     gemm = 0.0
+    linear = (1, fraction, dev.gemm_tflops_fp8) if fp8 else (elem, fraction, None)
     for g in block_gemms(cfg, tokens, tp):
         dgrad, wgrad = g.backward()
         gemm += (
-            fwd_passes * gemm_seconds(g, dev, elem, fraction)
-            + gemm_seconds(dgrad, dev, elem, fraction)
-            + gemm_seconds(wgrad, dev, elem, fraction)
+            fwd_passes * gemm_seconds(g, dev, *linear)
+            + gemm_seconds(dgrad, dev, *linear)
+            + gemm_seconds(wgrad, dev, *linear)
         )
     heads = cfg.heads / tp
     if attention == "materialized":  # scores = q k^T and out = p v per head; backward two of each
@@ -172,6 +195,8 @@ def micro_batch_seconds(
         attn = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
     per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
     mem = (fwd_passes + again + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
+    if fp8:
+        mem += fp8_cast_seconds(cfg, tokens, tp, dev, fp8, fwd_passes)
     out = {"gemm_s": blocks * gemm, "attention_s": blocks * attn, "elementwise_s": blocks * mem}
     logits = 0.0
     if with_logits:

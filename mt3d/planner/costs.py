@@ -541,6 +541,7 @@ def step_time(
     overlap: tuple[str, ...] = (),
     mt3d_engine: bool = True,
     grad_dtype: str = "param",
+    fp8: str | None = None,
 ) -> dict[str, float]:
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
@@ -558,7 +559,8 @@ def step_time(
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
     (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
     ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
-    stack sends: ``_dp_seconds``).
+    stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears in FP8 (``compute.micro_batch_seconds``;
+    the shape model only); TFLOP/s and MFU still count model FLOPs against ``peak_tflops`` (bf16's).
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
@@ -570,7 +572,7 @@ def step_time(
     compute, optimizer = _compute_seconds(
         cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
         device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
-        gemm_fraction=gemm_fraction,
+        gemm_fraction=gemm_fraction, fp8=fp8,
     )  # fmt: skip
     bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
@@ -689,7 +691,7 @@ def _shape_model_fraction(device, efficiency, gemm_fraction) -> float | None:
 
 
 def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *, peak_tflops, efficiency,
-                     device, attention_fraction, attention_kernel, gemm_fraction):  # fmt: skip
+                     device, attention_fraction, attention_kernel, gemm_fraction, fp8=None):  # fmt: skip
     """(compute, GPU optimizer step) seconds of one step: the GEMM shape model with a calibrated
     device, else the executed FLOPs at ``efficiency`` x peak (see ``step_time``)."""
     gpus = lay.gpus
@@ -704,6 +706,7 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
             attention=attention_kernel,
             keys=seq_len * attention_fraction,
             fraction=fraction,
+            fp8=fp8,
         )["total_s"]  # fmt: skip
         optimizer = 0.0
         if lay.offload == "none":

@@ -42,6 +42,8 @@ class Device:
     """Maximum achievable 16-bit matmul TFLOP/s (the best over a sweep of large GEMM shapes)."""
     hbm_gbps: float = 0.0
     """HBM bandwidth, GB/s (data sheet)."""
+    gemm_tflops_fp8: float = 0.0
+    """Maximum achievable FP8 matmul TFLOP/s (e4m3 operands, bf16 out; 0: no FP8 GEMMs)."""
 
 
 DENSE_PEAK_TFLOPS = {
@@ -73,6 +75,9 @@ def dense_peak_tflops(device_name: str) -> float | None:
 # as published in Stas Bekman's ML Engineering book (A100 SXM 271.2 = 86.9% of peak, H100 SXM
 # 794.5 = 80.3%). `python -m mt3d.bench gemm` measures them on the GPU at hand; no sweep of
 # mt3d's own has fed these yet (no GPU was lent when they were set).
+# The FP8 ceiling is mt3d's own sweep (`python -m mt3d.bench gemm --fp8`, one H200, 2026-11-27,
+# docs/benchmarks/2026-11-27-h200-gpu-record.log): best 1382 TFLOP/s tensorwise (1327 rowwise), 1.74x
+# that run's bf16 best (788), against a data-sheet ratio of 2x; the H100 shares the H200's SMs and clocks.
 # Node defaults are those of NVIDIA's DGX systems (DGX A100: 1 TB RAM, 4 x 3.84 TB NVMe, PCIe 4,
 # 2 x 64 cores; DGX H100/H200: 2 TB RAM, 8 x 3.84 TB NVMe, PCIe 5, 2 x 56 cores); `mt3d plan`
 # overrides each with a flag.
@@ -90,6 +95,7 @@ _H100 = Device(
     sms=132,
     gemm_tflops=794.5,
     hbm_gbps=3350.0,
+    gemm_tflops_fp8=1382.0,
 )  # fmt: skip
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device(

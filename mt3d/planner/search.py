@@ -203,8 +203,9 @@ def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages,
 
 
 def _check_inputs(
-    cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, vocab, efficiency
-) -> int:
+    cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, vocab, efficiency,
+    precision: str = "bf16", fp8: str | None = None,
+) -> int:  # fmt: skip
     """One line for each planner input that cannot be planned for; returns the vocabulary size."""
     if vocab is not None and vocab <= 0:
         raise UserError(f"--vocab must be positive, got {vocab}")
@@ -221,6 +222,11 @@ def _check_inputs(
     dev = cluster.device
     if dev.peak_tflops <= 0 or dev.memory_gb <= 0:
         raise UserError("--peak-tflops and --memory-gb must be positive")
+    if fp8 and (precision != "bf16" or not dev.gemm_tflops_fp8 or efficiency is not None):
+        why = (f"FP8 trains beside bf16, not {precision}" if precision != "bf16" else
+               f"{dev.name} has no FP8 GEMM rate (give --gemm-tflops-fp8)" if not dev.gemm_tflops_fp8 else
+               "--fp8 is timed by the GEMM shape model; drop --efficiency")  # fmt: skip
+        raise UserError(f"--fp8 {fp8}: {why}")
     if dev.gemm_tflops > dev.peak_tflops:
         raise UserError(
             f"--gemm-tflops {dev.gemm_tflops:g} exceeds the device's dense peak {dev.peak_tflops:g} TFLOP/s: "
@@ -253,6 +259,8 @@ class Stack:
     """The rules of mt3d's DeepSpeed engine apply (ZeRO stage with a pipeline or cp, MoE)."""
     overlap: tuple[str, ...] = ()
     """Transfers overlapped with compute (``choices.OVERLAPS``)."""
+    fp8: str | None = None
+    """The blocks' linears in FP8 with this recipe (``train.fp8``), at the device's FP8 GEMM ceiling."""
 
 
 def plan(
@@ -277,7 +285,7 @@ def plan(
     ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
     ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
     layout; ``stack``: how that stack runs (``Stack``)."""
-    vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency)
+    vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency, precision, stack.fp8)
     feasible, rejected = [], []
     rejected_total = 0
 
@@ -319,8 +327,10 @@ def plan(
         "overlap": list(stack.overlap),
         "optimizer_states": stack.optimizer_states,
         "grad_dtype": stack.grad_dtype,
+        "fp8": stack.fp8,
         "efficiency": efficiency,
         "gemm_tflops": dev.gemm_tflops,
+        "gemm_tflops_fp8": dev.gemm_tflops_fp8,
         "attention": attention,
         "feasible": feasible,
         "rejected": rejected,
@@ -354,7 +364,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         device=dev, attention_fraction=tile_fraction, precision=precision,
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
-        grad_dtype=stack.grad_dtype,
+        grad_dtype=stack.grad_dtype, fp8=stack.fp8,
     )  # fmt: skip
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
@@ -394,6 +404,10 @@ def compute_model(result: dict) -> str:
     ceiling = result.get("gemm_tflops")
     if not ceiling:
         return "compute efficiency 50% (no GEMM calibration for this device)"
+    fp8 = result.get("fp8")
+    if fp8:
+        return (f"compute from GEMM shapes (ceiling {ceiling:g} TFLOP/s; the blocks' linears in FP8 {fp8} at "
+                f"{result['gemm_tflops_fp8']:g}, MFU against the bf16 peak)")  # fmt: skip
     return f"compute from GEMM shapes (ceiling {ceiling:g} TFLOP/s)"
 
 
@@ -577,6 +591,8 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
     }
     overlap_rule = overlap_conflict(True, best["zero_stage"], best.get("ep", 1),
                                     Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
+    if result.get("fp8"):
+        conf["mt3d"]["train"]["fp8"] = {"recipe": result["fp8"]}
     states = result.get("optimizer_states", "fp32")
     if states != "fp32":  # what the plan's memory assumed; refused at start-up where it cannot run
         conf["mt3d"]["train"]["optimizer_states"] = states
