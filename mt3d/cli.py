@@ -728,7 +728,7 @@ def _add_plan_stack(p) -> None:
                    "every TP transfer of an SP layout behind the GEMM beside it, Megatron-Core's "
                    "--tp-comm-overlap; without SP tp's)")  # fmt: skip
     p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
-                   help="the blocks' linears in FP8 with this recipe (mt3d.train.fp8; bf16 only)")  # fmt: skip
+                   help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
     p.add_argument(
         "--activation-model",
         choices=("mt3d", "korthikanti"),
