@@ -265,16 +265,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
         qkv = self.qkv(x)
+        past = cache.length if cache is not None else 0
+        # the rotary tables are built (and cached on the module) outside the recomputed core
+        tables = self._rope(past, qkv.shape[1], qkv) if self.cfg.position == "rope" else ()
         if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward
             rng = self.cfg.attention_dropout > 0 and self.training  # the core's only random draw
-            o = checkpoint(self._core, qkv, tracker=self.ctx.tracker, tp=self.ctx.tp, rng=rng)
+            o = checkpoint(self._core, qkv, *tables, tracker=self.ctx.tracker, tp=self.ctx.tp, rng=rng)
         else:
-            o = self._core(qkv, cache)
+            o = self._core(qkv, *tables, cache=cache)
         return self.out(o)
 
-    def _core(self, qkv: torch.Tensor, cache=None) -> torch.Tensor:
+    def _core(self, qkv: torch.Tensor, cos=None, sin=None, cache=None) -> torch.Tensor:
         """[b, s, (q + 2 kv) / tp] -> the attention output [b, s, q / tp] (positions, q/k norms, the
-        exchange over cp, the kernel)."""
+        exchange over cp, the kernel); ``cos``, ``sin``: the rotary tables of these positions."""
         b, s, _ = qkv.shape
         kv = self.kv_heads * self.head_dim
         q, k, v = qkv.split([self.heads * self.head_dim, kv, kv], dim=-1)
@@ -286,7 +289,6 @@ class Attention(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         past = cache.length if cache is not None else 0
         if self.cfg.position == "rope":
-            cos, sin = self._rope(past, s, q)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         k_start = past

@@ -427,7 +427,11 @@ class RowParallelLinear(nn.Module):
 
     def forward_recomputing(self, y: torch.Tensor, fn) -> torch.Tensor:
         """``forward(fn(y))`` keeping ``y`` rather than ``fn(y)`` for the backward, which recomputes
-        ``fn`` (an elementwise function: selective recompute)."""
+        ``fn`` (an elementwise function: selective recompute). Inside a compiled block the compiler's
+        partitioner already recomputes elementwise work in the backward rather than keeping it, and
+        cannot trace the autograd call of ``_RecomputedInputLinear``'s backward: plain ``forward``."""
+        if torch.compiler.is_compiling():
+            return self.forward(fn(y))
         return self.finish(_RecomputedInputLinear.apply(y, self.weight, fn, self.gemms))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,8 @@ class Trainer:
         self.peak, self.peak_source = (
             device_peak_tflops(self.train_cfg.peak_tflops) if self.logger else (0.0, "")
         )
+        if self.train_cfg.fp8 is not None and self.logger:  # model FLOPs against bf16's peak, said so
+            self.peak_source += f"; FP8 {self.train_cfg.fp8.recipe} linears counted against it"
         self.bar = None
         self.sparse = model_cfg.moe is not None
         self.router: dict = {}
