@@ -30,6 +30,7 @@ BENCHES = {
     "overlap": "the share of a column-parallel linear's backward communication (tp 2, with and without SP), "
     "of the data-parallel gradient reduction (dp 2) and of pipeline transfers (pp 2) hidden behind compute, "
     "beside the schedule's prediction",
+    "fp8": "training loss of FP8 linears (tensorwise, rowwise) beside bf16 over N steps, and a plot",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and optimizer "
     "offload beside the planner's step time and memory, local attention at 32k, long context), with a dated "
     "record in docs/benchmarks/",
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_device_and_model_parsers(sub) -> None:
     """gpu, checkpoint, hfload, attention, longctx, planner and gemm."""
-    from ..inputs import choices_list, positive_ints
+    from ..inputs import choices_list, positive_float, positive_int, positive_ints
 
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
     gp.add_argument("--seq-len", type=int, default=2048)
@@ -159,6 +160,13 @@ def _add_device_and_model_parsers(sub) -> None:
         "--cap-mb", type=float, default=None, help="cap: MB per rank (default: measured midpoint)"
     )
     sub.add_parser("planner", help=BENCHES["planner"])
+    f8 = sub.add_parser("fp8", help=BENCHES["fp8"])
+    f8.add_argument("--steps", type=positive_int, default=300)
+    f8.add_argument(
+        "--hidden", type=positive_int, default=64, help="the tiny Llama's width (a multiple of 16)"
+    )
+    f8.add_argument("--lr", type=positive_float, default=2e-3)
+    f8.add_argument("--plot", default=None, help="write the curves to this PNG")
     gm = sub.add_parser("gemm", help=BENCHES["gemm"])
     gm.add_argument("--reps", type=int, default=20)
     gm.add_argument("--fp8", action="store_true",
