@@ -260,6 +260,23 @@ def _rows(name: str, results: dict, tokens: int, dense_peak: float, measured_pea
     return rows
 
 
+def row_runs(args, smoke: bool) -> list[tuple]:
+    """The mt3d rows of one model: (label, compiled, recompute, offload, fp8 recipe). Compiled blocks at
+    recompute none only (the MFU row) unless only compiled rows are asked for, the recompute modes
+    without compiling, FP8 rows compiled when the benchmark compiles, one uncompiled row per offload."""
+    modes = getattr(args, "recompute", None) or ("none",)
+    variants = [("mt3d", False)] + ([("mt3d+compile", True)] if args.compile and not smoke else [])
+    if getattr(args, "compile_only", False) and not smoke:
+        variants = [("mt3d+compile", True)]
+    runs = [(label if mode == "none" else f"{label} recompute={mode}", comp, mode, "none", None)
+            for label, comp in variants for mode in modes
+            if not comp or mode == "none" or len(variants) == 1]  # fmt: skip
+    label, comp = variants[-1]
+    runs += [(f"{label} fp8={r}", comp, "none", "none", r) for r in getattr(args, "fp8", ())]
+    offloads = getattr(args, "offload", None) or ()
+    return runs + [(f"mt3d offload={off}", False, "none", off, None) for off in offloads if off != "none"]
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench gpu``."""
     from ..parallel.spawn import spawn
@@ -279,23 +296,9 @@ def run(args) -> dict:
 
     dense_peak, source = device_peak_tflops(None) if cuda else (measured_peak, "measured CPU fp32 matmul")
     rows = []
-    modes = getattr(args, "recompute", None) or ("none",)
     for name, model in models.items():
-        variants = [("mt3d", False)] + ([("mt3d+compile", True)] if args.compile and not smoke else [])
-        if getattr(args, "compile_only", False) and not smoke:
-            variants = [("mt3d+compile", True)]
         results = {}
-        # (row, compiled, recompute, offload): compiled blocks at recompute none only (the MFU row), the
-        # recompute modes without compiling, then one uncompiled row per offload tier
-        runs = [(label if mode == "none" else f"{label} recompute={mode}", comp, mode, "none")
-                for label, comp in variants for mode in modes
-                if not comp or mode == "none" or len(variants) == 1]  # fmt: skip
-        runs = [(key, comp, mode, "none", None) for key, comp, mode, _ in runs]
-        label, comp = variants[-1]  # FP8 rows compiled when the benchmark compiles
-        runs += [(f"{label} fp8={r}", comp, "none", "none", r) for r in getattr(args, "fp8", ())]
-        offloads = getattr(args, "offload", None) or ()
-        runs += [(f"mt3d offload={off}", False, "none", off, None) for off in offloads if off != "none"]
-        for i, (key, comp, mode, off, fp8) in enumerate(runs):
+        for i, (key, comp, mode, off, fp8) in enumerate(row_runs(args, smoke)):
             prof = bool(getattr(args, "profile", False)) and i == 0
             argv = (model, seq, micro, accum, steps, warmup, comp, mode, off, fp8, prof)
             results[key] = spawn(mt3d_worker, 1, *argv, timeout=1500)[0]

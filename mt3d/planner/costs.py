@@ -522,27 +522,12 @@ def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, c
     return min(blocking, 2 * (p * v - 1) * message + m * v * max(0.0, message - chunk_forward))
 
 
-def step_time(
-    cfg: ModelConfig,
-    vocab: int,
-    seq_len: int,
-    global_batch: int,
-    lay: Layout,
-    *,
-    peak_tflops: float,
-    efficiency: float | None,
-    bw: dict[str, float],
-    precision: str = "bf16",
-    attention_fraction: float = 1.0,
-    device=None,
-    attention_kernel: str = "flash",
-    pp_scatter_gather: bool = False,
-    gemm_fraction: float | None = None,
-    overlap: tuple[str, ...] = (),
-    mt3d_engine: bool = True,
-    grad_dtype: str = "param",
-    fp8: str | None = None,
-) -> dict[str, float]:
+def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay: Layout, *,
+              peak_tflops: float, efficiency: float | None, bw: dict[str, float], precision: str = "bf16",
+              attention_fraction: float = 1.0, device=None, attention_kernel: str = "flash",
+              pp_scatter_gather: bool = False, gemm_fraction: float | None = None,
+              overlap: tuple[str, ...] = (), mt3d_engine: bool = True, grad_dtype: str = "param",
+              fp8: str | None = None) -> dict[str, float]:  # fmt: skip
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
