@@ -2,7 +2,7 @@
 
 import os as _os
 
-__version__ = "0.1.0"
+from .versions import __version__  # noqa: F401
 
 if "DS_ACCELERATOR" not in _os.environ:
     # DeepSpeed logs a warning on every import when it has to guess the accelerator; tell it what

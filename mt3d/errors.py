@@ -14,3 +14,7 @@ EXIT_DIVERGED = 76  # stopped after train.max_bad_steps non-finite steps, last g
 
 class UserError(ValueError):
     """Bad input; the message says what is wrong and how to fix it."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that must not be used; the message names the file and what to do."""

@@ -275,7 +275,7 @@ def test_malicious_pickle_is_refused(tmp_path):
     results = spawn(train_rc_worker, 1, raw)
     assert results[0][0] == 2
     assert not Path(MARKER).exists()
-    from mt3d.checkpoint.safe import safe_torch_load
+    from mt3d.ds.safe import safe_torch_load
 
     with pytest.raises(
         CheckpointError, match=f"{target} contains a pickled object outside mt3d's allow-list"
@@ -335,7 +335,7 @@ def test_deepspeed_workarounds_are_still_needed():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     src = inspect.getsource(TorchCheckpointEngine.load)
-    assert "weights_only=False" in src, "DeepSpeed loads safely now: mt3d.checkpoint.safe may be simplified"
+    assert "weights_only=False" in src, "DeepSpeed loads safely now: mt3d.ds.safe may be simplified"
     save = inspect.getsource(DeepSpeedEngine.save_checkpoint)
     assert "_create_checkpoint_file" in save or "latest" in save, "re-check mt3d's own 'latest' handling"
 

@@ -586,7 +586,8 @@ def released_logits_worker(virtual_stages: int, deepspeeds: bool = False) -> dic
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from mt3d.bench.common import bench_run_config, build_engine, train_step
-    from mt3d.ds.engine import keep_loss_outputs, wrap_instructions
+    from mt3d.ds.engine import keep_loss_outputs
+    from mt3d.ds.instructions import wrap_instructions
 
     raw = bench_run_config(model=TINY_GPT, pp=2, global_batch=8, micro=2, seq_len=32, vocab=128)
     raw["mt3d"]["parallel"]["virtual_stages"] = virtual_stages

@@ -28,7 +28,7 @@ EXCLUDED = ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
 
 
 def _instrument(engine):
-    from ..ds.engine import wrap_instructions
+    from ..ds.instructions import wrap_instructions
 
     totals: dict[str, float] = defaultdict(float)
 

@@ -113,7 +113,7 @@ def dp_worker(model: dict, overlap: bool, reps: int, bucket: int) -> dict:
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from ..data.loader import StepBatches
-    from ..ds.engine import wrap_instructions
+    from ..ds.instructions import wrap_instructions
     from .common import bench_run_config, build_engine
 
     raw = bench_run_config(model=model, seq_len=128, global_batch=8, micro=2, zero=1)

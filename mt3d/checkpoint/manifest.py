@@ -12,15 +12,11 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import CheckpointError, UserError  # noqa: F401 - CheckpointError: re-exported
 from ..inputs import entry_inside
 
 MANIFEST = "manifest.json"
 FORMAT = "mt3d-checkpoint-1"
-
-
-class CheckpointError(UserError):
-    """A checkpoint that must not be used; the message names the file and what to do."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

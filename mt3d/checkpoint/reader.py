@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..ds.safe import safe_torch_load
 from ..model.config import ModelConfig
 from ..model.moe import expert_index
 from ..model.sharding import from_shards, layout_of, split_name, to_shard
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
-from .safe import safe_torch_load
 
 
 class CheckpointReader:

@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 from ..ds import universal
+from ..ds.safe import safe_torch_load
 from .manager import on_rank0
 from .manifest import (
     CheckpointError,
@@ -32,7 +33,6 @@ from .manifest import (
     verify_files,
     write_manifest,
 )
-from .safe import safe_torch_load
 
 log = logging.getLogger("mt3d")
 
@@ -107,3 +107,40 @@ def prepare(plan, layout, save_dir: str | Path, rank: int) -> tuple[Path, str]:
             "source checkpoint) on a filesystem every host shares"
         )
     return out.parent, out.name
+
+
+def convert_for_resume(plan, save_dir: str | Path, rank: int) -> tuple[Path, str]:
+    """A copy of ``plan``'s checkpoint whose ``*_optim_states.pt`` hold what DeepSpeed kept in NVMe
+    swap files (fp32 weights, Adam moments and step of every swapped sub-group), so that a run without
+    NVMe optimizer offload at the same layout loads it the ordinary way. Written once by rank 0 into
+    ``checkpoints/converted/<tag>`` beside the source (in this run's save_dir when the source is on a
+    read-only mount); files other than the optimizer states are hard links (copies across
+    filesystems). Returns (load_dir, tag). Collective: a failure is raised on every rank."""
+    import os
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from ..ds.nvme import INDEX, converted_optimizer_states
+
+    src, files = plan.path, plan.manifest["files"]
+    dest = derived_dir(plan, save_dir, "converted")
+
+    def convert() -> None:
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        for name in files:
+            if name.startswith(("offloaded_tensors/", f"{INDEX}/")) or name.endswith("_optim_states.pt"):
+                continue
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src / name, dest / name)
+            except OSError:  # another filesystem
+                shutil.copy2(src / name, dest / name)
+        for name in sorted(n for n in files if n.endswith("_optim_states.pt")):
+            torch.save(converted_optimizer_states(src, name, files, plan.step), dest / name)
+
+    on_rank0(rank, f"converting the NVMe optimizer states of {src}", convert)
+    dist.barrier()
+    return dest.parent, dest.name

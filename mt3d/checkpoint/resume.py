@@ -227,7 +227,7 @@ def check_engine_state(path: Path, meta: dict) -> None:
     resume the data at one step and the scheduler at another; the files it lists are hashed, but
     its own fields are not, so they are checked here against the hashed engine state.
     """
-    from .safe import safe_torch_load
+    from ..ds.safe import safe_torch_load
 
     name = next((n for n in ENGINE_STATE_FILES if (path / n).is_file()), None)
     if name is None:

@@ -32,7 +32,7 @@ def uses_pipeline_engine(layout) -> bool:
 
 def zero_pipeline_conflict(pp: int, zero_stage: int) -> str | None:
     """Why a ZeRO stage cannot run with ``pp`` pipeline stages (None: it can)."""
-    from ..ds import running_version
+    from ..versions import running_version
 
     if pp > 1 and zero_stage >= 2:
         return (
@@ -71,7 +71,7 @@ def offload_conflict(zero_stage: int, off: Offload, short: bool = False) -> str 
 
     The running DeepSpeed accepts some of these and then ignores them: parameter offload below
     ZeRO-3, and NVMe optimizer offload below ZeRO-3 (which it runs as CPU offload)."""
-    from ..ds import running_version
+    from ..versions import running_version
 
     if not off.any:
         return None
@@ -120,8 +120,8 @@ def offload_resume_conflict(saved: str, now: str, layout_changed: bool) -> str |
     those resume either way. DeepSpeed saves NVMe-offloaded optimizer states as a copy of the swap
     files (``offloaded_tensors/rank*``) and leaves empty tensors in ``*_optim_states.pt``; it restores
     them only into the same NVMe layout, and reads nothing else then. mt3d converts such a checkpoint
-    for a run without NVMe optimizer offload at the same layout (``mt3d.ds.nvme.convert_for_resume``);
-    the other direction is refused."""
+    for a run without NVMe optimizer offload at the same layout
+    (``mt3d.checkpoint.reshard.convert_for_resume``); the other direction is refused."""
     was, will = optimizer_device(saved), optimizer_device(now)
     if "nvme" not in (was, will) or (was == will and not layout_changed):
         return None

@@ -11,36 +11,9 @@ Each reach, why it exists and the test that watches it are listed in ``REACHES``
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-
-@functools.cache
-def running_version() -> str:
-    """The DeepSpeed version this process runs."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:  # pragma: no cover - deepspeed is a hard requirement
-        return "unknown"
-
-
-@functools.cache
-def pinned_version() -> str | None:
-    """The DeepSpeed version mt3d's package requires (``deepspeed==X`` in setup.cfg), or None."""
-    import re
-    from importlib.metadata import PackageNotFoundError, requires
-
-    try:
-        reqs = requires("mt3d") or []
-    except PackageNotFoundError:
-        return None
-    for req in reqs:
-        m = re.match(r"deepspeed\s*==\s*([\w.]+)", req)
-        if m:
-            return m.group(1)
-    return None
+from ..versions import pinned_version, running_version  # noqa: F401 - the door names them too
 
 
 @dataclass(frozen=True)

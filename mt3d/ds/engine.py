@@ -24,6 +24,7 @@ import torch
 from ..config import DeepSpeedSection, Layout
 from ..config.rules import uses_pipeline_engine
 from ..parallel.axes import deepspeed_sizes
+from .instructions import wrap_instructions
 
 
 def deepspeed_config(
@@ -86,16 +87,6 @@ def deepspeed_config(
             if not on_cpu:
                 params.setdefault("fused", True)
     return out
-
-
-def wrap_instructions(engine, wrap) -> None:
-    """Replace each handler of a pipeline engine's instruction table by ``wrap(instruction, handler)``
-    (the handler itself where nothing changes), on this engine instance only. DeepSpeed dispatches
-    ``self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)``, a class-level table looked up on the
-    instance (tests/test_overlap.py watches that line): the instance's copy overrides the class's, and
-    each call wraps what the previous ones left, so the wrappers compose. The one home of that table
-    for mt3d (the overlap, the logits release, the bubble and overlap benchmarks)."""
-    engine._INSTRUCTION_MAP = {kind: wrap(kind, fn) for kind, fn in engine._INSTRUCTION_MAP.items()}
 
 
 def release_loss_outputs(engine) -> None:
@@ -188,7 +179,7 @@ class SafeCheckpointEngine:
 
     def load(self, path, map_location=None):
         """DeepSpeed's CheckpointEngine.load, through the allow-list."""
-        from ..checkpoint.safe import safe_torch_load
+        from .safe import safe_torch_load
 
         return safe_torch_load(path, map_location=map_location or "cpu")
 

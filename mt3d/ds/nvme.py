@@ -6,7 +6,8 @@ DeepSpeed saves such states as a copy of each rank's swap files (``offloaded_ten
 named after internal parameter ids) and leaves empty tensors in ``*_optim_states.pt``.
 ``write_swap_index`` records, per ``*_optim_states.pt`` file, which swap file holds each sub-group's
 fp32 weights and how many elements are its own; ``swapped_flats`` reads them back, and
-``convert_for_resume`` writes an ordinary copy for a run without NVMe optimizer offload.
+``mt3d.checkpoint.reshard.convert_for_resume`` writes an ordinary copy for a run without NVMe
+optimizer offload, from ``converted_optimizer_states``.
 
 With ``offload_optimizer.device: nvme`` DeepSpeed's ``load_checkpoint`` skips the ZeRO checkpoint
 files altogether and copies the saved swap files (``offloaded_tensors/rank*``) over the run's own.
@@ -84,7 +85,7 @@ def read_index(ckpt_dir: Path, name: str, files: dict) -> list[dict]:
     there, so inside the checkpoint (``inputs.entry_inside``), and holds the elements it claims."""
     import json
 
-    from ..checkpoint.manifest import CheckpointError
+    from ..errors import CheckpointError
 
     where = ckpt_dir / name
     try:
@@ -121,7 +122,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> list:
     """``flats`` (the fp32 groups of ``optim_file``) with each swapped sub-group read from its swap file;
     ``files``: the checkpoint manifest's file table (every file read must be listed there)."""
-    from ..checkpoint.manifest import CheckpointError
+    from ..errors import CheckpointError
 
     name = f"{INDEX}/{optim_file}.json"
     if name not in files:
@@ -140,11 +141,11 @@ def swapped_flats(ckpt_dir: Path, optim_file: str, flats: list, files: dict) -> 
             for flat, g in zip(flats, groups)]  # fmt: skip
 
 
-def _converted_optimizer_states(src: Path, name: str, files: dict, step_default: int) -> dict:
+def converted_optimizer_states(src: Path, name: str, files: dict, step_default: int) -> dict:
     """``src/name`` (a ``*_optim_states.pt``) with the fp32 weights, moments and step of every swapped
     sub-group read in from its swap files."""
-    from ..checkpoint.manifest import CheckpointError
-    from ..checkpoint.safe import safe_torch_load
+    from ..errors import CheckpointError
+    from .safe import safe_torch_load
 
     index = f"{INDEX}/{name}.json"
     if index not in files:
@@ -165,42 +166,6 @@ def _converted_optimizer_states(src: Path, name: str, files: dict, step_default:
             **{k: _read_swap(swap.with_name(f"{k}-{swap.name}"), g["numel"]) for k in MOMENTS},
         }
     return sd
-
-
-def convert_for_resume(plan, save_dir: str | Path, rank: int) -> tuple[Path, str]:
-    """A copy of ``plan``'s checkpoint whose ``*_optim_states.pt`` hold what DeepSpeed kept in NVMe
-    swap files (fp32 weights, Adam moments and step of every swapped sub-group), so that a run without
-    NVMe optimizer offload at the same layout loads it the ordinary way. Written once by rank 0 into
-    ``checkpoints/converted/<tag>`` beside the source (in this run's save_dir when the source is on a
-    read-only mount); files other than the optimizer states are hard links (copies across
-    filesystems). Returns (load_dir, tag). Collective: a failure is raised on every rank."""
-    import os
-    import shutil
-
-    import torch.distributed as dist
-
-    from ..checkpoint.reshard import derived_dir, on_rank0
-
-    src, files = plan.path, plan.manifest["files"]
-    dest = derived_dir(plan, save_dir, "converted")
-
-    def convert() -> None:
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
-        for name in files:
-            if name.startswith(("offloaded_tensors/", f"{INDEX}/")) or name.endswith("_optim_states.pt"):
-                continue
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src / name, dest / name)
-            except OSError:  # another filesystem
-                shutil.copy2(src / name, dest / name)
-        for name in sorted(n for n in files if n.endswith("_optim_states.pt")):
-            torch.save(_converted_optimizer_states(src, name, files, plan.step), dest / name)
-
-    on_rank0(rank, f"converting the NVMe optimizer states of {src}", convert)
-    dist.barrier()
-    return dest.parent, dest.name
 
 
 def deepspeed_restores_nvme_states(opt) -> bool:
@@ -240,7 +205,7 @@ def finish_nvme_resume(engine, load_dir: Path, tag: str) -> bool:
     if not engine.zero_nvme_offload_optimizer() or os.environ.get(DISABLE) == "0":
         return False
     opt = engine.optimizer
-    from ..checkpoint.safe import safe_torch_load
+    from .safe import safe_torch_load
 
     saved = safe_torch_load(engine._get_zero_ckpt_name(str(load_dir), tag))["optimizer_state_dict"]
     restore_param_groups(opt.optimizer, saved["optimizer_state_dict"]["param_groups"])

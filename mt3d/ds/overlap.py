@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from .engine import wrap_instructions
+from .instructions import wrap_instructions
 
 log = logging.getLogger("mt3d")
 

@@ -13,9 +13,9 @@ import re
 import shutil
 from pathlib import Path
 
-from ..checkpoint.manifest import CheckpointError
+from ..errors import CheckpointError
 from ..model.moe import expert_index
-from . import running_version
+from ..versions import running_version
 
 
 def convert(source: Path, out: Path, workers: int = 1, layout: dict | None = None) -> None:
@@ -102,7 +102,7 @@ def _write_tp_only_model_states(source: Path, dest: Path, tp: int) -> None:
     sizes are tp instead of tp x ep: ds_to_universal reads the TP degree from them."""
     import torch
 
-    from ..checkpoint.safe import safe_torch_load
+    from .safe import safe_torch_load
 
     state = safe_torch_load(source)
     dims = dict(state.get("checkpoint_parallel_dimensions") or {})

@@ -45,7 +45,7 @@ def tier_bytes(params: float, dp: int, zero_stage: int, prec, offload: str = "no
     """Bytes of model states of one rank on ``gpu``, ``cpu`` and ``nvme`` (see the module doc).
     ``sub_group_size``: DeepSpeed's (default: what mt3d writes for NVMe offload)."""
     from ..config import NVME_SUB_GROUP_SIZE
-    from .costs import model_state_bytes
+    from .layout import model_state_bytes
 
     if sub_group_size is None:
         sub_group_size = NVME_SUB_GROUP_SIZE if "nvme" in offload else SUB_GROUP_SIZE

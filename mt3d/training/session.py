@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .. import __version__
 from ..checkpoint import reshard, resume
 from ..checkpoint.manager import Checkpointer, claim_save_dir
 from ..checkpoint.rng import rng_key
-from ..checkpoint.safe import only_safe_loads
 from ..config import DataConfig, Layout, RunConfig
 from ..data.loader import build_data
+from ..ds.safe import only_safe_loads
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_PREEMPTED, UserError
 from ..inputs import env_int
 from ..model.config import ModelConfig
+from ..versions import __version__
 from .engine import build_model, initialize
 from .faults import FaultInjector
 from .logs import deepspeed_output
@@ -96,7 +96,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         convert = plan.check_offload(layout)
         load_dir, tag = plan.path.parent, plan.path.name
         if convert:  # NVMe-offloaded optimizer states into a run without: an ordinary checkpoint copy
-            from ..ds.nvme import convert_for_resume
+            from ..checkpoint.reshard import convert_for_resume
 
             load_dir, tag = convert_for_resume(plan, run.mt3d.train.save_dir, rt.rank)
         if not same_layout:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..ds.pickles import allowed_globals
-from .manifest import CheckpointError
+from ..errors import CheckpointError
+from .pickles import allowed_globals
 
 _REAL_LOAD = torch.load  # before only_safe_loads can replace it
 

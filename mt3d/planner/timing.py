@@ -1,0 +1,299 @@
+"""Step time of one training layout (FORMULAS.md): compute (the GEMM shape model of ``compute``, or
+the executed FLOPs at an efficiency), the pipeline bubble, TP, CP, EP, PP and DP communication at the
+bandwidths of where the mapper puts each axis, each hidden behind compute as far as the schedule
+allows, offload transfers and the optimizer step."""
+
+from __future__ import annotations
+
+import math
+
+from ..model.config import ModelConfig
+from .layout import Layout, Precision, stage_params
+from .memory import posts_p2p, runs_bf16_optimizer
+from .offload import offload_traffic
+from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, ring_factor, tp_bytes
+
+# DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
+# project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
+# Device.cpu_cores_per_gpu without a cap for the host's memory bandwidth (about 30 bytes move per
+# element), so with many cores per GPU the CPU step is optimistic.
+CPU_ADAM_ELEMENTS_PER_CORE_S = 8.8e8
+
+
+# Share of the compute time behind which DeepSpeed's ZeRO-3 hides its parameter all-gathers and
+# gradient reduce-scatters (prefetching). Fitted on PTD-P's Table 2 ZeRO-3 rows (175B and 530B on
+# 384-2240 A100s, which it then predicts within 7%): 1.0 (all hidden) over-predicts the
+# compute-bound rows by 31-41%, 0.0 under-predicts them.
+ZERO3_OVERLAP = 0.5
+
+
+def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: int, blocks: int,
+             recompute: bool) -> float:  # fmt: skip
+    """Bytes one rank sends per step over its ep group: every sparse layer of the heaviest stage
+    dispatches and combines each micro-batch's ``tokens`` rows (``traffic.ep_layer_elements``; every
+    TP rank sends the whole rows, mt3d's experts being split over TP), and recompute repeats the
+    forward's half."""
+    spec = cfg.moe_spec
+    if spec is None or ep <= 1:
+        return 0.0
+    sparse = blocks * cfg.sparse_layers / cfg.layers
+    per_layer = ep_layer_elements(ep, tokens, spec.top_k, cfg.hidden, spec.experts) * elem
+    return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
+
+
+def bucket_reduction_hidden(dp: float, last_bucket_share: float, backward: float) -> float:
+    """Seconds of a gradient reduction (``dp``) hidden behind the backward that fills its buckets:
+    they are reduced in backward order as they fill, so all but the last bucket (``last_bucket_share``
+    of the gradients) can hide, and no more than that ``backward`` lasts. The one statement of the
+    rule: ``dp_hidden`` plans with it, ``mt3d.bench overlap`` predicts its measured row with it."""
+    return min(dp * (1 - last_bucket_share), backward)
+
+
+def dp_hidden(dp: float, grads: float, micro_compute: float, recompute: bool) -> float:
+    """Seconds of a data-parallel gradient reduction (``dp``) hidden behind the last micro-batch's
+    backward (``bucket_reduction_hidden``) with buckets of ``GRAD_BUCKET_ELEMENTS``, the last one a
+    whole bucket's share, and that backward 2/3 of a micro-batch's ``micro_compute`` (3/4 with full
+    recompute)."""
+    from .choices import GRAD_BUCKET_ELEMENTS
+
+    buckets = max(1, math.ceil(grads / GRAD_BUCKET_ELEMENTS))
+    backward = micro_compute * (3 / 4 if recompute else 2 / 3)
+    return bucket_reduction_hidden(dp, 1 / buckets, backward)
+
+
+def tp_hidden(columns: list[tuple[float, float]], gather: float, reduce: float) -> float:
+    """Seconds of column-parallel linears' backward transfers hidden behind the GEMMs they run beside
+    (``columns``: each linear's input- and weight-gradient GEMM seconds): the input gradient's
+    reduction (``reduce``: seconds of its reduce-scatter with SP, its all-reduce without) behind the
+    weight gradient, and the input shard's all-gather again (``gather`` seconds; 0 without SP) behind
+    the input gradient. mt3d's layers run both (``parallel.layers.column_linear``); the forward's
+    transfers and the row-parallel linears' stay exposed. ``python -m mt3d.bench overlap`` holds
+    measured figures against it."""
+    return sum(min(reduce, wgrad) + min(gather, dgrad) for dgrad, wgrad in columns)
+
+
+def tp_comm_hidden(gemm: tuple[float, float, float], half: float, recompute: bool, column: bool) -> float:
+    """Seconds of one linear's TP transfers hidden when every transfer is pipelined with the GEMM
+    beside it, each up to that GEMM's time (``overlap`` tp-comm: Megatron-Core's ``--tp-comm-overlap``,
+    TransformerEngine's userbuffers; sequence parallel only). ``gemm``: its (forward, input-gradient,
+    weight-gradient) seconds; ``half``: one all-gather or reduce-scatter of b*s*h. A column linear:
+    its input's all-gather behind the forward GEMM (again with full recompute), and in the backward the
+    re-gather behind the input gradient and the input gradient's reduce-scatter behind the weight
+    gradient (``tp_hidden``'s pair). A row linear: its output's reduce-scatter behind the forward GEMM
+    (again with recompute) and the output gradient's all-gather behind the input gradient."""
+    fwd, dgrad, wgrad = gemm
+    hidden = min(half, fwd) * (2 if recompute else 1) + min(half, dgrad)
+    return hidden + (min(half, wgrad) if column else 0.0)
+
+
+def pp_posted_seconds(blocking: float, p: int, v: int, m: int, message: float, chunk_forward: float) -> float:
+    """Pipeline transfer seconds left exposed when every transfer is posted ahead (``overlap`` pp:
+    ``mt3d.train.overlap.p2p``; Megatron-Core's overlap_p2p_comm), from the schedule as
+    ``pipeline.schedule.simulate`` runs it: while one message takes no longer than a chunk's forward
+    only the first micro-batch's trip through the p v virtual stages and back waits for transfers
+    (2 (p v - 1) messages, whatever m), and each step beyond that adds what a message outlasts the
+    forward. m = p runs all forwards first: nothing hides. Never more than ``blocking``. This follows
+    the simulation waiting for a needed message alone; mt3d's engine waits for the whole batch it came
+    in and every batch before it (``simulate(in_order=True)``, as NCCL runs one stream's batches):
+    the same while a message takes up to a quarter of a chunk's forward, more for longer messages
+    (18.5 instead of 14 message times at p 8, v 1, m 16 with messages 0.8 of a forward;
+    tests/test_interleaved.py), where this is optimistic."""
+    if m <= p or m % p:
+        return blocking
+    return min(blocking, 2 * (p * v - 1) * message + m * v * max(0.0, message - chunk_forward))
+
+
+def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay: Layout, *,
+              peak_tflops: float, efficiency: float | None, bw: dict[str, float], precision: str = "bf16",
+              attention_fraction: float = 1.0, device=None, attention_kernel: str = "flash",
+              pp_scatter_gather: bool = False, gemm_fraction: float | None = None,
+              overlap: tuple[str, ...] = (), mt3d_engine: bool = True, grad_dtype: str = "param",
+              fp8: str | None = None) -> dict[str, float]:  # fmt: skip
+    """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
+
+    Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
+    of ``compute.micro_batch_seconds`` (the heaviest stage's blocks, plus the output layer) and the
+    GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. TP and PP transfers
+    are overlapped with compute only as ``overlap`` says; ZeRO-3's parameter all-gathers and gradient
+    reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
+    ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
+    over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
+    they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
+    ``gemm_fraction``: of the device's GEMM ceiling (default ``compute.GEMM_FRACTION``).
+    ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
+    ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
+    ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
+    (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
+    ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
+    stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears in FP8 (``compute.micro_batch_seconds``;
+    the shape model only); TFLOP/s and MFU still count model FLOPs against ``peak_tflops`` (bf16's).
+    """
+    gpus = lay.gpus
+    tokens = global_batch * seq_len
+    flops = cfg.flops_per_token(seq_len, vocab) * tokens
+    v, m, t = lay.virtual_stages, lay.grad_accum, lay.tp
+    blocks = math.ceil(cfg.layers / lay.pp)
+    prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grad_dtype)
+    grads = stage_params(cfg, vocab, t, lay.pp, lay.ep)
+    compute, optimizer = _compute_seconds(
+        cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
+        device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
+        gemm_fraction=gemm_fraction, fp8=fp8,
+    )  # fmt: skip
+    bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
+    comm_bytes = prec.param
+    act = seq_len // lay.cp * lay.micro_batch * cfg.hidden * comm_bytes
+    timing = (peak_tflops, efficiency, device, gemm_fraction)
+    tp_mode = "tp-comm" if "tp-comm" in overlap else ("tp" if "tp" in overlap else None)
+    tp = _tp_seconds(cfg, seq_len, lay, act, blocks, bw, tp_mode, timing)
+    cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
+    cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
+    posted = posts_p2p(overlap, lay, mt3d_engine)
+    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posted)
+    ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
+    ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
+    dp = _dp_seconds(lay, grads, prec, compute, bw, "dp" in overlap, mt3d_engine)
+    offload = _offload_seconds(grads, lay, prec, bw)
+    total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
+    tflops = flops / gpus / total / 1e12
+    return {
+        "compute_s": compute,
+        "bubble_s": bubble,
+        "tp_comm_s": tp,
+        "cp_comm_s": cp,
+        "ep_comm_s": ep,
+        "pp_comm_s": pp,
+        "dp_comm_s": dp,
+        "offload_s": offload,
+        "optimizer_s": optimizer,
+        "step_time_s": total,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak_tflops,
+    }
+
+
+def _dp_seconds(lay: Layout, grads: float, prec: Precision, compute: float, bw: dict, overlapped: bool,
+                mt3d_engine: bool) -> float:  # fmt: skip
+    """Exposed data-parallel transfer seconds of a step: ZeRO-3's beyond ``ZERO3_OVERLAP`` of the
+    compute, else the reduction less ``dp_hidden`` when ``overlapped``. The weights travel in their
+    dtype, the gradients in theirs (Megatron-Core reduce-scatters fp32 gradients); DeepSpeed's BF16
+    optimizer all-reduces the gradients in the weights' dtype, then all-gathers the updated weights:
+    ZeRO-1's count with the gradients' bytes twice (with fp32 gradients, 2 x 2 + 2 bytes per parameter
+    and ring pass, as Megatron-Core's 4 + 2)."""
+    zero_stage, elems = lay.zero_stage, (prec.param, prec.grad)
+    if runs_bf16_optimizer(lay, prec, mt3d_engine):
+        zero_stage, elems = 1, (prec.param, 2 * prec.param)
+    gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
+    # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
+    dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
+    dp = dp_bytes(grads, *elems, lay.dense, zero_stage, gathers) / (dense_bw * 1e9)
+    if lay.zero_stage == 3:
+        return max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
+    if overlapped:
+        return dp - dp_hidden(dp, grads, compute / lay.grad_accum, lay.recompute)
+    return dp
+
+
+def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dict, overlapped: str | None,
+                timing: tuple) -> float:  # fmt: skip
+    """Exposed TP transfer seconds of a step: ``tp_bytes``, less what ``overlapped`` hides ("tp":
+    ``tp_hidden``; "tp-comm": ``tp_comm_hidden``; None: nothing). ``timing``: (peak_tflops,
+    efficiency, device, gemm_fraction), timing the block's GEMMs as ``_compute_seconds`` does (the
+    shape model on a calibrated device, else ``efficiency`` x peak)."""
+    from .compute import COLUMN_GEMMS, block_gemm_seconds
+
+    t, m = lay.tp, lay.grad_accum
+    sp = lay.sequence_parallel and t > 1
+    # a sparse block's experts take the gathered input whole (mt3d.model.moe): only its QKV linear
+    # keeps a shard and overlaps its backward transfers (``ColumnParallelLinear``); its shared expert,
+    # where there is one, is an MLP of its own with its own TP region (not credited with overlap)
+    sparse = cfg.sparse_layers / cfg.layers
+    shared = sparse if cfg.moe_spec is not None and cfg.moe_spec.shared_ffn else 0.0
+    dense = 1 - sparse
+    regathers = (1 + dense + shared) if sp and not lay.sp_gathered else 0.0  # mt3d's default SP path
+    tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regathers=regathers, mlps=1 + shared)
+    tp /= bw["tp"] * 1e9
+    if not overlapped or t == 1 or (sp and lay.sp_gathered):  # kept whole: gathered by autograd, after
+        return tp
+    peak_tflops, efficiency, device, gemm_fraction = timing
+    tokens = seq_len // lay.cp * lay.micro_batch
+    fraction = _shape_model_fraction(device, efficiency, gemm_fraction)
+    rate = None if fraction is not None else peak_tflops * 1e12 * (efficiency or 0.5)
+    gemms = block_gemm_seconds(cfg, tokens, t, device, fraction or 0.0, rate)
+    half = ring_factor(t) / 2 * act / (bw["tp"] * 1e9)  # an all-gather or reduce-scatter of b*s*h
+    if overlapped == "tp-comm" and sp:
+        parts = [tp_comm_hidden(g, half, lay.recompute, i in COLUMN_GEMMS) for i, g in enumerate(gemms)]
+        attention, mlp = parts[0] + parts[1], parts[2] + parts[3]
+    else:
+        gather, reduce = (half, half) if sp else (0.0, 2 * half)
+        attention, mlp = (tp_hidden([gemms[i][1:]], gather, reduce) for i in COLUMN_GEMMS)
+    return tp - blocks * m * (attention + dense * mlp)
+
+
+def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, posted: bool) -> float:
+    """Pipeline transfer seconds of a step: ``pp_bytes``, or with ``posted`` what
+    ``pp_posted_seconds`` leaves exposed (a chunk's forward: a third of its compute, a quarter with
+    recompute)."""
+    if lay.pp == 1:
+        return 0.0
+    v, m = lay.virtual_stages, lay.grad_accum
+    message = message_bytes / (bw["pp"] * 1e9)  # seconds of one transfer
+    pp = pp_bytes(m, message, v)
+    if not posted:
+        return pp
+    chunk_forward = compute / (m * v) * (1 / 4 if lay.recompute else 1 / 3)
+    return pp_posted_seconds(pp, lay.pp, v, m, message, chunk_forward)
+
+
+def _shape_model_fraction(device, efficiency, gemm_fraction) -> float | None:
+    """The share of the GEMM ceiling to time GEMMs with by their shapes (``compute``): ``gemm_fraction``
+    or the calibration, on a device with a GEMM calibration and no ``efficiency`` given; None: time
+    the work at ``efficiency`` x peak instead."""
+    if efficiency is None and device is not None and getattr(device, "sms", 0):
+        from .compute import GEMM_FRACTION
+
+        return GEMM_FRACTION if gemm_fraction is None else gemm_fraction
+    return None
+
+
+def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *, peak_tflops, efficiency,
+                     device, attention_fraction, attention_kernel, gemm_fraction, fp8=None):  # fmt: skip
+    """(compute, GPU optimizer step) seconds of one step: the GEMM shape model with a calibrated
+    device, else the executed FLOPs at ``efficiency`` x peak (see ``step_time``)."""
+    gpus = lay.gpus
+    fraction = _shape_model_fraction(device, efficiency, gemm_fraction)
+    if fraction is not None:
+        from .compute import micro_batch_seconds, optimizer_seconds
+
+        # with cp a rank computes seq_len / cp tokens, each against as many keys as at cp = 1
+        per_micro = micro_batch_seconds(
+            cfg, vocab, seq_len // lay.cp, lay.micro_batch, lay.tp, blocks, device,
+            sp=lay.sequence_parallel and lay.tp > 1, recompute=lay.recompute, selective=lay.selective,
+            attention=attention_kernel,
+            keys=seq_len * attention_fraction,
+            fraction=fraction,
+            fp8=fp8,
+        )["total_s"]  # fmt: skip
+        optimizer = 0.0
+        if lay.offload == "none":
+            optimizer = optimizer_seconds(grads / (lay.data if lay.zero_stage >= 1 else 1), device)
+        return lay.grad_accum * per_micro, optimizer
+    work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
+    executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
+    if lay.selective and not lay.recompute:  # the attention core's forward again (a third of its work)
+        attended = seq_len * attention_fraction
+        core = cfg.flops_per_token(seq_len, vocab, attended=attended) - cfg.flops_per_token(
+            seq_len, vocab, attended=0
+        )
+        executed += core * tokens / 3
+    return executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5)), 0.0
+
+
+def _offload_seconds(grads: float, lay: Layout, prec: Precision, bw: dict[str, float]) -> float:
+    """PCIe and NVMe transfers and the CPU optimizer step, not overlapped with compute (an upper
+    bound: DeepSpeed prefetches some of it behind the GPU's work)."""
+    if lay.offload == "none":
+        return 0.0
+    moved = offload_traffic(grads, lay.data, lay.zero_stage, prec, lay.offload, lay.recompute)
+    return (moved["pcie"] / (bw["pcie"] * 1e9) + moved["nvme"] / (bw["nvme"] * 1e9)
+            + moved["cpu_adam_elements"] / bw["cpu_adam"])  # fmt: skip
