@@ -13,11 +13,11 @@ if "DS_ACCELERATOR" not in _os.environ:
 
 
 def from_pretrained(path, **kwargs):
-    """Load an HF directory or mt3d checkpoint for the calling rank (see ``mt3d.model.loading``).
+    """Load an HF directory or mt3d checkpoint for the calling rank (see ``mt3d.checkpoint.loading``).
 
     ``mt3d.from_pretrained("hf/llama", tp=2, pp=2)`` under a launcher with 4 ranks returns this
     rank's TP shard of its pipeline stage; with no launcher, ``tp = pp = 1``, the whole model.
     """
-    from .model.loading import from_pretrained as _from_pretrained
+    from .checkpoint.loading import from_pretrained as _from_pretrained
 
     return _from_pretrained(path, **kwargs)

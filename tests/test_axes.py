@@ -107,8 +107,8 @@ def test_any_order_of_five_axes_is_a_bijection():
 def test_deepspeed_sees_cp_in_its_data_axis_and_ep_in_its_model_axis():
     """cp ranks hold the same weights (DeepSpeed reduces and partitions over them); ep ranks hold
     different experts, so each writes its own files: they count in DeepSpeed's 'model' axis."""
+    from mt3d.ds.topology import map_ranks
     from mt3d.parallel.axes import deepspeed_sizes
-    from mt3d.parallel.topology import map_ranks
 
     topo = map_ranks(32, 2, 2, gpus_per_node=8, cp=2, ep=2)
     sizes = deepspeed_sizes(topo.placement.degrees)
@@ -182,8 +182,8 @@ def _state_worker(degrees):
     import torch
     import torch.distributed as dist
 
+    from mt3d.ds.topology import map_ranks
     from mt3d.parallel.state import ParallelState
-    from mt3d.parallel.topology import map_ranks
 
     topo = map_ranks(dist.get_world_size(), **degrees)
     state = ParallelState.build(topo)

@@ -83,8 +83,8 @@ def run_block(tp: AxisGroup, arch: str, sp: bool):
 def worker(arch, sp):
     import torch.distributed as dist
 
+    from mt3d.ds.topology import map_ranks
     from mt3d.parallel.state import ParallelState
-    from mt3d.parallel.topology import map_ranks
 
     w = dist.get_world_size()
     return run_block(ParallelState.build(map_ranks(w, tp=w)).tp, arch, sp)

@@ -113,7 +113,7 @@ def test_reshard_other_models(tmp_path, model):
     step3 = src / "checkpoints" / "step_00000003"
     if model == "llama-gqa":
         make_legacy(step3)
-        from mt3d.model.loading import open_source
+        from mt3d.checkpoint.loading import open_source
 
         assert open_source(step3).cfg.family == "llama"
 

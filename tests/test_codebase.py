@@ -121,3 +121,141 @@ def test_no_function_is_longer_than_80_lines():
                 if n > 80:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, "split these:\n" + "\n".join(long)
+
+
+FLOORS = {
+    "errors": 0, "inputs": 0, "versions": 0, "pipeline": 1, "parallel": 2, "data": 3, "model": 4,
+    "presets": 5, "config": 6, "planner": 7, "ds": 8, "checkpoint": 9, "training": 10, "train": 11,
+    "bench": 12, "cli": 13, "__main__": 14, "__init__": 14,
+}  # fmt: skip
+"""DESIGN.md's floors, lowest first (the ground floor is the base modules): a module may import its own
+floor and lower ones only. ``mt3d/__init__.py`` sits on top (its one lazy import, ``from_pretrained``)."""
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    return FLOORS["__init__" if len(parts) == 1 else parts[1]]
+
+
+def _imports(path: Path, tree: ast.Module):
+    """(line, module) of every mt3d import in a file, inside functions too, outside ``TYPE_CHECKING``
+    blocks (type-only imports never run); ``from pkg import name`` names the module ``pkg.name`` where
+    that is a module."""
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node))
+    here = _module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            targets = []
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                is_module = (ROOT / sub.replace(".", "/")).with_suffix(".py").is_file() or (
+                    ROOT / sub.replace(".", "/") / "__init__.py"
+                ).is_file()
+                targets.append(sub if is_module else base)
+        else:
+            continue
+        for t in targets:
+            if t == "mt3d" or t.startswith("mt3d."):
+                yield node.lineno, t
+
+
+def test_floors_hold_and_no_modules_import_each_other():
+    """No module imports a higher floor (``FLOORS``), and the modules form no import cycle (an import
+    inside a function counts: it runs on the first call)."""
+    upward, edges = [], {}
+    for path, tree in _modules(outside_door=False):
+        me = _module_name(path)
+        for line, target in _imports(path, tree):
+            if _floor(target) > _floor(me):
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} (a higher floor)")
+            if target != me:
+                edges.setdefault(me, set()).add(target)
+    assert not upward, "\n".join(upward)
+    cycles = _cycles(edges)
+    assert not cycles, "modules that import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in list(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    group.append(w)
+                    if w == node:
+                        break
+                if len(group) > 1:
+                    out.append(sorted(group))
+    return out
+
+
+def test_the_cycle_check_can_fail():
+    """The check sees a cycle through an import inside a function, and an upward import."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse("def f():\n    from ..ds import engine\n")
+    got = list(_imports(SRC / "parallel" / "x.py", tree))
+    assert got == [(2, "mt3d.ds.engine")] and _floor("mt3d.ds.engine") > _floor("mt3d.parallel.x")
+
+
+def test_files_are_short_and_public_names_documented():
+    """No file over 500 lines; every public function, class and method of a public class has a
+    docstring (private autograd functions' forward/backward are torch's protocol, not API)."""
+    long, bare = [], []
+    for path, tree in _modules(outside_door=False):
+        rel = path.relative_to(ROOT)
+        n = len(path.read_text().splitlines())
+        if n > 500:
+            long.append(f"{rel} ({n} lines)")
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                if ast.get_docstring(node) is None:
+                    bare.append(f"{rel}:{node.lineno} {node.name}")
+                if isinstance(node, ast.ClassDef):
+                    for m in node.body:
+                        if (isinstance(m, ast.FunctionDef) and not m.name.startswith("_")
+                                and ast.get_docstring(m) is None):  # fmt: skip
+                            bare.append(f"{rel}:{m.lineno} {node.name}.{m.name}")
+    assert not long, "split these files:\n" + "\n".join(long)
+    assert not bare, "document these:\n" + "\n".join(bare)

@@ -206,8 +206,8 @@ def test_bad_context_parallel_configs_are_one_line_before_process_groups(tmp_pat
 
 
 def _eval_worker(path, text_ids, cp):
+    from mt3d.checkpoint.loading import from_pretrained
     from mt3d.model.inference import evaluate_tokens
-    from mt3d.model.loading import from_pretrained
 
     model = from_pretrained(path, cp=cp)
     return evaluate_tokens(model, text_ids, model.state, 24, 16)
@@ -217,8 +217,8 @@ def test_eval_at_cp_equals_one_process(tmp_path):
     """``mt3d eval --cp``: windows cut over the cp ranks (the last one padded) score the same loss."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from mt3d.checkpoint.loading import from_pretrained
     from mt3d.model.inference import evaluate_tokens
-    from mt3d.model.loading import from_pretrained
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

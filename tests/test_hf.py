@@ -29,11 +29,11 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from mt3d.checkpoint.loading import from_pretrained
 from mt3d.data.corpora import stdlib_documents
 from mt3d.data.tokenizer import load_tokenizer, train_bpe
 from mt3d.model.families import HFError
 from mt3d.model.hf import config_from_hf
-from mt3d.model.loading import from_pretrained
 from mt3d.parallel.spawn import spawn
 
 from helpers import step_records, tiny_config, train_worker
@@ -155,8 +155,8 @@ def test_logits_match_transformers_at_every_layout(hf_dirs):
 @pytest.mark.parametrize("name", WINDOWED)
 def test_a_window_blind_model_fails_the_parity_check(hf_dirs, name):
     """The windows are shorter than the test sequences: ignoring them changes the logits."""
+    from mt3d.checkpoint.loading import build_model, load_weights, open_source
     from mt3d.model.inference import logits
-    from mt3d.model.loading import build_model, load_weights, open_source
     from mt3d.parallel.state import ParallelState
 
     ids = sample_ids()
@@ -313,7 +313,7 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, name, caplog):
         if key in original:
             assert exported[key] == original[key], key
     assert (tmp_path / "export" / "tokenizer.json").is_file()
-    from mt3d.model.loading import open_source
+    from mt3d.checkpoint.loading import open_source
 
     source = open_source(tmp_path / "run")  # the tokenizer travels inside the checkpoint
     assert Path(source.tokenizer_dir) == source.path / "tokenizer"

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
 
+from mt3d.checkpoint.loading import from_pretrained, open_source
 from mt3d.data.tokenizer import TokenizerError, load_tokenizer, train_bpe
 from mt3d.model.families import HFError, families
 from mt3d.model.hf import config_from_hf
 from mt3d.model.inference import logits
-from mt3d.model.loading import from_pretrained, open_source
 
 TRANSFORMERS = Path(__import__("transformers").__file__).parent / "models"
 

@@ -73,8 +73,8 @@ def tok_dir(tmp_path_factory):
 def test_moe_families_match_transformers(tmp_path, tok_dir, family):
     from transformers import AutoModelForCausalLM
 
+    from mt3d.checkpoint.loading import from_pretrained
     from mt3d.model.inference import logits
-    from mt3d.model.loading import from_pretrained
 
     d = _hf_moe(family, tmp_path / family, tok_dir)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))

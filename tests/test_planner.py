@@ -23,7 +23,8 @@ from mt3d.planner.costs import (
     step_time,
 )
 from mt3d.planner.hardware import get_device
-from mt3d.planner.search import Cluster, format_plan, interleaving_note, plan, write_config
+from mt3d.planner.output import format_plan, interleaving_note, write_config
+from mt3d.planner.search import Cluster, plan
 from mt3d.presets import get_preset
 
 
@@ -198,7 +199,7 @@ def test_impossible_requests_say_why():
     small = get_device("a100-80gb", host_memory_gb=512, nvme_gb=0)
     result = plan(get_preset("gpt3-175b"), Cluster(8, 8, small), global_batch=8, seq_len=2048)
     assert result["feasible"] == []
-    from mt3d.planner.search import explain_infeasible
+    from mt3d.planner.output import explain_infeasible
 
     assert "no feasible layout: the smallest needs" in explain_infeasible(result)
     with pytest.raises(UserError, match="unknown GPU type 'v99'"):
@@ -323,7 +324,7 @@ def test_planner_fidelity_against_published_runs():
 def test_a_two_million_token_sequence_is_planned_with_context_parallelism(tmp_path):
     """Llama-7B at 2M tokens on 64 H100s: nothing fits without cp (the smallest layout needs 152 GB per
     GPU), and the plan answers with a cp layout that fits, its exchange counted on the cp links."""
-    from mt3d.planner.search import explain_infeasible
+    from mt3d.planner.output import explain_infeasible
 
     cfg, cluster = get_preset("llama-7b"), Cluster(64, 8, get_device("h100"))
     without = plan(cfg, cluster, global_batch=8, seq_len=2**21, context=(1,))
@@ -396,7 +397,7 @@ def test_another_stacks_layout_is_pinned_from_the_command_line_and_explained(cap
     """--tensor/--pipeline/--data/--micro-batch/--zero/--offload/--context/--virtual-stages pin one layout;
     --explain prints the components its step time and memory are the sums of."""
     from mt3d.cli import main
-    from mt3d.planner.search import MEMORY_PARTS, TIME_PARTS
+    from mt3d.planner.output import MEMORY_PARTS, TIME_PARTS
 
     argv = ["plan", "--model", "llama-7b", "--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100",
             "--seq-len", "4096", "--tensor", "4", "--pipeline", "2", "--data", "8", "--micro-batch", "1",

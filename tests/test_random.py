@@ -11,8 +11,8 @@ from mt3d.parallel.state import AxisGroup
 def tp_group():
     import torch.distributed as dist
 
+    from mt3d.ds.topology import map_ranks
     from mt3d.parallel.state import ParallelState
-    from mt3d.parallel.topology import map_ranks
 
     return ParallelState.build(map_ranks(dist.get_world_size(), tp=dist.get_world_size())).tp
 

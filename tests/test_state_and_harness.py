@@ -14,7 +14,7 @@ def state_worker(tp, pp, gpn):
     import torch.distributed as dist
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-    from mt3d.parallel.topology import map_ranks
+    from mt3d.ds.topology import map_ranks
 
     topo = map_ranks(dist.get_world_size(), tp, pp, gpus_per_node=gpn)
     st = ParallelState.build(topo)

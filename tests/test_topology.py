@@ -10,9 +10,10 @@ import warnings
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from mt3d.ds.topology import map_ranks
 from mt3d.parallel.hosts import Host, parse_hostfile, parse_islands, parse_nvidia_smi_topo, read_hostfile
-from mt3d.parallel.report import describe, format_report
-from mt3d.parallel.topology import TopologyError, map_ranks
+from mt3d.parallel.topology import TopologyError
+from mt3d.planner.report import describe, format_report
 from mt3d.planner.traffic import TrafficModel, cross_host_bytes
 
 

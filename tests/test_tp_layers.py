@@ -27,8 +27,8 @@ TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 def tp_group():
     import torch.distributed as dist
 
+    from mt3d.ds.topology import map_ranks
     from mt3d.parallel.state import ParallelState
-    from mt3d.parallel.topology import map_ranks
 
     w = dist.get_world_size()
     return ParallelState.build(map_ranks(w, tp=w)).tp

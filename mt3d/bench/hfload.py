@@ -33,7 +33,7 @@ print(json.dumps({"seconds": dt, "peak_rss_gb": resource.getrusage(resource.RUSA
 def _mt3d_worker(path: str) -> dict:
     import resource
 
-    from ..model.loading import from_pretrained
+    from ..checkpoint.loading import from_pretrained
 
     t0 = time.perf_counter()
     model = from_pretrained(path, tp=2)

@@ -41,8 +41,8 @@ def worker(shapes, reps: int) -> list[dict]:
     path (sequence-parallel and not)."""
     import torch.distributed as dist
 
+    from ..ds.topology import map_ranks
     from ..parallel.state import ParallelState
-    from ..parallel.topology import map_ranks
 
     tp = ParallelState.build(map_ranks(dist.get_world_size(), tp=dist.get_world_size())).tp
     return [{"sp": sp, "rows": r, "in": i, "out": o, **_times(tp, sp, r, i, o, reps)}

@@ -86,10 +86,10 @@ def command_line(row: tuple, device: str = "a100-80gb", fraction: float | None =
 
 @functools.cache
 def _parser():
-    """``mt3d``'s command-line parser (built once: predictions run thousands of times in a refit)."""
-    from ..cli import build_parser
+    """``mt3d plan``'s own parser (built once: predictions run thousands of times in a refit)."""
+    from ..planner.args import plan_parser
 
-    return build_parser()
+    return plan_parser()
 
 
 def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None) -> dict:
@@ -103,10 +103,10 @@ def predict(row: tuple, device: str = "a100-80gb", fraction: float | None = None
     )  # fmt: skip
 
     def planned(*extra):
-        from ..cli import plan_inputs
+        from ..planner.args import plan_inputs
         from ..planner.search import plan
 
-        args = _parser().parse_args(["plan", "--model", "-", *command_line(row, device, fraction), *extra])
+        args = _parser().parse_args(["--model", "-", *command_line(row, device, fraction), *extra])
         inputs = plan_inputs(args, cfg)
         result = plan(cfg, inputs.pop("cluster"), **inputs)
         rows = [r for r in result["feasible"] if not r["sequence_parallel"]]  # Megatron-LM 2021: no SP

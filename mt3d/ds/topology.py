@@ -15,7 +15,7 @@ from __future__ import annotations
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from ..parallel.axes import BY_NAME
-from ..parallel.topology import DS_AXES, Placement
+from ..parallel.topology import DS_AXES, Placement, place
 
 
 class MappedTopology(ProcessTopology):
@@ -56,6 +56,7 @@ class MappedTopology(ProcessTopology):
 
     @islands.setter
     def islands(self, value) -> None:
+        """Set the islands (``mt3d topo --islands`` on a placement made without them)."""
         self.placement.islands = value
 
     # DeepSpeed's get_coord scans the whole mapping per call; this is the same answer in O(1).
@@ -102,3 +103,10 @@ class MappedTopology(ProcessTopology):
     def island_crossing_tp(self) -> int:
         """How many TP groups span more than one NVLink island (0 when no islands were given)."""
         return self.placement.island_crossing_tp()
+
+
+def map_ranks(world_size: int, tp: int = 1, pp: int = 1, **kwargs) -> MappedTopology:
+    """The rank mapping as a DeepSpeed topology (process groups, PipelineModule); arguments as
+    ``mt3d.parallel.topology.place``. Builds one Python object per rank: for summaries of large worlds
+    use ``place``."""
+    return MappedTopology(place(world_size, tp, pp, **kwargs))

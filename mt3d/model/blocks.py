@@ -13,195 +13,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import zlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import context
-from ..parallel.fp8 import PLAIN, Gemms, gemms_for
 from ..parallel.layers import (
     ColumnParallelLinear,
-    NoInit,
-    NormalInit,
     RowParallelLinear,
     VocabParallelEmbedding,
     column_linear,
     mark_sequence_parallel,
     mark_tp,
-    mark_tp_partial_grad,
     mark_vocab,
     pad_vocab,
 )
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
-from ..parallel.random import RNGTracker, checkpoint
-from ..parallel.state import AxisGroup
+from ..parallel.random import checkpoint
 from .attention import attend
-from .config import GATED_MLPS, ModelConfig
-from .tiled import tile_count, tiled
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What a layer needs to know about parallelism and initialisation; passed explicitly.
-
-    Attributes:
-        tp: the tensor-parallel group (``AxisGroup.alone`` for the single-process model).
-        seed: base seed of the weight init; every parameter's stream is derived from
-            (seed, layer index, parameter name), so any layout starts from the same weights.
-        sequence_parallel: shard the residual stream over the sequence between TP regions.
-        tracker: TP-aware RNG for dropout inside TP regions (None: dropout uses default RNG).
-        vocab_multiple: pad the vocabulary to a multiple of this times tp.
-        dtype, device: of the parameters.
-        skip_init: leave weights uninitialised (they are about to be loaded from a checkpoint).
-        cp: the context-parallel group (None or one rank: each rank holds whole sequences).
-        cp_exchange: how attention reaches the other cp ranks' tokens (``parallel.context``).
-        tile_len: run the MLP and the loss over at most this many sequence positions at a time
-            (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its
-            (gathered) input and weight instead of logits, and ``LossFn`` projects tile by tile.
-        ep: the expert-parallel group (None or one rank: every rank holds every expert).
-        keep_gathered: with sequence parallelism, column-parallel linears keep their all-gathered
-            input for the backward instead of the 1/tp shard (``train.recompute.gathered_sp_inputs``).
-        selective: recompute the attention core and the MLP's activation in the backward
-            (``train.recompute.granularity`` selective).
-        fp8: the FP8 recipe of the blocks' column- and row-parallel linears (``train.fp8``; None:
-            their GEMMs in the parameters' dtype); ``fp8_all_gather``: with SP, all-gather the
-            column-parallel inputs in FP8; ``fp8_skip``: block indices whose linears stay plain.
-    """
-
-    tp: AxisGroup
-    seed: int = 1234
-    sequence_parallel: bool = False
-    tracker: RNGTracker | None = field(default=None, compare=False)
-    vocab_multiple: int = 128
-    dtype: torch.dtype = torch.float32
-    device: str | None = None
-    skip_init: bool = False
-    cp: AxisGroup | None = None
-    cp_exchange: str = "auto"
-    tile_len: int = 0
-    ep: AxisGroup | None = None
-    keep_gathered: bool = False
-    selective: bool = False
-    fp8: str | None = None
-    fp8_all_gather: bool = False
-    fp8_skip: frozenset[int] = frozenset()
-
-    def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
-        """The init of one parameter, independent of the layout."""
-        if self.skip_init:
-            return NoInit()
-        return NormalInit(std, (self.seed * 1_000_003 + layer * 7919 + zlib.crc32(name.encode())) % 2**61)
-
-    def gemms(self, layer: int) -> Gemms:
-        """How block ``layer``'s column- and row-parallel linears run their GEMMs."""
-        if self.fp8 is None or layer in self.fp8_skip:
-            return PLAIN
-        return gemms_for(self.fp8, self.fp8_all_gather and self.sp)
-
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism actually in effect (needs tp > 1)."""
-        return self.sequence_parallel and self.tp.size > 1
-
-    def tp_region_rng(self):
-        """Context for random ops whose result must differ per TP rank."""
-        return self.tracker.fork() if self.tracker is not None else contextlib.nullcontext()
-
-    @property
-    def cp_size(self) -> int:
-        """Context-parallel degree (1: whole sequences)."""
-        return self.cp.size if self.cp is not None else 1
-
-    def positions(self, local_len: int, offset: int = 0, device=None) -> torch.Tensor:
-        """Global positions of this rank's ``local_len`` tokens (its cp chunks; ``offset`` + arange
-        without context parallelism)."""
-        if self.cp_size == 1:
-            return torch.arange(offset, offset + local_len, device=device)
-        from ..parallel.context import local_positions
-
-        return local_positions(self.cp, local_len, device)
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich 2019); with ``unit_offset`` x / rms(x) * (1 + weight),
-    weights starting at 0 (Gemma, which also applies the scale before casting back)."""
-
-    def __init__(self, hidden: int, eps: float, unit_offset: bool = False, dtype=torch.float32, device=None):
-        super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
-        init = torch.zeros if unit_offset else torch.ones
-        self.weight = nn.Parameter(init(hidden, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dimension, computing in fp32 (or fp64 for fp64 inputs)."""
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
-        return self.weight * y.to(x.dtype)
-
-
-def make_norm(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
-    """The configured norm over the residual stream; marked sequence-parallel when SP is on."""
-    if cfg.norm == "rmsnorm":
-        norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
-    else:
-        norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=ctx.dtype, device=ctx.device)
-    if ctx.sp:
-        for p in norm.parameters():
-            mark_sequence_parallel(p, ctx.tp)
-    return norm
-
-
-def make_head_norm(cfg: ModelConfig, ctx: BuildContext) -> RMSNorm:
-    """An RMSNorm over one attention head (Qwen3's q/k norm). Every TP rank applies the same weight
-    to its own heads, so each holds part of the gradient: summed over TP (SP or not)."""
-    norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
-    mark_tp_partial_grad(norm.weight, ctx.tp)
-    return norm
-
-
-def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
-    """RoPE inverse frequencies, with HF-compatible 'linear', 'dynamic' and 'llama3' scaling."""
-    d = cfg.head_dim
-    base = cfg.rope_theta
-    sc = dict(cfg.rope_scaling or {})
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "dynamic" and seq_len > cfg.max_seq_len:
-        f = sc["factor"]
-        base = base * ((f * seq_len / cfg.max_seq_len) - (f - 1)) ** (d / (d - 2))
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
-    if kind == "linear":
-        inv = inv / sc["factor"]
-    elif kind == "llama3":
-        f, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / f, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / f + smooth * scaled
-        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-        inv = torch.where(medium, smoothed, scaled)
-    elif kind not in ("default", "dynamic"):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, dynamic, llama3)")
-    return inv.float()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last dimension (the HF/Llama RoPE convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype) -> tuple:
-    """cos/sin tables [s, head_dim] for the given positions."""
-    inv = rope_inv_freq(cfg, seq_len).to(positions.device)
-    freqs = positions.float()[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+from .build import BuildContext  # noqa: F401 - the name layers and callers import from here
+from .config import ModelConfig
+from .mlp import MLP  # noqa: F401
+from .norms import RMSNorm, make_head_norm, make_norm, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401
 
 
 class Attention(nn.Module):
@@ -306,74 +140,6 @@ class Attention(nn.Module):
                 o = kernel(q, k, v, pattern=self.pattern, scale=self.scale, softcap=self.cfg.attn_softcap,
                            dropout=drop, q_start=past, k_start=k_start)  # fmt: skip
         return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-
-
-class MLP(nn.Module):
-    """GELU (tanh) 2-layer MLP, or a gated one (SwiGLU: SiLU gate; GeGLU: tanh-GELU gate) whose gate
-    and up projections are one fused column-parallel linear; inner dimension split over TP."""
-
-    def __init__(
-        self, cfg: ModelConfig, ctx: BuildContext, layer: int, ffn: int | None = None, name: str = "mlp"
-    ) -> None:
-        super().__init__()
-        self.gated = cfg.mlp in GATED_MLPS
-        self.tile_len = ctx.tile_len
-        self.selective = ctx.selective
-        self.act = F.silu if cfg.mlp == "swiglu" else functools.partial(F.gelu, approximate="tanh")
-        ffn = ffn or cfg.ffn
-        parts = (ffn, ffn) if self.gated else (ffn,)
-        self.up = ColumnParallelLinear(
-            cfg.hidden,
-            sum(parts),
-            tp=ctx.tp,
-            bias=cfg.mlp_bias,
-            sequence_parallel=ctx.sp,
-            keep_gathered=ctx.keep_gathered,
-            init=ctx.init(layer, f"{name}.up", cfg.init_std),
-            parts=parts,
-            dtype=ctx.dtype,
-            device=ctx.device,
-            gemms=ctx.gemms(layer),
-        )
-        self.down = RowParallelLinear(
-            ffn,
-            cfg.hidden,
-            tp=ctx.tp,
-            bias=cfg.mlp_bias,
-            sequence_parallel=ctx.sp,
-            init=ctx.init(layer, f"{name}.down", cfg.init_std / math.sqrt(2 * cfg.layers)),
-            dtype=ctx.dtype,
-            device=ctx.device,
-            gemms=ctx.gemms(layer),
-        )
-
-    def forward(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:
-        """[b, s, h] -> [b, s, h] (sequence shards with SP); in tiles of ``tile_len`` positions (as the
-        up projection sees them: all-gathered over TP with SP) unless ``whole``."""
-        gathered = x.shape[1] * (self.up.tp.size if self.up.sequence_parallel else 1)
-        n = 1 if whole else tile_count(gathered, self.tile_len)
-        if n == 1:
-            return self._mlp(x)
-        names = [name for name, _ in self.named_parameters()]
-        return tiled(functools.partial(_module_tile, self, names), x, list(self.parameters()), n)
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up(x)
-        if self.selective and torch.is_grad_enabled():
-            return self.down.forward_recomputing(y, self._activation)
-        return self.down(self._activation(y))
-
-    def _activation(self, y: torch.Tensor) -> torch.Tensor:
-        """act(y), or act(gate) * up of a gated MLP's fused [gate | up]."""
-        if self.gated:
-            gate, up = y.chunk(2, dim=-1)
-            return self.act(gate) * up
-        return self.act(y)
-
-
-def _module_tile(module: nn.Module, names: list[str], x: torch.Tensor, aux, params) -> torch.Tensor:
-    """``module(x, whole=True)`` computed with ``params`` in place of its parameters (a tile)."""
-    return torch.func.functional_call(module, dict(zip(names, params, strict=True)), (x,), {"whole": True})
 
 
 def split_stream(x) -> tuple[torch.Tensor, tuple | None]:

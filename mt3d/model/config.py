@@ -11,36 +11,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..errors import UserError
+from .options import BLOCK_OPTIONS, ModelConfigError  # noqa: F401 - re-exported
 
 GATED_MLPS = ("swiglu", "geglu")
 """MLPs with a gate and an up projection (fused as one column-parallel linear)."""
-
-
-class ModelConfigError(UserError):
-    """An architecture that cannot be built (or cannot be split as asked)."""
-
-
-# Fields that shape the block (as opposed to sizes, dropout and init): a family fixes some of them
-# and lets its HF config set others (``Family.check``).
-BLOCK_OPTIONS = (
-    "position",
-    "norm",
-    "mlp",
-    "bias",
-    "qkv_bias",
-    "mlp_bias",
-    "qk_norm",
-    "norm_unit_offset",
-    "scale_embedding",
-    "post_norms",
-    "attn_softcap",
-    "logit_softcap",
-    "query_pre_attn_scalar",
-    "attention",
-    "tie_embeddings",
-    "moe",
-)
 
 
 @dataclass
@@ -198,7 +172,7 @@ class ModelConfig:
         key = repr(self.moe)
         cached = self.__dict__.get("_moe_spec")
         if cached is None or cached[0] != key:
-            from .moe import MoESpec
+            from .moe_spec import MoESpec
 
             cached = self.__dict__["_moe_spec"] = (key, MoESpec.parse(self.moe))
         return cached[1]

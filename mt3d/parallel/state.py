@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .axes import AXES
-from .topology import COMBINED, map_ranks
+from .topology import COMBINED, place
 
 ALWAYS = ("tp", "dp", "pp", "model")
 """Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world)."""
@@ -98,10 +98,16 @@ class ParallelState:
 
     @classmethod
     def single(cls) -> ParallelState:
-        """State of a single-process run (every axis 1, no torch.distributed)."""
-        return cls(map_ranks(1), 0, {g: AxisGroup.alone(g) for g in GROUPS})
+        """State of a single-process run (every axis 1, no torch.distributed); its topology is the
+        one-rank placement itself (nothing pipelines, so no DeepSpeed topology is needed)."""
+        return cls(place(1), 0, {g: AxisGroup.alone(g) for g in GROUPS})
 
     # --- convenience -------------------------------------------------------------------
+    @property
+    def placement(self):
+        """The rank placement (``mt3d.parallel.topology.Placement``) the groups were built from."""
+        return getattr(self.topology, "placement", self.topology)
+
     @property
     def stage(self) -> int:
         """Pipeline stage of this rank."""
@@ -122,9 +128,7 @@ class ParallelState:
         return self.topology.coord(self.global_rank)
 
     def __repr__(self) -> str:
-        parts = ", ".join(
-            f"{a}={self.groups[a].rank}/{self.groups[a].size}" for a in self.topology.placement.axes
-        )
+        parts = ", ".join(f"{a}={self.groups[a].rank}/{self.groups[a].size}" for a in self.placement.axes)
         return f"ParallelState(rank={self.global_rank}, {parts})"
 
     # --- DeepSpeed mpu contract ------------------------------------------------------------

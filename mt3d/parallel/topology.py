@@ -12,7 +12,7 @@ ranks plays. Axes are placed innermost first, in the run's order (default ``tp-c
 * the outermost axis (pipeline stages, the lightest traffic) is what crosses hosts.
 
 A ``Placement`` is a numpy grid (``axes.GRID`` order: pp, dp/ep, ep, cp, tp) of global ranks, so a
-million ranks take a second or two and tens of MB. ``map_ranks`` wraps it as the DeepSpeed
+million ranks take a second or two and tens of MB. ``mt3d.ds.topology.map_ranks`` wraps it as the DeepSpeed
 ``ProcessTopology`` that DeepSpeed's PipelineModule, mt3d's ParallelState and the TP layers all
 read their groups from (``mt3d.ds.topology``).
 """
@@ -405,14 +405,6 @@ def place(
     return pl
 
 
-def map_ranks(world_size: int, tp: int = 1, pp: int = 1, **kwargs):
-    """The rank mapping as a DeepSpeed topology (process groups, PipelineModule); arguments as
-    ``place``. Builds one Python object per rank: for summaries of large worlds use ``place``."""
-    from ..ds.topology import MappedTopology
-
-    return MappedTopology(place(world_size, tp, pp, **kwargs))
-
-
 def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int, **degrees: int) -> dict[str, bool]:
     """Whether any group of each shown axis crosses hosts under ``place``'s default packing (default
     order, uniform hosts, no islands), in O(axes): the planner asks this for every candidate.
@@ -448,7 +440,6 @@ __all__ = [
     "Placement",
     "TopologyError",
     "grid_dims",
-    "map_ranks",
     "parse_order",
     "place",
     "uniform_crossing",

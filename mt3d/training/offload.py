@@ -17,7 +17,7 @@ from pathlib import Path
 from ..config import ConfigError, Layout, Offload, writable_dir
 from ..inputs import env_int
 from ..model.config import ModelConfig
-from ..parallel.report import human_bytes
+from ..planner.report import human_bytes
 
 LIBAIO_HELP = (
     "NVMe offload needs libaio for DeepSpeed's async_io op: apt-get install libaio-dev "

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ParallelConfig
-from ..ds.topology import MappedTopology
+from ..ds.topology import MappedTopology, map_ranks
 from ..errors import UserError
 from ..inputs import env_int
 from ..parallel.hosts import Host, parse_islands, read_hostfile
 from ..parallel.random import RNGTracker, seed_everything
 from ..parallel.spawn import free_port
 from ..parallel.state import ParallelState
-from ..parallel.topology import map_ranks
 
 log = logging.getLogger("mt3d")
 

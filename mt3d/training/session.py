@@ -112,7 +112,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
             for p in model.parameters():
                 p.normal_(0.0, 0.02)
     if hf_path and plan is None:
-        from ..model.loading import load_weights, open_source
+        from ..checkpoint.loading import load_weights, open_source
 
         load_weights(model, open_source(hf_path), rt.state.tp)
     engine = initialize(

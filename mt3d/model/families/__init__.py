@@ -11,19 +11,13 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
-from .base import Family, HFError, Piece
+from ..options import ModelConfigError
+from .base import _REGISTRY, Family, HFError, Piece, register
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-_REGISTRY: dict[str, Family] = {}
 _LOADED = False
-
-
-def register(cls: type[Family]) -> type[Family]:
-    """Class decorator: make a family known under its ``name``."""
-    _REGISTRY[cls.name] = cls()
-    return cls
 
 
 def _load() -> dict[str, Family]:
@@ -43,8 +37,6 @@ def families() -> list[Family]:
 
 def get_family(name: str) -> Family:
     """The family registered as ``name``."""
-    from ..config import ModelConfigError
-
     registry = _load()
     if name not in registry:
         raise ModelConfigError(f"unknown model family {name!r} (known: {', '.join(sorted(registry))})")
@@ -65,8 +57,6 @@ def family_for_hf(hf: dict, where: str) -> Family:
 
 def infer_family(cfg: ModelConfig) -> str:
     """The first family (by ``infer_rank``) able to express ``cfg``; 'custom' when none can."""
-    from ..config import ModelConfigError
-
     for fam in families():
         try:
             fam.check(cfg)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...errors import UserError
 from ..attention import FULL, SLIDING
+from ..options import BLOCK_OPTIONS, ModelConfigError
 from .keys import COMMON, Key, check_keys
 
 if TYPE_CHECKING:
@@ -42,11 +43,20 @@ class Piece:
 SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
 
 
-def _default_of(name: str) -> Any:
-    from ..config import ModelConfig
-
-    f = {f.name: f for f in dataclasses.fields(ModelConfig)}[name]
+def _default_of(cfg, name: str) -> Any:
+    """The default of ``cfg``'s field ``name`` (read off its dataclass: no import of the config)."""
+    f = {f.name: f for f in dataclasses.fields(type(cfg))}[name]
     return f.default
+
+
+_REGISTRY: dict[str, Family] = {}
+"""Every family by name (``register``); the package's ``__init__`` fills it by importing each module."""
+
+
+def register(cls: type[Family]) -> type[Family]:
+    """Class decorator: make a family known under its ``name``."""
+    _REGISTRY[cls.name] = cls()
+    return cls
 
 
 class Family:
@@ -87,12 +97,10 @@ class Family:
     # --- consistency ------------------------------------------------------------------------
     def check(self, cfg: ModelConfig) -> None:
         """Raise ModelConfigError when ``cfg`` uses an option this family's HF format cannot express."""
-        from ..config import BLOCK_OPTIONS, ModelConfigError
-
         for opt in BLOCK_OPTIONS:
             if opt in self.variable:
                 continue
-            want = self.defaults.get(opt, _default_of(opt))
+            want = self.defaults.get(opt, _default_of(cfg, opt))
             if opt in ("qkv_bias", "mlp_bias") and want is None:
                 want = cfg.bias
             if getattr(cfg, opt) != want:

@@ -3,9 +3,8 @@ like any other, but with no transformers architecture to load from or export to.
 
 from __future__ import annotations
 
-from ..config import BLOCK_OPTIONS
-from . import register
-from .base import Family, HFError
+from ..options import BLOCK_OPTIONS
+from .base import _REGISTRY, Family, HFError, register
 
 
 @register
@@ -20,9 +19,7 @@ class Custom(Family):
     variable = frozenset(BLOCK_OPTIONS)
 
     def _none(self, *args, **kwargs):
-        from . import families
-
-        names = ", ".join(f.name for f in families() if f.model_types)
+        names = ", ".join(sorted(f.name for f in _REGISTRY.values() if f.model_types))
         raise HFError(
             f"this model's block options match no HF family ({names}), so it has no transformers "
             "form; set mt3d.model.family to see which option stands in the way"

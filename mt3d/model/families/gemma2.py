@@ -9,8 +9,7 @@ layers given by ``layer_types``: the first layer is local.
 
 from __future__ import annotations
 
-from . import register
-from .base import SLIDING, attention_from_hf, attention_to_hf, get, positive
+from .base import SLIDING, attention_from_hf, attention_to_hf, get, positive, register
 from .keys import COMMON, LLAMA_LIKE, WINDOWED, read
 from .llama import LLAMA_BLOCK, LlamaLike
 

@@ -6,8 +6,7 @@ one fused ``c_attn`` tensor, whose row ranges are mt3d's q, k and v parts.
 
 from __future__ import annotations
 
-from . import register
-from .base import Family, HFError, Piece, get, need
+from .base import Family, HFError, Piece, get, need, register
 from .keys import COMMON, inert, read, refused
 
 _MODULES = {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from . import register
 from .base import (
     Family,
     HFError,
@@ -17,6 +16,7 @@ from .base import (
     attention_to_hf,
     common_kwargs,
     get,
+    register,
     rope_from_hf,
     rope_to_hf,
 )

@@ -8,8 +8,7 @@ alternating attention), and so does mt3d.
 
 from __future__ import annotations
 
-from . import register
-from .base import attention_from_hf, attention_to_hf, positive
+from .base import attention_from_hf, attention_to_hf, positive, register
 from .keys import COMMON, LLAMA_LIKE, WINDOWED
 from .llama import LlamaLike, mixed_windows, window_of
 

@@ -16,8 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from . import register
-from .base import HFError, Piece, get, positive
+from .base import HFError, Piece, get, positive, register
 from .keys import COMMON, LLAMA_LIKE, WINDOWED, read, refused
 from .llama import LlamaLike, mixed_windows, window_of
 from .qwen2 import Qwen2, windowed_layers_from_hf, windowed_layers_to_hf

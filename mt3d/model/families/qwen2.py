@@ -7,8 +7,7 @@ Local layers: with ``use_sliding_window`` the layers listed as 'sliding_attentio
 
 from __future__ import annotations
 
-from . import register
-from .base import FULL, SLIDING, attention_from_hf, attention_to_hf, get, positive
+from .base import FULL, SLIDING, attention_from_hf, attention_to_hf, get, positive, register
 from .keys import COMMON, LLAMA_LIKE, WINDOWED, read
 from .llama import LlamaLike
 

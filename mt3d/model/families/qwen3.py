@@ -6,8 +6,7 @@ of hidden / heads (128 in the published models).
 
 from __future__ import annotations
 
-from . import register
-from .base import get
+from .base import get, register
 from .keys import read
 from .llama import LlamaLike
 from .qwen2 import Qwen2, windowed_layers_from_hf, windowed_layers_to_hf

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..model.blocks import BuildContext
+from ..model.config import ModelConfig
+from ..model.hf import HFError, HFReader, check_weights, config_from_hf, pieces, read_shard
+from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
 from ..parallel.state import AxisGroup, ParallelState
-from .blocks import BuildContext
-from .config import ModelConfig
-from .hf import HFError, HFReader, check_weights, config_from_hf, pieces, read_shard
-from .pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
 
 log = logging.getLogger("mt3d")
 
@@ -67,8 +67,8 @@ def open_source(path: str | Path, verify: bool = True) -> WeightSource:
             log.warning("%s: %d stored tensor(s) are not part of the model config.json describes (e.g. %s): "
                         "ignored", p, len(unused), unused[0])  # fmt: skip
         return WeightSource("hf", p, cfg, cfg.vocab_size, str(p) if _has_tokenizer(p) else None, reader)
-    from ..checkpoint.manager import newest_complete
-    from ..checkpoint.reader import CheckpointReader
+    from .manager import newest_complete
+    from .reader import CheckpointReader
 
     if not (p / "manifest.json").is_file():
         found = newest_complete(p)
@@ -141,7 +141,7 @@ def inference_state(tp: int, pp: int, cp: int = 1, ep: int = 1) -> ParallelState
 
     import torch.distributed as dist
 
-    from ..parallel.topology import map_ranks
+    from ..ds.topology import map_ranks
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     size = tp * pp * cp * ep

@@ -11,10 +11,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .families import get_family
-from .hf import HFError, hf_config_dict, hf_state_dict
+from ..model.families import get_family
+from ..model.hf import HFError, hf_config_dict, hf_state_dict
+from ..model.sharding import global_names
 from .loading import open_source
-from .sharding import global_names
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ..planner.traffic import TrafficModel, cross_host_bytes
-from .topology import Placement
+from ..parallel.topology import Placement
+from .traffic import TrafficModel, cross_host_bytes
 
 
 def _placement(topo) -> Placement:

@@ -1,0 +1,179 @@
+"""The commands that run a trained model: ``mt3d eval``, ``generate`` and ``export-hf``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..inputs import (
+    byte_size,
+    non_negative_int,
+    positive_int,
+    read_text,
+)
+from .common import UsageError, _add_model_args, _load, _positive, _tokenizer_for, writable_output
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="loss and perplexity of an HF dir or mt3d checkpoint on a text file",
+        description="Token-weighted loss / perplexity over a text file with non-overlapping windows "
+        "(stride = seq-len) or sliding windows (smaller stride: each token scored once, with context).",
+        epilog="examples:\n  mt3d eval --model runs/x --text wiki.txt --seq-len 512 --stride 256 --json\n"
+        "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text wiki.txt --seq-len 1024 \\\n"
+        "      --tp 2 --pp 2\n"
+        "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text book.txt --seq-len 32768 --cp 4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(p)
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="context-parallel ranks: each window cut over them (long documents)",
+    )
+    p.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert-parallel ranks (mixtures of experts): each holds experts / ep of every sparse layer",
+    )
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="window length in tokens")
+    p.add_argument("--stride", type=positive_int, help="window step (default seq-len: non-overlapping)")
+    p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens"}')
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``mt3d eval``."""
+
+    import torch
+
+    from ..checkpoint.loading import open_source
+    from ..model.inference import evaluate_tokens
+
+    stride = args.stride or args.seq_len
+    _positive(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, seq_len=args.seq_len, stride=stride)
+    if stride > args.seq_len:
+        raise UsageError(
+            f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"
+        )
+    cfg = open_source(args.model, verify=False).cfg  # config only: refuse before any weight is read
+    text = read_text(args.text)
+    if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
+    model, device = _load(args, args.pp)
+    tok = _tokenizer_for(model, model.vocab_size)
+    ids = torch.tensor(tok.encode(text, eos=False), dtype=torch.long, device=device)
+    if ids.numel() < 2:
+        raise UsageError(f"{args.text} has fewer than 2 tokens")
+    res = evaluate_tokens(model, ids, model.state, args.seq_len, stride)
+    if model.state.global_rank == 0:
+        if args.json:
+            print(json.dumps(res))
+        else:
+            print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  tokens {res['tokens']}")
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="text generation (greedy or sampled) with a KV cache, any tp",
+        description="Continue a prompt. Greedy by default; --temperature > 0 samples (with --top-k, "
+        "--top-p, --seed). Under a launcher with --tp T, every rank holds 1/T of the model.",
+        epilog="examples:\n  mt3d generate --model hf/gpt2 --prompt 'Return the' --max-new-tokens 20\n"
+        "  torchrun --nproc_per_node 2 -m mt3d generate --model runs/x --prompt 'Hello' --tp 2 \\\n"
+        "      --temperature 0.8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=non_negative_int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--json", action="store_true", help='one line: {"text", "ids"}')
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``mt3d generate``."""
+    import torch
+
+    from ..model.inference import generate
+
+    _positive(tp=args.tp, max_new_tokens=args.max_new_tokens)
+    import math
+
+    finite = math.isfinite(args.temperature)
+    if not finite or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise UsageError(
+            f"need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got {args.temperature}, "
+            f"{args.top_k}, {args.top_p}"
+        )
+    from ..checkpoint.loading import open_source
+
+    source = open_source(args.model, verify=False)  # config and tokenizer: check before any weight is read
+    tok = _tokenizer_for(source, source.vocab)
+    ids = tok.encode(args.prompt, eos=False)
+    if not ids:
+        raise UsageError("the prompt is empty")
+    limit = source.cfg.position_limit
+    if limit is not None and len(ids) > limit:
+        raise UsageError(f"the prompt is {len(ids)} tokens, longer than the model's {limit} positions")
+    model, device = _load(args)
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    out = generate(
+        model,
+        prompt,
+        model.state,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=tok.eos_id,
+    )
+    if model.state.global_rank == 0:
+        new = out.shape[1] - len(ids)
+        if limit is not None and out.shape[1] >= limit and new < args.max_new_tokens:
+            print(f"note: generation stopped at the model's {limit} positions after {new} of "
+                  f"{args.max_new_tokens} new tokens", file=sys.stderr)  # fmt: skip
+        ids = out[0].tolist()
+        text = tok.decode(ids)
+        print(json.dumps({"text": text, "ids": ids}) if args.json else text)
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export-hf",
+        help="write an HF transformers directory from an mt3d checkpoint of any layout",
+        description="Gather the shards of a checkpoint (any tp x pp) into config.json + model.safetensors "
+        "(sharded with an index above --max-shard-size) + the tokenizer. The checkpoint is verified first.",
+        epilog="example:\n  mt3d export-hf --checkpoint runs/x/checkpoints/step_00001000 --out hf/x",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint dir (step_XXXXXXXX) or run dir (its newest)"
+    )
+    p.add_argument("--out", required=True, help="new (or empty) output directory")
+    p.add_argument(
+        "--max-shard-size", type=byte_size, default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)"
+    )
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``mt3d export-hf``."""
+    from ..checkpoint.export import export_hf
+
+    writable_output(args.out, "--out", directory=True)
+    print(export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size))
+    return 0

@@ -1,0 +1,118 @@
+"""The ``model.moe`` option, parsed and checked (``MoESpec``): a leaf the model config reads without
+importing the layers that build it (``mt3d.model.moe``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from .options import ModelConfigError
+
+
+class MoEConfigError(ModelConfigError):
+    """A ``model.moe`` option that cannot be built."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The ``model.moe`` option, parsed."""
+
+    experts: int
+    """Routed experts E."""
+    top_k: int
+    """Experts per token k."""
+    expert_ffn: int
+    """Inner size of each routed expert's gated MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the k weights to sum to 1 (Mixtral always; Qwen per config)."""
+    shared_ffn: int = 0
+    """Inner size of the shared expert (0: none); its output is gated by sigmoid(x . w) (Qwen2-MoE)."""
+    sparse_step: int = 1
+    """Block i is sparse when (i + 1) % sparse_step == 0 (transformers' decoder_sparse_step)."""
+    dense_layers: tuple[int, ...] = ()
+    """Blocks kept dense whatever the step (transformers' mlp_only_layers)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss in the training loss (transformers' router_aux_loss_coef,
+    applied when output_router_logits is on)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss: mean over tokens and sparse layers of logsumexp(router logits)^2."""
+    capacity_factor: float | None = None
+    """None: dropless (transformers). Else, in training, each expert takes at most
+    ceil(cf * tokens * k / E) assignments per micro-batch and the rest are dropped (counted in the
+    metrics); evaluation and generation stay dropless."""
+
+    @classmethod
+    def parse(cls, d: dict) -> MoESpec:
+        """From the ``model.moe`` dict; one-line errors naming the key."""
+        if isinstance(d, MoESpec):
+            return d
+        if not isinstance(d, dict):
+            raise MoEConfigError(f"model.moe must be an object, got {d!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise MoEConfigError(f"unknown model.moe keys {unknown}; valid keys: {sorted(names)}")
+        for key in ("experts", "top_k", "expert_ffn"):
+            if key not in d:
+                raise MoEConfigError(f"model.moe needs {key!r}")
+        kw = dict(d)
+        kw["dense_layers"] = tuple(kw.get("dense_layers") or ())
+        spec = cls(**kw)
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """Values in range (the layer list is checked against the model by ``check_layers``)."""
+
+        def whole(key, low):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise MoEConfigError(f"model.moe.{key} must be an integer >= {low}, got {v!r}")
+
+        whole("experts", 2), whole("top_k", 1), whole("expert_ffn", 1), whole("shared_ffn", 0)
+        whole("sparse_step", 1)
+        if self.top_k > self.experts:
+            raise MoEConfigError(f"model.moe.top_k {self.top_k} exceeds the {self.experts} experts")
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise MoEConfigError(f"model.moe.{key} must be a non-negative number, got {v!r}")
+        cf = self.capacity_factor
+        if cf is not None and (
+            isinstance(cf, bool) or not isinstance(cf, int | float) or not cf > 0 or not math.isfinite(cf)
+        ):
+            raise MoEConfigError(
+                f"model.moe.capacity_factor must be a finite positive number or null (dropless), got {cf!r}"
+            )
+        if not isinstance(self.norm_topk_prob, bool):
+            raise MoEConfigError(
+                f"model.moe.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}"
+            )
+
+    def check_layers(self, layers: int) -> None:
+        """The dense-layer list names blocks of the model, and some block is sparse."""
+        bad = [
+            i
+            for i in self.dense_layers
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+        ]
+        if bad:
+            raise MoEConfigError(
+                f"model.moe.dense_layers entry {bad[0]!r} is not a block index (0..{layers - 1})"
+            )
+        if not any(self.sparse(i) for i in range(layers)):
+            raise MoEConfigError(
+                "model.moe leaves every block dense (sparse_step / dense_layers): drop 'moe'"
+            )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether block ``layer`` routes over experts."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments one expert takes from ``tokens`` tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        if self.capacity_factor * self.top_k >= self.experts:  # no expert can receive more than every token
+            return tokens
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
