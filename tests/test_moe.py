@@ -3,6 +3,7 @@ load-balancing loss, router gradients), training at every layout against one pro
 crossing pipeline stages), capacity-mode drops against a hand count, and bad MoE configs."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -197,15 +198,22 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-mixtral", 4, dict(tensor=2, expert=2, sequence_parallel=True)),
     ("tiny-mixtral", 4, dict(pipeline=2, expert=2, recompute=1)),  # aux statistics cross stages, recompute
     ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks
+    ("tiny-mixtral-capacity", 2, dict(context=2)),  # capacity's "first come" in global token order
     ("tiny-qwen2-moe", 4, dict(pipeline=2, expert=2, virtual_stages=2)),  # shared expert, a dense layer
     ("tiny-qwen2-moe", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
 ]
 
 
+CAPACITY = {"preset": "tiny-mixtral", "moe": {"experts": 4, "top_k": 2, "expert_ffn": 64,
+                                              "aux_loss_coef": 0.02, "capacity_factor": 0.5}}  # fmt: skip
+"""tiny-mixtral with half its experts' fair share: assignments drop in every step."""
+
+
 def _train(tmp_path, name, world, preset, recompute=0, zero=1, **parallel):
     from helpers import step_records, tiny_config, train_worker
 
-    raw = tiny_config(tmp_path / name, model={"preset": preset}, recompute={"interval": recompute}, zero=zero)
+    model = CAPACITY if preset == "tiny-mixtral-capacity" else {"preset": preset}
+    raw = tiny_config(tmp_path / name, model=model, recompute={"interval": recompute}, zero=zero)
     raw["mt3d"]["parallel"].update(parallel)
     return step_records(spawn(train_worker, world, raw, timeout=600)[0])
 
@@ -213,7 +221,7 @@ def _train(tmp_path, name, world, preset, recompute=0, zero=1, **parallel):
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     base = tmp_path_factory.mktemp("moe-ref")
-    return {p: _train(base, p, 1, p) for p in ("tiny-mixtral", "tiny-qwen2-moe")}
+    return {p: _train(base, p, 1, p) for p in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-mixtral-capacity")}
 
 
 @pytest.mark.parametrize(
@@ -228,7 +236,8 @@ def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world
             assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (
                 f"{parallel} step {a['step']} {key}: {a} vs {b}"
             )
-        assert a["dropped_tokens"] == 0 and a["expert_load_max_over_mean"] >= 1.0
+        assert a["dropped_tokens"] == b["dropped_tokens"] and a["expert_load_max_over_mean"] >= 1.0
+        assert (a["dropped_tokens"] > 0) == (preset == "tiny-mixtral-capacity")
     assert ref[0]["loss"] > ref[-1]["loss"]
 
 
@@ -270,8 +279,10 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
         ),
         (
             {"experts": 4, "top_k": 2, "expert_ffn": 8, "capacity_factor": 0},
-            "capacity_factor must be a positive",
+            "capacity_factor must be a finite positive",
         ),
+        ({"experts": 4, "top_k": 2, "expert_ffn": 8, "capacity_factor": math.inf}, "finite positive number"),
+        ({"experts": 4, "top_k": 2, "expert_ffn": 8, "capacity_factor": math.nan}, "finite positive number"),
     ],
 )
 def test_bad_moe_configs_are_one_line(moe, match):

@@ -131,6 +131,7 @@ class SparseMoE(nn.Module):
         self.act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router")
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
+        self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
         if spec.experts % ep:
             raise MoEConfigError(f"model.moe.experts ({spec.experts}) is not divisible by ep={ep}")
@@ -159,7 +160,8 @@ class SparseMoE(nn.Module):
         else:
             xs, weights = copy_to_tp(x, self.tp), copy_to_tp(weights, self.tp)
         b, s, h = xs.shape
-        y, dropped = self._experts(xs.reshape(b * s, h), index.reshape(b * s, -1), weights.reshape(b * s, -1))
+        rows = (xs.reshape(b * s, h), index.reshape(b * s, -1), weights.reshape(b * s, -1))
+        y, dropped = self._experts(*rows, b)
         y = y.view(b, s, h)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
         if self.shared is not None:
@@ -177,12 +179,12 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(index.flatten(), minlength=self.spec.experts)
         return stats[0] + local, stats[1] + torch.cat([counts, dropped.view(1)])
 
-    def _experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+    def _experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, samples: int = 1):
         """Dispatch rows to their experts, run each expert on its rows at once, combine weighted.
 
-        x [T, h], index / weights [T, k]. Assignments are sorted by expert (stably: token order within
-        an expert), so the experts run over contiguous blocks of rows (``_run_local``: grouped GEMMs or
-        a loop over experts, never over tokens).
+        x [T, h], index / weights [T, k] (``samples`` sequences of T / samples rows). Assignments are
+        sorted by expert (stably: token order within an expert), so the experts run over contiguous
+        blocks of rows (``_run_local``: grouped GEMMs or a loop over experts, never over tokens).
         """
         t, k = index.shape
         e = self.spec.experts
@@ -190,16 +192,44 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=e)
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        cap = self.spec.capacity(t) if self.training else None  # evaluation is dropless (transformers)
+        cp = self.cp.size if self.cp is not None else 1
+        cap = self.spec.capacity(t * cp) if self.training else None  # evaluation is dropless (transformers)
         if cap is not None:  # position of each sorted assignment inside its expert; keep the first cap
             starts = counts.cumsum(0) - counts
             pos = torch.arange(t * k, device=x.device) - starts[flat[order]]
+            if cp > 1:
+                pos = pos + self._earlier_in_sequence(flat, order, samples)
             keep = pos < cap
             dropped = (~keep).sum()
-            order, counts = order[keep], counts.clamp(max=cap)
+            order = order[keep]
+            counts = torch.bincount(flat[order], minlength=e)
         rows = order // k
         ys = self._run(x[rows], counts) * weights.flatten()[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
+
+    def _earlier_in_sequence(self, flat: torch.Tensor, order: torch.Tensor, samples: int) -> torch.Tensor:
+        """For each expert-sorted assignment (``flat[order]``), how many assignments to its expert the
+        single process would have counted before it that this rank did not: capacity's "first come" in
+        global token order under context parallelism. Rank r holds chunks r and 2cp-1-r of each of
+        ``samples`` sequences; each block (sample, chunk) is counted per expert, the counts gathered
+        over cp (samples x 2 x E integers per rank), and an assignment moves by the global count
+        before its block less the local count before it."""
+        from ..parallel.mappings import start_gather
+
+        cp, r, e, k = self.cp.size, self.cp.rank, self.spec.experts, self.spec.top_k
+        half = flat.numel() // k // samples // 2  # tokens of one chunk of one sample on this rank
+        block = torch.arange(flat.numel(), device=flat.device) // k // half  # sample * 2 + which chunk
+        local = torch.bincount(block * e + flat, minlength=samples * 2 * e).view(samples, 2, e)
+        gathered = start_gather(local.unsqueeze(0), self.cp, 0)().view(cp, samples, 2, e)
+        chunk = [(q, h) for j in range(2 * cp) for q in range(cp) for h in range(2)
+                 if (q if h == 0 else 2 * cp - 1 - q) == j]  # fmt: skip
+        glob = torch.stack([gathered[q, :, h] for q, h in chunk], dim=1)  # [samples, 2cp, E] in order
+        g_before = (glob.flatten(0, 1).cumsum(0) - glob.flatten(0, 1)).view(samples, 2 * cp, e)
+        l_before = (local.flatten(0, 1).cumsum(0) - local.flatten(0, 1)).view(samples, 2, e)
+        mine = torch.tensor([r, 2 * cp - 1 - r], device=flat.device)
+        shift = g_before[:, mine] - l_before  # [samples, 2, E]
+        sb = block[order]
+        return shift[sb // 2, sb % 2, flat[order]]
 
     def _run_local(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert (``counts`` each) -> their outputs, in the same order: one
