@@ -174,6 +174,13 @@ CASES = [
      "--gemm-tflops 5000 exceeds the device's dense peak 989"),
     ("plan --write-config read-only", ["plan", "--model", "llama-7b", "--gpus", "8", "--write-config", "/proc/x.json"],
      {}, "--write-config /proc/x.json: its directory /proc is not writable"),
+    ("plan seq past a learned table", ["plan", "--model", "gpt2-small", "--gpus", "8", "--seq-len", "2048",
+                                       "--context", "2"], {}, "--seq-len 2048 exceeds the model's 1024 learned"),
+    ("plan --data 3", ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--data", "3"], {},
+     "--data 3 does not divide --gpus 8"),
+    ("plan --write-config bad vocab", ["plan", "--model", "tiny", "--gpus", "8", "--vocab", "100", "--write-config",
+                                       "{tmp}/w.json"], {}, "mt3d train would refuse the best layout's config: "
+                                       "mt3d.data.vocab_size must be > 256"),
     ("topo island past the host", ["topo", "--world-size", "8", "--tp", "2", "--islands", "0,9"], {},
      "islands name local rank 9, but no host has more than 8 ranks"),
     ("topo binary hostfile", ["topo", "--hostfile", "{bin}", "--tp", "2"], {}, "is not UTF-8 text"),
@@ -187,7 +194,7 @@ def test_weak_inputs_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch,
     binary.write_bytes(bytes(range(256)) * 4)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         monkeypatch.delenv(k, raising=False)
-    argv = [a.replace("{bin}", str(binary)) for a in argv]
+    argv = [a.replace("{bin}", str(binary)).replace("{tmp}", str(tmp_path)) for a in argv]
     argv = [a if not a.startswith("mt3d.train.save_dir") else a for a in argv]
     if argv[0] == "train":
         argv += ["--set", f"mt3d.train.save_dir={tmp_path / 'run'}"]
@@ -209,19 +216,53 @@ def test_an_infeasible_plan_names_the_batch_when_the_batch_is_the_blocker(capsys
     assert int(best[1]) > 1, best[:6]  # the cp column of the best row
 
 
-def test_generation_says_when_it_stops_at_the_position_limit(tmp_path, capsys):
+def test_plans_honour_pins_write_runnable_configs_and_name_the_binding_rule(tmp_path, capsys, monkeypatch):
+    """--data pins dp; a written config passes ``mt3d train --check`` on the planned cluster (cp 2 and
+    the plan's vocabulary included); the infeasibility headline names the binding rule, not a size; no
+    explained component is negative."""
+    from mt3d.cli import main
+
+    base = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--json"]
+    assert main([*base, "--data", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["feasible"]
+    assert rows and {r["dp"] for r in rows} == {2}
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny", "--gpus", "8", "--vocab", "1000", "--context", "2", "--seq-len", "64",
+            "--write-config", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    written = json.loads(out.read_text())
+    assert written["mt3d"]["data"]["vocab_size"] == 1000 and written["mt3d"]["parallel"]["context"] == 2
+    written["mt3d"]["train"]["save_dir"] = str(tmp_path / "run")
+    out.write_text(json.dumps(written))
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main(["train", "--config", str(out), "--check"]) == 0
+    monkeypatch.delenv("WORLD_SIZE")
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--offload", "opt-cpu", "--host-memory-gb", "1"]
+    assert main([*argv, "--zero", "1,2"]) == 1
+    headline = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("no feasible"))
+    assert "break a rule: offload needs" in headline and "CPU memory" in headline, headline
+    argv = ["plan", "--model", "gpt2-small", "--gpus", "8", "--other-stack", "--overlap", "tp-comm,dp,pp",
+            "--tensor", "2", "--zero", "3", "--recompute", "full", "--micro-batch", "1", "--explain"]  # fmt: skip
+    assert main(argv) == 0
+    explained = capsys.readouterr().out.split("time:", 1)[-1]
+    assert " -" not in explained.replace(" - ", ""), explained
+
+
+def test_generation_past_the_position_limit_is_refused(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from mt3d.cli import main
     from mt3d.data.tokenizer import train_bpe
 
     tok = train_bpe(["the quick brown fox jumps over the lazy dog"] * 40, 300, tmp_path / "hf")
-    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=tok.vocab_size)
-                    ).save_pretrained(tmp_path / "hf")  # fmt: skip
-    assert (
-        main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "the quick", "--max-new-tokens", "20"])
-        == 0
-    )
-    err = capsys.readouterr().err
-    assert "note: generation stopped at the model's 8 positions after" in err and "of 20 new tokens" in err
+    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=tok.vocab_size,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "hf")  # fmt: skip
+    capsys.readouterr()
+    argv = ["generate", "--model", str(tmp_path / "hf"), "--prompt", "the quick"]
+    assert main([*argv, "--max-new-tokens", "20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceed the model's 8 positions: use --max-new-tokens <=" in err[0], err
+    room = int(err[0].rsplit("<= ", 1)[1].split()[0])
+    assert main([*argv, "--max-new-tokens", str(room)]) == 0
     assert main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "the", "--temperature", "nan"]) == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from ..inputs import (
     byte_size,
@@ -125,8 +124,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not ids:
         raise UsageError("the prompt is empty")
     limit = source.cfg.position_limit
-    if limit is not None and len(ids) > limit:
-        raise UsageError(f"the prompt is {len(ids)} tokens, longer than the model's {limit} positions")
+    if limit is not None and len(ids) + args.max_new_tokens > limit:
+        room = f"use --max-new-tokens <= {limit - len(ids)}" if len(ids) < limit else "shorten the prompt"
+        raise UsageError(f"the prompt's {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed "
+                         f"the model's {limit} positions: {room}")  # fmt: skip
     model, device = _load(args)
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     out = generate(
@@ -141,10 +142,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         eos_id=tok.eos_id,
     )
     if model.state.global_rank == 0:
-        new = out.shape[1] - len(ids)
-        if limit is not None and out.shape[1] >= limit and new < args.max_new_tokens:
-            print(f"note: generation stopped at the model's {limit} positions after {new} of "
-                  f"{args.max_new_tokens} new tokens", file=sys.stderr)  # fmt: skip
         ids = out[0].tolist()
         text = tok.decode(ids)
         print(json.dumps({"text": text, "ids": ids}) if args.json else text)

@@ -33,7 +33,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args, cfg, defaults)
     result = plan(cfg, inputs.pop("cluster"), **inputs)
     if args.write_config:
-        write_config(result, args.write_config, section)
+        write_config(result, args.write_config, section, cfg, defaults.get("data"))
     if args.json:
         slim = {
             **result,

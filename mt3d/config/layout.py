@@ -148,8 +148,10 @@ def _check_model(model: ModelConfig, par: ParallelConfig, degrees: dict[str, int
         )
 
 
-def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) -> Layout:
-    """Check the run against ``world_size`` ranks before any process group exists; fill batch keys."""
+def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, here: bool = True) -> Layout:
+    """Check the run against ``world_size`` ranks before any process group exists; fill batch keys.
+    ``here`` False skips what depends on this machine (input files, the device's precisions, a
+    writable save_dir): the check of a config written for another cluster (``mt3d plan``)."""
     par, data, train, ds = run.mt3d.parallel, run.mt3d.data, run.mt3d.train, run.deepspeed
     check_sections(run.ds)
     rules.check_data(data)
@@ -168,8 +170,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
         if why:
             raise ConfigError(why)
     rules.check_train(train)
-    preflight.check_inputs(train, data)
-    preflight.check_device(ds.precision, fp8=train.fp8 is not None)
+    if here:
+        preflight.check_inputs(train, data)
+        preflight.check_device(ds.precision, fp8=train.fp8 is not None)
     mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
     if model is not None and train.fp8 is not None:
         why = rules.fp8_shape_conflict(model, degrees["tp"], mb * data.seq_len // degrees["cp"])
@@ -181,7 +184,8 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None) 
     ) or rules.p2p_conflict(train.overlap.p2p, degrees["pp"], ga)
     if why:
         raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
-    preflight.check_outputs(train, data)
+    if here:
+        preflight.check_outputs(train, data)
     deepspeed_preflight(run.ds, mb, ga, degrees["dp"])
     blocks = None
     if model is not None:

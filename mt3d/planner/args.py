@@ -170,6 +170,10 @@ def plan_model(spec: str):
     from pathlib import Path
 
     from ..config import load, resolve_model
+    from ..inputs import read_json
+
+    def load_raw(p):
+        return read_json(p, "the config")
 
     path = Path(spec)
     if path.is_file():
@@ -182,6 +186,7 @@ def plan_model(spec: str):
                 "global_batch": run.deepspeed.batch_keys()["train_batch_size"],
                 "seq_len": d.seq_len,
                 "vocab": d.vocab_size if d.corpus != "indexed" else None,
+                "data": (load_raw(path).get("mt3d") or {}).get("data"),
             },
         )
     if path.is_dir():

@@ -59,13 +59,24 @@ def explain_infeasible(result: dict) -> str:
     """One line on why nothing fits: the reasons of the candidates that got furthest (memory, then the
     batch and schedule rules, then the degrees themselves)."""
     rejected = result["rejected"]
-    mem = [r for r in rejected if "memory_gb" in r]
-    if mem:
-        best = min(mem, key=lambda r: r["memory_gb"])
+    if not rejected:
+        return (f"no feasible layout: no layout of {result['gpus']} GPUs has the pinned degrees "
+                "(--tensor, --pipeline, --data, --context, --expert; dp: what the rest leave)")  # fmt: skip
+    evaluated = [r for r in rejected if "memory_gb" in r]
+    too_big = [r for r in evaluated if r["reason"].startswith("needs ")]
+    rules = [r for r in evaluated if not r["reason"].startswith("needs ")]
+    if rules:  # some layouts fit on the GPUs but break a rule: that rule binds, not a size
+        counts = {}
+        for r in rules:
+            counts[r["reason"]] = counts.get(r["reason"], 0) + 1
+        reason = max(counts, key=counts.get)
+        best = min((r for r in rules if r["reason"] == reason), key=lambda r: r["memory_gb"])
+        return f"no feasible layout: the layouts that fit break a rule: {reason} (e.g. {_described(best)})"
+    if too_big:
+        best = min(too_big, key=lambda r: r["memory_gb"])
         return (
             f"no feasible layout: the smallest needs {best['memory_gb']:.1f} GB per GPU "
-            f"(tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']}, ZeRO {best['zero_stage']}, "
-            f"recompute {best['recompute']}); use more GPUs, a larger device, or a smaller model/batch"
+            f"({_described(best)}); use more GPUs, a larger device, or a smaller model/batch"
         )
     scheduled = [r for r in rejected if "micro_batch" in r]
     batch = [r for r in scheduled if r["reason"].startswith("global batch")]
@@ -80,6 +91,13 @@ def explain_infeasible(result: dict) -> str:
         )
     reasons = sorted({r["reason"] for r in (scheduled or rejected)})[:3]
     return "no feasible layout: " + "; ".join(reasons)
+
+
+def _described(row: dict) -> str:
+    """A planned layout in a few words: its degrees, ZeRO stage, recompute mode and offload."""
+    off = f", offload {row['offload']}" if row.get("offload", "none") != "none" else ""
+    return (f"tp {row['tp']} cp {row['cp']} pp {row['pp']} dp {row['dp']}, ZeRO {row['zero_stage']}, "
+            f"recompute {recompute_mode(row)}{off}")  # fmt: skip
 
 
 def interleaving_note(feasible: list[dict]) -> str:
@@ -175,11 +193,34 @@ def format_plan(result: dict, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def write_config(result: dict, path: str, cfg_section: dict) -> dict:
-    """A ds_configs-style JSON for the best layout (DeepSpeed keys + mt3d section)."""
+def write_config(result: dict, path: str, cfg_section: dict, cfg=None, data: dict | None = None) -> dict:
+    """A ds_configs-style JSON for the best layout (DeepSpeed keys + mt3d section), checked as
+    ``mt3d train --check`` would check it on the planned cluster before it is written (``cfg``: the
+    model, resolved from ``cfg_section`` when not given; ``data``: the run config's data section, kept
+    when the plan was made from one)."""
     if not result["feasible"]:
         raise UserError(explain_infeasible(result))
     best = result["feasible"][0]
+    conf = _config_of(result, best, cfg_section, data, cfg)
+    _check_written(conf, result["gpus"], cfg, cfg_section)
+    with open(path, "w") as f:
+        json.dump(conf, f, indent=2)
+    return conf
+
+
+def _check_written(conf: dict, gpus: int, cfg, cfg_section: dict) -> None:
+    """Refuse a config that ``mt3d train --check`` would refuse on the planned cluster."""
+    from ..config import ConfigError, from_dict, resolve_model, validate
+
+    try:
+        run = from_dict(json.loads(json.dumps(conf)))
+        validate(run, gpus, cfg if cfg is not None else resolve_model(cfg_section), here=False)
+    except ConfigError as e:
+        raise UserError(f"--write-config: mt3d train would refuse the best layout's config: {e}") from None
+
+
+def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, cfg) -> dict:
+    """The written config's dict (``write_config``)."""
     conf = {
         "train_batch_size": result["global_batch"],
         "train_micro_batch_size_per_gpu": best["micro_batch"],
@@ -209,8 +250,9 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
                 "pipeline": best["pp"],
                 "virtual_stages": best["virtual_stages"],
                 "sequence_parallel": best["sequence_parallel"],
+                "expert": best.get("ep", 1),
             },
-            "data": {"corpus": "builtin", "seq_len": result["seq_len"]},
+            "data": {**(data or {"corpus": "builtin"}), "seq_len": result["seq_len"]},
             "train": {
                 "steps": 1000,
                 "recompute": {
@@ -238,6 +280,7 @@ def write_config(result: dict, path: str, cfg_section: dict) -> dict:
         overlap["p2p"] = True
     if overlap:
         conf["mt3d"]["train"]["overlap"] = overlap
-    with open(path, "w") as f:
-        json.dump(conf, f, indent=2)
+    model_vocab = getattr(cfg, "vocab_size", None) if cfg is not None else None
+    if not model_vocab and conf["mt3d"]["data"].get("corpus", "builtin") != "indexed" and result.get("vocab"):
+        conf["mt3d"]["data"]["vocab_size"] = result["vocab"]  # the vocabulary the plan was sized for
     return conf

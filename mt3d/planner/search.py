@@ -99,6 +99,8 @@ def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
             degrees = derive_degrees(cluster.gpus, dict(zip(configured, combo)))
         except AxisError:
             continue
+        if "dp" in choices and degrees["dp"] not in choices["dp"]:
+            continue  # --data pins dp, which the others leave as what remains
         tp, pp = degrees["tp"], degrees["pp"]
         why = structural_reason(cfg, cluster, tp, pp, degrees["cp"], seq_len) or _short(
             expert_conflict(cfg.moe_spec, degrees["ep"])
@@ -213,6 +215,10 @@ def _check_inputs(
     for name, value in (("--global-batch", global_batch), ("--seq-len", seq_len)):
         if value <= 0:
             raise UserError(f"{name} must be positive, got {value}")
+    limit = cfg.position_limit
+    if limit is not None and seq_len > limit:
+        why = "context parallelism splits the sequence, not the table"
+        raise UserError(f"--seq-len {seq_len} exceeds the model's {limit} learned positions ({why})")
     if efficiency is not None and not 0.01 <= efficiency <= 1:
         raise UserError(f"--efficiency is a fraction of peak in [0.01, 1], got {efficiency:g}")
     dev = cluster.device
@@ -231,6 +237,20 @@ def _check_inputs(
     if cluster.gpus % min(cluster.gpus_per_node, cluster.gpus):
         raise UserError(f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes")
     return vocab
+
+
+FLAG_OF = {"tp": "--tensor", "pp": "--pipeline", "dp": "--data", "ep": "--expert", "cp": "--context"}
+"""The ``mt3d plan`` flag that pins each axis's degrees."""
+
+
+def _check_pins(gpus: int, pins: dict | None) -> None:
+    """Pinned degrees that cannot divide the GPUs are refused by name (pins that divide but multiply
+    to no layout leave nothing to plan: ``output.explain_infeasible`` says so)."""
+    pins = {ax: tuple(v) for ax, v in (pins or {}).items() if v}
+    for ax, values in pins.items():
+        bad = [v for v in values if gpus % v]
+        if bad:
+            raise UserError(f"{FLAG_OF.get(ax, ax)} {bad[0]} does not divide --gpus {gpus}")
 
 
 @dataclass(frozen=True)
@@ -282,6 +302,7 @@ def plan(
     ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
     layout; ``stack``: how that stack runs (``Stack``)."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency, precision, stack.fp8)
+    _check_pins(cluster.gpus, pins)
     feasible, rejected = [], []
     rejected_total = 0
 
@@ -319,6 +340,7 @@ def plan(
         "device": dev.name,
         "global_batch": global_batch,
         "seq_len": seq_len,
+        "vocab": vocab,
         "precision": precision,
         "overlap": list(stack.overlap),
         "optimizer_states": stack.optimizer_states,

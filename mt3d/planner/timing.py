@@ -190,7 +190,7 @@ def _dp_seconds(lay: Layout, grads: float, prec: Precision, compute: float, bw: 
     if lay.zero_stage == 3:
         return max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     if overlapped:
-        return dp - dp_hidden(dp, grads, compute / lay.grad_accum, lay.recompute)
+        return max(0.0, dp - dp_hidden(dp, grads, compute / lay.grad_accum, lay.recompute))
     return dp
 
 
@@ -227,7 +227,7 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
     else:
         gather, reduce = (half, half) if sp else (0.0, 2 * half)
         attention, mlp = (tp_hidden([gemms[i][1:]], gather, reduce) for i in COLUMN_GEMMS)
-    return tp - blocks * m * (attention + dense * mlp)
+    return max(0.0, tp - blocks * m * (attention + dense * mlp))  # all hidden: zero, not -1e-17
 
 
 def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, posted: bool) -> float:
