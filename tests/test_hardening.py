@@ -181,6 +181,12 @@ CASES = [
     ("plan --write-config bad vocab", ["plan", "--model", "tiny", "--gpus", "8", "--vocab", "100", "--write-config",
                                        "{tmp}/w.json"], {}, "mt3d train would refuse the best layout's config: "
                                        "mt3d.data.vocab_size must be > 256"),
+    ("topo --ep on a dense model", ["topo", "--world-size", "8", "--ep", "2", "--model", "gpt3-1.3b"], {},
+     "--model gpt3-1.3b: a model without experts cannot use expert parallelism"),
+    ("topo --ep above the experts", ["topo", "--world-size", "16", "--ep", "16", "--model", "tiny-mixtral"], {},
+     "model.moe.experts = 4 is not divisible by parallel.expert 16"),
+    ("resume auto over superseded only", _train("mt3d.train.resume=auto"), {"{superseded}": "1"},
+     "holds another run (checkpoints and metrics.jsonl) but no complete checkpoint to resume"),
     ("topo island past the host", ["topo", "--world-size", "8", "--tp", "2", "--islands", "0,9"], {},
      "islands name local rank 9, but no host has more than 8 ranks"),
     ("topo binary hostfile", ["topo", "--hostfile", "{bin}", "--tp", "2"], {}, "is not UTF-8 text"),
@@ -190,6 +196,7 @@ CASES = [
 
 @pytest.mark.parametrize("argv, env, expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_weak_inputs_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch, argv, env, expect):
+    env = dict(env)
     binary = tmp_path / "binary"
     binary.write_bytes(bytes(range(256)) * 4)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
@@ -198,6 +205,9 @@ def test_weak_inputs_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch,
     argv = [a if not a.startswith("mt3d.train.save_dir") else a for a in argv]
     if argv[0] == "train":
         argv += ["--set", f"mt3d.train.save_dir={tmp_path / 'run'}"]
+    if env.pop("{superseded}", None):  # an abandoned history: metrics and superseded checkpoints only
+        (tmp_path / "run" / "checkpoints" / "superseded" / "step_00000004-0").mkdir(parents=True)
+        (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     assert _main(argv, env, monkeypatch) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expect in err[0], err
@@ -266,3 +276,14 @@ def test_generation_past_the_position_limit_is_refused(tmp_path, capsys):
     room = int(err[0].rsplit("<= ", 1)[1].split()[0])
     assert main([*argv, "--max-new-tokens", str(room)]) == 0
     assert main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "the", "--temperature", "nan"]) == 2
+
+
+def test_checkpoint_info_shows_every_axis_of_the_layout():
+    """``mt3d checkpoint info`` names cp, ep and virtual stages where a checkpoint's layout has them."""
+    from mt3d.checkpoint.info import format_rows
+
+    row = {"tag": "step_00000003", "status": "complete", "bytes": 1e9, "step": 3, "model": "tiny-mixtral",
+           "params": 2e6, "precision": "fp32",
+           "layout": {"tp": 1, "cp": 2, "ep": 2, "dp": 2, "pp": 2, "virtual_stages": 2, "zero_stage": 1}}  # fmt: skip
+    line = format_rows([row])
+    assert "tp 1 cp 2 ep 2 dp 2 pp 2 v 2 zero 1" in line, line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..parallel.axes import NAMES, shown
 from .manager import TAG_RE, checkpoints_dir
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
 
@@ -67,9 +68,11 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"{r['tag']:<22} INCOMPLETE  {gb:8.3f} GB  ({r['problem']})")
             continue
         lay = r.get("layout") or {}
+        degrees = " ".join(f"{a} {lay.get(a, 1)}" for a in shown({a: lay.get(a, 1) for a in NAMES}))
+        v = f" v {lay['virtual_stages']}" if lay.get("virtual_stages", 1) > 1 else ""
         line = (
             f"{r['tag']:<22} {r['status'].upper():<10}  {gb:8.3f} GB  step {r['step']}  "
-            f"tp {lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')} zero {lay.get('zero_stage')}  "
+            f"{degrees}{v} zero {lay.get('zero_stage')}  "
             f"model {r['model']} ({(r['params'] or 0) / 1e6:.2f}M params, {r['precision']})"
         )
         if r["status"] == "corrupt":

@@ -113,12 +113,20 @@ def cmd_topo(args: argparse.Namespace) -> int:
     )
     traffic = None
     if args.model:
+        from ..config.rules import context_sequence_conflict, expert_conflict
+
         cfg = get_preset(args.model)
         cfg.check_parallel(args.tp, args.pp)
+        seq = args.seq_len or cfg.max_seq_len
+        why = expert_conflict(cfg.moe_spec, args.ep) or context_sequence_conflict(
+            args.cp, args.tp, seq, False
+        )
+        if why:
+            raise UsageError(f"--model {args.model}: {why}")
         traffic = TrafficModel(
             layers=cfg.layers,
             hidden=cfg.hidden,
-            seq_len=args.seq_len or cfg.max_seq_len,
+            seq_len=seq,
             micro_batch=args.micro_batch,
             micro_batches=args.grad_accum,
             params=cfg.num_params(),

@@ -51,13 +51,25 @@ def check_outputs(train: TrainConfig, data: DataConfig) -> None:
     writable_dir(train.save_dir, "mt3d.train.save_dir")
     if data.cache_dir:
         writable_dir(data.cache_dir, "mt3d.data.cache_dir")
-    found = previous_run(train.save_dir) if train.resume == "none" and not train.overwrite else None
-    if found:
+    found = previous_run(train.save_dir) if train.resume in ("none", "auto") and not train.overwrite else None
+    if found and train.resume == "none":
         raise ConfigError(
             f"mt3d.train.save_dir {train.save_dir} holds another run ({found}): continue it with "
             "mt3d.train.resume=auto, start afresh there with mt3d.train.overwrite=true (its files are moved "
             "to replaced/, not deleted), or choose another save_dir"
         )
+    if found and not _resumable(train.save_dir):  # resume auto would start afresh into the old record
+        raise ConfigError(
+            f"mt3d.train.save_dir {train.save_dir} holds another run ({found}) but no complete checkpoint to "
+            "resume (superseded or incomplete ones only): resume one by its path, start afresh with "
+            "mt3d.train.overwrite=true (its files are moved to replaced/), or choose another save_dir"
+        )
+
+
+def _resumable(save_dir: str | Path) -> bool:
+    """Whether ``save_dir`` holds a complete checkpoint (one with its ``manifest.json``: the mark
+    ``mt3d.checkpoint.manifest`` writes last) that ``resume: auto`` would continue."""
+    return any((d / "manifest.json").is_file() for d in (Path(save_dir) / "checkpoints").glob("step_*"))
 
 
 def previous_run(save_dir: str | Path) -> str | None:
@@ -65,7 +77,7 @@ def previous_run(save_dir: str | Path) -> str | None:
     d = Path(save_dir)
     found = []
     ckpts = d / "checkpoints"
-    if ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+    if ckpts.is_dir() and any(p.name.startswith("step_") or p.name == "superseded" for p in ckpts.iterdir()):
         found.append("checkpoints")
     metrics = d / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
