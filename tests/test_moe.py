@@ -4,6 +4,7 @@ crossing pipeline stages), capacity-mode drops against a hand count, and bad MoE
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -262,6 +263,58 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
         got = run(f"to{i}", world, resume=step3, **parallel)
         for a, b in zip(got, two[3:], strict=True):
             assert a[0] == b[0] and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
+    _damaged_expert_files_are_refused_by_name(tmp_path, Path(step3))
+
+
+def _damaged(src: Path, dest: Path, how: str) -> Path:
+    """A copy of checkpoint ``src`` with one expert file damaged (``how``), its manifest re-hashed (so
+    only the content checks can tell)."""
+    from mt3d.checkpoint.manifest import describe_files, read_manifest, write_manifest
+
+    shutil.copytree(src, dest)
+    a, b = dest / "layer_02-model_00-model_states.pt", dest / "layer_02-model_01-model_states.pt"
+    if how == "swapped":  # ep rank 0's experts where ep rank 1's belong, and back
+        tmp = dest / "swap.tmp"
+        a.rename(tmp), b.rename(a), tmp.rename(b)
+    else:
+        state = torch.load(b, weights_only=True)
+        key = next(k for k in state if ".experts." in k and k.endswith("up.weight"))
+        state[key] = state[key][:-2] if how == "shape" else state[key].fill_(float("nan"))
+        torch.save(state, b)
+    manifest = read_manifest(dest)
+    write_manifest(dest, describe_files(dest, sorted(manifest["files"])), manifest["meta"])
+    return dest
+
+
+def _damaged_expert_files_are_refused_by_name(tmp_path: Path, step3: Path):
+    """Expert files swapped between ep ranks, cut to the wrong shape or holding NaN (manifests re-hashed)
+    are refused in one line on every rank before any rank steps: the swap and the shape from the files'
+    indexes before DeepSpeed loads, the NaN (named with its expert) once loaded; export names it too."""
+    from mt3d.checkpoint.loading import from_pretrained
+    from mt3d.checkpoint.manifest import read_manifest
+    from mt3d.checkpoint.resume import check_layer_files
+    from mt3d.config import resolve_model
+    from mt3d.errors import CheckpointError, UserError
+
+    from helpers import tiny_config, train_rc_worker
+
+    cfg = resolve_model({"preset": "tiny-mixtral"})
+    cases = (
+        ("swapped", "holds expert 2, but ep rank 0 of 2 holds experts 0-1"),
+        ("shape", "up.weight has shape (126, 64), the saved layout (tp 1) needs (128, 64)"),
+    )
+    for how, match in cases:
+        bad = _damaged(step3, tmp_path / f"bad-{how}" / "step_00000003", how)
+        with pytest.raises(CheckpointError, match=re.escape(match)):
+            check_layer_files(bad, read_manifest(bad), cfg)
+    bad = _damaged(step3, tmp_path / "bad-nan" / "step_00000003", "nan")
+    with pytest.raises(UserError, match=r"mlp\.experts\.\d\.up\.weight \(expert \d\) .* holds 8192 NaN"):
+        from_pretrained(bad)
+    for how in ("swapped", "nan"):
+        raw = tiny_config(tmp_path / f"resume-{how}", model={"preset": "tiny-mixtral"}, steps=6,
+                          resume=str(tmp_path / f"bad-{how}" / "step_00000003"))  # fmt: skip
+        raw["mt3d"]["parallel"].update(pipeline=2, expert=2)
+        assert [rc for rc, _ in spawn(train_rc_worker, 4, raw, timeout=300)] == [2] * 4, how
 
 
 @pytest.mark.parametrize(

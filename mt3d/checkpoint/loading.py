@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..model.blocks import BuildContext
 from ..model.config import ModelConfig
 from ..model.hf import HFError, HFReader, check_weights, config_from_hf, pieces, read_shard
+from ..model.moe import expert_index
 from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
 from ..parallel.state import AxisGroup, ParallelState
 
@@ -103,10 +104,29 @@ def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup) -> None
                     f"{source.path}: {name} (from {source.origin(name)}) has shape {tuple(shard.shape)} "
                     f"for tp rank {tp.rank}/{tp.size}, the model expects {tuple(param.shape)}"
                 )
+            bad = nonfinite(shard)
+            if bad:
+                where = f"{source.path}: {weight_name(name)} (from {source.origin(name)})"
+                raise UserError(f"{where} holds {bad}: the checkpoint is damaged or diverged; use another")
             param.copy_(shard.to(param.dtype))
     if source.kind == "hf" and source._reader is not None:
         source._reader.close()  # every weight is in place: release the files
         source._reader = None
+
+
+def nonfinite(t: torch.Tensor) -> str | None:
+    """How many NaN and infinite values ``t`` holds ("3 NaN and 1 inf values"), or None."""
+    if not t.is_floating_point():
+        return None
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    return f"{nan} NaN and {inf} inf values" if nan or inf else None
+
+
+def weight_name(name: str) -> str:
+    """A parameter's name with its routed expert spelled out: ``3.mlp.experts.5.up.weight`` is expert 5
+    of that block."""
+    j = expert_index(name)
+    return name if j is None else f"{name} (expert {j})"
 
 
 def build_model(

@@ -10,6 +10,7 @@ scheduler, loss scaler, counters) and this rank's random state.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,8 +211,60 @@ def plan_resume(
             log.error("resume auto: skipping %s: %s", path, e)
             continue
         check_engine_state(plan.path, plan.meta)
+        check_layer_files(plan.path, plan.manifest, model)
         return plan
     return None
+
+
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+def check_layer_files(path: Path, manifest: dict, model: ModelConfig) -> None:
+    """Every pipeline layer file holds what the saved layout puts there, checked from the files' indexes
+    (memory-mapped: no weight is read) before DeepSpeed loads any: each parameter's shard shape, and
+    under expert parallelism only the experts of the file's ep rank (a file copied between ep ranks
+    or rewritten with the wrong shape, its manifest re-hashed, would otherwise stop one rank in a raw
+    error and the others in a collective). Collective: each rank checks a share, every rank raises
+    the first problem found."""
+    import torch.distributed as dist
+
+    from ..ds.safe import safe_torch_load
+    from ..model.moe import expert_index
+    from ..model.sharding import shard_shape, sharding_table, split_name
+
+    layout = manifest["meta"].get("layout") or {}
+    tp, ep = int(layout.get("tp", 1)), int(layout.get("ep", 1))
+    vocab = int(manifest["meta"].get("vocab_size") or model.vocab_size or 1)
+    specs = {split_name(n): spec for n, spec in sharding_table(model, vocab).items()}
+    per_rank = model.moe_spec.experts // ep if model.moe_spec is not None else 0
+    names = sorted(n for n in manifest["files"] if LAYER_FILE.match(n))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problem = None
+    for name in names[rank::world]:
+        layer, model_rank = (int(g) for g in LAYER_FILE.match(name).groups())
+        e = model_rank // tp
+        for key, tensor in safe_torch_load(path / name, mmap=True).items():
+            j = expert_index(key)
+            if j is not None and ep > 1 and not e * per_rank <= j < (e + 1) * per_rank:
+                held = f"{e * per_rank}-{(e + 1) * per_rank - 1}"
+                problem = (f"{path / name} holds expert {j}, but ep rank {e} of {ep} holds experts {held} "
+                           "(files swapped between ep ranks?)")  # fmt: skip
+                break
+            spec = specs.get((layer, key))
+            want = shard_shape(spec.shape, spec.layout, tp) if spec is not None else None
+            if spec is not None and tuple(tensor.shape) != want:
+                problem = (f"{path / name}: {key} has shape {tuple(tensor.shape)}, the saved layout "
+                           f"(tp {tp}) needs {want}")  # fmt: skip
+                break
+        if problem:
+            break
+    found = [problem]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, problem)
+    first = next((p for p in found if p), None)
+    if first:
+        raise CheckpointError(f"{first}: the checkpoint does not match its layout; use another one")
 
 
 ENGINE_STATE_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -276,7 +329,29 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     from ..ds.nvme import finish_nvme_resume
 
     finish_nvme_resume(engine, Path(load_dir), tag)
+    _check_finite(engine.module, load_dir / tag)
     key = rng_key(rt.state)
     if same_layout and not load_rng(plan.path, key, rt.tracker):
         log.warning("%s has no random state for %s: keeping the seeded one", plan.path, key)
     return client or {}
+
+
+def _check_finite(module, path: Path) -> None:
+    """Refuse, on every rank and naming the weight (and its expert and rank), a checkpoint whose loaded
+    weights hold NaN or infinite values (a damaged or diverged save): the first bad one of every rank
+    is gathered, so no rank goes on into a step the others left. Collective."""
+    import torch.distributed as dist
+
+    from .loading import nonfinite, weight_name
+
+    mine = next((f"{weight_name(n)} holds {bad}" for n, p in module.named_parameters()
+                 if (bad := nonfinite(p.detach()))), None)  # fmt: skip
+    found = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+    bad = [(rank, what) for rank, what in enumerate(found) if what]
+    if bad:
+        rank, what = bad[0]
+        raise CheckpointError(f"{path}: on rank {rank}, {what}: the checkpoint is damaged or diverged; "
+                              "resume an earlier one")  # fmt: skip

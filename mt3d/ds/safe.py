@@ -26,11 +26,12 @@ from .pickles import allowed_globals
 _REAL_LOAD = torch.load  # before only_safe_loads can replace it
 
 
-def safe_torch_load(path: str | Path, map_location="cpu"):
-    """``torch.load`` restricted to tensors, containers and the allow-list."""
+def safe_torch_load(path: str | Path, map_location="cpu", mmap: bool = False):
+    """``torch.load`` restricted to tensors, containers and the allow-list; ``mmap``: map the tensors'
+    storage instead of reading it (shapes and names cost only the file's index)."""
     try:
         with torch.serialization.safe_globals(allowed_globals()):
-            return _REAL_LOAD(path, map_location=map_location, weights_only=True)
+            return _REAL_LOAD(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = re.findall(r"GLOBAL ([\w\.]+)", str(e)) or ["an unsupported object"]
         raise CheckpointError(

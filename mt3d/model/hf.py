@@ -347,7 +347,10 @@ def check_weights(reader: HFReader, cfg: ModelConfig, vocab: int, where: str) ->
             )
     _check_dtype(reader, cfg, where)
     used |= _check_tied_head(reader, cfg, where)
-    return sorted(set(reader.where) - used)
+    unused = sorted(set(reader.where) - used)
+    if cfg.family:
+        get_family(cfg.family).check_unused(unused, reader.shape, cfg, where)
+    return unused
 
 
 def _check_dtype(reader: HFReader, cfg: ModelConfig, where: str) -> None:

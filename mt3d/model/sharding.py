@@ -143,6 +143,19 @@ def from_shards(shards: list[torch.Tensor], layout: ParamLayout) -> torch.Tensor
     )
 
 
+def shard_shape(shape: tuple[int, ...], layout: ParamLayout, world: int) -> tuple[int, ...]:
+    """The shape of one TP rank's shard of a parameter of unsharded ``shape`` (``to_shard``'s, from the
+    sizes alone)."""
+    if layout.dim is None:
+        return tuple(shape)
+    out = list(shape)
+    if layout.vocab is not None:
+        out[layout.dim] = pad_vocab(layout.vocab, world) // world
+    else:
+        out[layout.dim] = sum(p // world for p in (layout.parts or (shape[layout.dim],)))
+    return tuple(out)
+
+
 def global_names(cfg: ModelConfig, vocab: int | None = None) -> list[str]:
     """Every parameter's global name in a model of this config (tied head not repeated)."""
     return list(sharding_table(cfg, vocab or cfg.vocab_size or 1))

@@ -90,6 +90,10 @@ class Family:
         """Whether this family reads the HF config ``hf`` (by its ``model_type``)."""
         return hf.get("model_type") in self.model_types
 
+    def check_unused(self, unused: list[str], shape_of, cfg, where: str) -> None:
+        """Refuse stored tensors the config leaves unused where transformers would refuse them
+        (``shape_of(name)``: a stored tensor's shape); by default unused tensors are only reported."""
+
     def check_hf_keys(self, hf: dict, where: str) -> None:
         """Refuse, by name, a key that switches on what mt3d lacks or holds a value of the wrong type."""
         check_keys(hf, self.hf_keys, where, HFError)

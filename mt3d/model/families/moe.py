@@ -252,6 +252,21 @@ class Qwen2Moe(QwenMoE):
         return dict(**windowed_layers_to_hf(cfg), qkv_bias=cfg.qkv_bias, **self.write_qwen_moe(cfg),
                     shared_expert_intermediate_size=cfg.moe_spec.shared_ffn)  # fmt: skip
 
+    def check_unused(self, unused, shape_of, cfg, where):
+        """A config with ``shared_expert_intermediate_size: 0`` over a trained shared expert: transformers
+        refuses the size mismatch ([0, h] against the stored rows); so does mt3d, saying which size."""
+        if cfg.moe_spec.shared_ffn:
+            return
+        for name in unused:
+            if name.endswith(("mlp.shared_expert.up_proj.weight", "mlp.shared_expert.gate_proj.weight")):
+                shape = tuple(shape_of(name))
+                if shape and shape[0] > 0:
+                    raise HFError(
+                        f"{where}: config.json sets shared_expert_intermediate_size 0 but the weights hold a "
+                        f"trained shared expert ({name} {shape}); transformers refuses these sizes: set "
+                        f"shared_expert_intermediate_size to {shape[0]}"
+                    )
+
 
 @register
 class Qwen3Moe(QwenMoE):
