@@ -397,6 +397,23 @@ def test_unsupported_routing_is_refused_by_name(tmp_path, tok_dir):
             config_from_hf(d)
 
 
+def test_a_zero_shared_expert_over_trained_weights_is_refused(tmp_path, tok_dir):
+    """Qwen2-MoE with ``shared_expert_intermediate_size: 0`` over a trained shared expert: transformers
+    refuses the size mismatch; so does mt3d, in one line naming the size to set (it loaded the model
+    without the shared expert, only logging the unused tensors)."""
+    from mt3d.checkpoint.loading import open_source
+    from mt3d.model.families import HFError
+
+    d = _hf_moe("qwen2_moe", tmp_path / "q", tok_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": 0}))
+    with pytest.raises(HFError, match="sets shared_expert_intermediate_size 0 but the weights hold a trained "
+                       "shared expert") as err:  # fmt: skip
+        open_source(d)
+    size = cfg["shared_expert_intermediate_size"]
+    assert f"set shared_expert_intermediate_size to {size}" in str(err.value)
+
+
 def test_deepspeed_still_needs_what_mt3d_ds_experts_does():
     """Each reach of mt3d.ds.experts against the pinned DeepSpeed's source: the schedule's reduce step
     calls the two methods wrapped on the engine; ZeRO's and the BF16 optimizer's norms skip weights
