@@ -59,6 +59,11 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def optional_positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type: a comma-separated list of integers >= 1, or "" for none."""
+    return positive_ints(text) if text.strip() else ()
+
+
 def choices_list(allowed: tuple, what: str):
     """argparse type: a comma-separated list of values among ``allowed`` (ints when they are ints:
     "0,1"; names otherwise: "none,opt-cpu")."""

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mt3d.bench.report import render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +98,35 @@ def test_bubble_benchmark_runs_both_schedules():
     one, two = rec["rows"]
     assert one["speedup"] == 1.0 and two["speedup"] == one["step_s"] / two["step_s"]
     assert "| 2 | 4 | 2 |" in render([rec])
+
+
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["gemm", "--smoke", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
+        (["comm", "--tp", "x"], "argument --tp: expected an integer, got 'x'"),
+        (["comm", "--ep", "3"], "--ep 3 does not divide the ep rows' 8 experts"),
+        (["attention", "--seq-lens", "0"], "argument --seq-lens: must be >= 1"),
+        (["overhead", "--reps", "1.5"], "argument --reps: expected an integer"),
+        (["overhead", "--global-batch", "10", "--micro", "4"], "--global-batch 10 is not a multiple of"),
+        (["longctx", "--cp", "3", "--seq-len", "100"], "--seq-len 100 is not divisible by 2 x cp = 6"),
+        (["memory", "--rows", "99"], "--rows 99: there are"),
+        (["gpu-suite", "--smoke", "--out", "/proc/x"], "--out /proc/x is not writable"),
+        (["bubble", "--virtual", "2", "--stages", "4", "--micro-batches", "6"], "micro-batches a multiple"),
+        (["fp8", "--hidden", "-16"], "argument --hidden: must be >= 1"),
+    ],
+)  # fmt: skip
+def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys, monkeypatch):
+    """Every benchmark's arguments are checked as the CLI checks its own: one line, exit 2, before any
+    process is spawned (the spawn harness is made to fail if reached)."""
+    from mt3d.bench.__main__ import main
+    from mt3d.parallel import spawn
+
+    monkeypatch.setattr(spawn, "spawn", lambda *a, **k: pytest.fail("a process was spawned"))
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusals exit from the parser
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expect in err[0], err

@@ -11,6 +11,16 @@ import importlib
 import os
 import sys
 
+from ..inputs import (
+    OneLineParser,
+    choices_list,
+    non_negative_int,
+    optional_positive_ints,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
+
 BENCHES = {
     "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
     "bubble": "measured pipeline idle fraction per stage vs (p-1)/(v m+p-1), 1F1B and interleaved",
@@ -39,25 +49,23 @@ BENCHES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of every benchmark."""
-    from ..inputs import positive_ints
-
-    p = argparse.ArgumentParser(prog="python -m mt3d.bench", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m mt3d.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="name", metavar="<benchmark>")
     o = sub.add_parser("overhead", help=BENCHES["overhead"])
-    o.add_argument("--sizes", default="tiny,small", help="comma-separated model sizes (tiny, small)")
-    o.add_argument("--reps", type=int, default=15)
-    o.add_argument(
-        "--zero", default="0,1", help="ZeRO stages of the mt3d engine to measure (dp=1: 0 is the fit)"
-    )
-    o.add_argument("--seq-len", type=int, default=64)
-    o.add_argument("--micro", type=int, default=4)
-    o.add_argument("--global-batch", type=int, default=16)
+    o.add_argument("--sizes", type=choices_list(("tiny", "small"), "--sizes"), default=("tiny", "small"),
+                   help="comma-separated model sizes (tiny, small)")  # fmt: skip
+    o.add_argument("--reps", type=positive_int, default=15)
+    o.add_argument("--zero", type=choices_list((0, 1, 2, 3), "--zero"), default=(0, 1),
+                   help="ZeRO stages of the mt3d engine to measure (dp=1: 0 is the fit)")  # fmt: skip
+    o.add_argument("--seq-len", type=positive_int, default=64)
+    o.add_argument("--micro", type=positive_int, default=4)
+    o.add_argument("--global-batch", type=positive_int, default=16)
     b = sub.add_parser("bubble", help=BENCHES["bubble"])
     b.add_argument("--stages", type=positive_ints, default=(2, 4))
     b.add_argument("--micro-batches", type=positive_ints, default=(4, 8))
-    b.add_argument("--steps", type=int, default=5)
-    b.add_argument("--hidden", type=int, default=1024)
-    b.add_argument("--layers-per-stage", type=int, default=2)
+    b.add_argument("--steps", type=positive_int, default=5)
+    b.add_argument("--hidden", type=positive_int, default=1024)
+    b.add_argument("--layers-per-stage", type=positive_int, default=2)
     b.add_argument(
         "--virtual",
         type=positive_ints,
@@ -65,28 +73,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="virtual stages per rank to compare (1: DeepSpeed's 1F1B)",
     )
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
-    pr.add_argument("--mb", type=float, default=50.0, help="size of the generated jsonl input")
+    pr.add_argument("--mb", type=positive_float, default=50.0, help="size of the generated jsonl input")
     c = sub.add_parser("comm", help=BENCHES["comm"])
-    c.add_argument("--tp", default="2,4", help="TP degrees ('' for none)")
-    c.add_argument("--cp", default="", help="context-parallel degrees to measure each exchange at, e.g. 2,4")
-    c.add_argument("--cp-seq-len", type=int, default=64, help="sequence of the cp rows (the halo also at 2x)")
-    c.add_argument("--ep", default="", help="expert-parallel degrees to measure the MoE all-to-all at: 2,4")
-    c.add_argument("--ep-tokens", type=int, default=256, help="tokens per rank of the ep rows")
-    c.add_argument("--layers", type=int, default=2)
-    c.add_argument("--hidden", type=int, default=64)
-    c.add_argument("--seq-len", type=int, default=32)
-    c.add_argument("--micro", type=int, default=2)
-    c.add_argument("--accum", type=int, default=2)
+    c.add_argument("--tp", type=optional_positive_ints, default=(2, 4), help="TP degrees ('' for none)")
+    c.add_argument("--cp", type=optional_positive_ints, default=(),
+                   help="context-parallel degrees to measure each exchange at, e.g. 2,4")  # fmt: skip
+    c.add_argument(
+        "--cp-seq-len", type=positive_int, default=64, help="sequence of the cp rows (the halo also at 2x)"
+    )
+    c.add_argument("--ep", type=optional_positive_ints, default=(),
+                   help="expert-parallel degrees to measure the MoE all-to-all at: 2,4")  # fmt: skip
+    c.add_argument("--ep-tokens", type=positive_int, default=256, help="tokens per rank of the ep rows")
+    c.add_argument("--layers", type=positive_int, default=2)
+    c.add_argument("--hidden", type=positive_int, default=64)
+    c.add_argument("--seq-len", type=positive_int, default=32)
+    c.add_argument("--micro", type=positive_int, default=2)
+    c.add_argument("--accum", type=positive_int, default=2)
     ov = sub.add_parser("overlap", help=BENCHES["overlap"])
-    ov.add_argument("--reps", type=int, default=7)
-    ov.add_argument("--bucket-elements", type=int, default=2_000_000, help="gradient bucket of the dp rows")
+    ov.add_argument("--reps", type=positive_int, default=7)
+    ov.add_argument(
+        "--bucket-elements", type=positive_int, default=2_000_000, help="gradient bucket of the dp rows"
+    )
     ov.add_argument("--smoke", action="store_true", help="one shape, a small model (tests)")
     mem = sub.add_parser("memory", help=BENCHES["memory"])
-    mem.add_argument("--seq-len", type=int, default=256)
-    mem.add_argument("--micro", type=int, default=4)
-    mem.add_argument("--accum", type=int, default=2)
-    mem.add_argument("--layouts", type=int, default=99, help="run only the first N layouts")
-    mem.add_argument("--vocab", type=int, default=512, help="vocabulary of both models (the loss's logits)")
+    mem.add_argument("--seq-len", type=positive_int, default=256)
+    mem.add_argument("--micro", type=positive_int, default=4)
+    mem.add_argument("--accum", type=positive_int, default=2)
+    mem.add_argument("--layouts", type=positive_int, default=99, help="run only the first N layouts")
+    mem.add_argument(
+        "--vocab", type=positive_int, default=512, help="vocabulary of both models (the loss's logits)"
+    )
     mem.add_argument("--keep-logits", action="store_true",
                      help="run DeepSpeed's own forward pass, whose last stage keeps its logits (what mt3d's "
                      "release saves)")  # fmt: skip
@@ -99,14 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_device_and_model_parsers(sub) -> None:
     """gpu, checkpoint, hfload, attention, longctx, planner and gemm."""
-    from ..inputs import choices_list, positive_float, positive_int, positive_ints
+    from ..inputs import (
+        choices_list,
+        optional_positive_ints,
+        positive_float,
+        positive_int,
+        positive_ints,
+    )
 
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
-    gp.add_argument("--seq-len", type=int, default=2048)
-    gp.add_argument("--micro", type=int, default=8)
-    gp.add_argument("--accum", type=int, default=1)
-    gp.add_argument("--steps", type=int, default=10)
-    gp.add_argument("--warmup", type=int, default=3)
+    gp.add_argument("--seq-len", type=positive_int, default=2048)
+    gp.add_argument("--micro", type=positive_int, default=8)
+    gp.add_argument("--accum", type=positive_int, default=1)
+    gp.add_argument("--steps", type=positive_int, default=10)
+    gp.add_argument("--warmup", type=non_negative_int, default=3)
     gp.add_argument("--compile", action="store_true", help="also measure mt3d with compiled blocks")
     gp.add_argument("--compile-only", action="store_true", help="measure mt3d only with compiled blocks")
     gp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of the code path)")
@@ -130,34 +152,47 @@ def _add_device_and_model_parsers(sub) -> None:
                     "attention,longctx)")  # fmt: skip
     su.add_argument("--out", default="docs/benchmarks", help="directory of the dated record")
     ck = sub.add_parser("checkpoint", help=BENCHES["checkpoint"])
-    ck.add_argument("--sizes", default="tiny,100m", help="tiny, 100m, 1b (1b needs ~20 GB of memory)")
+    ck.add_argument("--sizes", type=choices_list(("tiny", "100m", "1b"), "--sizes"), default=("tiny", "100m"),
+                    help="tiny, 100m, 1b (1b needs ~20 GB of memory)")  # fmt: skip
     ck.add_argument("--dir", default="/tmp", help="where to write (the disk being measured)")
     h = sub.add_parser("hfload", help=BENCHES["hfload"])
-    h.add_argument("--hidden", type=int, default=2048)
-    h.add_argument("--layers", type=int, default=18)
+    h.add_argument("--hidden", type=positive_int, default=2048)
+    h.add_argument("--layers", type=positive_int, default=18)
     h.add_argument("--tmp", default=None, help="directory for the 4 GB model (default: system temp)")
     at = sub.add_parser("attention", help=BENCHES["attention"])
     at.add_argument("--part", choices=["layers", "patterns", "both"], default="both")
-    at.add_argument("--seq-lens", default="1024,4096,16384", help="layers: sequence lengths")
-    at.add_argument("--window", type=int, default=256, help="layers: the local layer's window")
-    at.add_argument("--hidden", type=int, default=512, help="layers: block width")
-    at.add_argument("--heads", type=int, default=8)
-    at.add_argument("--reps", type=int, default=3)
-    at.add_argument("--pattern-lens", default=None, help="patterns: lengths (default 4096,16384; GPU 32768)")
-    at.add_argument("--pattern-window", type=int, default=None, help="patterns: W (default 512; GPU 2048)")
     at.add_argument(
-        "--strides", default=None, help="patterns: strided rows besides 1 and W (default 64; GPU 256)"
+        "--seq-lens", type=positive_ints, default=(1024, 4096, 16384), help="layers: sequence lengths"
     )
-    at.add_argument("--dilation", type=int, default=2, help="patterns: the dilated row's d (1: none)")
-    at.add_argument("--head-dim", type=int, default=None, help="patterns: head size (default 64; GPU 128)")
+    at.add_argument("--window", type=positive_int, default=256, help="layers: the local layer's window")
+    at.add_argument("--hidden", type=positive_int, default=512, help="layers: block width")
+    at.add_argument("--heads", type=positive_int, default=8)
+    at.add_argument("--reps", type=positive_int, default=3)
+    at.add_argument("--pattern-lens", type=positive_ints, default=None,
+                    help="patterns: lengths (default 4096,16384; GPU 32768)")  # fmt: skip
+    at.add_argument(
+        "--pattern-window", type=positive_int, default=None, help="patterns: W (default 512; GPU 2048)"
+    )
+    at.add_argument(
+        "--strides",
+        type=optional_positive_ints,
+        default=None,
+        help="patterns: strided rows besides 1 and W (default 64; GPU 256)",
+    )
+    at.add_argument(
+        "--dilation", type=positive_int, default=2, help="patterns: the dilated row's d (1: none)"
+    )
+    at.add_argument(
+        "--head-dim", type=positive_int, default=None, help="patterns: head size (default 64; GPU 128)"
+    )
     lc = sub.add_parser("longctx", help=BENCHES["longctx"])
     lc.add_argument("--part", choices=["memory", "cap", "both"], default="both")
     lc.add_argument("--cp", type=positive_ints, default=(1, 2, 4), help="memory: cp degrees")
-    lc.add_argument("--seq-len", type=int, default=4096, help="memory: tokens of the one sample")
-    lc.add_argument("--tile-len", type=int, default=512, help="memory: the tiled rows' tile_len")
-    lc.add_argument("--cap-seq-len", type=int, default=8192, help="cap: tokens of the one sample")
+    lc.add_argument("--seq-len", type=positive_int, default=4096, help="memory: tokens of the one sample")
+    lc.add_argument("--tile-len", type=non_negative_int, default=512, help="memory: the tiled rows' tile_len")
+    lc.add_argument("--cap-seq-len", type=positive_int, default=8192, help="cap: tokens of the one sample")
     lc.add_argument(
-        "--cap-mb", type=float, default=None, help="cap: MB per rank (default: measured midpoint)"
+        "--cap-mb", type=positive_float, default=None, help="cap: MB per rank (default: measured midpoint)"
     )
     sub.add_parser("planner", help=BENCHES["planner"])
     f8 = sub.add_parser("fp8", help=BENCHES["fp8"])
@@ -168,7 +203,7 @@ def _add_device_and_model_parsers(sub) -> None:
     f8.add_argument("--lr", type=positive_float, default=2e-3)
     f8.add_argument("--plot", default=None, help="write the curves to this PNG")
     gm = sub.add_parser("gemm", help=BENCHES["gemm"])
-    gm.add_argument("--reps", type=int, default=20)
+    gm.add_argument("--reps", type=positive_int, default=20)
     gm.add_argument("--fp8", action="store_true",
                     help="also time each shape in FP8 (torch._scaled_mm; tensorwise, rowwise)")  # fmt: skip
     gm.add_argument(
@@ -188,8 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings(
         "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
     )
+    from ..errors import EXIT_BAD_INPUT, UserError
+
     module = importlib.import_module(f"mt3d.bench.{args.name.replace('-', '_')}")
-    module.run(args)
+    try:
+        why = module.check_args(args) if hasattr(module, "check_args") else None  # before any process
+        if why:
+            raise UserError(why)
+        module.run(args)
+    except (UserError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        print(f"python -m mt3d.bench {args.name}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return 0
 
 

@@ -117,7 +117,7 @@ def _isolated(fn, *args) -> dict:
 def run_layers(args) -> list[dict]:
     """Time local vs global blocks over the sequence lengths."""
     rows = []
-    for n in [int(x) for x in args.seq_lens.split(",")]:
+    for n in args.seq_lens:
         for window in (None, args.window):
             r = _isolated(layer_case, n, window, args.hidden, args.heads, args.reps)
             rows.append({"n": n, "attention": "global" if window is None else f"local {window}", **r})
@@ -135,10 +135,10 @@ def run_layers(args) -> list[dict]:
     return rows
 
 
-def pattern_specs(window: int, strides: str, dilation: int) -> dict[str, tuple]:
+def pattern_specs(window: int, strides: tuple[int, ...], dilation: int) -> dict[str, tuple]:
     """Named (W, s, d) patterns: sliding, the given strides, blocked (s = W) and dilated."""
     specs = {"sliding": (window, 1, 1)}
-    for s in (int(x) for x in strides.split(",") if x):
+    for s in strides:
         if 1 < s < window:
             specs[f"strided {s}"] = (window, s, 1)
     specs["blocked"] = (window, window, 1)
@@ -156,7 +156,7 @@ def run_patterns(args) -> list[dict]:
     from ..planner.sparsity import tiles
 
     rows = []
-    for n in [int(x) for x in args.pattern_lens.split(",")]:
+    for n in args.pattern_lens:
         dense = _isolated(pattern_case, n, None, args.heads, args.head_dim, args.reps)
         rows.append({"n": n, "pattern": "dense causal", **dense})
         flex_dense = None
@@ -186,8 +186,15 @@ def run_patterns(args) -> list[dict]:
 
 
 # defaults of the pattern table: the CPU's, and the GNA paper's 1-D setting on GPUs
-CPU_PATTERNS = {"pattern_lens": "4096,16384", "pattern_window": 512, "strides": "64", "head_dim": 64}
-GPU_PATTERNS = {"pattern_lens": "32768", "pattern_window": 2048, "strides": "256", "head_dim": 128}
+CPU_PATTERNS = {"pattern_lens": (4096, 16384), "pattern_window": 512, "strides": (64,), "head_dim": 64}
+GPU_PATTERNS = {"pattern_lens": (32768,), "pattern_window": 2048, "strides": (256,), "head_dim": 128}
+
+
+def check_args(args) -> str | None:
+    """Why these arguments cannot run (None: they can)."""
+    if args.hidden % args.heads:
+        return f"--hidden {args.hidden} is not divisible by --heads {args.heads}"
+    return None
 
 
 def run(args) -> None:

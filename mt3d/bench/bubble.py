@@ -91,6 +91,20 @@ def worker(
     }
 
 
+def check_args(args) -> str | None:
+    """Why these arguments cannot run (None: they can): the 4-head blocks need the width, and the
+    interleaved schedule micro-batches a multiple of the stages and whole blocks per chunk."""
+    if args.hidden % 4:
+        return f"--hidden {args.hidden} is not divisible by the benchmark's 4 heads"
+    for v in (v for v in args.virtual if v > 1):
+        if args.layers_per_stage % v:
+            return f"--virtual {v} needs --layers-per-stage ({args.layers_per_stage}) divisible by it"
+        bad = [(p, m) for p in args.stages for m in args.micro_batches if m % p]
+        if bad:
+            return f"--virtual {v} needs micro-batches a multiple of the stages: {bad[0][1]} over {bad[0][0]}"
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench bubble``."""
     from ..parallel.spawn import spawn

@@ -101,12 +101,21 @@ def worker(size: str, root: str) -> dict:
     }
 
 
+def check_args(args) -> str | None:
+    """Where the benchmark writes must be writable (a one-line error otherwise, before any work)."""
+    from ..config.preflight import writable_dir
+
+    if args.dir is not None:
+        writable_dir(args.dir, "--dir")
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench checkpoint``."""
     from ..parallel.spawn import spawn
 
     rows = []
-    for size in args.sizes.split(","):
+    for size in args.sizes:
         root = str(Path(args.dir) / f"mt3d-ckpt-bench-{size}")
         r = spawn(worker, 1, size, root, timeout=1800)[0]
         gb = r["bytes"] / 1e9

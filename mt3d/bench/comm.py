@@ -90,7 +90,7 @@ def cp_rows(args) -> list[dict]:
     at each cp, beside ``cp_layer_elements``; the halo also at twice the sequence (its volume does not
     grow)."""
     rows = []
-    for cp in (int(x) for x in args.cp.split(",")):
+    for cp in args.cp:
         for kind in CP_KINDS:
             for s in (args.cp_seq_len, 2 * args.cp_seq_len) if kind == "halo" else (args.cp_seq_len,):
                 rows.append(_cp_row(kind, cp, s, args.micro, args.accum, args.layers))
@@ -182,7 +182,7 @@ def ep_rows(args) -> list[dict]:
     from ..parallel.spawn import spawn
 
     rows = []
-    for ep in (int(x) for x in args.ep.split(",")):
+    for ep in args.ep:
         res = spawn(ep_worker, ep, ep, args.ep_tokens, timeout=600)
         sent = sum(moved(op, n, ep) for r in res for op, n in r["calls"]) / ep
         k, h, e = EP_MODEL["top_k"], EP_MODEL["hidden"], EP_MODEL["experts"]
@@ -190,6 +190,24 @@ def ep_rows(args) -> list[dict]:
         rows.append({"ep": ep, "tokens": args.ep_tokens, "calls": len(res[0]["calls"]),
                      "elements_per_layer": sent, "theory": theory, "ratio": sent / theory})  # fmt: skip
     return rows
+
+
+def check_args(args) -> str | None:
+    """Why these arguments cannot run (None: they can): tp divides the TP rows' 4 heads and the width,
+    cp the cp rows' heads and (twice over) their sequence, ep the ep rows' experts."""
+    for tp in args.tp:
+        if 4 % tp or args.hidden % tp:
+            return f"--tp {tp} does not divide the TP rows' 4 heads (or --hidden {args.hidden})"
+        if args.seq_len % tp:
+            return f"--tp {tp} does not divide --seq-len {args.seq_len} (the SP rows split it)"
+    for cp in args.cp:
+        if args.cp_seq_len % (2 * cp) or CP_MODEL["heads"] % cp:
+            return (f"--cp {cp} needs --cp-seq-len ({args.cp_seq_len}) divisible by {2 * cp} and divides the "
+                    f"cp rows' {CP_MODEL['heads']} heads")  # fmt: skip
+    for ep in args.ep:
+        if EP_MODEL["experts"] % ep:
+            return f"--ep {ep} does not divide the ep rows' {EP_MODEL['experts']} experts"
+    return None
 
 
 def run(args) -> dict:
@@ -226,7 +244,7 @@ def run(args) -> dict:
     rows, out = [], []
     b, s, h, m, L = args.micro, args.seq_len, args.hidden, args.accum, args.layers
     bsh = b * s * h
-    for tp in (int(x) for x in args.tp.split(",") if x):
+    for tp in args.tp:
         for sp in (False, True):
             res = {n: spawn(worker, tp, tp, sp, n, h, s, b, m, timeout=600)[0] for n in (L, 2 * L)}
             c1, c2 = Counter(res[L]["calls"]), Counter(res[2 * L]["calls"])

@@ -62,6 +62,15 @@ def run_step(name: str, argv: list[str], limit: int) -> dict:
             "record": records[-1] if records else None, "output": text}  # fmt: skip
 
 
+def check_args(args) -> str | None:
+    """Where the benchmark writes must be writable (a one-line error otherwise, before any work)."""
+    from ..config.preflight import writable_dir
+
+    if args.out is not None:
+        writable_dir(args.out, "--out")
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench gpu-suite``."""
     import torch

@@ -61,6 +61,15 @@ def _make_model(path: Path, hidden: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def check_args(args) -> str | None:
+    """Where the benchmark writes must be writable (a one-line error otherwise, before any work)."""
+    from ..config.preflight import writable_dir
+
+    if args.tmp is not None:
+        writable_dir(args.tmp, "--tmp")
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench hfload``."""
     from ..parallel.spawn import spawn

@@ -86,6 +86,14 @@ def cap_rows(args) -> tuple[list[dict], float]:
     return rows, cap
 
 
+def check_args(args) -> str | None:
+    """Why these arguments cannot run (None: they can): each cp splits the sample into 2 cp chunks."""
+    bad = [cp for cp in args.cp if args.seq_len % (2 * cp)]
+    if bad:
+        return f"--seq-len {args.seq_len} is not divisible by 2 x cp = {2 * bad[0]} (--cp {bad[0]})"
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench longctx``."""
     out: dict = {"model": MODEL, "vocab": VOCAB}

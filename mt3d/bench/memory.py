@@ -126,6 +126,14 @@ def predict(model, tp, pp, dp, zero, recompute, sp, seq, micro, accum, offload="
     return {**mem, "rss": mem["total"] + mem["cpu"]}
 
 
+def check_args(args) -> str | None:
+    """Why these arguments cannot run (None: they can)."""
+    bad = [r for r in args.rows or () if r > len(LAYOUTS)]
+    if bad:
+        return f"--rows {bad[0]}: there are {len(LAYOUTS)} layouts (1-{len(LAYOUTS)})"
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench memory``."""
     import tempfile

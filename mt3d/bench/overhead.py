@@ -108,12 +108,19 @@ def worker(size: str, reps: int, seq_len: int, micro: int, global_batch: int, ze
     return {"median_step_s": med, "threads": torch.get_num_threads(), "params": cfg.num_params(vocab)}
 
 
+def check_args(args) -> str | None:
+    """Why these arguments cannot run (None: they can); checked before any process starts."""
+    if args.global_batch % args.micro:
+        return f"--global-batch {args.global_batch} is not a multiple of --micro {args.micro}"
+    return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench overhead``."""
     from ..parallel.spawn import spawn
 
     rows, out = [], {}
-    for size, zero in ((s, z) for s in args.sizes.split(",") for z in (int(z) for z in args.zero.split(","))):
+    for size, zero in ((s, z) for s in args.sizes for z in args.zero):
         res = spawn(
             worker, 1, size, args.reps, args.seq_len, args.micro, args.global_batch, zero, timeout=1800
         )[0]
