@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_device_and_model_parsers(sub) -> None:
-    """gpu, checkpoint, hfload, attention, longctx, planner and gemm."""
+    """gpu, gpu-suite and checkpoint (then ``_add_model_parsers``)."""
     from ..inputs import (
         choices_list,
         optional_positive_ints,
@@ -155,6 +155,11 @@ def _add_device_and_model_parsers(sub) -> None:
     ck.add_argument("--sizes", type=choices_list(("tiny", "100m", "1b"), "--sizes"), default=("tiny", "100m"),
                     help="tiny, 100m, 1b (1b needs ~20 GB of memory)")  # fmt: skip
     ck.add_argument("--dir", default="/tmp", help="where to write (the disk being measured)")
+    _add_model_parsers(sub)
+
+
+def _add_model_parsers(sub) -> None:
+    """hfload, attention, longctx, planner, fp8 and gemm."""
     h = sub.add_parser("hfload", help=BENCHES["hfload"])
     h.add_argument("--hidden", type=positive_int, default=2048)
     h.add_argument("--layers", type=positive_int, default=18)
