@@ -117,10 +117,7 @@ def _add_device_and_model_parsers(sub) -> None:
     """gpu, gpu-suite and checkpoint (then ``_add_model_parsers``)."""
     from ..inputs import (
         choices_list,
-        optional_positive_ints,
-        positive_float,
         positive_int,
-        positive_ints,
     )
 
     gp = sub.add_parser("gpu", help=BENCHES["gpu"])
