@@ -9,6 +9,7 @@ import functools
 __version__ = "0.1.0"
 
 
+@functools.cache
 def running_version() -> str:
     """The DeepSpeed version this process runs."""
     from importlib.metadata import PackageNotFoundError, version

@@ -52,9 +52,14 @@ def test_a_fresh_run_in_a_used_save_dir_is_refused(tmp_path):
     run = from_dict(raw)
     with pytest.raises(ConfigError, match="holds another run \\(metrics.jsonl\\): continue it with"):
         validate(run, 1, resolve_model(run.mt3d.model))
-    for key, value in (("resume", "auto"), ("overwrite", True)):
-        again = from_dict({**raw, "mt3d": {**raw["mt3d"], "train": {**raw["mt3d"]["train"], key: value}}})
-        validate(again, 1, resolve_model(again.mt3d.model))
+
+    def with_train(key, value):
+        return from_dict({**raw, "mt3d": {**raw["mt3d"], "train": {**raw["mt3d"]["train"], key: value}}})
+
+    validate(with_train("overwrite", True), 1, resolve_model(run.mt3d.model))
+    # resume auto finds no checkpoint to continue: it would start afresh into the old metrics
+    with pytest.raises(ConfigError, match="but no complete checkpoint to resume"):
+        validate(with_train("resume", "auto"), 1, resolve_model(run.mt3d.model))
 
 
 def test_an_nvme_index_is_checked_against_the_manifest(tmp_path):
@@ -251,7 +256,7 @@ def test_plans_honour_pins_write_runnable_configs_and_name_the_binding_rule(tmp_
     argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--offload", "opt-cpu", "--host-memory-gb", "1"]
     assert main([*argv, "--zero", "1,2"]) == 1
     headline = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("no feasible"))
-    assert "break a rule: offload needs" in headline and "CPU memory" in headline, headline
+    assert "overflow an offload tier: offload needs" in headline and "CPU memory" in headline, headline
     argv = ["plan", "--model", "gpt2-small", "--gpus", "8", "--other-stack", "--overlap", "tp-comm,dp,pp",
             "--tensor", "2", "--zero", "3", "--recompute", "full", "--micro-batch", "1", "--explain"]  # fmt: skip
     assert main(argv) == 0

@@ -243,8 +243,14 @@ class ModelConfig:
         """Parameters of transformer block ``layer`` (None: an average block of the model); ``active``:
         only those one token uses (its top-k experts, the shared expert and the router); ``ep``: those
         one of ep expert-parallel ranks holds (experts / ep of the routed experts)."""
-        if layer is None:
-            return round(sum(self.block_params(i, active, ep) for i in range(self.layers)) / self.layers)
+        if layer is None:  # sparse blocks are alike, and so are dense ones: one of each, counted
+            spec = self.moe_spec
+            sparse = [spec is not None and spec.sparse(i) for i in range(self.layers)]
+            n = sum(sparse)
+            total = n * self.block_params(sparse.index(True), active, ep) if n else 0
+            if n < self.layers:
+                total += (self.layers - n) * self.block_params(sparse.index(False), active, ep)
+            return round(total / self.layers)
         h = self.hidden
         qkv = self.q_size + 2 * self.kv_size
         attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h

@@ -98,12 +98,15 @@ def add_plan_stack(p) -> None:
                    "--tp-comm-overlap; without SP tp's)")  # fmt: skip
     p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
                    help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
-    p.add_argument(
-        "--activation-model",
-        choices=("mt3d", "korthikanti"),
-        default="mt3d",
-        help="activation memory of mt3d's blocks, or Korthikanti et al.'s Table 2 (Megatron)",
-    )
+    p.add_argument("--activation-model", choices=("mt3d", "te", "korthikanti"), default="mt3d",
+                   help="activation memory of mt3d's blocks, of TransformerEngine's (a gated MLP keeps 3 x "
+                   "ffn/t, mt3d 4), or Korthikanti et al.'s Table 2 (Megatron)")  # fmt: skip
+    p.add_argument("--ep-dispatch", choices=("whole", "sequence-shard"), default="whole",
+                   help="--other-stack: each TP rank dispatches only its sequence shard to the experts "
+                   "(Megatron-Core with SP; mt3d: whole rows)")  # fmt: skip
+    p.add_argument("--fsdp", action="store_true",
+                   help="--other-stack: ZeRO-3 as FSDP runs it (fp32 shards with no 16-bit copy, two blocks "
+                   "gathered at a time)")  # fmt: skip
 
 
 def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
@@ -123,6 +126,11 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
         return value if value is not None else fallback
 
     pins = {ax: getattr(args, flag) for ax, flag in PLAN_PINS.items() if getattr(args, flag)}
+    other = {"--fsdp": args.fsdp, "--ep-dispatch sequence-shard": args.ep_dispatch != "whole",
+             "--activation-model te": args.activation_model == "te"}  # fmt: skip
+    named = [flag for flag, on in other.items() if on]
+    if named and not args.other_stack:
+        raise UserError(f"{named[0]} states another stack's choice (mt3d does not run it): add --other-stack")
     return dict(
         cluster=Cluster(args.gpus, args.gpus_per_node, get_device(args.gpu, **overrides)),
         global_batch=given(args.global_batch, defaults.get("global_batch") or 512),
@@ -147,6 +155,8 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             not args.other_stack,
             planned_overlap(args.overlap, args.other_stack),
             args.fp8,
+            args.ep_dispatch,
+            args.fsdp,
         ),  # fmt: skip
     )
 

@@ -38,8 +38,21 @@ reach: the one calibration of this model, fitted on PTD-P's Table 1 (A100, 211.5
 ``python -m mt3d.bench planner`` refits it) and assumed for the other devices."""
 HBM_FRACTION = 0.85
 """Achieved share of HBM bandwidth by streaming kernels (STREAM-like copy/triad on A100/H100)."""
-FLASH_FRACTION = 0.7
-"""FlashAttention-2's attention FLOP rate relative to a large GEMM's (Dao 2023: ~70% of GEMM speed)."""
+FLASH_FRACTION = 0.55
+"""A flash kernel's causal attention FLOP rate (the tiles it visits: about half of s x s) relative to
+the calibrated GEMM rate. Measured on one H200 (docs/benchmarks/2026-11-27-h200-gpu-record.log, the
+profiled gpt3-1.3b step): cuDNN's flash kernels ran sequence 2048, head dim 128 forward and backward
+in 58.2 ms, 340 TFLOP/s counted causally, 0.55 of 0.78 x 794.5."""
+FLASH_TILE = 128
+"""The query and key tile of a flash kernel: causal attention visits the tiles on and below the
+diagonal, n (n + 1) / 2 of n^2 for n = ceil(s / 128)."""
+
+
+def causal_share(seq_len: int, tile: int = FLASH_TILE) -> float:
+    """The share of an s x s score matrix a causal flash kernel computes (whole tiles on and below the
+    diagonal); FlashAttention's own benchmarks count causal attention at half the FLOPs."""
+    n = math.ceil(seq_len / tile)
+    return (n + 1) / (2 * n)
 
 
 @dataclass(frozen=True)
@@ -191,7 +204,9 @@ def micro_batch_seconds(
         one = gemm_seconds(qk, dev, elem, fraction) + gemm_seconds(pv, dev, elem, fraction)
         attn = (fwd_passes + again + 2) * one
     else:
-        flops = 4.0 * tokens * keys * cfg.q_size / tp  # forward; backward 2x
+        # forward (backward 2x) over the tiles a causal kernel visits; ``keys`` already scales dense
+        # causal attention down to the local patterns' tiles
+        flops = 4.0 * tokens * keys * causal_share(seq_len) * cfg.q_size / tp
         attn = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
     per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
     mem = (fwd_passes + again + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)

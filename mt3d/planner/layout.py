@@ -44,6 +44,14 @@ class Precision:
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {name!r}")
 
 
+def fsdp_precision(prec: Precision) -> Precision:
+    """FSDP's mixed precision at ZeRO-3: the fp32 shard is the weight (no master copy beside a 16-bit
+    one), the gradients reduced in their dtype, Adam's two fp32 moments; 16-bit only when gathered."""
+    from dataclasses import replace
+
+    return replace(prec, param=4, master=0) if prec.name in ("bf16", "fp16") else prec
+
+
 def model_state_bytes(params: float, dp: int, zero_stage: int, prec: Precision) -> float:
     """Parameters + gradients + optimizer states per GPU for ``params`` parameters on this GPU's
     model slice (Psi' = Psi / (tp * pp)): plain DP 16 Psi', ZeRO-1 4 Psi' + 12 Psi'/d,

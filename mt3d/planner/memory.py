@@ -43,15 +43,16 @@ def korthikanti_working_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, 
 
 
 def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: bool, elem: int,
-                     tiled: bool = False, sp_gathered: bool = False,
-                     selective: bool = False) -> float:  # fmt: skip
+                     tiled: bool = False, sp_gathered: bool = False, selective: bool = False,
+                     gated: float = 4) -> float:  # fmt: skip
     """Activation bytes one of mt3d's blocks keeps for backward (no dropout masks; SDPA attention).
 
     Per token: the two norm inputs (sequence shards with SP), the inputs of the QKV and MLP-in
     linears (with SP their 1/t sequence shards, all-gathered again in the backward; the full
     sequence with ``sp_gathered``, and without SP), q/k/v and the attention output for the local
-    heads, and the MLP's local inner activations (2 x ffn/t for GELU, 4 x ffn/t for SwiGLU; none
-    with sequence tiles, ``tiled``: they are rebuilt a tile at a time in the backward).
+    heads, and the MLP's local inner activations (2 x ffn/t for GELU, ``gated`` x ffn/t for SwiGLU: 4
+    in mt3d, 3 in TransformerEngine's fused MLP; none with sequence tiles, ``tiled``: they are rebuilt
+    a tile at a time in the backward).
     With full recompute only the block input stays. Selective recompute (``selective``) keeps the
     activation's input but not its output (nor, gated, the activated gate): half the MLP's inner
     elements; its attention core keeps the q/k/v projection output instead of q, k and v, the same
@@ -64,17 +65,18 @@ def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompu
     norms = 2 * h / (t if sp else 1)
     linear_inputs = 2 * h / (t if sp and not sp_gathered else 1)
     attn = (2 * cfg.q_size + 2 * cfg.kv_size) / t
-    mlp = 0.0 if tiled else mlp_inner_elements(cfg, t, selective)
+    mlp = 0.0 if tiled else mlp_inner_elements(cfg, t, selective, gated)
     return tokens * (norms + linear_inputs + attn + mlp) * elem
 
 
-def mlp_inner_elements(cfg: ModelConfig, t: int, selective: bool = False) -> float:
-    """Per token: the MLP's inner activations one TP rank keeps (2 x ffn/t GELU, 4 x ffn/t gated; a
-    sparse block's k experts' and shared expert's, plus the k dispatched copies of its input). With
-    selective recompute a dense MLP keeps half (the activation's input only; routed experts keep all)."""
+def mlp_inner_elements(cfg: ModelConfig, t: int, selective: bool = False, gated: float = 4) -> float:
+    """Per token: the MLP's inner activations one TP rank keeps (2 x ffn/t GELU, ``gated`` x ffn/t
+    gated; a sparse block's k experts' and shared expert's, plus the k dispatched copies of its input).
+    With selective recompute a dense MLP keeps half (the activation's input only; routed experts keep
+    all)."""
     spec = cfg.moe_spec
     dispatched = 0.0 if spec is None else cfg.sparse_layers / cfg.layers * spec.top_k * cfg.hidden
-    per = (4 if cfg.mlp in GATED_MLPS else 2) / (2 if selective and spec is None else 1)
+    per = (gated if cfg.mlp in GATED_MLPS else 2) / (2 if selective and spec is None else 1)
     return per * cfg.mlp_token_width() / t + dispatched
 
 
@@ -144,16 +146,20 @@ def memory_bytes(
     overlap: tuple[str, ...] = (),
     attention_kernel: str = "flash",
     mt3d_engine: bool = True,
+    fsdp: bool = False,
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
     ``overlap`` as ``step_time``'s. ``mt3d_engine``: the stack is mt3d's (posted pipeline transfers run
     mt3d's schedule engine, more micro-batches in flight at v = 1); False: another stack's 1F1B. The
     Korthikanti model keeps the attention scores only with the ``materialized`` kernel (FlashAttention
-    keeps none)."""
+    keeps none). ``fsdp``: ZeRO-3 as FSDP runs it (no 16-bit copy beside the fp32 shard,
+    ``layout.fsdp_precision``; two blocks' 16-bit parameters gathered at a time, the one computing
+    and the one prefetched, instead of DeepSpeed's max_live_parameters)."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
-    tiers = _model_state_tiers(params, lay, prec, overlap, mt3d_engine, sub_group_size)
+    live = 2 * params / math.ceil(cfg.layers / p) * 2 if fsdp and lay.zero_stage == 3 else None
+    tiers = _model_state_tiers(params, lay, prec, overlap, mt3d_engine, sub_group_size, live)
     states = tiers["gpu"]
     sp = lay.sequence_parallel and t > 1
     local = seq_len // lay.cp  # tokens of each sample on this rank
@@ -195,17 +201,25 @@ def memory_bytes(
 
 
 def _model_state_tiers(params: float, lay: Layout, prec: Precision, overlap: tuple[str, ...],
-                       mt3d_engine: bool, sub_group_size: float | None) -> dict[str, float]:  # fmt: skip
+                       mt3d_engine: bool, sub_group_size: float | None,
+                       live: float | None = None) -> dict[str, float]:  # fmt: skip
     """``offload.tier_bytes`` of the stage's model states; DeepSpeed's BF16 optimizer partitions the
     master weights and moments as ZeRO-1 does, and holds the gradients ``bf16_optimizer_gradient_bytes``
     says."""
     bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
     stage = 1 if bf16_optimizer else lay.zero_stage
-    tiers = tier_bytes(params, lay.data, stage, prec, lay.offload, sub_group_size)
+    tiers = tier_bytes(params, lay.data, stage, prec, lay.offload, sub_group_size, live)
     if bf16_optimizer:
         folded = overlaps_reduction(lay, prec, overlap, True)
         tiers["gpu"] += params * (bf16_optimizer_gradient_bytes(prec, folded) - prec.grad)
     return tiers
+
+
+ACTIVATION_MODELS = {"mt3d": 4, "te": 3, "korthikanti": None}
+"""Activation accountings (``mt3d plan --activation-model``) and the elements per ffn/t a gated MLP
+keeps in each: mt3d's blocks 4 (the fused gate/up output, the activated gate, their product),
+TransformerEngine's fused LayerNormMLP 3 (its fc1 output and the SwiGLU output); Korthikanti et al.'s
+table (GELU MLPs) has its own."""
 
 
 def _block_bytes(cfg: ModelConfig, seq_len: int, lay: Layout, prec: Precision, activation_model: str,
@@ -222,8 +236,9 @@ def _block_bytes(cfg: ModelConfig, seq_len: int, lay: Layout, prec: Precision, a
         return per_layer, korthikanti_working_bytes(*args, scores) if lay.recompute else 0.0
     e, tiled = prec.activation, lay.tile_len > 0
     g, sel = lay.sp_gathered, lay.selective
-    per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled, g, sel)
-    full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled, g, sel)
+    gated = ACTIVATION_MODELS[activation_model]
+    per_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, lay.recompute, e, tiled, g, sel, gated)
+    full_layer = mt3d_layer_bytes(cfg, local, lay.micro_batch, t, sp, False, e, tiled, g, sel, gated)
     if tiled:  # the tile being rebuilt in the backward, and its gradient
         full_layer += 2 * min(local, lay.tile_len) * lay.micro_batch * mlp_inner_elements(cfg, t) * e
     gathered = cp_gathered_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, e)

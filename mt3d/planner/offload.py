@@ -41,9 +41,11 @@ def offload_rule(zero_stage: int, offload: str) -> str | None:
 
 
 def tier_bytes(params: float, dp: int, zero_stage: int, prec, offload: str = "none",
-               sub_group_size: float | None = None) -> dict[str, float]:  # fmt: skip
+               sub_group_size: float | None = None,
+               live: float | None = None) -> dict[str, float]:  # fmt: skip
     """Bytes of model states of one rank on ``gpu``, ``cpu`` and ``nvme`` (see the module doc).
-    ``sub_group_size``: DeepSpeed's (default: what mt3d writes for NVMe offload)."""
+    ``sub_group_size``: DeepSpeed's (default: what mt3d writes for NVMe offload); ``live``: the bytes
+    of parameters ZeRO-3 holds gathered (default: DeepSpeed's max_live_parameters of them)."""
     from ..config import NVME_SUB_GROUP_SIZE
     from .layout import model_state_bytes
 
@@ -55,7 +57,7 @@ def tier_bytes(params: float, dp: int, zero_stage: int, prec, offload: str = "no
         raise ValueError(why or f"offload must be one of {OFFLOAD_OPTIONS}, got {offload!r}")
     p, g, m, o = prec.param, prec.grad, prec.master, prec.optim
     n = params / dp
-    gathered = min(params, MAX_LIVE_PARAMETERS) * p if zero_stage == 3 else 0.0
+    gathered = (min(params, MAX_LIVE_PARAMETERS) * p if live is None else live) if zero_stage == 3 else 0.0
     if offload == "none":
         return {"gpu": model_state_bytes(params, dp, zero_stage, prec) + gathered, "cpu": 0.0, "nvme": 0.0}
     fp32_states = (m + o + 4) * n  # master, moments, fp32 gradient partition

@@ -71,7 +71,10 @@ def explain_infeasible(result: dict) -> str:
             counts[r["reason"]] = counts.get(r["reason"], 0) + 1
         reason = max(counts, key=counts.get)
         best = min((r for r in rules if r["reason"] == reason), key=lambda r: r["memory_gb"])
-        return f"no feasible layout: the layouts that fit break a rule: {reason} (e.g. {_described(best)})"
+        what = "overflow an offload tier" if reason.startswith("offload needs") else "break a rule"
+        return (
+            f"no feasible layout: the layouts that fit on the GPUs {what}: {reason} (e.g. {_described(best)})"
+        )
     if too_big:
         best = min(too_big, key=lambda r: r["memory_gb"])
         return (

@@ -31,6 +31,7 @@ from ..parallel.topology import uniform_crossing
 from .choices import RECOMPUTE  # its home imports nothing (the CLI parser reads it)
 from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
 from .hardware import Device
+from .layout import fsdp_precision
 from .offload import OFFLOAD_OPTIONS, offload_rule
 from .sparsity import attention_speedup
 
@@ -277,6 +278,12 @@ class Stack:
     """Transfers overlapped with compute (``choices.OVERLAPS``)."""
     fp8: str | None = None
     """The blocks' linears in FP8 with this recipe (``train.fp8``), at the device's FP8 GEMM ceiling."""
+    ep_dispatch: str = "whole"
+    """How tokens reach their experts: every TP rank sends the whole rows (mt3d), or only its sequence
+    shard ("sequence-shard": Megatron-Core with SP)."""
+    fsdp: bool = False
+    """ZeRO-3 as FSDP runs it: the fp32 shard is the weight (no 16-bit copy), 16-bit weights gathered
+    two blocks at a time."""
 
 
 def plan(
@@ -364,9 +371,11 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     or None)."""
     dev, per_node = cluster.device, min(cluster.gpus, cluster.gpus_per_node)
     prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states, stack.grad_dtype)
+    fsdp = stack.fsdp and lay.zero_stage == 3
+    prec = fsdp_precision(prec) if fsdp else prec
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
                        overlap=stack.overlap, attention_kernel=stack.attention_kernel,
-                       mt3d_engine=stack.mt3d_rules)  # fmt: skip
+                       mt3d_engine=stack.mt3d_rules, fsdp=fsdp)  # fmt: skip
     row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
            "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
@@ -382,7 +391,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         device=dev, attention_fraction=tile_fraction, precision=precision,
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
-        grad_dtype=stack.grad_dtype, fp8=stack.fp8,
+        grad_dtype=stack.grad_dtype, fp8=stack.fp8, ep_dispatch=stack.ep_dispatch, fsdp=fsdp,
     )  # fmt: skip
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 

@@ -108,7 +108,8 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
               attention_fraction: float = 1.0, device=None, attention_kernel: str = "flash",
               pp_scatter_gather: bool = False, gemm_fraction: float | None = None,
               overlap: tuple[str, ...] = (), mt3d_engine: bool = True, grad_dtype: str = "param",
-              fp8: str | None = None) -> dict[str, float]:  # fmt: skip
+              fp8: str | None = None, ep_dispatch: str = "whole",
+              fsdp: bool = False) -> dict[str, float]:  # fmt: skip
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
@@ -120,8 +121,12 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
     they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
     ``gemm_fraction``: of the device's GEMM ceiling (default ``compute.GEMM_FRACTION``).
-    ``pp_scatter_gather``: Megatron-LM's PTD-P splits each stage-boundary transfer over the TP
-    ranks (1/t each across nodes, then an all-gather on NVLink); mt3d sends whole activations.
+    Stage-boundary transfers send 1/t of the activation at tp > 1: with SP its sequence shard, on
+    DeepSpeed's pipeline engine (mt3d's, ``mt3d_engine``) its TP partition, with ``pp_scatter_gather``
+    PTD-P's scatter (each then all-gathered over NVLink); another stack without either sends it whole.
+    ``ep_dispatch`` "sequence-shard": each TP rank dispatches its sequence shard to the experts
+    (Megatron-Core with SP), where mt3d's TP ranks each send the whole rows ("whole"). ``fsdp``:
+    ZeRO-3 gathers 16-bit weights beside an fp32 shard (``memory_bytes``'s).
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
     (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
     ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
@@ -149,10 +154,11 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     cp = cp_bytes(cfg, seq_len, lay.micro_batch, t, lay.cp, m, comm_bytes, blocks, recompute=lay.recompute)
     cp = cp / (bw["cp"] * 1e9) if lay.cp > 1 else 0.0
     posted = posts_p2p(overlap, lay, mt3d_engine)
-    pp = _pp_seconds(lay, act / (t if pp_scatter_gather else 1), compute, bw, posted)
+    split = pp_scatter_gather or mt3d_engine or (lay.sequence_parallel and t > 1)
+    pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
-    ep = ep / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
-    dp = _dp_seconds(lay, grads, prec, compute, bw, "dp" in overlap, mt3d_engine)
+    ep = ep / (t if ep_dispatch == "sequence-shard" else 1) / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
+    dp = _dp_seconds(lay, grads, prec, compute, bw, "dp" in overlap, mt3d_engine, 2 if fsdp else None)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
@@ -173,20 +179,24 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
 
 
 def _dp_seconds(lay: Layout, grads: float, prec: Precision, compute: float, bw: dict, overlapped: bool,
-                mt3d_engine: bool) -> float:  # fmt: skip
+                mt3d_engine: bool, gathered_bytes: int | None = None) -> float:  # fmt: skip
     """Exposed data-parallel transfer seconds of a step: ZeRO-3's beyond ``ZERO3_OVERLAP`` of the
     compute, else the reduction less ``dp_hidden`` when ``overlapped``. The weights travel in their
     dtype, the gradients in theirs (Megatron-Core reduce-scatters fp32 gradients); DeepSpeed's BF16
     optimizer all-reduces the gradients in the weights' dtype, then all-gathers the updated weights:
     ZeRO-1's count with the gradients' bytes twice (with fp32 gradients, 2 x 2 + 2 bytes per parameter
-    and ring pass, as Megatron-Core's 4 + 2)."""
-    zero_stage, elems = lay.zero_stage, (prec.param, prec.grad)
+    and ring pass, as Megatron-Core's 4 + 2). ZeRO-2 and 3 reduce-scatter every micro-batch's gradients
+    (DeepSpeed's partitioned gradients, FSDP without no_sync) and ZeRO-3 gathers the weights for every
+    micro-batch's passes; ``gathered_bytes``: the gathered weights' dtype where it is not the shard's
+    (FSDP's 16-bit gathers of fp32 shards)."""
+    zero_stage, elems = lay.zero_stage, (gathered_bytes or prec.param, prec.grad)
     if runs_bf16_optimizer(lay, prec, mt3d_engine):
         zero_stage, elems = 1, (prec.param, 2 * prec.param)
+    m = lay.grad_accum if zero_stage >= 2 else 1
     gathers = 3 if lay.recompute else 2  # ZeRO-3: forward, recompute, backward
     # gradients are averaged over dp x cp: the slower of the two axes' links carries the ring
     dense_bw = min(bw["dp"], bw["cp"]) if lay.cp > 1 else bw["dp"]
-    dp = dp_bytes(grads, *elems, lay.dense, zero_stage, gathers) / (dense_bw * 1e9)
+    dp = m * dp_bytes(grads, *elems, lay.dense, zero_stage, gathers) / (dense_bw * 1e9)
     if lay.zero_stage == 3:
         return max(0.0, dp - ZERO3_OVERLAP * compute)  # partly hidden behind the compute it prefetches for
     if overlapped:
