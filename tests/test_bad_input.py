@@ -89,7 +89,7 @@ CASES = [
     ("HF config.json without n_embd", ev("{base}/no_embd"), {}, "config.json has no 'n_embd'"),
     ("binary text to eval", ev("{base}/hf"), {}, "binary.txt is not UTF-8 text (invalid byte 0x80 at offset 128)"),
     ("prompt past the positions", ["generate", "--model", "{base}/hf", "--prompt", "the quick brown fox " * 4], {},
-     "longer than the model's 8 positions"),
+     "exceed the model's 8 positions: shorten the prompt"),
     ("corrupt run.json", ["summary", "{base}/run"], {}, "run.json:1:12: invalid JSON"),
     ("garbage metrics.jsonl", ["plot", "{base}/garbage"], {}, "metrics.jsonl:1: not a JSON record"),
     ("export --max-shard-size lots", ["export-hf", "--checkpoint", "{base}/run", "--out", "{base}/x",
