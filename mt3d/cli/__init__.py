@@ -12,7 +12,7 @@ from ..errors import EXIT_BAD_INPUT
 from ..inputs import OneLineParser
 from ..planner.args import plan_inputs  # noqa: F401 - callers and tests reach it as mt3d.cli.plan_inputs
 from .common import KNOWN_ERRORS, UsageError, writable_output  # noqa: F401 - the shared names
-from .data import _add_preprocess, _add_train_tokenizer
+from .data import _add_data, _add_preprocess, _add_train_tokenizer
 from .models import _add_eval, _add_export, _add_generate
 from .plan import _add_plan
 from .runs import _add_checkpoint, _add_plot, _add_summary, _add_train
@@ -26,6 +26,7 @@ COMMANDS: list[Callable] = [
     _add_plot,
     _add_summary,
     _add_preprocess,
+    _add_data,
     _add_train_tokenizer,
     _add_eval,
     _add_generate,

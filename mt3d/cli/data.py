@@ -10,7 +10,7 @@ import sys
 from ..inputs import (
     positive_int,
 )
-from .common import writable_output
+from .common import UsageError, writable_output
 
 # --- data --------------------------------------------------------------------------------
 PREPROCESS_EXAMPLES = """examples:
@@ -62,6 +62,12 @@ def _add_preprocess(sub) -> None:
     p.add_argument(
         "--dtype", default="auto", help="token dtype: auto (smallest that fits), uint8, uint16, uint32"
     )
+    p.add_argument("--format", default="text", choices=["text", "chat", "prompt-completion"],
+                   help="text (default), chat (.jsonl with messages: [{role, content}], rendered with the "
+                   "tokenizer's chat template) or prompt-completion (.jsonl with prompt and completion); "
+                   "the last two store a loss mask beside the tokens (docs/data.md)")  # fmt: skip
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template to use instead of the tokenizer's own")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_preprocess)
 
@@ -81,6 +87,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         on_bad_line=args.on_bad_line,
         on_bad_bytes=args.on_bad_bytes,
         dtype=args.dtype,
+        fmt=args.format,
+        template_file=args.chat_template,
     )
     for line in stats.skipped_lines[:20]:
         print(f"skipped: {line}", file=sys.stderr)
@@ -95,6 +103,12 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
             f"{s['mb']:.1f} MB in {s['seconds']:.1f} s ({s['mb_per_s']:.2f} MB/s, "
             f"{s['tokens_per_s']:.0f} tokens/s), "
             f"{s['skipped_lines']} bad lines skipped"
+            + (
+                f"; {s['supervised_tokens']} supervised tokens, {s['skipped_without_reply']} conversations "
+                "without an assistant reply skipped"
+                if args.format != "text"
+                else ""
+            )
         )
     return 0
 
@@ -127,3 +141,70 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     tok = train_bpe(docs, args.vocab_size, args.out)
     print(f"wrote {args.out}: {tok.vocab_size} tokens")
     return 0
+
+
+def _add_data(sub) -> None:
+    p = sub.add_parser(
+        "data",
+        help="look at a preprocessed dataset: each document with what will be trained on",
+        description="'mt3d data show PREFIX' prints each document of PREFIX.bin/.idx with its supervised "
+        "tokens marked (the loss mask of chat and prompt/completion data; plain text: all of it); "
+        '--json prints one line per document {"tokens": [...], "loss_mask": [...]}.',
+        epilog="examples:\n  mt3d data show runs/chat --limit 3\n  mt3d data show runs/chat --json | head -1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dsub = p.add_subparsers(dest="action", metavar="<action>", required=True)
+    show = dsub.add_parser("show", help="print documents and their loss masks")
+    show.add_argument("prefix", help="the dataset prefix P (P.bin, P.idx)")
+    show.add_argument("--json", action="store_true", help="one JSON line per document: tokens and loss_mask")
+    show.add_argument("--limit", type=positive_int, default=None, help="the first N documents only")
+    show.add_argument("--tokenizer", default=None, help="tokenizer to print text with (default: the one "
+                      "that made the dataset, from P.meta.json)")  # fmt: skip
+    p.set_defaults(func=cmd_data)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """``mt3d data show``."""
+    from ..data.indexed import IndexedDataset
+    from ..data.preprocess import read_meta
+    from ..data.tokenizer import load_tokenizer
+
+    ds = IndexedDataset(args.prefix)
+    n = ds.num_docs if args.limit is None else min(args.limit, ds.num_docs)
+    tok = None
+    if not args.json:
+        where = args.tokenizer or read_meta(args.prefix).get("tokenizer")
+        if where is None:
+            raise UsageError(
+                f"{args.prefix} does not name its tokenizer: give --tokenizer DIR (or use --json)"
+            )
+        tok = load_tokenizer(where)
+    color = sys.stdout.isatty()
+    for i in range(n):
+        ids, mask = ds.doc(i).tolist(), ds.doc_mask(i).tolist()
+        if args.json:
+            print(json.dumps({"tokens": ids, "loss_mask": mask}))
+            continue
+        print(f"--- document {i}: {len(ids)} tokens, {sum(mask)} supervised")
+        print(_marked(tok, ids, mask, color))
+    return 0
+
+
+def _marked(tok, ids: list[int], mask: list[int], color: bool) -> str:
+    """A document's text with its supervised runs marked (green on a terminal, else ⟦...⟧)."""
+    out, run, on = [], [], None
+    for i, m in zip(ids, mask, strict=True):
+        if m != on and run:
+            out.append(_run(tok.decode(run), on, color))
+            run = []
+        on = m
+        run.append(i)
+    if run:
+        out.append(_run(tok.decode(run), on, color))
+    return "".join(out)
+
+
+def _run(text: str, supervised: bool, color: bool) -> str:
+    if not supervised:
+        return text
+    return f"\033[32m{text}\033[0m" if color else f"⟦{text}⟧"

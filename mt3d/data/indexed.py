@@ -12,6 +12,11 @@
     bin_tag   16 bytes blake2b of the first and last 64 KiB of P.bin (pairs .idx with its .bin)
     offsets   u64[docs + 1]  token offset of each document; offsets[-1] == tokens
 
+Version 2 (supervised data: chat and prompt/completion) adds, after ``bin_tag``, ``flags u8`` (bit 0:
+a loss mask exists), 7 pad bytes and ``mask_tag`` (16 bytes, the same fingerprint of ``P.mask``), then
+the offsets. ``P.mask`` holds one byte per token: 1 where the token is a supervised target (predicted
+from the tokens before it in its own document), 0 elsewhere. Plain text stays version 1.
+
 Readers memory-map the offsets and read tokens with ``pread``: a sample costs one small read, and a
 corpus larger than RAM (or than the process's address-space limit) is never mapped or loaded.
 """
@@ -29,7 +34,10 @@ from ..errors import UserError
 
 MAGIC = b"MT3DIDX\0"
 VERSION = 1
+MASKED_VERSION = 2
 _HEADER = struct.Struct("<8sIB3xQQQ16s")
+_MASKED = struct.Struct("<B7x16s")
+"""What version 2 adds after the version 1 header: flags and the loss mask file's tag."""
 DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _TAG_SPAN = 64 * 1024
 
@@ -66,7 +74,7 @@ class IndexedWriter:
     last); ``abort`` removes the temporary files.
     """
 
-    def __init__(self, prefix: str | Path, dtype: type) -> None:
+    def __init__(self, prefix: str | Path, dtype: type, with_mask: bool = False) -> None:
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype.itemsize not in DTYPES:
@@ -74,14 +82,23 @@ class IndexedWriter:
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = Path(f"{self.prefix}.bin.tmp")
         self._idx_tmp = Path(f"{self.prefix}.idx.tmp")
+        self._mask_tmp = Path(f"{self.prefix}.mask.tmp")
         self._bin = open(self._bin_tmp, "wb")
+        self._mask = open(self._mask_tmp, "wb") if with_mask else None
         self._offsets = [0]
         self.max_id = np.iinfo(self.dtype).max
         self.largest = 0
 
-    def add(self, ids) -> None:
-        """Append one document (a sequence of token ids)."""
+    def add(self, ids, mask=None) -> None:
+        """Append one document (a sequence of token ids; with a loss mask, its 0/1 per token)."""
         arr = np.asarray(ids)
+        if (mask is None) != (self._mask is None):
+            raise IndexedDataError("a loss mask goes with every document of a masked dataset, and only there")
+        if mask is not None:
+            m = np.asarray(mask, dtype=np.uint8)
+            if m.shape != arr.shape or (m.size and m.max() > 1):
+                raise IndexedDataError(f"loss mask of shape {m.shape} (values 0/1) for {arr.size} tokens")
+            self._mask.write(m.tobytes())
         if arr.size and (arr.min() < 0 or arr.max() > self.max_id):
             raise IndexedDataError(
                 f"token id {int(arr.max())} does not fit in {self.dtype} (max {self.max_id}); "
@@ -99,33 +116,58 @@ class IndexedWriter:
 
     def close(self) -> None:
         """Finish both files, fsync them and move them to their final names."""
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
+        for f in (self._bin, self._mask):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
         offsets = np.asarray(self._offsets, dtype=np.uint64)
+        version = VERSION if self._mask is None else MASKED_VERSION
         header = _HEADER.pack(
             MAGIC,
-            VERSION,
+            version,
             self.dtype.itemsize,
             self.docs,
             int(offsets[-1]),
             self.largest,
             bin_tag(self._bin_tmp),
         )
+        if self._mask is not None:
+            header += _MASKED.pack(1, bin_tag(self._mask_tmp))
         with open(self._idx_tmp, "wb") as f:
             f.write(header)
             f.write(offsets.tobytes())
             f.flush()
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, f"{self.prefix}.bin")
+        if self._mask is not None:
+            os.replace(self._mask_tmp, f"{self.prefix}.mask")
         os.replace(self._idx_tmp, f"{self.prefix}.idx")
 
     def abort(self) -> None:
         """Drop the temporary files (nothing under the final names is touched)."""
-        if not self._bin.closed:
-            self._bin.close()
-        for p in (self._bin_tmp, self._idx_tmp):
+        for f in (self._bin, self._mask):
+            if f is not None and not f.closed:
+                f.close()
+        for p in (self._bin_tmp, self._idx_tmp, self._mask_tmp):
             p.unlink(missing_ok=True)
+
+
+def _check_mask(path: Path, tokens: int, tag: bytes, check_tag: bool) -> Path:
+    """The loss mask file of a version 2 index: one byte per token, the fingerprint the index holds."""
+    if not path.is_file():
+        raise IndexedDataError(
+            f"{path} not found: the index says its documents carry a loss mask; re-run 'mt3d preprocess'"
+        )
+    if path.stat().st_size != tokens:
+        raise IndexedDataError(
+            f"{path}: {path.stat().st_size} bytes for {tokens} tokens; re-run 'mt3d preprocess'"
+        )
+    if check_tag and bin_tag(path) != tag:
+        raise IndexedDataError(
+            f"{path} does not belong to its index (contents differ); re-run 'mt3d preprocess'"
+        )
+    return path
 
 
 def _check_offsets(idx: Path, offsets: np.ndarray, tokens: int, block: int = 1 << 22) -> None:
@@ -162,8 +204,23 @@ class IndexedDataset:
         magic, version, code, docs, tokens, max_id, tag = _HEADER.unpack(raw)
         if magic != MAGIC:
             raise IndexedDataError(f"{idx}: not an mt3d index file (bad magic)")
-        if version != VERSION:
-            raise IndexedDataError(f"{idx}: unsupported version {version} (expected {VERSION})")
+        if version not in (VERSION, MASKED_VERSION):
+            raise IndexedDataError(
+                f"{idx}: unsupported version {version} (expected {VERSION} or {MASKED_VERSION})"
+            )
+        header = _HEADER.size
+        self.has_mask, self._mask_path = False, None
+        if version == MASKED_VERSION:
+            with open(idx, "rb") as f:
+                f.seek(header)
+                extra = f.read(_MASKED.size)
+            if len(extra) < _MASKED.size:
+                raise IndexedDataError(f"{idx}: truncated header")
+            flags, mask_tag = _MASKED.unpack(extra)
+            header += _MASKED.size
+            self.has_mask = bool(flags & 1)
+            if self.has_mask:
+                self._mask_path = _check_mask(Path(f"{prefix}.mask"), tokens, mask_tag, check_tag)
         if code not in DTYPES:
             raise IndexedDataError(f"{idx}: unknown dtype code {code}")
         self.dtype = np.dtype(DTYPES[code])
@@ -174,13 +231,14 @@ class IndexedDataset:
             raise IndexedDataError(
                 f"{binf} is {kind}: {have} bytes, index expects {want}; re-run 'mt3d preprocess'"
             )
-        if idx.stat().st_size != _HEADER.size + 8 * (docs + 1):
+        if idx.stat().st_size != header + 8 * (docs + 1):
             raise IndexedDataError(f"{idx}: truncated offsets table")
+        self._header = header
         if check_tag and bin_tag(binf) != tag:
             raise IndexedDataError(
                 f"{binf} does not belong to {idx} (contents differ); re-run 'mt3d preprocess'"
             )
-        self.offsets = np.memmap(idx, dtype=np.uint64, mode="r", offset=_HEADER.size, shape=(docs + 1,))
+        self.offsets = np.memmap(idx, dtype=np.uint64, mode="r", offset=header, shape=(docs + 1,))
         _check_offsets(idx, self.offsets, tokens)
         self._bin_path = binf
         self.vocab_limit: int | None = None  # set by the loader: ids at or above it are refused on read
@@ -207,7 +265,7 @@ class IndexedDataset:
         self._fd = os.open(self._bin_path, os.O_RDONLY)
         size = self.num_docs + 1
         self.offsets = np.memmap(
-            f"{self.prefix}.idx", dtype=np.uint64, mode="r", offset=_HEADER.size, shape=(size,)
+            f"{self.prefix}.idx", dtype=np.uint64, mode="r", offset=self._header, shape=(size,)
         )
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -227,6 +285,23 @@ class IndexedDataset:
                 f"tokenizer's {self.vocab_limit}-id vocabulary (corrupt file, or another tokenizer's data)"
             )
         return out
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of tokens ``[start, stop)`` (uint8 0/1; all ones for data without a mask)."""
+        n = max(0, stop - start)
+        if not self.has_mask:
+            return np.ones(n, dtype=np.uint8)
+        with open(self._mask_path, "rb") as f:
+            raw = os.pread(f.fileno(), n, start)
+        if len(raw) != n:
+            raise IndexedDataError(
+                f"{self._mask_path}: short read at token {start} (file changed while in use?)"
+            )
+        return np.frombuffer(raw, dtype=np.uint8)
+
+    def doc_mask(self, i: int) -> np.ndarray:
+        """The loss mask of document ``i``."""
+        return self.read_mask(int(self.offsets[i]), int(self.offsets[i + 1]))
 
     def __len__(self) -> int:
         return self.num_docs

@@ -39,6 +39,10 @@ class Stats:
     skipped_lines: list[str] = field(default_factory=list)
     replaced_bytes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    supervised: int = 0
+    """Tokens marked as targets (chat and prompt/completion data)."""
+    skipped_no_reply: int = 0
+    """Conversations without an assistant reply (nothing to learn from), skipped."""
 
     def summary(self) -> dict:
         """JSON-able summary with throughput."""
@@ -52,6 +56,8 @@ class Stats:
             "tokens_per_s": self.tokens / s,
             "skipped_lines": len(self.skipped_lines),
             "replaced_bytes": sum(self.replaced_bytes.values()),
+            "supervised_tokens": self.supervised,
+            "skipped_without_reply": self.skipped_no_reply,
         }
 
 
@@ -239,8 +245,11 @@ def preprocess(
     batch_docs: int = 1024,
     batch_chars: int = 1 << 20,
     progress: bool = True,
+    fmt: str = "text",
+    template_file: str | None = None,
 ) -> Stats:
-    """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns what was done."""
+    """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns what was done. ``fmt`` chat or
+    prompt-completion: jsonl records (``mt3d.data.sft``) stored with their loss mask (``P.mask``)."""
     if txt_mode not in ("blocks", "file"):
         raise PreprocessError(f"--txt-mode must be blocks or file, got {txt_mode!r}")
     if on_bad_line not in ("fail", "skip"):
@@ -263,6 +272,11 @@ def preprocess(
             )
     stats = Stats()
     t0 = time.perf_counter()
+    if fmt != "text":
+        _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats)
+        stats.seconds = time.perf_counter() - t0
+        write_meta(output_prefix, fmt, tokenizer_dir)
+        return stats
     docs = read_documents(
         paths, txt_mode=txt_mode, jsonl_key=jsonl_key, on_bad_line=on_bad_line, on_bad_bytes=on_bad_bytes,
         stats=stats,
@@ -291,4 +305,67 @@ def preprocess(
         if bar is not None:
             bar.close()
     stats.seconds = time.perf_counter() - t0
+    write_meta(output_prefix, fmt, tokenizer_dir)
     return stats
+
+
+def write_meta(prefix: str | Path, fmt: str, tokenizer_dir: str | Path) -> None:
+    """``P.meta.json``: what the dataset is and the tokenizer that made it (``mt3d data show`` reads
+    it to print the documents' text)."""
+    import json
+
+    meta = {"format": fmt, "tokenizer": str(Path(tokenizer_dir).resolve())}
+    Path(f"{prefix}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def read_meta(prefix: str | Path) -> dict:
+    """``P.meta.json`` ({} for datasets written before it existed)."""
+    from ..inputs import read_json
+
+    f = Path(f"{prefix}.meta.json")
+    return read_json(f, "dataset metadata") if f.is_file() else {}
+
+
+def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats) -> None:
+    """Chat or prompt/completion jsonl into ``output_prefix``.bin/.idx/.mask (``mt3d.data.sft``)."""
+    from .sft import (
+        FORMATS,
+        ChatRenderer,
+        chat_template,
+        conversation,
+        prompt_completion,
+        records,
+        special_tokens,
+    )
+
+    if fmt not in FORMATS:
+        raise PreprocessError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    bad = [p for p in paths if p.suffix != ".jsonl"]
+    if bad:
+        raise PreprocessError(f"{bad[0]}: --format {fmt} reads .jsonl records, one per line")
+    renderer = (
+        ChatRenderer(chat_template(tokenizer_dir, template_file), special_tokens(tokenizer_dir))
+        if fmt == "chat"
+        else None
+    )
+    writer = IndexedWriter(output_prefix, np_dtype, with_mask=True)
+    try:
+        for path in paths:
+            stats.bytes_in += path.stat().st_size
+            for rec in records(path, fmt, stats):
+                if renderer is not None:
+                    ids, mask = conversation(tok, renderer, rec["messages"], rec["where"])
+                else:
+                    ids, mask = prompt_completion(tok, rec["prompt"], rec["completion"])
+                writer.add(ids, mask)
+                stats.documents += 1
+                stats.tokens += len(ids)
+                stats.supervised += sum(mask)
+        if stats.documents == 0:
+            raise PreprocessError(
+                f"no {fmt} records to keep in the inputs ({stats.skipped_no_reply} had no assistant reply)"
+            )
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise

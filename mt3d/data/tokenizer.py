@@ -71,6 +71,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    "chat_template.jinja",
 )
 
 
