@@ -146,6 +146,13 @@ class DataConfig:
     """Where built corpora, tokenizers and sample indices are cached (default ~/.cache/mt3d)."""
     seed: int | None = None
     """Seed of the sample order (default: train.seed)."""
+    packing: bool | None = None
+    """Pack whole documents into seq_len samples (first-fit, padding masked) with document masking:
+    positions restart at every document and attention never crosses one (``mt3d.data.packing``).
+    Default: on for chat and prompt/completion data (datasets with a loss mask), off for plain text."""
+    document_mask: bool = False
+    """Plain text packed as whole documents with document masking (Llama 3's pre-training), instead of
+    one stream cut into samples where documents attend to the ones before them."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from .corpora import builtin_corpus, cache_root, synthetic_corpus
 from .indexed import IndexedDataset
+from .packing import Packed, PackedDocuments, packed_batch, supervised_and_real
 from .samples import BlendedSamples, DataError, PackedSamples, split_documents
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -53,21 +54,35 @@ def build_data(cfg, seed: int) -> DataBundle:
         d.vocab_limit = tokenizer.vocab_size
     splits = [split_documents(len(d), cfg.split) for d in datasets]
     index_dir = cache / "indices"
-    train = [PackedSamples(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]
-    valid = [PackedSamples(d, s[1], cfg.seq_len, seed + 1, index_dir) for d, s in zip(datasets, splits)]
+    packed = packs(cfg, datasets)
+    source = PackedDocuments if packed else PackedSamples
+    train = [source(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]
+    valid = [source(d, s[1], cfg.seq_len, seed + 1, index_dir) for d, s in zip(datasets, splits)]
     weights = cfg.weights or [float(t.tokens_per_epoch) for t in train]
     info.update(
         documents=[len(d) for d in datasets],
         tokens=[d.num_tokens for d in datasets],
         train_samples_per_epoch=[len(t) for t in train],
         valid_samples_per_epoch=[len(v) for v in valid],
+        packed=packed,
     )
+    if packed:
+        truncated = [t.truncated + v.truncated for t, v in zip(train, valid, strict=True)]
+        info.update(packing_efficiency=[round(t.efficiency, 4) for t in train], truncated_documents=truncated)
     if len(train) == 1:
         return DataBundle(train[0], valid[0], tokenizer, info)
     blend_dir = index_dir / "blends"
     return DataBundle(
         BlendedSamples(train, weights, blend_dir), BlendedSamples(valid, weights, blend_dir), tokenizer, info
     )
+
+
+def packs(cfg, datasets: list[IndexedDataset]) -> bool:
+    """Whether samples are packed documents with document masking (``DataConfig.packing``: by default
+    for datasets with a loss mask, or plain text with ``document_mask``)."""
+    if cfg.packing is not None:
+        return bool(cfg.packing)
+    return cfg.document_mask or any(d.has_mask for d in datasets)
 
 
 def micro_batch_ids(
@@ -78,10 +93,21 @@ def micro_batch_ids(
     return range(first, first + micro_batch)
 
 
-def to_batch(samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples of seq_len + 1 tokens into (inputs, labels), each [b, seq_len] int64."""
+def to_batch(samples: list) -> tuple:
+    """Stack samples of seq_len + 1 tokens into (inputs, labels), each [b, seq_len] int64; packed
+    documents into ((inputs, document ids), labels) (``packing.packed_batch``)."""
+    if samples and isinstance(samples[0], Packed):
+        return packed_batch(samples)
     arr = torch.from_numpy(np.stack(samples))
     return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
+
+
+def step_targets(samples, step: int, global_batch: int) -> tuple[int, int]:
+    """(supervised targets, real tokens) of the whole global batch of ``step`` (every rank reads it:
+    the loss of packed data is normalised by the first, ``LossFn.step_weight``; the second is the
+    packing efficiency's numerator)."""
+    batch = [samples[i] for i in range(step * global_batch, (step + 1) * global_batch)]
+    return supervised_and_real(batch)
 
 
 class StepBatches:
@@ -122,8 +148,12 @@ class StepBatches:
         if self.micro == self.kw["grad_accum"]:
             self.step, self.micro = self.step + 1, 0
         x, y = to_batch([self.samples[i] for i in ids])
+        docs = None
+        if isinstance(x, tuple):  # packed documents: the ids of the whole sequence go with every chunk
+            x, docs = x
         if self.cp is not None and self.cp.size > 1:
             from ..parallel.context import split_sequence
 
             x, y = split_sequence(x, self.cp), split_sequence(y, self.cp)
-        return x.to(self.device), y.to(self.device)
+        x, y = x.to(self.device), y.to(self.device)
+        return ((x, docs.to(self.device)) if docs is not None else x), y

@@ -423,12 +423,21 @@ def attend(
     block: int | None = None,
     kernel: str = "auto",
     n: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j`` in a
     sequence of ``n`` tokens (default: it ends with the last query).
 
     q: [b, hq, s, d]; k, v: [b, hk, t, d] (hq a multiple of hk). Returns [b, hq, s, d].
+    ``documents`` [b, n]: the document index of every position of the whole sequence (packed samples,
+    ``mt3d.data.packing``): attention then stays inside each document (``attend_documents``).
     """
+    if documents is not None:
+        from .documents import attend_documents
+
+        return attend_documents(attend, q, k, v, documents, pattern=pattern, scale=scale, softcap=softcap,
+                                dropout=dropout, q_start=q_start, k_start=k_start, block=block,
+                                kernel=kernel)  # fmt: skip
     s, t = q.shape[2], k.shape[2]
     n = q_start + s if n is None else n
     whole = q_start == 0 and k_start == 0 and s == t == n

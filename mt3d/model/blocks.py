@@ -96,22 +96,32 @@ class Attention(nn.Module):
             self.ctx.cp_exchange, self.pattern, local_len // 2, self.heads, self.kv_heads, self.ctx.cp_size
         )
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values."""
+    def forward(self, x: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [b, s, h] (SP: [b, s/tp, h]); ``cache`` (generation) holds past keys/values; ``documents``
+        [b, n]: packed samples' document index of every position (``mt3d.model.documents``)."""
         qkv = self.qkv(x)
         past = cache.length if cache is not None else 0
         # the rotary tables are built (and cached on the module) outside the recomputed core
-        tables = self._rope(past, qkv.shape[1], qkv) if self.cfg.position == "rope" else ()
+        if self.cfg.position != "rope":
+            tables = (None, None)
+        elif documents is not None:  # positions restart at every document
+            pos = self.ctx.document_positions(documents, qkv.shape[1])
+            tables = rope_cos_sin(self.cfg, pos, documents.shape[1], qkv.dtype)
+        else:
+            tables = self._rope(past, qkv.shape[1], qkv)
         if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward
             rng = self.cfg.attention_dropout > 0 and self.training  # the core's only random draw
-            o = checkpoint(self._core, qkv, *tables, tracker=self.ctx.tracker, tp=self.ctx.tp, rng=rng)
+            o = checkpoint(
+                self._core, qkv, *tables, documents, tracker=self.ctx.tracker, tp=self.ctx.tp, rng=rng
+            )
         else:
-            o = self._core(qkv, *tables, cache=cache)
+            o = self._core(qkv, *tables, documents, cache=cache)
         return self.out(o)
 
-    def _core(self, qkv: torch.Tensor, cos=None, sin=None, cache=None) -> torch.Tensor:
+    def _core(self, qkv: torch.Tensor, cos=None, sin=None, documents=None, cache=None) -> torch.Tensor:
         """[b, s, (q + 2 kv) / tp] -> the attention output [b, s, q / tp] (positions, q/k norms, the
-        exchange over cp, the kernel); ``cos``, ``sin``: the rotary tables of these positions."""
+        exchange over cp, the kernel); ``cos``, ``sin``: the rotary tables of these positions;
+        ``documents``: as ``forward``'s."""
         b, s, _ = qkv.shape
         kv = self.kv_heads * self.head_dim
         q, k, v = qkv.split([self.heads * self.head_dim, kv, kv], dim=-1)
@@ -129,7 +139,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, k_start = cache.update(self, k, v, self.pattern)
         drop = self.cfg.attention_dropout if self.training else 0.0
-        kernel = functools.partial(attend, block=self.block, kernel=self.kernel)
+        kernel = functools.partial(attend, block=self.block, kernel=self.kernel, documents=documents)
         with self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext():
             if self.ctx.cp_size > 1 and cache is None:
                 o = context.attention(
@@ -142,15 +152,21 @@ class Attention(nn.Module):
         return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
 
-def split_stream(x) -> tuple[torch.Tensor, tuple | None]:
-    """(hidden states, router statistics or None) of a residual stream: a sparse model's stream is the
-    tuple (hidden, stats_f, stats_i) (``mt3d.model.moe``), a dense model's the hidden tensor."""
-    return (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, None)
+def split_stream(x) -> tuple[torch.Tensor, tuple | None, torch.Tensor | None]:
+    """(hidden states, router statistics or None, document ids or None) of a residual stream: the
+    hidden tensor, or a tuple of it, a sparse model's (stats_f, stats_i) (``mt3d.model.moe``) and
+    packed samples' document ids [b, n] (``mt3d.model.documents``), in that order."""
+    if not isinstance(x, tuple):
+        return x, None, None
+    if len(x) == 2:
+        return x[0], None, x[1]
+    return x[0], (x[1], x[2]), (x[3] if len(x) == 4 else None)
 
 
-def join_stream(x: torch.Tensor, stats: tuple | None):
+def join_stream(x: torch.Tensor, stats: tuple | None, documents: torch.Tensor | None = None):
     """The inverse of ``split_stream``."""
-    return x if stats is None else (x, *stats)
+    rest = (*(stats or ()), *(() if documents is None else (documents,)))
+    return (x, *rest) if rest else x
 
 
 class TransformerBlock(nn.Module):
@@ -186,8 +202,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x, cache=None):
         """[b, s, h] -> [b, s, h] (sequence shards with SP); a sparse model's stream carries its router
         statistics along (``split_stream``)."""
-        x, stats = split_stream(x)
-        a = self.attn(self.norm1(x), cache)
+        x, stats, docs = split_stream(x)
+        a = self.attn(self.norm1(x), cache, docs)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         x = x + self._drop(a)
@@ -197,7 +213,7 @@ class TransformerBlock(nn.Module):
             m = self.mlp(self.norm2(x))
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return join_stream(x + self._drop(m), stats)
+        return join_stream(x + self._drop(m), stats, docs)
 
 
 class WordEmbedding(nn.Module):
@@ -223,8 +239,12 @@ class WordEmbedding(nn.Module):
         """The [V_pad/tp, h] shard."""
         return self.embed.weight
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] ids -> [b, s, h] ([b, s/tp, h] with SP)."""
+    def forward(self, ids):
+        """[b, s] ids -> [b, s, h] ([b, s/tp, h] with SP); packed samples' (ids, documents) ->
+        (hidden, documents)."""
+        if isinstance(ids, tuple):
+            ids, documents = ids
+            return self.embed(ids), documents
         return self.embed(ids)
 
     def logits(self, x):
@@ -237,7 +257,7 @@ def lm_logits(x, weight: torch.Tensor, ctx: BuildContext, softcap: float | None 
     soft-capped (``project``). With ``ctx.tile_len`` the projection is left to the loss, which runs
     it tile by tile: the result is then the pair (gathered hidden states, weight). A sparse model's
     stream gives a ``moe.Routed`` holding that result and the router statistics."""
-    x, stats = split_stream(x)
+    x, stats, _ = split_stream(x)
     if ctx.tile_len > 0:  # the loss projects each tile of the gathered hidden states
         out = (gather_from_sequence(x, ctx.tp) if ctx.sp else copy_to_tp(x, ctx.tp), weight)
     else:
@@ -277,30 +297,36 @@ class PositionsAndDropout(nn.Module):
             if ctx.sp:  # each rank adds the rows of its own positions: partial gradients
                 mark_sequence_parallel(self.pos, ctx.tp)
 
-    def forward(self, x: torch.Tensor, offset: int = 0):
+    def forward(self, x, offset: int = 0):
         """Hidden [b, s', h] (s' = s/tp with SP) -> same shape; a sparse model's stream starts its
-        router statistics here (``moe.start_stats``)."""
-        x = self._embed(x, offset)
-        if self.moe is None:
-            return x
-        from .moe import start_stats
+        router statistics here (``moe.start_stats``); packed samples' document ids pass along."""
+        x, _, documents = split_stream(x)
+        x = self._embed(x, offset, documents)
+        stats = None
+        if self.moe is not None:
+            from .moe import start_stats
 
-        return (x, *start_stats(self.moe, x))
+            stats = start_stats(self.moe, x)
+        return join_stream(x, stats, documents)
 
-    def _embed(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+    def _embed(self, x: torch.Tensor, offset: int, documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.scale is not None:  # rounded to the activation dtype first, as Gemma does
             x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.pos is not None:
             s = x.shape[1]
             tp = self.ctx.tp.size if self.ctx.sp else 1
-            pos = self.ctx.positions(s * tp, offset, x.device)
+            if documents is not None:  # positions restart at every document
+                pos = self.ctx.document_positions(documents, s * tp)
+            else:
+                pos = self.ctx.positions(s * tp, offset, x.device)
             if tp > 1:  # this rank's sequence shard of its tokens
-                pos = pos[self.ctx.tp.rank * s : (self.ctx.tp.rank + 1) * s]
+                pos = pos[..., self.ctx.tp.rank * s : (self.ctx.tp.rank + 1) * s]
             if int(pos.max()) >= self.pos.shape[0]:
                 raise ValueError(
                     f"sequence of {int(pos.max()) + 1} tokens exceeds max_seq_len {self.pos.shape[0]}"
                 )
-            x = x + (self.pos[pos] if self.ctx.cp_size > 1 else self.pos[int(pos[0]) : int(pos[0]) + s])
+            gather = self.ctx.cp_size > 1 or documents is not None
+            x = x + (self.pos[pos] if gather else self.pos[int(pos[0]) : int(pos[0]) + s])
         if self.training and self.p > 0:
             with self.ctx.tp_region_rng() if self.ctx.sp else contextlib.nullcontext():
                 x = F.dropout(x, self.p, True)
@@ -333,7 +359,7 @@ class FinalNorm(nn.Module):
 
     def forward(self, x):
         """Normalise the residual stream (router statistics pass through)."""
-        x, stats = split_stream(x)
+        x, stats, _ = split_stream(x)
         return join_stream(self.norm(x), stats)
 
 

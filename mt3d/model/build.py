@@ -98,3 +98,10 @@ class BuildContext:
         from ..parallel.context import local_positions
 
         return local_positions(self.cp, local_len, device)
+
+    def document_positions(self, documents: torch.Tensor, local_len: int) -> torch.Tensor:
+        """[b, local_len]: this rank's tokens' positions inside their documents (``documents`` [b, n]
+        for the whole sequence; this rank holds ``positions(local_len)`` of it)."""
+        from .documents import relative_positions
+
+        return relative_positions(documents)[:, self.positions(local_len, 0, documents.device)]

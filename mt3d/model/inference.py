@@ -38,7 +38,7 @@ def logits(model, ids: torch.Tensor, state: ParallelState, hidden: int) -> torch
             x = torch.empty(ids.shape[0], ids.shape[1], hidden, dtype=dtype, device=ids.device)
             dist.recv(x, src=_neighbour(state, pp.rank - 1))
             x = model(x)
-        x, _ = split_stream(x)  # a sparse model's router statistics are for training only
+        x, _, _ = split_stream(x)  # a sparse model's router statistics are for training only
         if not state.is_last_stage:
             dist.send(x.contiguous(), dst=_neighbour(state, pp.rank + 1))
             return None
@@ -146,7 +146,7 @@ def step_logits(model, ids: torch.Tensor, cache: KVCache, state: ParallelState) 
         else:
             x = f(x)
     cache.length += ids.shape[1]
-    x, _ = split_stream(x)  # a sparse model's router statistics are for training only
+    x, _, _ = split_stream(x)  # a sparse model's router statistics are for training only
     return gather_from_tp(head(x[:, -1:]), state.tp)[:, -1, : model.vocab_size].float()
 
 

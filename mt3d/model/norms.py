@@ -88,8 +88,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype) -> tuple:
-    """cos/sin tables [s, head_dim] for the given positions."""
+    """cos/sin tables [s, head_dim] for positions [s]; [b, 1, s, head_dim] for per-sample positions
+    [b, s] (packed documents), which broadcast over the heads of [b, heads, s, head_dim]."""
     inv = rope_inv_freq(cfg, seq_len).to(positions.device)
-    freqs = positions.float()[:, None] * inv[None, :]
+    freqs = positions.float()[..., None] * inv
     emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.dim() == 3:
+        emb = emb.unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
