@@ -5,6 +5,8 @@ The tokenizer is trained on the builtin corpus (English documentation of the Pyt
 library), so `"corpus": "builtin"` fine-tuning reads it with the model's own tokenizer. Each family
 gets its characteristic features at toy size: sliding windows shorter than the demo's sequences,
 Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2's soft-caps and alternating local/global layers.
+``--chat`` gives the tokenizer ChatML's turn tokens and template (``mt3d.data.tokenizer.CHATML``), for
+``mt3d preprocess --format chat`` and ``mt3d generate --chat``.
 """
 
 import argparse
@@ -40,9 +42,11 @@ def main() -> None:
     p.add_argument("--out", required=True, help="new directory")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="ChatML turn tokens and chat template")
     args = p.parse_args()
     out = Path(args.out)
-    tok = train_bpe([d for _, d in zip(range(3000), stdlib_documents())], args.vocab_size, out)
+    texts = [d for _, d in zip(range(3000), stdlib_documents())]
+    tok = train_bpe(texts, args.vocab_size, out, chat=args.chat)
     config = AutoConfig.for_model(
         args.family, vocab_size=tok.vocab_size, bos_token_id=tok.eos_id, eos_token_id=tok.eos_id,
         **FAMILIES[args.family],

@@ -131,7 +131,8 @@ def build_engine(raw: dict, fast_init: bool = False):
     preflight(run, layout, cfg)
     rt = setup(run.mt3d.parallel, run.mt3d.train.seed)
     data, vocab = session.prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg)
-    engine, _ = session.build_engine(run, layout, rt, cfg, vocab, fast_init=fast_init)
+    packed = data.info["packed"]
+    engine, _ = session.build_engine(run, layout, rt, cfg, vocab, fast_init=fast_init, packed=packed)
     return run, layout, rt, engine, data, cfg
 
 

@@ -17,10 +17,13 @@ from .common import UsageError, _add_model_args, _load, _positive, _tokenizer_fo
 def _add_eval(sub) -> None:
     p = sub.add_parser(
         "eval",
-        help="loss and perplexity of an HF dir or mt3d checkpoint on a text file",
+        help="loss and perplexity of an HF dir or mt3d checkpoint on a text file or a preprocessed dataset",
         description="Token-weighted loss / perplexity over a text file with non-overlapping windows "
-        "(stride = seq-len) or sliding windows (smaller stride: each token scored once, with context).",
+        "(stride = seq-len) or sliding windows (smaller stride: each token scored once, with context); "
+        "or over a preprocessed dataset's supervised tokens (--data: its documents packed into seq-len "
+        "samples with document masking, each scored as if run alone).",
         epilog="examples:\n  mt3d eval --model runs/x --text wiki.txt --seq-len 512 --stride 256 --json\n"
+        "  mt3d eval --model runs/sft --data runs/chat --seq-len 512 --json\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text wiki.txt --seq-len 1024 \\\n"
         "      --tp 2 --pp 2\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text book.txt --seq-len 32768 --cp 4",
@@ -40,10 +43,12 @@ def _add_eval(sub) -> None:
         default=1,
         help="expert-parallel ranks (mixtures of experts): each holds experts / ep of every sparse layer",
     )
-    p.add_argument("--text", required=True, help="UTF-8 text file")
-    p.add_argument("--seq-len", type=positive_int, required=True, help="window length in tokens")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="UTF-8 text file")
+    source.add_argument("--data", metavar="PREFIX", help="indexed dataset (mt3d preprocess), e.g. chat data")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="window (--data: sample) length")
     p.add_argument("--stride", type=positive_int, help="window step (default seq-len: non-overlapping)")
-    p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens"}')
+    p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens", ...}')
     p.set_defaults(func=cmd_eval)
 
 
@@ -61,21 +66,52 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"
         )
-    cfg = open_source(args.model, verify=False).cfg  # config only: refuse before any weight is read
-    text = read_text(args.text)
+    source = open_source(args.model, verify=False)  # config only: refuse before any weight is read
+    cfg = source.cfg
     if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
+    if args.data is not None:
+        return _eval_data(args, source)
+    text = read_text(args.text)
     model, device = _load(args, args.pp)
     tok = _tokenizer_for(model, model.vocab_size)
     ids = torch.tensor(tok.encode(text, eos=False), dtype=torch.long, device=device)
     if ids.numel() < 2:
         raise UsageError(f"{args.text} has fewer than 2 tokens")
-    res = evaluate_tokens(model, ids, model.state, args.seq_len, stride)
+    return _print_eval(args, model, evaluate_tokens(model, ids, model.state, args.seq_len, stride))
+
+
+def _eval_data(args: argparse.Namespace, source) -> int:
+    """``mt3d eval --data``: the dataset checked against the model before any weight is read."""
+    from ..data.indexed import IndexedDataset
+    from ..data.packing import PackedDocuments
+    from ..model.inference import evaluate_documents
+
+    if args.stride is not None:
+        raise UsageError("--stride applies to --text; --data scores every document whole")
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        raise UsageError(f"--seq-len {args.seq_len} must be a multiple of 2 x --cp = {2 * args.cp}")
+    data = IndexedDataset(args.data)
+    if len(data) == 0:
+        raise UsageError(f"{args.data} holds no documents")
+    if data.max_id >= source.vocab:
+        raise UsageError(f"{args.data} holds token ids up to {data.max_id}, outside the model's "
+                         f"{source.vocab}-token vocabulary: was it made with another tokenizer?")  # fmt: skip
+    packed = PackedDocuments(data, range(len(data)), args.seq_len, seed=0)  # all too long: refused here
+    model, _ = _load(args, args.pp)
+    data.vocab_limit = model.vocab_size
+    return _print_eval(args, model, evaluate_documents(model, packed, model.state))
+
+
+def _print_eval(args: argparse.Namespace, model, res: dict) -> int:
     if model.state.global_rank == 0:
         if args.json:
             print(json.dumps(res))
         else:
-            print(f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  tokens {res['tokens']}")
+            more = ("documents", "truncated", "packing_efficiency")
+            extra = "".join(f"  {k} {res[k]}" for k in more if k in res)
+            line = f"loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  tokens {res['tokens']}"
+            print(line + extra)
     return 0
 
 
@@ -87,11 +123,20 @@ def _add_generate(sub) -> None:
         "--top-p, --seed). Under a launcher with --tp T, every rank holds 1/T of the model.",
         epilog="examples:\n  mt3d generate --model hf/gpt2 --prompt 'Return the' --max-new-tokens 20\n"
         "  torchrun --nproc_per_node 2 -m mt3d generate --model runs/x --prompt 'Hello' --tp 2 \\\n"
-        "      --temperature 0.8",
+        "      --temperature 0.8\n"
+        "  mt3d generate --model hf/sft --chat --prompt 'What is mt3d.data.packing for?'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(p)
     p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user turn, rendered with the tokenizer's chat template and its generation "
+        "prompt; prints the assistant's reply",
+    )
+    p.add_argument("--system", help="with --chat: a system turn before the prompt")
+    p.add_argument("--chat-template", metavar="FILE", help="with --chat: a jinja template to use")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0)
@@ -108,6 +153,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..model.inference import generate
 
     _positive(tp=args.tp, max_new_tokens=args.max_new_tokens)
+    if (args.system or args.chat_template) and not args.chat:
+        raise UsageError("--system and --chat-template need --chat")
     import math
 
     finite = math.isfinite(args.temperature)
@@ -120,7 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     source = open_source(args.model, verify=False)  # config and tokenizer: check before any weight is read
     tok = _tokenizer_for(source, source.vocab)
-    ids = tok.encode(args.prompt, eos=False)
+    ids = _chat_prompt(args, tok) if args.chat else tok.encode(args.prompt, eos=False)
     if not ids:
         raise UsageError("the prompt is empty")
     limit = source.cfg.position_limit
@@ -143,9 +190,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if model.state.global_rank == 0:
         ids = out[0].tolist()
+        if args.chat:  # the reply alone, up to its end of turn
+            ids = ids[prompt.shape[1] :]
+            ids = ids[: ids.index(tok.eos_id)] if tok.eos_id in ids else ids
         text = tok.decode(ids)
         print(json.dumps({"text": text, "ids": ids}) if args.json else text)
     return 0
+
+
+def _chat_prompt(args: argparse.Namespace, tok) -> list[int]:
+    """``--chat``: the ids of the system and user turns and the generation prompt, rendered as
+    ``mt3d preprocess --format chat`` renders training conversations (``mt3d.data.sft``)."""
+    from ..data.sft import ChatRenderer, chat_template, special_tokens
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    renderer = ChatRenderer(chat_template(tok.path, args.chat_template), special_tokens(tok.path))
+    return list(tok.backend.encode(renderer.render(messages, add_generation_prompt=True),
+                                   add_special_tokens=False).ids)  # fmt: skip
 
 
 def _add_export(sub) -> None:

@@ -14,6 +14,14 @@ from ..errors import UserError
 from ..inputs import read_json
 
 EOS = "<|endoftext|>"
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML, the chat template of ``train_bpe(..., chat=True)`` tokenizers (each turn between
+``<|im_start|>role`` and ``<|im_end|>``, which is also their end-of-text token, as in Qwen's
+instruction-tuned models)."""
 
 
 class TokenizerError(UserError):
@@ -141,25 +149,30 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(backend, eos_id, str(d))
 
 
-def save_hf(backend, out_dir: str | Path, model_max_length: int = 2048) -> Tokenizer:
-    """Save a ``tokenizers.Tokenizer`` as an HF tokenizer directory (EOS also serves as BOS/PAD)."""
+def save_hf(backend, out_dir: str | Path, model_max_length: int = 2048, chat: bool = False) -> Tokenizer:
+    """Save a ``tokenizers.Tokenizer`` as an HF tokenizer directory (EOS also serves as BOS/PAD);
+    ``chat``: with the ChatML template, ``<|im_end|>`` its end-of-text token (``CHATML``)."""
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        eos_token=EOS,
+        eos_token=TURN_END if chat else EOS,
         bos_token=EOS,
         pad_token=EOS,
         model_max_length=model_max_length,
+        **({"additional_special_tokens": [TURN_START, TURN_END]} if chat else {}),
     )
+    if chat:
+        fast.chat_template = CHATML
     fast.save_pretrained(str(out))
     return load_tokenizer(out)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Tokenizer:
-    """Train a byte-level BPE on ``texts`` and save it as an HF tokenizer directory."""
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path, chat: bool = False) -> Tokenizer:
+    """Train a byte-level BPE on ``texts`` and save it as an HF tokenizer directory (``chat``: with the
+    ChatML turn tokens and template, ``CHATML``)."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -170,12 +183,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Tok
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=[EOS, TURN_START, TURN_END] if chat else [EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return save_hf(tok, out_dir)
+    return save_hf(tok, out_dir, chat=chat)
 
 
 def word_level(words: list[str], out_dir: str | Path) -> Tokenizer:

@@ -25,19 +25,19 @@ def _neighbour(state: ParallelState, stage: int) -> int:
 
 
 @torch.no_grad()
-def logits(model, ids: torch.Tensor, state: ParallelState, hidden: int) -> torch.Tensor | None:
-    """Full-vocabulary logits [b, s, V] on the last stage (every TP rank of it); None elsewhere."""
+def logits(model, ids, state: ParallelState, hidden: int) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, V] on the last stage (every TP rank of it); None elsewhere.
+    ``ids``: [b, s], or packed documents' (ids, document ids [b, n]) (``mt3d.data.packing``)."""
+    ids, documents = ids if isinstance(ids, tuple) else (ids, None)
     pp = state.pp
-    if pp.size == 1:
-        x = model(ids)
+    if pp.size == 1 or state.is_first_stage:
+        x = model(ids if documents is None else (ids, documents))
     else:
-        if state.is_first_stage:
-            x = model(ids)
-        else:
-            dtype = next(model.parameters()).dtype
-            x = torch.empty(ids.shape[0], ids.shape[1], hidden, dtype=dtype, device=ids.device)
-            dist.recv(x, src=_neighbour(state, pp.rank - 1))
-            x = model(x)
+        dtype = next(model.parameters()).dtype
+        x = torch.empty(ids.shape[0], ids.shape[1], hidden, dtype=dtype, device=ids.device)
+        dist.recv(x, src=_neighbour(state, pp.rank - 1))
+        x = model(x if documents is None else (x, documents))  # every stage has the document ids
+    if pp.size > 1:
         x, _, _ = split_stream(x)  # a sparse model's router statistics are for training only
         if not state.is_last_stage:
             dist.send(x.contiguous(), dst=_neighbour(state, pp.rank + 1))
@@ -96,12 +96,47 @@ def evaluate_tokens(model, tokens: torch.Tensor, state: ParallelState, seq_len: 
             )  # fmt: skip
             nll += loss.double()
         count += scored_here
+    return _summed(nll, count, state)
+
+
+def _summed(nll: torch.Tensor, count: int, state: ParallelState) -> dict:
+    """Loss and perplexity from this rank's sum of token losses (a cp rank's chunks; the last stage's
+    sum with pp) and the number of tokens scored."""
     if state.cp.size > 1:
         dist.all_reduce(nll, group=state.cp.group)
     if state.pp.size > 1:  # the last stage has the sum: share it with every stage
         dist.broadcast(nll, src=_neighbour(state, state.pp.size - 1), group=state.pp.group)
     loss = nll.item() / max(count, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+@torch.no_grad()
+def evaluate_documents(model, packed, state: ParallelState, batch: int = 4) -> dict:
+    """Loss and perplexity of the supervised tokens (the loss mask; every token but a document's first
+    for plain text) of ``packed`` (``mt3d.data.packing.PackedDocuments``: documents packed into
+    samples with document masking, each scored as if run alone). Also the documents, those truncated
+    to the sample length and the packing efficiency."""
+    from ..data.packing import IGNORE, packed_batch
+
+    nll, count = torch.zeros((), dtype=torch.float64), 0
+    device = next(model.parameters()).device
+    for begin in range(0, len(packed), batch):
+        samples = [packed[i] for i in range(begin, min(begin + batch, len(packed)))]
+        (ids, documents), target = packed_batch(samples)
+        count += int((target != IGNORE).sum())
+        if state.cp.size > 1:
+            from ..parallel.context import split_sequence
+
+            ids, target = split_sequence(ids, state.cp), split_sequence(target, state.cp)
+        out = logits(model, (ids.to(device), documents.to(device)), state, model.config.hidden)
+        if out is not None:
+            flat = out.float().flatten(0, 1)
+            loss = F.cross_entropy(flat, target.to(device).flatten(), ignore_index=IGNORE, reduction="sum")
+            nll += loss.double().cpu()
+    res = _summed(nll.to(device), count, state)
+    res.update(documents=int(packed.doc_ids.size), truncated=packed.truncated,
+               packing_efficiency=round(packed.efficiency, 4))  # fmt: skip
+    return res
 
 
 class KVCache:

@@ -110,6 +110,14 @@ class LossFn:
     The head's output is this rank's logits, or, when the model was built with ``tile_len``, the pair
     (hidden states, head weight): the projection, soft-capping and cross entropy then run
     ``tile_len`` positions at a time (``mt3d.model.tiled``), so the logits never exist whole.
+
+    Packed data (``mt3d.data.packing``) is normalised over the whole global batch instead: the trainer
+    sets ``step_weight`` to P / N before each batch, N the supervised targets of the global batch and
+    P the pieces DeepSpeed averages (dp x cp ranks x gradient-accumulation micro-batches), and each
+    piece's loss is its sum of per-token losses times that weight. The average of the pieces is then
+    the sum over every supervised token of the global batch over their number, however they fall into
+    micro-batches and cp chunks (a mean of micro-batch means would weigh a short sample's tokens more);
+    N = 0 gives 0, never NaN.
     """
 
     def __init__(
@@ -126,6 +134,8 @@ class LossFn:
         self.tp, self.vocab_size, self.cp = tp, vocab_size, cp
         self.softcap, self.tile_len = softcap, tile_len
         self.moe, self.sparse_layers = moe, sparse_layers
+        self.step_weight: float | None = None
+        """P / N of the current global batch of packed data (class docstring); None: per micro-batch."""
         self.router_log: list[dict] = []
         """Per training micro-batch of a sparse model: aux, z, tokens per expert, dropped (metrics)."""
 
@@ -156,7 +166,9 @@ class LossFn:
         if routed is not None:
             logits = routed.out
         per_token = self.per_token(logits, labels)
-        if self.cp is None or self.cp.size == 1:
+        if self.step_weight is not None:
+            loss = per_token.sum() * self.step_weight
+        elif self.cp is None or self.cp.size == 1:
             loss = mean_loss(per_token, labels)
         else:
             count = (labels != IGNORE_INDEX).sum().float()

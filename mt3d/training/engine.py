@@ -46,11 +46,13 @@ def build_model(
     sequence_parallel: bool = False,
     skip_init: bool = False,
     cp_exchange: str = "auto",
+    packed: bool = False,
 ):
     """This rank's part of the model (pipeline stage or whole stacked model).
 
     ``train`` gives the seed, recompute and compile choices; ``skip_init`` leaves the weights
-    uninitialised because they are loaded right after.
+    uninitialised because they are loaded right after; ``packed``: the inputs are packed documents
+    (ids, document ids), which every stage passes on.
     """
     from ..ds.pipe import InterleavedPipeline, Mt3dPipeline
 
@@ -98,7 +100,8 @@ def build_model(
                 m.compile()
     # saved with every checkpoint: lets DeepSpeed's universal format reshard it later
     model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size)
-    model.stream_tuple = cfg.moe is not None  # stages pass (hidden, router statistics)
+    # stages pass (hidden, router statistics, document ids), each part when there is one
+    model.stream_tuple = cfg.moe is not None or packed
     return model
 
 

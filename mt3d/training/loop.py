@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..config import Layout, TrainConfig
 from ..config.rules import uses_pipeline_engine
-from ..data.loader import DataBundle, StepBatches
+from ..data.loader import DataBundle, StepBatches, step_targets
 from ..model.config import ModelConfig
 from ..parallel.mappings import all_reduce
 from .metrics import MetricsLog, device_peak_tflops, peak_memory_gb, router_figures, step_figures
@@ -65,6 +65,9 @@ class Trainer:
         self.sparse = model_cfg.moe is not None
         self.router: dict = {}
         """The last step's router figures (sparse models)."""
+        self.packed = bool(data.info.get("packed"))
+        self.targets: dict = {}
+        """The last step's supervised tokens and packing efficiency (packed data)."""
 
     # --- batches ---------------------------------------------------------------------------
     def batches(self, samples, step: int) -> StepBatches:
@@ -90,9 +93,22 @@ class Trainer:
         all_reduce(value, group)
         return value.item() / group.size
 
+    def _weigh(self, samples, step: int) -> None:
+        """Packed data: normalise the loss of global batch ``step`` of ``samples`` by its supervised
+        targets (``LossFn.step_weight``: every rank reads the whole batch's labels, no exchange) and
+        keep its figures for the log."""
+        if not self.packed:
+            return
+        supervised, real = step_targets(samples, step, self.layout.global_batch)
+        pieces = self.layout.dp * self.layout.cp * self.layout.grad_accum
+        self.engine.module.loss_fn.step_weight = pieces / max(supervised, 1)
+        positions = self.layout.global_batch * self.seq_len
+        self.targets = {"supervised_tokens": supervised, "packing_efficiency": round(real / positions, 4)}
+
     # --- one step ----------------------------------------------------------------------------
     def train_step(self) -> float:
         """One optimizer step on global batch ``self.step``; returns the mean loss (same on all ranks)."""
+        self._weigh(self.data.train, self.step)
         it = self.batches(self.data.train, self.step)
         if self.pipe:
             return self._mean_over(self.engine.train_batch(data_iter=it), self.rt.state.ep)
@@ -109,7 +125,9 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` global batches (the same ones every time)."""
         losses = []
+        kept = self.targets
         for i in range(self.train_cfg.eval_batches):
+            self._weigh(self.data.valid, i)
             it = self.batches(self.data.valid, i)
             if self.pipe:
                 losses.append(self._mean_over(self.engine.eval_batch(data_iter=it), self.rt.state.ep))
@@ -121,6 +139,7 @@ class Trainer:
                 total += self.engine(x, y).float()
             self.engine.module.train()
             losses.append(self._mean_over(total / self.layout.grad_accum, self.rt.state.dp))
+        self.targets = kept  # the figures logged are the training step's
         return sum(losses) / max(1, len(losses))
 
     def _track_bad(self, loss: float, skipped: bool) -> None:
@@ -167,6 +186,7 @@ class Trainer:
             "samples": self.step * self.layout.global_batch,
             "step_time_s": seconds,
             "peak_mem_gb": peak_memory_gb(),
+            **self.targets,
             **self.router,
         }
         self.metrics.write(record, wandb_step=self.engine.global_samples)
@@ -177,6 +197,11 @@ class Trainer:
             f"{figs['tflops_per_gpu']:.3g} TFLOP/s/dev | MFU {figs['mfu']:.1%} | "
             f"skipped {record['skipped']} | peak mem {record['peak_mem_gb']:.2f} GB"
         )
+        if self.targets:
+            line += (
+                f" | supervised {self.targets['supervised_tokens']}"
+                f" | packed {self.targets['packing_efficiency']:.1%}"
+            )
         if self.router:
             r = self.router
             line += (

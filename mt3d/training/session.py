@@ -84,11 +84,11 @@ def prepare_data(data_cfg: DataConfig, seed: int, cfg: ModelConfig):
 
 
 def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: int, plan=None,
-                 fast_init: bool = False):  # fmt: skip
+                 fast_init: bool = False, packed: bool = False):  # fmt: skip
     """Model (HF weights when fine-tuning), DeepSpeed engine, and the resumed state when resuming;
-    returns (engine, first step). ``fast_init`` (benchmarks) draws the weights with one ``normal_`` per
-    tensor on the model's device instead of mt3d's layout-independent CPU init (minutes for 1B
-    parameters)."""
+    returns (engine, first step). ``packed``: the data are packed documents (``build_model``).
+    ``fast_init`` (benchmarks) draws the weights with one ``normal_`` per tensor on the model's device
+    instead of mt3d's layout-independent CPU init (minutes for 1B parameters)."""
     hf_path = cfg.extra.get("hf_path")
     load_dir, tag = None, None
     same_layout = plan is None or not plan.layout_changed(layout)
@@ -104,7 +104,8 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     sp = run.mt3d.parallel.sequence_parallel
     model = build_model(cfg, layout, rt, vocab, train=run.mt3d.train, sequence_parallel=sp,
                         skip_init=bool(hf_path) or plan is not None or fast_init,
-                        cp_exchange=run.mt3d.parallel.context_exchange)  # fmt: skip
+                        cp_exchange=run.mt3d.parallel.context_exchange,
+                        packed=packed)  # fmt: skip
     if fast_init:
         import torch
 
@@ -166,7 +167,7 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
         plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts, data.info)
         wandb_run = _open_run(run, layout, cfg, data.info, vocab, preemption) if rt.rank == 0 else None
         try:
-            engine, start = build_engine(run, layout, rt, cfg, vocab, plan)
+            engine, start = build_engine(run, layout, rt, cfg, vocab, plan, packed=data.info["packed"])
         except BaseException:
             _abandon(wandb_run)
             raise
