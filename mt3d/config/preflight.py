@@ -44,6 +44,21 @@ def check_inputs(train: TrainConfig, data: DataConfig) -> None:
                 raise ConfigError(f"mt3d.data.prefixes: {pre + ext} not found (run 'mt3d preprocess' first)")
     if data.tokenizer is None or not Path(data.tokenizer).is_dir():
         raise ConfigError(f"mt3d.data.tokenizer: tokenizer directory not found: {data.tokenizer}")
+    _check_packable(data)
+
+
+def _check_packable(data: DataConfig) -> None:
+    """Packed datasets (``data.packing``) have documents that fit ``seq_len`` (read from the index)."""
+    from ..data.indexed import IndexedDataset
+    from ..data.packing import all_too_long, packs
+
+    datasets = [IndexedDataset(pre) for pre in data.prefixes]
+    if not packs(data, datasets):
+        return
+    for pre, ds in zip(data.prefixes, datasets, strict=True):
+        why = all_too_long(pre, ds.doc_lengths(), data.seq_len)
+        if why:
+            raise ConfigError(f"mt3d.data.prefixes: {why.replace('data.seq_len', 'mt3d.data.seq_len')}")
 
 
 def check_outputs(train: TrainConfig, data: DataConfig) -> None:

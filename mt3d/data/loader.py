@@ -16,7 +16,7 @@ import torch
 
 from .corpora import builtin_corpus, cache_root, synthetic_corpus
 from .indexed import IndexedDataset
-from .packing import Packed, PackedDocuments, packed_batch, supervised_and_real
+from .packing import Packed, PackedDocuments, packed_batch, packs, supervised_and_real
 from .samples import BlendedSamples, DataError, PackedSamples, split_documents
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -75,14 +75,6 @@ def build_data(cfg, seed: int) -> DataBundle:
     return DataBundle(
         BlendedSamples(train, weights, blend_dir), BlendedSamples(valid, weights, blend_dir), tokenizer, info
     )
-
-
-def packs(cfg, datasets: list[IndexedDataset]) -> bool:
-    """Whether samples are packed documents with document masking (``DataConfig.packing``: by default
-    for datasets with a loss mask, or plain text with ``document_mask``)."""
-    if cfg.packing is not None:
-        return bool(cfg.packing)
-    return cfg.document_mask or any(d.has_mask for d in datasets)
 
 
 def micro_batch_ids(

@@ -38,6 +38,25 @@ WINDOW = 64
 document: plain first-fit over every sample is quadratic in the corpus)."""
 
 
+def packs(cfg, datasets: list[IndexedDataset]) -> bool:
+    """Whether a ``DataConfig``'s samples are packed documents with document masking (``packing``; by
+    default for datasets with a loss mask, or plain text with ``document_mask``)."""
+    if cfg.packing is not None:
+        return bool(cfg.packing)
+    return cfg.document_mask or any(d.has_mask for d in datasets)
+
+
+def all_too_long(prefix, lengths: np.ndarray, seq_len: int) -> str | None:
+    """Why documents of these ``lengths`` cannot be packed into ``seq_len`` samples (None: they can;
+    a few longer ones are truncated and counted)."""
+    if lengths.size and (lengths > seq_len).all():
+        return (
+            f"{prefix}: every one of its {lengths.size} documents is longer than seq_len {seq_len} (the "
+            f"shortest has {int(lengths.min())} tokens): raise data.seq_len"
+        )
+    return None
+
+
 class Packed(NamedTuple):
     """One packed sample: ``seq_len + 1`` positions of tokens (int64), loss mask (uint8) and document
     index (int32, -1 for padding)."""
@@ -57,11 +76,9 @@ class PackedDocuments:
         if lengths.size == 0:
             raise DataError(f"{dataset.prefix}: no documents to pack")
         self.truncated = int((lengths > seq_len).sum())
-        if self.truncated == lengths.size:
-            raise DataError(
-                f"{dataset.prefix}: every one of its {lengths.size} documents is longer than seq_len "
-                f"{seq_len} (the shortest has {int(lengths.min())} tokens): raise data.seq_len"
-            )
+        why = all_too_long(dataset.prefix, lengths, seq_len)
+        if why:
+            raise DataError(why)
         self._lengths = np.minimum(lengths, seq_len)
         self.tokens_per_epoch = int(self._lengths.sum())
         self.cache_dir = Path(cache_dir) if cache_dir else None

@@ -275,7 +275,7 @@ def preprocess(
     if fmt != "text":
         _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats)
         stats.seconds = time.perf_counter() - t0
-        write_meta(output_prefix, fmt, tokenizer_dir)
+        write_meta(output_prefix, fmt, tokenizer_dir, stats)
         return stats
     docs = read_documents(
         paths, txt_mode=txt_mode, jsonl_key=jsonl_key, on_bad_line=on_bad_line, on_bad_bytes=on_bad_bytes,
@@ -305,16 +305,17 @@ def preprocess(
         if bar is not None:
             bar.close()
     stats.seconds = time.perf_counter() - t0
-    write_meta(output_prefix, fmt, tokenizer_dir)
+    write_meta(output_prefix, fmt, tokenizer_dir, stats)
     return stats
 
 
-def write_meta(prefix: str | Path, fmt: str, tokenizer_dir: str | Path) -> None:
-    """``P.meta.json``: what the dataset is and the tokenizer that made it (``mt3d data show`` reads
-    it to print the documents' text)."""
+def write_meta(prefix: str | Path, fmt: str, tokenizer_dir: str | Path, stats: Stats) -> None:
+    """``P.meta.json``: what the dataset is, the tokenizer that made it (``mt3d data show`` reads it to
+    print the documents' text) and its counts (documents, tokens, supervised tokens, records skipped)."""
     import json
 
-    meta = {"format": fmt, "tokenizer": str(Path(tokenizer_dir).resolve())}
+    counts = {k: v for k, v in stats.summary().items() if isinstance(v, int)}
+    meta = {"format": fmt, "tokenizer": str(Path(tokenizer_dir).resolve()), **counts}
     Path(f"{prefix}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 

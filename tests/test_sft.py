@@ -1,0 +1,384 @@
+"""Fine-tuning data: chat and prompt/completion tokens and loss masks against transformers, packed
+evaluation against transformers run one document at a time, packed training at every layout against
+one process, and bad input.
+
+The conversations are random: one to three turns, replies of 1 to 10 words, a system turn in some,
+so supervised tokens per micro-batch are uneven; they pack 1 to 5 to a 96-token sample.
+"""
+
+import contextlib
+import io
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+)
+
+from mt3d.cli import main
+from mt3d.data.indexed import IndexedDataset
+from mt3d.data.tokenizer import CHATML, train_bpe
+from mt3d.parallel.spawn import spawn
+
+from helpers import TINY_LLAMA, step_records, tiny_config, train_worker
+
+WORDS = (
+    "tensor pipeline data expert context shard rank stage layer block token batch step loss grad "
+    "norm weight bias head query key value window document mask chat reply model train eval save"
+).split()
+SEQ = 96
+WINDOW = 4
+
+
+def words(rng, lo, hi):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def conversations(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": words(rng, 2, 5)}] if rng.random() < 0.3 else []
+        for _ in range(rng.choice((1, 1, 2, 2, 3))):
+            messages += [{"role": "user", "content": words(rng, 1, 4)},
+                         {"role": "assistant", "content": words(rng, 1, 10)}]  # fmt: skip
+        out.append({"messages": messages})
+    return out
+
+
+def write_jsonl(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def cli(*argv):
+    """``mt3d ARGV`` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def hf_configs(vocab, eos):
+    small = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, vocab_size=vocab,
+                 max_position_embeddings=128, bos_token_id=eos, eos_token_id=eos)  # fmt: skip
+    return {
+        "llama": LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **small),
+        "mistral": MistralConfig(
+            num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW, **small
+        ),
+        "gemma2": Gemma2Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            **small,
+        ),  # fmt: skip
+        "gpt2": GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            vocab_size=vocab,
+            n_positions=128,
+            bos_token_id=eos,
+            eos_token_id=eos,
+        ),  # fmt: skip
+    }
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A ChatML tokenizer, chat and prompt/completion datasets made with ``mt3d preprocess``, and one
+    tiny HF model per attention kind (global RoPE, sliding window, local/global pattern with soft-caps,
+    learned positions) with random non-zero biases and norms."""
+    base = tmp_path_factory.mktemp("sft")
+    texts = [" ".join(WORDS)] * 20 + [c["messages"][-1]["content"] for c in conversations(200, seed=9)]
+    tok = train_bpe(texts, 512, base / "tok", chat=True)
+    convs = conversations(240)
+    write_jsonl(
+        base / "chat.jsonl", convs[:120] + [{"messages": [{"role": "user", "content": "hi"}]}] + convs[120:]
+    )
+    assert cli("preprocess", "--input", base / "chat.jsonl", "--format", "chat", "--tokenizer", base / "tok",
+               "--output-prefix", base / "chat")[0] == 0  # fmt: skip
+    rng = random.Random(3)
+    pairs = [{"prompt": words(rng, 1, 5), "completion": " " + words(rng, 1, 5)} for _ in range(20)]
+    write_jsonl(base / "pc.jsonl", pairs)
+    assert cli("preprocess", "--input", base / "pc.jsonl", "--format", "prompt-completion", "--tokenizer",
+               base / "tok", "--output-prefix", base / "pc")[0] == 0  # fmt: skip
+    models = {}
+    for i, (name, config) in enumerate(hf_configs(tok.vocab_size, tok.eos_id).items()):
+        torch.manual_seed(i)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
+        model.save_pretrained(base / name)
+        for f in (base / "tok").iterdir():
+            (base / name / f.name).write_bytes(f.read_bytes())
+        models[name] = base / name
+    return {"base": base, "convs": convs, "pairs": pairs, "models": models, "tok": tok}
+
+
+def test_tokens_and_masks_are_the_templates_and_cover_exactly_the_replies(sft):
+    base, hf = sft["base"], AutoTokenizer.from_pretrained(sft["base"] / "tok")
+    assert hf.chat_template == CHATML
+    ds = IndexedDataset(base / "chat")
+    assert len(ds) == len(sft["convs"])  # the conversation without a reply was skipped
+    meta = json.loads((base / "chat.meta.json").read_text())
+    assert meta["skipped_without_reply"] == 1 and meta["format"] == "chat", meta
+    for i, conv in enumerate(sft["convs"]):
+        messages = conv["messages"]
+        want = hf.apply_chat_template(messages, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert ds.doc(i).tolist() == want, i
+        # the mask independently: tokens whose characters lie in an assistant reply or its <|im_end|>
+        text = hf.apply_chat_template(messages, tokenize=False)
+        spans, at = [], 0
+        for m in messages:
+            turn = f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+            assert text.startswith(turn, at)
+            if m["role"] == "assistant":
+                start = at + len(f"<|im_start|>{m['role']}\n")
+                spans.append((start, at + len(turn) - 1))  # the newline after <|im_end|> is not a target
+            at += len(turn)
+        offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        expected = [int(any(a <= s < b for a, b in spans)) for s, _ in offsets]
+        assert ds.doc_mask(i).tolist() == expected, i
+    pc = IndexedDataset(base / "pc")
+    for i, pair in enumerate(sft["pairs"]):
+        p = hf(pair["prompt"], add_special_tokens=False)["input_ids"]
+        c = hf(pair["completion"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+        assert pc.doc(i).tolist() == p + c and pc.doc_mask(i).tolist() == [0] * len(p) + [1] * len(c)
+    rc, out, _ = cli("data", "show", base / "chat", "--json", "--limit", "2")
+    shown = [json.loads(line) for line in out.splitlines()]
+    assert rc == 0 and len(shown) == 2
+    assert shown[1] == {"tokens": ds.doc(1).tolist(), "loss_mask": ds.doc_mask(1).tolist()}
+
+
+def test_the_shipped_chat_corpus_preprocesses(sft, tmp_path):
+    from mt3d.data.chat_corpus import main as write_corpus
+
+    assert write_corpus([str(tmp_path / "c.jsonl")]) == 0
+    rc, out, err = cli("preprocess", "--input", tmp_path / "c.jsonl", "--format", "chat", "--tokenizer",
+                       sft["base"] / "tok", "--output-prefix", tmp_path / "c")  # fmt: skip
+    assert rc == 0, err
+    ds = IndexedDataset(tmp_path / "c")
+    supervised = sum(int(ds.doc_mask(i).sum()) for i in range(len(ds)))
+    assert len(ds) > 300 and 0.3 < supervised / ds.num_tokens < 0.9
+
+
+def reference_nll(model_dir, prefix, seq_len):
+    """transformers, one document at a time (its first seq_len tokens): summed loss and count of the
+    supervised targets, and the documents truncated."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ds = IndexedDataset(prefix)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(ds)):
+            ids = torch.from_numpy(ds.doc(i)[:seq_len].astype(np.int64))[None]
+            mask = torch.from_numpy(ds.doc_mask(i)[:seq_len].astype(bool))
+            logits = model(ids).logits[0, :-1].double()
+            targets = mask[1:]
+            nll += torch.nn.functional.cross_entropy(
+                logits[targets], ids[0, 1:][targets], reduction="sum"
+            ).item()
+            count += int(targets.sum())
+    return nll, count, int((ds.doc_lengths() > seq_len).sum())
+
+
+def eval_worker(models, prefix, flags):
+    import torch.distributed as dist
+
+    out = {}
+    for name, path in models.items():
+        rc, stdout, stderr = cli(
+            "eval", "--model", path, "--data", prefix, "--seq-len", SEQ, "--json", *flags
+        )
+        assert rc == 0, stderr
+        if dist.get_rank() == 0:  # the last line (DeepSpeed's pipeline module prints its layers)
+            out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(1, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_packed_eval_equals_transformers_one_document_at_a_time(sft, tp, pp, cp):
+    models = {k: str(v) for k, v in sft["models"].items()}
+    prefix = str(sft["base"] / "chat")
+    flags = ["--tp", tp, "--pp", pp, "--cp", cp]
+    got = spawn(eval_worker, tp * pp * cp, models, prefix, [str(f) for f in flags], timeout=300)[0]
+    for name, path in models.items():
+        nll, count, truncated = reference_nll(path, prefix, SEQ)
+        res = got[name]
+        assert res["tokens"] == count and res["documents"] == len(sft["convs"])
+        assert res["truncated"] == truncated > 0  # a few conversations are longer than SEQ
+        assert abs(res["loss"] - nll / count) <= 1e-5 * nll / count, (name, res["loss"], nll / count)
+        assert 0.5 < res["packing_efficiency"] <= 1.0
+
+
+# --- training --------------------------------------------------------------------------------------
+
+
+def sft_config(sft, d, model=None, tp=1, pp=1, micro=2, train=None, **parallel):
+    raw = tiny_config(d, model=model or TINY_LLAMA, tp=tp, pp=pp, micro=micro, **(train or {}))
+    base = sft["base"]
+    raw["mt3d"]["data"] = {"corpus": "indexed", "prefixes": [str(base / "chat")],
+                           "tokenizer": str(base / "tok"), "seq_len": SEQ, "split": [90, 10, 0]}  # fmt: skip
+    raw["mt3d"]["parallel"].update(parallel)
+    return raw
+
+
+MOE = {"preset": "tiny-qwen2-moe"}
+
+
+def runs_worker(raws, ports):
+    """Several runs one after the other on the same ranks (each run ends its process group; the next
+    starts one on a port of its own): rank 0's step records of each."""
+    import os
+
+    import torch.distributed as dist
+
+    from mt3d.training.runtime import init_distributed
+
+    out = []
+    for raw, port in zip(raws, ports, strict=True):
+        if port is not None:
+            os.environ["MASTER_PORT"] = str(port)
+        if not dist.is_initialized():
+            init_distributed()
+        out.append(step_records(train_worker(raw) or []))
+    return out if os.environ["RANK"] == "0" else None
+
+
+def run_all(ranks, raws):
+    from mt3d.parallel.spawn import free_port
+
+    return spawn(runs_worker, ranks, raws, [None] + [free_port() for _ in raws[1:]], timeout=600)[0]
+
+
+def compare(got, ref, what, first=1):
+    ref = [r for r in ref if r["step"] >= first]
+    assert [r["step"] for r in got] == [r["step"] for r in ref], what
+    for a, b in zip(got, ref, strict=True):
+        assert a["supervised_tokens"] == b["supervised_tokens"], what
+        for key in ("loss", "grad_norm"):
+            assert math.isfinite(a[key])
+            rel = abs(a[key] - b[key]) / abs(b[key])
+            assert rel <= 1e-5, f"{what} step {a['step']} {key}: {a[key]} vs {b[key]} ({rel:.1e})"
+
+
+@pytest.fixture(scope="module")
+def sft_reference(sft, tmp_path_factory):
+    """One process, 5 steps: the dense Llama with the global batch in one micro-batch (the layouts run
+    2 samples per micro-batch: a mean of micro-batch means would not give its loss; a checkpoint at
+    step 3 kept) and the MoE with 2 per micro-batch, as at ep 2 (its load-balancing loss is a
+    micro-batch's, by design, as Megatron's and transformers')."""
+    d = tmp_path_factory.mktemp("sft-ref")
+    dense = sft_config(sft, d / "llama", micro=8, train={"save_interval": 3})
+    moe = sft_config(sft, d / "moe", model=MOE)
+    records = run_all(1, [dense, moe])
+    step3 = d / "llama" / "checkpoints" / "step_00000003"
+    return {"llama": records[0], "moe": records[1], "step3": str(step3)}
+
+
+def test_packed_training_is_normalised_over_the_global_batch(sft_reference):
+    for steps in (sft_reference["llama"], sft_reference["moe"]):
+        assert len(steps) == 5 and steps[-1]["loss"] < steps[0]["loss"]
+        supervised = [r["supervised_tokens"] for r in steps]
+        assert len(set(supervised)) > 1 and all(0.5 < r["packing_efficiency"] <= 1 for r in steps)
+
+
+# name: (ranks, [(parallel keys, model, train keys, first step compared)], reference)
+CASES = {
+    "(2,2,2) SP": (8, [(dict(tp=2, pp=2, sequence_parallel=True), None, {}, 1)], "llama"),
+    "cp 2 x pp 2 all-gather, all-to-all, and resharded from one process": (4, [
+        (dict(pp=2, context=2, context_exchange="allgather"), None, {}, 1),
+        (dict(pp=2, context=2, context_exchange="alltoall"), None, {}, 1),
+        (dict(tp=2, context=2, sequence_parallel=True), None, {"resume": "{step3}"}, 4),
+    ], "llama"),
+    "interleaved, resumed mid-epoch": (2, [
+        (dict(pp=2, virtual_stages=2), None, {"save_interval": 3}, 1),
+        (dict(pp=2, virtual_stages=2), None, {"resume": "{run0}/checkpoints/step_00000003"}, 4),
+    ], "llama"),
+    "MoE ep 2": (2, [(dict(expert=2), MOE, {}, 1)], "moe"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_training_matches_one_process(sft, sft_reference, tmp_path, case):
+    ranks, runs, ref = CASES[case]
+    raws = []
+    for i, (parallel, model, train, _) in enumerate(runs):
+        fill = {"step3": sft_reference["step3"], "run0": tmp_path / "run0"}
+        train = {k: v.format(**fill) if isinstance(v, str) else v for k, v in train.items()}
+        raws.append(sft_config(sft, tmp_path / f"run{i}", model=model, train=train, **parallel))
+    got = run_all(ranks, raws)
+    for records, (parallel, _, train, first) in zip(got, runs, strict=True):
+        compare(records, sft_reference[ref], f"{case}: {parallel} {train}", first)
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+BAD = {
+    "jsonl without messages": ("chat", {"text": "hi"}, "tok", 'a chat record needs "messages"'),
+    "unknown role": ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "tok",
+                     "message 0 has role 'robot'; roles are system, user, assistant, tool"),
+    "content not a string": ("chat", {"messages": [{"role": "user", "content": ["x"]}]}, "tok",
+                             "message 0 (user) has list content; content must be a string"),
+    "prompt without completion": ("prompt-completion", {"prompt": "x"}, "tok",
+                                  "'completion' must be a string (missing)"),
+    "no conversation with a reply": ("chat", {"messages": [{"role": "user", "content": "x"}]}, "tok",
+                                     "no chat records to keep in the inputs (1 had no assistant reply)"),
+    "tokenizer without a chat template": ("chat", OK, "plain", "has no chat template"),
+    "tokenizer asking for its own code": ("chat", OK, "custom", "asks for custom tokenizer code"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_fine_tuning_data_is_one_line_and_exit_2(sft, tmp_path, case):
+    fmt, record, tok, expect = BAD[case]
+    base = sft["base"]
+    if tok == "plain" and not (base / "plain").is_dir():
+        train_bpe(WORDS * 10, 300, base / "plain")
+    if tok == "custom" and not (base / "custom").is_dir():
+        (base / "custom").mkdir()
+        for f in (base / "tok").iterdir():
+            (base / "custom" / f.name).write_bytes(f.read_bytes())
+        config = json.loads((base / "custom" / "tokenizer_config.json").read_text())
+        config["auto_map"] = {"AutoTokenizer": ["tok.MyTokenizer", None]}
+        (base / "custom" / "tokenizer_config.json").write_text(json.dumps(config))
+    write_jsonl(tmp_path / "in.jsonl", [record])
+    argv = ["--input", tmp_path / "in.jsonl", "--format", fmt, "--tokenizer", base / tok]
+    rc, _, err = cli("preprocess", *argv, "--output-prefix", tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and expect in lines[0], err
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_documents_all_longer_than_seq_len_are_refused_before_any_work(sft, tmp_path, monkeypatch):
+    chat = sft["base"] / "chat"
+    rc, _, err = cli("eval", "--model", sft["models"]["llama"], "--data", chat, "--seq-len", 16)
+    assert rc == 2 and f"every one of its {len(sft['convs'])} documents is longer than seq_len 16" in err, err
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(sft_config(sft, tmp_path / "run")))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc, _, err = cli("train", "--config", config, "--set", "mt3d.data.seq_len=16", "--check")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "documents is longer than seq_len 16" in lines[0], err
+    assert "raise mt3d.data.seq_len" in lines[0]
