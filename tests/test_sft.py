@@ -382,3 +382,40 @@ def test_documents_all_longer_than_seq_len_are_refused_before_any_work(sft, tmp_
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "documents is longer than seq_len 16" in lines[0], err
     assert "raise mt3d.data.seq_len" in lines[0]
+
+
+PATTERNS = {"causal": None, "sliding": (4, 1, 1), "strided": (4, 3, 1), "dilated": (3, 1, 2)}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS.values()), ids=list(PATTERNS))
+def test_document_attention_is_each_document_alone_for_every_pattern_and_chunk(pattern):
+    """Whole sequences and context-parallel pieces (a chunk's queries over the keys before them, or
+    over a halo), forward and backward, against each document run alone; padding gives zeros."""
+    from mt3d.model.attention import LocalPattern, attend, reference_attention
+
+    local = LocalPattern(*pattern) if pattern else None
+    lengths = [5, 11, 1, 9, 6]
+    docs = torch.tensor([sum(([i] * n for i, n in enumerate(lengths)), []) + [-1] * 4])
+    n = docs.shape[1]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, n, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, 8, generator=g, requires_grad=True) for _ in range(2))
+    rep = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731 - GQA for the reference
+    ref, at = [], 0
+    for length in lengths:
+        sl = slice(at, at + length)
+        ref.append(reference_attention(q[:, :, sl], rep(k[:, :, sl]), rep(v[:, :, sl]), local, scale=0.3))
+        at += length
+    ref = torch.cat(ref + [torch.zeros(1, 4, 4, 8)], dim=2)
+    got = attend(q, k, v, pattern=local, scale=0.3, documents=docs)
+    assert torch.allclose(got, ref, atol=1e-6)
+    dy = torch.randn_like(ref)
+    grads = [torch.autograd.grad(x.mul(dy).sum(), (q, k, v)) for x in (got, ref)]
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    # (chunk start, size, first key): keys from 0 (all-gather) or from its documents' start (a halo)
+    for q0, c, k0 in ((8, 4, 0), (8, 8, 0), (16, 12, 0), (16, 12, 10), (20, 4, 17), (24, 12, 17)):
+        ks = slice(k0, q0 + c)
+        piece = attend(q[:, :, q0 : q0 + c], k[:, :, ks], v[:, :, ks], pattern=local, scale=0.3, q_start=q0,
+                       k_start=k0, n=n, documents=docs)  # fmt: skip
+        assert torch.allclose(piece, ref[:, :, q0 : q0 + c], atol=1e-6), (q0, c, k0)

@@ -41,6 +41,8 @@ BENCHES = {
     "of the data-parallel gradient reduction (dp 2) and of pipeline transfers (pp 2) hidden behind compute, "
     "beside the schedule's prediction",
     "fp8": "training loss of FP8 linears (tensorwise, rowwise) beside bf16 over N steps, and a plot",
+    "packing": "packed fine-tuning data: document-masked attention vs causal and a dense mask, packing "
+    "efficiency of the shipped chat corpus, supervised tokens/s packed vs padded",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and optimizer "
     "offload beside the planner's step time and memory, local attention at 32k, long context), with a dated "
     "record in docs/benchmarks/",
@@ -204,6 +206,7 @@ def _add_model_parsers(sub) -> None:
     )
     f8.add_argument("--lr", type=positive_float, default=2e-3)
     f8.add_argument("--plot", default=None, help="write the curves to this PNG")
+    _add_packing_parser(sub)
     gm = sub.add_parser("gemm", help=BENCHES["gemm"])
     gm.add_argument("--reps", type=positive_int, default=20)
     gm.add_argument("--fp8", action="store_true",
@@ -211,6 +214,21 @@ def _add_model_parsers(sub) -> None:
     gm.add_argument(
         "--smoke", action="store_true", help="tiny fp32 shapes on the CPU (a check of the code path)"
     )
+
+
+def _add_packing_parser(sub) -> None:
+    pk = sub.add_parser("packing", help=BENCHES["packing"])
+    pk.add_argument("--part", choices=["attention", "efficiency", "throughput", "all"], default="all")
+    pk.add_argument("--tokens", type=positive_int, default=4096, help="attention: tokens of the sequence")
+    pk.add_argument("--documents", type=positive_int, default=16, help="attention: documents in it")
+    pk.add_argument("--heads", type=positive_int, default=8, help="attention: heads")
+    pk.add_argument("--head-dim", type=positive_int, default=64, help="attention: head size")
+    pk.add_argument("--reps", type=positive_int, default=3)
+    pk.add_argument("--vocab", type=positive_int, default=2048, help="the chat corpus's BPE vocabulary")
+    pk.add_argument("--seq-lens", type=positive_ints, default=(256, 512, 1024, 2048), help="efficiency")
+    pk.add_argument("--seq-len", type=positive_int, default=512, help="throughput: sample length")
+    pk.add_argument("--hidden", type=positive_int, default=128, help="throughput: the tiny Llama's width")
+    pk.add_argument("--steps", type=positive_int, default=8, help="throughput: steps per path")
 
 
 def main(argv: list[str] | None = None) -> int:

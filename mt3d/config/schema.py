@@ -147,12 +147,13 @@ class DataConfig:
     seed: int | None = None
     """Seed of the sample order (default: train.seed)."""
     packing: bool | None = None
-    """Pack whole documents into seq_len samples (first-fit, padding masked) with document masking:
-    positions restart at every document and attention never crosses one (``mt3d.data.packing``).
-    Default: on for chat and prompt/completion data (datasets with a loss mask), off for plain text."""
+    """How whole documents with document masking (positions restart at every document, attention never
+    crosses one: chat and prompt/completion data, or plain text with ``document_mask``) fill samples:
+    true (default) packs several into each seq_len sample (first-fit, padding masked), false gives each
+    its own padded sample. ``true`` on plain text turns ``document_mask`` on (``mt3d.data.packing``)."""
     document_mask: bool = False
-    """Plain text packed as whole documents with document masking (Llama 3's pre-training), instead of
-    one stream cut into samples where documents attend to the ones before them."""
+    """Plain text as whole documents with document masking (Llama 3's pre-training), instead of one
+    stream cut into samples where documents attend to the ones before them."""
 
 
 @dataclass

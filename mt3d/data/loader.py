@@ -9,6 +9,7 @@ nothing but ``k``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,10 @@ def build_data(cfg, seed: int) -> DataBundle:
     splits = [split_documents(len(d), cfg.split) for d in datasets]
     index_dir = cache / "indices"
     packed = packs(cfg, datasets)
-    source = PackedDocuments if packed else PackedSamples
+    if packed:  # several documents per sample unless data.packing is false (one each, padded)
+        source = functools.partial(PackedDocuments, pack=cfg.packing is not False)
+    else:
+        source = PackedSamples
     train = [source(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]
     valid = [source(d, s[1], cfg.seq_len, seed + 1, index_dir) for d, s in zip(datasets, splits)]
     weights = cfg.weights or [float(t.tokens_per_epoch) for t in train]

@@ -39,11 +39,10 @@ document: plain first-fit over every sample is quadratic in the corpus)."""
 
 
 def packs(cfg, datasets: list[IndexedDataset]) -> bool:
-    """Whether a ``DataConfig``'s samples are packed documents with document masking (``packing``; by
-    default for datasets with a loss mask, or plain text with ``document_mask``)."""
-    if cfg.packing is not None:
-        return bool(cfg.packing)
-    return cfg.document_mask or any(d.has_mask for d in datasets)
+    """Whether a ``DataConfig``'s samples are whole documents with document masking: datasets with a
+    loss mask, plain text with ``document_mask`` (or ``packing: true``). Plain text otherwise is one
+    stream cut into samples (``samples.PackedSamples``)."""
+    return bool(cfg.packing) or cfg.document_mask or any(d.has_mask for d in datasets)
 
 
 def all_too_long(prefix, lengths: np.ndarray, seq_len: int) -> str | None:
@@ -67,11 +66,13 @@ class Packed(NamedTuple):
 
 
 class PackedDocuments:
-    """Endless packed samples of documents ``doc_ids`` of ``dataset`` (module docstring)."""
+    """Endless packed samples of documents ``doc_ids`` of ``dataset`` (module docstring); with
+    ``pack`` false, one document per sample, padded (``data.packing: false``)."""
 
     def __init__(self, dataset: IndexedDataset, doc_ids: np.ndarray, seq_len: int, seed: int,
-                 cache_dir: str | Path | None = None) -> None:  # fmt: skip
+                 cache_dir: str | Path | None = None, pack: bool = True) -> None:  # fmt: skip
         self.ds, self.doc_ids, self.seq_len, self.seed = dataset, np.asarray(doc_ids, np.int64), seq_len, seed
+        self.pack = pack
         lengths = dataset.doc_lengths()[self.doc_ids]
         if lengths.size == 0:
             raise DataError(f"{dataset.prefix}: no documents to pack")
@@ -86,7 +87,7 @@ class PackedDocuments:
         key.update(str(Path(dataset.prefix).resolve()).encode())
         key.update(dataset.tag)
         key.update(self.doc_ids.tobytes())
-        key.update(f"packed|{seq_len}|{seed}|{WINDOW}".encode())
+        key.update(f"packed|{seq_len}|{seed}|{WINDOW if pack else 0}".encode())
         self.key = key.hexdigest()[:20]
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._counts: list[int] = []  # samples of epochs 0, 1, ... (each packs differently)
@@ -109,7 +110,7 @@ class PackedDocuments:
         room: list[int] = []
         for d in order.tolist():
             n = int(self._lengths[d])
-            lo = max(0, len(bins) - WINDOW)
+            lo = max(0, len(bins) - WINDOW) if self.pack else len(bins)  # unpacked: a sample each
             for b in range(lo, len(bins)):
                 if room[b] >= n:
                     bins[b].append(d)

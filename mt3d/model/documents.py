@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 
 
-def document_spans(documents: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per sample, the (start, end) of each run of equal document index, in order (padding, -1, is a
-    run of its own)."""
+def document_spans(documents: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+    """Per sample, the (start, end, document index) of each run of equal document index, in order
+    (padding, -1, is a run of its own)."""
     out = []
     for row in documents.tolist():
         spans, start = [], 0
         for i in range(1, len(row) + 1):
             if i == len(row) or row[i] != row[start]:
-                spans.append((start, i))
+                spans.append((start, i, row[start]))
                 start = i
         out.append(spans)
     return out
@@ -45,38 +45,39 @@ def attend_documents(attend, q, k, v, documents: torch.Tensor, *, pattern, scale
     piece runs ``attend`` itself: a whole document takes the fast kernels (SDPA, block-local; on GPUs
     block-local rather than FlexAttention, which compiles per shape), a piece of one (context-parallel
     chunks and halos) the dense path over that document's keys only. No mask over the whole sequence
-    is built and no work is spent across documents. ``n`` (the sequence's length, given by context
-    parallelism's callers) is ``documents.shape[1]``.
+    is built and no work is spent across documents, or on padding (its output is zero). ``n`` (the
+    sequence's length, given by context parallelism's callers) is ``documents.shape[1]``.
 
     q [b, hq, s, d] at positions ``q_start ...``, k/v [b, hk, t, d] at ``k_start ...`` (contiguous
     ranges of the whole sequence); ``documents`` [b, n] for every position of the sequence."""
-    s, t = q.shape[2], k.shape[2]
     if kernel == "auto" and pattern is not None and q.device.type == "cuda":
         kernel = "block-local"
+    kw = dict(pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, block=block, kernel=kernel)
+    # pieces by split, not slicing: a slice's backward writes a zero tensor of the whole input
     rows = []
-    for i, spans in enumerate(document_spans(documents)):
+    for spans, qi, ki, vi in zip(document_spans(documents), q.split(1), k.split(1), v.split(1), strict=True):
+        where, kps, vps = _cut(ki, vi, k_start, spans)
+        keys = {w[-1]: (w[0], kp, vp) for w, kp, vp in zip(where, kps, vps, strict=True)}
         pieces = []
-        for a, e in spans:
-            qa, qe = max(a, q_start), min(e, q_start + s)
-            if qa >= qe:
+        for (qa, qe, a, e, doc), qp in zip(*_cut(qi, None, q_start, spans), strict=True):
+            if doc < 0:  # padding: no target reads it and no real token sees it, so it attends to nothing
+                pieces.append(qp.new_zeros(*qp.shape[:3], v.shape[3]))
                 continue
-            ka, ke = max(a, k_start), min(e, k_start + t, qe)  # its keys up to its last query here
-            qs, ks = slice(qa - q_start, qe - q_start), slice(ka - k_start, ke - k_start)
-            pieces.append(
-                attend(
-                    q[i : i + 1, :, qs],
-                    k[i : i + 1, :, ks],
-                    v[i : i + 1, :, ks],
-                    pattern=pattern,
-                    scale=scale,
-                    softcap=softcap,
-                    dropout=dropout,
-                    q_start=qa - a,
-                    k_start=ka - a,
-                    block=block,
-                    kernel=kernel,
-                    n=e - a,
-                )  # fmt: skip
-            )
-        rows.append(torch.cat(pieces, dim=2))
-    return torch.cat(rows, dim=0)
+            ka, kp, vp = keys[doc]
+            if ka + kp.shape[2] > qe:  # keys past this chunk's last query (none of them sees those)
+                kp, vp = kp.narrow(2, 0, qe - ka), vp.narrow(2, 0, qe - ka)
+            pieces.append(attend(qp, kp, vp, q_start=qa - a, k_start=ka - a, n=e - a, **kw))
+        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def _cut(x: torch.Tensor, y: torch.Tensor | None, start: int, spans) -> tuple:
+    """The pieces of ``x`` (and ``y``) [1, h, m, d], which hold positions ``start ... start + m``, one
+    per document span they meet: ((lo, hi, span start, span end, document) of each, x's pieces, y's
+    pieces)."""
+    m = x.shape[2]
+    where = [
+        (max(a, start), min(e, start + m), a, e, doc) for a, e, doc in spans if a < start + m and e > start
+    ]
+    sizes = [w[1] - w[0] for w in where]
+    return (where, x.split(sizes, dim=2)) + ((y.split(sizes, dim=2),) if y is not None else ())
