@@ -149,7 +149,7 @@ def run_throughput(args, tok: Path, prefix: Path, work: Path) -> list[dict]:
                                global_batch=8, micro=4, seq_len=args.seq_len,
                                save_dir=str(work / f"run-{pack}"))  # fmt: skip
         raw["mt3d"]["data"] = {"corpus": "indexed", "prefixes": [str(prefix)], "tokenizer": str(tok),
-                               "seq_len": args.seq_len, "packing": pack, "split": [100, 0, 0]}  # fmt: skip
+                               "seq_len": args.seq_len, "packing": pack, "split": [98, 2, 0]}  # fmt: skip
         raw["mt3d"]["train"].update(steps=args.steps, log_interval=1)
         steps = spawn(throughput_worker, 1, raw, timeout=3600)[0][1:]
         seconds = sum(r["step_time_s"] for r in steps)
