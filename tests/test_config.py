@@ -185,6 +185,9 @@ CONFIG_WORLDS = {
 }
 # templates that name the user's own preprocessed data are checked with the builtin corpus instead
 USER_DATA = {"megatron_8.3b_tp8.json"}
+# fine-tuning templates start from an HF directory the README makes first: checked there, by
+# tests/test_docs.py::test_the_readme_fine_tuning_path_prepares_its_data_and_config
+FROM_HF = {"sft_llama.json"}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_WORLDS))
@@ -194,7 +197,10 @@ def test_shipped_configs_validate(name):
         run = load(path, ["mt3d.data.corpus=builtin"] if name in USER_DATA else [])
         layout = validate(run, world, resolve_model(run.mt3d.model))
         assert layout.world == world
-    assert sorted(p.name for p in (ROOT / "ds_configs").glob("*.json")) == sorted(CONFIG_WORLDS)
+
+
+def test_every_shipped_config_is_checked():
+    assert sorted(p.name for p in (ROOT / "ds_configs").glob("*.json")) == sorted({*CONFIG_WORLDS, *FROM_HF})
 
 
 def test_preset_overrides_rederive_dependent_sizes():

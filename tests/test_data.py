@@ -93,14 +93,14 @@ def test_preprocess_bad_input(tmp_path, tok_dir, texts):
 def test_failed_run_keeps_the_previous_output(tmp_path, tok_dir, texts):
     txt, _ = write_inputs(tmp_path, texts)
     preprocess([str(txt)], str(tok_dir), str(tmp_path / "p"))
-    before = (tmp_path / "p.bin").read_bytes()
+    before = {n: (tmp_path / n).read_bytes() for n in ("p.bin", "p.idx", "p.meta.json")}
     bad = tmp_path / "x.jsonl"
     bad.write_text("not json\n")
     with pytest.raises(PreprocessError):
         preprocess([str(txt), str(bad)], str(tok_dir), str(tmp_path / "p"))
-    assert (tmp_path / "p.bin").read_bytes() == before
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
     assert IndexedDataset(tmp_path / "p").num_docs == 150
-    assert sorted(p.name for p in tmp_path.glob("p.*")) == ["p.bin", "p.idx"]
+    assert sorted(p.name for p in tmp_path.glob("p.*")) == ["p.bin", "p.idx", "p.meta.json"]
 
 
 def test_corrupt_and_mismatched_files_are_detected(tmp_path):

@@ -74,3 +74,39 @@ def test_the_cheap_documented_commands_run(page, line, monkeypatch, capsys):
         if re.match(r"^[A-Z_]+=", word):
             monkeypatch.setenv(*word.split("=", 1))
     assert main(mt3d_argv(line)[1]) == 0, capsys.readouterr().err
+
+
+def readme_block(title: str) -> list[str]:
+    """The shell lines of the first ```bash block after the README heading that starts with ``title``."""
+    text = (ROOT / "README.md").read_text().split(f"\n## {title}", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_fine_tuning_path_prepares_its_data_and_config(tmp_path):
+    """The README's fine-tuning commands as written, on a fresh directory, up to the training: a tiny
+    chat Llama, the chat corpus, its preprocessing and ``data show``; then ``ds_configs/sft_llama.json``
+    passes ``train --check`` at the world its deepspeed line launches (4), reading what they made."""
+    import os
+    import subprocess
+    import sys
+
+    for d in ("launch", "ds_configs"):
+        (tmp_path / d).symlink_to(ROOT / d)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    lines = readme_block("Fine-tuning")
+    train = next(i for i, line in enumerate(lines) if line.startswith("deepspeed"))
+    for line in lines[:train]:
+        out = subprocess.run(
+            line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, f"`{line}`: {out.stderr[-2000:]}"
+    assert "⟦" in out.stdout  # data show marks what is trained on
+    world = re.search(r"--num_gpus (\d+)", lines[train]).group(1)
+    argv = mt3d_argv(lines[train])[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "mt3d", *argv, "--check"], cwd=tmp_path, env={**env, "WORLD_SIZE": world},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    ok = f"config OK: world {world} = tp 2 x pp 2"
+    assert out.returncode == 0 and ok in out.stdout, out.stdout + out.stderr[-2000:]

@@ -108,7 +108,11 @@ class _Checkpoint(torch.autograd.Function):
         saved_x, *rest = ctx.saved_tensors
         x = _gather(saved_x, ctx.tp, SEQ_DIM) if ctx.partition else saved_x
         x = x.detach().requires_grad_(ctx.x_requires_grad)
-        rest = [r.detach().requires_grad_(g) for r, g in zip(rest, ctx.rest_requires_grad)]
+        # non-tensor arguments (a None document map, absent rotary tables) come back as None
+        rest = [
+            r.detach().requires_grad_(g) if torch.is_tensor(r) else r
+            for r, g in zip(rest, ctx.rest_requires_grad)
+        ]
         if ctx.rng is None:
             with torch.enable_grad():
                 out = ctx.fn(x, *rest)
