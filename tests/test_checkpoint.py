@@ -391,6 +391,19 @@ def test_resume_refuses_another_model_and_warns_on_changed_hyperparameters(caplo
     assert "norm_eps changed" in text and "global_batch changed: 8 -> 16" in text and "seq_len" not in text
 
 
+def test_resume_warns_when_the_data_or_its_packing_changed(caplog, tmp_path):
+    from mt3d.checkpoint.resume import DATA_FACTS, _check_data
+
+    was = {"corpus": "indexed", "documents": [9], "tokens": [90], "packed": False}
+    was["train_samples_per_epoch"] = [3]
+    assert set(was) == {"corpus", *DATA_FACTS}
+    caplog.set_level("WARNING", logger="mt3d")
+    _check_data(tmp_path, {"data": was, "step": 4}, {**was})
+    assert "another corpus" not in caplog.text
+    _check_data(tmp_path, {"data": was, "step": 4}, {**was, "packed": True, "train_samples_per_epoch": [2]})
+    assert "(packed, train_samples_per_epoch changed)" in caplog.text
+
+
 def _unguarded_resume_worker(raw):
     """Resume without mt3d's reshard guard, to see what DeepSpeed itself does; (exit code, records)."""
     from mt3d.ds import universal

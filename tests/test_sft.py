@@ -171,6 +171,24 @@ def test_tokens_and_masks_are_the_templates_and_cover_exactly_the_replies(sft):
     assert shown[1] == {"tokens": ds.doc(1).tolist(), "loss_mask": ds.doc_mask(1).tolist()}
 
 
+def test_generate_chat_replies_as_transformers_does_on_the_template(sft):
+    """``mt3d generate --chat --system``: the prompt is apply_chat_template's with the generation prompt,
+    and the greedy reply (cut at its end of turn) is transformers' generate's."""
+    path = sft["models"]["llama"]
+    hf_tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a sample?"}]
+    prompt = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
+    want = out.tolist()
+    want = want[: want.index(hf_tok.eos_token_id)] if hf_tok.eos_token_id in want else want
+    rc, text, err = cli("generate", "--model", path, "--chat", "--system", "Be brief.", "--prompt",
+                        "What is a sample?", "--max-new-tokens", 10, "--json")  # fmt: skip
+    assert rc == 0, err
+    assert json.loads(text)["ids"] == want and want
+
+
 def test_the_shipped_chat_corpus_preprocesses(sft, tmp_path):
     from mt3d.data.chat_corpus import main as write_corpus
 
@@ -291,16 +309,25 @@ def sft_reference(sft, tmp_path_factory):
     d = tmp_path_factory.mktemp("sft-ref")
     dense = sft_config(sft, d / "llama", micro=8, train={"save_interval": 3})
     moe = sft_config(sft, d / "moe", model=MOE)
-    records = run_all(1, [dense, moe])
+    # plain text (the replies as documents), document-masked
+    write_jsonl(d / "plain.jsonl", [{"text": c["messages"][-1]["content"]} for c in sft["convs"]])
+    assert cli("preprocess", "--input", d / "plain.jsonl", "--tokenizer", sft["base"] / "tok",
+               "--output-prefix", d / "plain")[0] == 0  # fmt: skip
+    plain = sft_config(sft, d / "plain")
+    plain["mt3d"]["data"].update(prefixes=[str(d / "plain")], document_mask=True)
+    records = run_all(1, [dense, moe, plain])
     step3 = d / "llama" / "checkpoints" / "step_00000003"
-    return {"llama": records[0], "moe": records[1], "step3": str(step3)}
+    return {"llama": records[0], "moe": records[1], "plain": records[2], "step3": str(step3)}
 
 
 def test_packed_training_is_normalised_over_the_global_batch(sft_reference):
-    for steps in (sft_reference["llama"], sft_reference["moe"]):
+    for steps in (sft_reference["llama"], sft_reference["moe"], sft_reference["plain"]):
         assert len(steps) == 5 and steps[-1]["loss"] < steps[0]["loss"]
         supervised = [r["supervised_tokens"] for r in steps]
         assert len(set(supervised)) > 1 and all(0.5 < r["packing_efficiency"] <= 1 for r in steps)
+    # plain text trains on every real position but each document's last (its next token is another's)
+    for r in sft_reference["plain"]:
+        assert r["supervised_tokens"] <= r["packing_efficiency"] * 8 * SEQ - 8  # >= 1 document per sample
 
 
 # name: (ranks, [(parallel keys, model, train keys, first step compared)], reference)
@@ -330,6 +357,9 @@ def test_packed_training_matches_one_process(sft, sft_reference, tmp_path, case)
     got = run_all(ranks, raws)
     for records, (parallel, _, train, first) in zip(got, runs, strict=True):
         compare(records, sft_reference[ref], f"{case}: {parallel} {train}", first)
+        if str(train.get("resume", "")).startswith("{run0}"):  # resumes the case's own run: exactly
+            key = [(r["loss"], r["grad_norm"], r["supervised_tokens"]) for r in records]
+            assert key == [(r["loss"], r["grad_norm"], r["supervised_tokens"]) for r in got[0][first - 1 :]]
 
 
 # --- bad input ---------------------------------------------------------------------------------------

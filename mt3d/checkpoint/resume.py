@@ -152,9 +152,14 @@ def _check_model(path: Path, meta: dict, model: ModelConfig, run_facts: dict | N
         log.warning("resuming %s with %s changed: %s -> %s", path.name, k, old, new)
 
 
+# the corpus facts a checkpoint's meta records (training.session); a resume that sees one changed warns
+DATA_FACTS = ("documents", "tokens", "packed", "train_samples_per_epoch")
+
+
 def _check_data(path: Path, meta: dict, data_info: dict | None) -> None:
     """Refuse a resume whose tokenizer differs from the checkpoint's (token ids would change meaning);
-    warn when the corpus differs (documents or tokens), which may be meant (a new data mixture)."""
+    warn when the corpus or its sampling differs (documents, tokens, packing, samples per epoch), which
+    may be meant (a new data mixture)."""
     if not data_info:
         return
     import hashlib
@@ -173,9 +178,7 @@ def _check_data(path: Path, meta: dict, data_info: dict | None) -> None:
             f"mt3d.data.tokenizer={path / TOKENIZER}"
         )
     was = meta.get("data") or {}
-    changed = [
-        k for k in ("corpus", "documents", "tokens") if k in was and was[k] != data_info.get(k, was[k])
-    ]
+    changed = [k for k in ("corpus", *DATA_FACTS) if k in was and was[k] != data_info.get(k, was[k])]
     quiet = dist_rank() != 0
     if changed and not quiet:
         log.warning("resuming %s with another corpus (%s changed): the data order continues from step %s",

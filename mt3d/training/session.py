@@ -48,7 +48,7 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
             "data": {
                 "corpus": run.mt3d.data.corpus,
                 "tokenizer": data_info.get("tokenizer_dir"),
-                **{k: data_info[k] for k in ("documents", "tokens") if k in data_info},
+                **{k: data_info[k] for k in resume.DATA_FACTS if k in data_info},
             },
             "config": run.to_dict(),
         }
