@@ -332,7 +332,9 @@ def test_packed_training_is_normalised_over_the_global_batch(sft_reference):
 
 # name: (ranks, [(parallel keys, model, train keys, first step compared)], reference)
 CASES = {
-    "(2,2,2) SP": (8, [(dict(tp=2, pp=2, sequence_parallel=True), None, {}, 1)], "llama"),
+    "(2,2,2) SP, selective recompute": (8, [
+        (dict(tp=2, pp=2, sequence_parallel=True), None, {"recompute": {"granularity": "selective"}}, 1),
+    ], "llama"),
     "cp 2 x pp 2 all-gather, all-to-all, and resharded from one process": (4, [
         (dict(pp=2, context=2, context_exchange="allgather"), None, {}, 1),
         (dict(pp=2, context=2, context_exchange="alltoall"), None, {}, 1),
