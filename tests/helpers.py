@@ -54,6 +54,32 @@ def train_worker(raw):
     return records
 
 
+def runs_worker(raws, ports):
+    """Several runs one after the other on the same ranks (each run ends its process group; the next
+    starts one on a port of its own): rank 0's step records of each. Saves a spawn (processes that
+    import torch and DeepSpeed) per run."""
+    import os
+
+    import torch.distributed as dist
+
+    from mt3d.training.runtime import init_distributed
+
+    out = []
+    for raw, port in zip(raws, ports, strict=True):
+        if port is not None:
+            os.environ["MASTER_PORT"] = str(port)
+        if not dist.is_initialized():
+            init_distributed()
+        out.append(step_records(train_worker(raw) or []))
+    return out if os.environ["RANK"] == "0" else None
+
+
+def run_all(ranks, raws, timeout=600):
+    from mt3d.parallel.spawn import free_port, spawn
+
+    return spawn(runs_worker, ranks, raws, [None] + [free_port() for _ in raws[1:]], timeout=timeout)[0]
+
+
 def step_records(records):
     """The per-step training records (not the eval ones)."""
     return [r for r in records if "loss" in r]

@@ -16,7 +16,16 @@ from mt3d.checkpoint.manifest import CheckpointError, describe_files, write_mani
 from mt3d.config import from_dict, resolve_model, validate
 from mt3d.parallel.spawn import WorkerError, free_port, spawn
 
-from helpers import TINY_EVERY, TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_rc_worker, train_worker
+from helpers import (
+    TINY_EVERY,
+    TINY_GPT,
+    TINY_LLAMA,
+    run_all,
+    step_records,
+    tiny_config,
+    train_rc_worker,
+    train_worker,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DROPOUT_GPT = {**TINY_GPT, "hidden_dropout": 0.1, "attention_dropout": 0.1}
@@ -48,44 +57,35 @@ def test_resume_is_exact(tmp_path, precision):
             raw["mt3d"]["train"].update(optimizer_states="bf16", overlap=overlap)
         return raw
 
-    straight = losses(run(config(tmp_path / "a", 10), world))
-    run(config(tmp_path / "b", 5), world)
     again = config(tmp_path / "b", 10, resume="auto")
     again["mt3d"]["parallel"]["order"] = "tp-pp-dp"
-    resumed = losses(run(again, world))[5:]  # metrics.jsonl is appended to
+    straight, _, resumed = run_all(world, [config(tmp_path / "a", 10), config(tmp_path / "b", 5), again])
+    straight, resumed = losses(straight), losses(resumed)[5:]  # metrics.jsonl is appended to
     assert [s for s, _, _ in resumed] == list(range(6, 11))
     assert resumed == straight[5:]  # bit-identical losses and grad norms
 
 
-@pytest.fixture(scope="module")
-def saved_222(tmp_path_factory):
-    """A (2,2,2) GPT run checkpointed at step 3, continued to step 6 (the same-layout reference)."""
-    base = tmp_path_factory.mktemp("reshard")
-    records = run(tiny_config(base / "src", tp=2, pp=2, steps=6, save_interval=3), 8)
-    return base, losses(records)[3:]
-
-
 # every degree of every axis at least once, each axis grown and shrunk from the saved (2, 2, 2)
-LAYOUTS = [(1, 1, 1), (1, 1, 8), (1, 4, 2), (4, 2, 1), (2, 1, 4), (4, 1, 2), (1, 2, 4), (2, 4, 1)]
+LAYOUTS = [(1, 1, 8), (1, 4, 2), (4, 2, 1), (2, 1, 4), (4, 1, 2), (1, 2, 4), (2, 4, 1)]
 
 
-def test_reshard_to_every_layout(saved_222):
-    base, reference = saved_222
-    src = base / "src" / "checkpoints" / "step_00000003"
-    for tp, pp, dp in LAYOUTS:
-        raw = tiny_config(
-            base / f"to_{tp}{pp}{dp}", tp=tp, pp=pp, steps=6, resume=str(src), micro=1 if dp == 8 else 2
-        )
-        got = losses(run(raw, tp * pp * dp))
-        assert [s for s, _, _ in got] == [4, 5, 6]
-        for (_, a, ga), (_, b, gb) in zip(got, reference):
-            assert abs(a - b) <= 1e-5 * abs(b) and abs(ga - gb) <= 1e-5 * abs(gb), (
-                tp,
-                pp,
-                dp,
-                got,
-                reference,
-            )
+def test_reshard_to_every_layout(tmp_path):
+    """A (2,2,2) GPT run checkpointed at step 3 and continued to step 6 (the reference) resumes from
+    step 3 at every other layout of 8 ranks (in the same spawn) and on one process, to 1e-5."""
+    src = tmp_path / "src" / "checkpoints" / "step_00000003"
+
+    def config(tp, pp, dp):
+        return tiny_config(tmp_path / f"to_{tp}{pp}{dp}", tp=tp, pp=pp, steps=6, resume=str(src),
+                           micro=1 if dp == 8 else 2)  # fmt: skip
+
+    saved = tiny_config(tmp_path / "src", tp=2, pp=2, steps=6, save_interval=3)
+    reference, *got = run_all(8, [saved, *(config(*layout) for layout in LAYOUTS)])
+    got.append(run(config(1, 1, 1), 1))
+    reference = losses(reference)[3:]
+    for layout, records in zip([*LAYOUTS, (1, 1, 1)], got, strict=True):
+        assert [s for s, _, _ in losses(records)] == [4, 5, 6]
+        for (_, a, ga), (_, b, gb) in zip(losses(records), reference):
+            assert abs(a - b) <= 1e-5 * abs(b) and abs(ga - gb) <= 1e-5 * abs(gb), (layout, reference)
     assert (src.parent / "universal" / src.name / "manifest.json").is_file()  # converted once, reused
 
 

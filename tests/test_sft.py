@@ -29,7 +29,7 @@ from mt3d.data.indexed import IndexedDataset
 from mt3d.data.tokenizer import CHATML, train_bpe
 from mt3d.parallel.spawn import spawn
 
-from helpers import TINY_LLAMA, step_records, tiny_config, train_worker
+from helpers import TINY_LLAMA, run_all, tiny_config
 
 WORDS = (
     "tensor pipeline data expert context shard rank stage layer block token batch step loss grad "
@@ -262,31 +262,6 @@ def sft_config(sft, d, model=None, tp=1, pp=1, micro=2, train=None, **parallel):
 
 
 MOE = {"preset": "tiny-qwen2-moe"}
-
-
-def runs_worker(raws, ports):
-    """Several runs one after the other on the same ranks (each run ends its process group; the next
-    starts one on a port of its own): rank 0's step records of each."""
-    import os
-
-    import torch.distributed as dist
-
-    from mt3d.training.runtime import init_distributed
-
-    out = []
-    for raw, port in zip(raws, ports, strict=True):
-        if port is not None:
-            os.environ["MASTER_PORT"] = str(port)
-        if not dist.is_initialized():
-            init_distributed()
-        out.append(step_records(train_worker(raw) or []))
-    return out if os.environ["RANK"] == "0" else None
-
-
-def run_all(ranks, raws):
-    from mt3d.parallel.spawn import free_port
-
-    return spawn(runs_worker, ranks, raws, [None] + [free_port() for _ in raws[1:]], timeout=600)[0]
 
 
 def compare(got, ref, what, first=1):
