@@ -80,6 +80,18 @@ def run_all(ranks, raws, timeout=600):
     return spawn(runs_worker, ranks, raws, [None] + [free_port() for _ in raws[1:]], timeout=timeout)[0]
 
 
+def run_grouped(runs, timeout=600):
+    """``[(world, config)]`` -> each run's step records, in order: runs of the same world size share
+    one spawn (``run_all``), the worlds in the order they first appear; a run that resumes another's
+    checkpoint must come after it within its world, or in a world that appears later."""
+    out = [None] * len(runs)
+    for world in dict.fromkeys(w for w, _ in runs):
+        which = [i for i, (w, _) in enumerate(runs) if w == world]
+        for i, records in zip(which, run_all(world, [runs[i][1] for i in which], timeout), strict=True):
+            out[i] = records
+    return out
+
+
 def step_records(records):
     """The per-step training records (not the eval ones)."""
     return [r for r in records if "loss" in r]

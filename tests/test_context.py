@@ -140,23 +140,21 @@ def test_context_parallel_training_matches_one_process(tmp_path, reference_runs,
 def test_context_parallel_checkpoints_resume_exactly_and_reshard(tmp_path):
     """cp 2 resumes bit for bit; its checkpoint reshards to cp 1, and a cp 1 checkpoint to cp 4 (the cp
     ranks count in DeepSpeed's data axis: a reshard across cp is one across its dp)."""
-    from helpers import TINY_LLAMA, step_records, tiny_config, train_worker
+    from helpers import TINY_LLAMA, run_grouped, tiny_config
 
-    def run(name, world, steps=6, **kw):
-        raw = tiny_config(tmp_path / name, model=TINY_LLAMA, steps=steps, save_interval=3, **kw)
+    def config(name, world, **kw):
+        raw = tiny_config(tmp_path / name, model=TINY_LLAMA, steps=6, save_interval=3, **kw)
         raw["mt3d"]["parallel"]["context"] = world
-        return [
-            (r["step"], r["loss"], r["grad_norm"])
-            for r in step_records(spawn(train_worker, world, raw, timeout=600)[0])
-        ]
+        return world, raw
 
-    one, two = run("cp1", 1), run("cp2", 2)
     step3 = lambda name: str(tmp_path / name / "checkpoints" / "step_00000003")  # noqa: E731
-    assert run("cp2again", 2, resume=step3("cp2")) == two[3:]  # bit for bit
-    for got, want in (
-        (run("to1", 1, resume=step3("cp2")), two[3:]),
-        (run("to4", 4, resume=step3("cp1")), one[3:]),
-    ):
+    runs = run_grouped([
+        config("cp2", 2), config("cp2again", 2, resume=step3("cp2")), config("cp1", 1),
+        config("to1", 1, resume=step3("cp2")), config("to4", 4, resume=step3("cp1")),
+    ], timeout=600)  # fmt: skip
+    two, again, one, to1, to4 = [[(r["step"], r["loss"], r["grad_norm"]) for r in rs] for rs in runs]
+    assert again == two[3:]  # bit for bit
+    for got, want in ((to1, two[3:]), (to4, one[3:])):
         for (s, loss, gn), (s2, loss2, gn2) in zip(got, want, strict=True):
             assert s == s2 and abs(loss - loss2) <= RTOL * loss2 and abs(gn - gn2) <= RTOL * gn2, (got, want)
 

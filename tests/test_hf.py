@@ -36,7 +36,7 @@ from mt3d.model.families import HFError
 from mt3d.model.hf import config_from_hf
 from mt3d.parallel.spawn import spawn
 
-from helpers import step_records, tiny_config, train_worker
+from helpers import run_grouped, tiny_config, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe"]
@@ -328,20 +328,45 @@ def assert_same_training(got, ref, what):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2", "qwen2_moe"])
-def test_fine_tuning_at_tp2_pp2_dp2_matches_one_process(hf_dirs, tmp_path, name, caplog):
-    ref = step_records(spawn(train_worker, 1, fine_tune_config(tmp_path / "ref", hf_dirs[name], 5, 1, 1))[0])
+FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(hf_dirs, tmp_path_factory):
+    """Each family fine-tuned for 5 steps on one process and at (2,2,2) (MoE: tp 2 x pp 2 x ep 2);
+    Gemma 2 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps, windows). Runs of a
+    world size share one spawn: {name: (dir of the (2,2,2) run, {what: step records})}."""
+    base = tmp_path_factory.mktemp("fine-tuned")
+    runs, keys = [], []
+    for name in FINE_TUNED:
+        d = base / name
+        runs.append((1, fine_tune_config(d / "ref", hf_dirs[name], 5, 1, 1)))
+        raw = fine_tune_config(d / "ft", hf_dirs[name], 5, save_at_end=True)
+        if name in MOE:  # dp 2 = ep: the experts split over the data-parallel pair
+            raw["mt3d"]["parallel"]["expert"] = 2
+        runs.append((8, raw))
+        keys += [(name, "ref"), (name, "(2,2,2)")]
+        if name == "gemma2":
+            raw = fine_tune_config(d / "sp", hf_dirs[name], 5, 2, 2, recompute={"interval": 1})
+            raw["mt3d"]["parallel"]["sequence_parallel"] = True
+            runs.append((4, raw))
+            keys.append((name, "SP + recompute"))
+    out = {name: (base / name / "ft", {}) for name in FINE_TUNED}
+    for (name, what), records in zip(keys, run_grouped(runs, timeout=900), strict=True):
+        out[name][1][what] = records
+    return out
+
+
+@pytest.mark.parametrize("name", FINE_TUNED)
+def test_fine_tuning_at_tp2_pp2_dp2_matches_one_process(hf_dirs, fine_tuned, tmp_path, name, caplog):
+    run_dir, records = fine_tuned[name]
+    ref = records["ref"]
     assert ref[-1]["loss"] < ref[0]["loss"]
-    raw = fine_tune_config(tmp_path / "ft", hf_dirs[name], 5, save_at_end=True)
-    if name in MOE:  # tp 2 x pp 2 x ep 2 (dp 2 = ep: the experts split over the data-parallel pair)
-        raw["mt3d"]["parallel"]["expert"] = 2
-    assert_same_training(step_records(spawn(train_worker, 8, raw, timeout=400)[0]), ref, f"{name} (2,2,2)")
-    if name == "gemma2":  # sequence parallelism and recompute over post-norms, soft-caps, windows
-        raw = fine_tune_config(tmp_path / "sp", hf_dirs[name], 5, 2, 2, recompute={"interval": 1})
-        raw["mt3d"]["parallel"]["sequence_parallel"] = True
-        assert_same_training(step_records(spawn(train_worker, 4, raw, timeout=400)[0]), ref, f"{name} SP")
+    for what, got in records.items():
+        if what != "ref":
+            assert_same_training(got, ref, f"{name} {what}")
     # the fine-tuned model exports, loads silently in transformers and scores better than before
-    assert run_export(tmp_path / "ft", tmp_path / "ft_hf").returncode == 0
+    assert run_export(run_dir, tmp_path / "ft_hf").returncode == 0
     _, text = eval_text(tmp_path, docs=60)
     ids = torch.tensor(load_tokenizer(hf_dirs[name]).encode(text, eos=False))
     before, _ = hf_window_loss(hf_model(hf_dirs[name]), ids, 64, 64)

@@ -7,7 +7,7 @@ from mt3d.config import ConfigError, from_dict, resolve_model, validate
 from mt3d.parallel.spawn import spawn
 from mt3d.pipeline.schedule import backward_item, forward_item, rank_steps, simulate, warmup
 
-from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_worker
+from helpers import TINY_GPT, TINY_LLAMA, run_grouped, step_records, tiny_config
 
 # 8 blocks: enough for 4 stages x 2 chunks
 MODELS = {"gpt2": {**TINY_GPT, "layers": 8}, "llama": {**TINY_LLAMA, "layers": 8}}
@@ -96,10 +96,10 @@ def test_ptd_p_order_and_warmup():
     assert fwds_before == 4
 
 
-def run_layout(tmp_path, model, tp, pp, dp, v, **kw):
-    raw = tiny_config(tmp_path / f"run_{tp}{pp}{dp}{v}{len(kw)}", model=model, tp=tp, pp=pp, **kw)
+def layout_config(tmp_path, model, tp, pp, v, **kw):
+    raw = tiny_config(tmp_path / f"run_{tp}{pp}{v}{len(kw)}", model=model, tp=tp, pp=pp, **kw)
     raw["mt3d"]["parallel"]["virtual_stages"] = v
-    return step_records(spawn(train_worker, tp * pp * dp, raw, timeout=300)[0])
+    return raw
 
 
 def assert_same(got, ref, what):
@@ -112,18 +112,17 @@ def assert_same(got, ref, what):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_every_interleaved_layout_matches_one_process(tmp_path, arch):
     model = MODELS[arch]
-    ref = run_layout(tmp_path, model, 1, 1, 1, 1)
-    assert ref[-1]["loss"] < ref[0]["loss"]
-    for tp, pp, dp, v in ((1, 2, 1, 2), (1, 4, 1, 2), (2, 2, 2, 2), (1, 2, 1, 3)):
-        assert_same(
-            run_layout(tmp_path, model, tp, pp, dp, v), ref, f"{arch} (tp, pp, dp, v)={(tp, pp, dp, v)}"
-        )
+    layouts = [(1, 1, 1, 1), (1, 2, 1, 2), (1, 4, 1, 2), (2, 2, 2, 2), (1, 2, 1, 3)]
+    runs = [(tp * pp * dp, layout_config(tmp_path, model, tp, pp, v)) for tp, pp, dp, v in layouts]
     if arch == "gpt2":  # sequence parallelism and recompute through the interleaved chunks
         raw = tiny_config(tmp_path / "sp", model=model, tp=2, pp=2, recompute={"interval": 1})
         raw["mt3d"]["parallel"].update(virtual_stages=2, sequence_parallel=True)
-        assert_same(
-            step_records(spawn(train_worker, 4, raw, timeout=300)[0]), ref, "(2, 2, 1, 2) SP + recompute"
-        )
+        layouts.append("(2, 2, 1, 2) SP + recompute")
+        runs.append((4, raw))
+    ref, *got = run_grouped(runs)
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    for layout, records in zip(layouts[1:], got, strict=True):
+        assert_same(records, ref, f"{arch} (tp, pp, dp, v)={layout}")
 
 
 def test_interleaved_checkpoints_resume_exactly_and_reshard(tmp_path):
@@ -137,16 +136,19 @@ def test_interleaved_checkpoints_resume_exactly_and_reshard(tmp_path):
     def losses(records):
         return [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(records)]
 
-    straight = losses(spawn(train_worker, 2, config("a", 6, 2, 2))[0])
-    spawn(train_worker, 2, config("b", 3, 2, 2, save_at_end=True))
     step3 = tmp_path / "b" / "checkpoints" / "step_00000003"
-    resumed = losses(spawn(train_worker, 2, config("b", 6, 2, 2, resume="auto"))[0])[3:]
-    assert resumed == straight[3:]  # bit for bit
-    for pp, v in ((1, 1), (4, 1), (4, 2)):
-        got = losses(spawn(train_worker, pp, config(f"to{pp}{v}", 6, pp, v, resume=str(step3)))[0])
-        assert [s for s, _, _ in got] == [4, 5, 6]
-        for (_, a, ga), (_, b, gb) in zip(got, straight[3:]):
-            assert abs(a - b) <= RTOL * abs(b) and abs(ga - gb) <= RTOL * abs(gb), (pp, v, got, straight)
+    targets = [(1, 1), (4, 1), (4, 2)]
+    straight, _, resumed, *got = run_grouped(
+        [(2, config("a", 6, 2, 2)), (2, config("b", 3, 2, 2, save_at_end=True)),
+         (2, config("b", 6, 2, 2, resume="auto"))]
+        + [(pp, config(f"to{pp}{v}", 6, pp, v, resume=str(step3))) for pp, v in targets]
+    )  # fmt: skip
+    straight = losses(straight)
+    assert losses(resumed)[3:] == straight[3:]  # bit for bit
+    for (pp, v), records in zip(targets, got, strict=True):
+        assert [s for s, _, _ in losses(records)] == [4, 5, 6]
+        for (_, a, ga), (_, b, gb) in zip(losses(records), straight[3:]):
+            assert abs(a - b) <= RTOL * abs(b) and abs(ga - gb) <= RTOL * abs(gb), (pp, v, straight)
 
 
 def test_nan_skipping_and_sigterm_save_at_v2(tmp_path):

@@ -246,22 +246,27 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
     """pp 2 x ep 2 resumes bit for bit (the aux statistics are rebuilt every micro-batch, nothing else
     is state); its checkpoint (each ep rank's experts in its own files) reshards to one process, to
     ep 4 and to tp 2 x ep 2 (DeepSpeed's universal loader slicing by tp, not tp x ep)."""
-    from helpers import step_records, tiny_config, train_worker
+    from helpers import run_grouped, tiny_config
 
-    def run(name, world, steps=6, **parallel):
-        resume = {"resume": parallel.pop("resume")} if "resume" in parallel else {}
-        raw = tiny_config(tmp_path / name, model={"preset": "tiny-mixtral"}, steps=steps, save_interval=3,
-                          **resume)  # fmt: skip
+    def config(name, resume=None, **parallel):
+        raw = tiny_config(tmp_path / name, model={"preset": "tiny-mixtral"}, steps=6, save_interval=3,
+                          **({"resume": resume} if resume else {}))  # fmt: skip
         raw["mt3d"]["parallel"].update(parallel)
-        recs = step_records(spawn(train_worker, world, raw, timeout=600)[0])
-        return [(r["step"], r["loss"], r["grad_norm"], r["moe_aux_loss"]) for r in recs]
+        return raw
 
-    two = run("pp2", 4, pipeline=2, expert=2)
     step3 = str(tmp_path / "pp2" / "checkpoints" / "step_00000003")
-    assert run("again", 4, pipeline=2, expert=2, resume=step3) == two[3:]  # bit for bit
-    for i, (world, parallel) in enumerate(((1, {}), (4, dict(expert=4)), (4, dict(tensor=2, expert=2)))):
-        got = run(f"to{i}", world, resume=step3, **parallel)
-        for a, b in zip(got, two[3:], strict=True):
+    targets = ((1, {}), (4, dict(expert=4)), (4, dict(tensor=2, expert=2)))
+    runs = run_grouped(
+        [(4, config("pp2", pipeline=2, expert=2)), (4, config("again", step3, pipeline=2, expert=2))]
+        + [(world, config(f"to{i}", step3, **parallel)) for i, (world, parallel) in enumerate(targets)],
+        timeout=600,
+    )
+    two, again, *got = [
+        [(r["step"], r["loss"], r["grad_norm"], r["moe_aux_loss"]) for r in rs] for rs in runs
+    ]
+    assert again == two[3:]  # bit for bit
+    for records in got:
+        for a, b in zip(records, two[3:], strict=True):
             assert a[0] == b[0] and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
     _damaged_expert_files_are_refused_by_name(tmp_path, Path(step3))
 
