@@ -54,20 +54,34 @@ def train_worker(raw):
     return records
 
 
-def runs_worker(raws, ports):
+def runs_worker(raws, meeting):
     """Several runs one after the other on the same ranks (each run ends its process group; the next
     starts one on a port of its own): rank 0's step records of each. Saves a spawn (processes that
-    import torch and DeepSpeed) per run."""
+    import torch and DeepSpeed) per run. Rank 0 picks each next port just before the group starts and
+    leaves it in the directory ``meeting`` for the others: a port picked before the spawn could be
+    taken meanwhile by the earlier runs' gloo connections."""
     import os
+    import time
+    from pathlib import Path
 
     import torch.distributed as dist
 
+    from mt3d.parallel.spawn import free_port
     from mt3d.training.runtime import init_distributed
 
     out = []
-    for raw, port in zip(raws, ports, strict=True):
-        if port is not None:
-            os.environ["MASTER_PORT"] = str(port)
+    for i, raw in enumerate(raws):
+        if i:
+            note = Path(meeting) / f"port_{i}"
+            if os.environ["RANK"] == "0":
+                (Path(meeting) / f"port_{i}.tmp").write_text(str(free_port()))
+                (Path(meeting) / f"port_{i}.tmp").rename(note)
+            deadline = time.monotonic() + 120
+            while not note.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 left no port for run {i} in {meeting}")
+                time.sleep(0.05)
+            os.environ["MASTER_PORT"] = note.read_text()
         if not dist.is_initialized():
             init_distributed()
         out.append(step_records(train_worker(raw) or []))
@@ -75,9 +89,12 @@ def runs_worker(raws, ports):
 
 
 def run_all(ranks, raws, timeout=600):
-    from mt3d.parallel.spawn import free_port, spawn
+    import tempfile
 
-    return spawn(runs_worker, ranks, raws, [None] + [free_port() for _ in raws[1:]], timeout=timeout)[0]
+    from mt3d.parallel.spawn import spawn
+
+    with tempfile.TemporaryDirectory(prefix="mt3d-meet-") as meeting:
+        return spawn(runs_worker, ranks, raws, meeting, timeout=timeout)[0]
 
 
 def run_grouped(runs, timeout=600):
