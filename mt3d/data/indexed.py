@@ -170,6 +170,15 @@ def _check_mask(path: Path, tokens: int, tag: bytes, check_tag: bool) -> Path:
     return path
 
 
+def _pread(fd: int, path: Path, dtype: np.dtype, start: int, n: int) -> np.ndarray:
+    """Items ``[start, start + n)`` of the file open as ``fd`` (one ``pread``); a short read (the file
+    changed while in use) is an error naming ``path``."""
+    raw = os.pread(fd, n * dtype.itemsize, start * dtype.itemsize)
+    if len(raw) != n * dtype.itemsize:
+        raise IndexedDataError(f"{path}: short read at token {start} (file changed while in use?)")
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def _check_offsets(idx: Path, offsets: np.ndarray, tokens: int, block: int = 1 << 22) -> None:
     """Document offsets start at 0, never decrease and end at the token count (read in blocks)."""
     if int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
@@ -242,27 +251,32 @@ class IndexedDataset:
         _check_offsets(idx, self.offsets, tokens)
         self._bin_path = binf
         self.vocab_limit: int | None = None  # set by the loader: ids at or above it are refused on read
-        self._fd = os.open(binf, os.O_RDONLY)
+        self._open()
         self.num_docs, self.num_tokens, self.max_id = int(docs), int(tokens), int(max_id)
         self.tag = bytes(tag)  # identifies the contents (cache keys of derived indices)
 
+    def _open(self) -> None:
+        """The descriptors every read uses: the tokens', and the loss mask's when there is one."""
+        self._fd = os.open(self._bin_path, os.O_RDONLY)
+        self._mask_fd = os.open(self._mask_path, os.O_RDONLY) if self._mask_path is not None else None
+
     def __del__(self):
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in (getattr(self, "_fd", None), getattr(self, "_mask_fd", None)):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.pop("_fd", None)
-        state.pop("offsets", None)
+        for k in ("_fd", "_mask_fd", "offsets"):
+            state.pop(k, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._fd = os.open(self._bin_path, os.O_RDONLY)
+        self._open()
         size = self.num_docs + 1
         self.offsets = np.memmap(
             f"{self.prefix}.idx", dtype=np.uint64, mode="r", offset=self._header, shape=(size,)
@@ -270,14 +284,8 @@ class IndexedDataset:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the concatenated stream (one ``pread``)."""
-        item = self.dtype.itemsize
         n = max(0, stop - start)
-        raw = os.pread(self._fd, n * item, start * item)
-        if len(raw) != n * item:
-            raise IndexedDataError(
-                f"{self._bin_path}: short read at token {start} (file changed while in use?)"
-            )
-        out = np.frombuffer(raw, dtype=self.dtype)
+        out = _pread(self._fd, self._bin_path, self.dtype, start, n)
         if self.vocab_limit is not None and n and int(out.max()) >= self.vocab_limit:
             at = start + int(np.argmax(out >= self.vocab_limit))
             raise IndexedDataError(
@@ -291,13 +299,7 @@ class IndexedDataset:
         n = max(0, stop - start)
         if not self.has_mask:
             return np.ones(n, dtype=np.uint8)
-        with open(self._mask_path, "rb") as f:
-            raw = os.pread(f.fileno(), n, start)
-        if len(raw) != n:
-            raise IndexedDataError(
-                f"{self._mask_path}: short read at token {start} (file changed while in use?)"
-            )
-        return np.frombuffer(raw, dtype=np.uint8)
+        return _pread(self._mask_fd, self._mask_path, np.dtype(np.uint8), start, n)
 
     def doc_mask(self, i: int) -> np.ndarray:
         """The loss mask of document ``i``."""
