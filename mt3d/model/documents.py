@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import torch
 
+_last_spans: tuple = (None, None)
+"""(documents tensor, its spans): every attention layer of a stage gets the same tensor object, so the
+spans (a host copy: a device sync on GPUs) are read once per micro-batch, not once per layer."""
+
 
 def document_spans(documents: torch.Tensor) -> list[list[tuple[int, int, int]]]:
     """Per sample, the (start, end, document index) of each run of equal document index, in order
     (padding, -1, is a run of its own)."""
+    global _last_spans
+    if _last_spans[0] is documents:
+        return _last_spans[1]
     out = []
     for row in documents.tolist():
         spans, start = [], 0
@@ -23,6 +30,7 @@ def document_spans(documents: torch.Tensor) -> list[list[tuple[int, int, int]]]:
                 spans.append((start, i, row[start]))
                 start = i
         out.append(spans)
+    _last_spans = (documents, out)
     return out
 
 
