@@ -211,6 +211,29 @@ class TrainConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning (``mt3d.model.lora``): adapters on a frozen base, with PEFT's meanings. The
+    optimizer, its states and the gradients cover the adapters only; checkpoints hold the adapters and
+    their optimizer states, the base referenced by its path and fingerprint."""
+
+    r: int | None = None
+    """Adapter rank (default 8; from the adapter with ``from_adapter``)."""
+    alpha: float | None = None
+    """Scale numerator: the update is alpha / r * B A x (default: r, PEFT's lora_alpha 8 at r 8)."""
+    dropout: float | None = None
+    """Dropout on the adapter's input (default 0)."""
+    target_modules: list[str] | str | None = None
+    """HF module names (``q_proj``, ``v_proj``, ``gate_proj``, GPT-2's ``c_attn``, ...; a name matches a
+    module whose full name ends with it), a regular expression over full names, or "all-linear"
+    (every linear of the blocks). Required unless ``from_adapter`` gives them."""
+    rslora: bool | None = None
+    """Rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r (default false)."""
+    from_adapter: str | None = None
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from; its r,
+    alpha, targets and rslora apply (keys set here must agree)."""
+
+
+@dataclass
 class Mt3dConfig:
     """The "mt3d" section of the run config."""
 
@@ -222,6 +245,9 @@ class Mt3dConfig:
     """Data source."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop."""
+    lora: LoraConfig | None = None
+    """LoRA fine-tuning of the model's linears, e.g. {"r": 16, "target_modules": "all-linear"}
+    (None: every parameter trains)."""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 recompute, and virtual stages (PTD-P's interleaved schedule).
 
 Overrides of DeepSpeed internals (``_partition_layers``, ``_build``, ``_set_bounds``,
-``_synchronize_tied_weights``), watched by tests/test_interleaved.py and tests/test_training.py:
+``_synchronize_tied_weights``, ``allreduce_tied_weight_gradients``), watched by
+tests/test_interleaved.py, tests/test_training.py and tests/test_lora.py:
 
 * ``Mt3dPipeline``: DeepSpeed's partition methods balance by type or parameters; mt3d cuts by
   explicit block counts so that uneven first/last stages can be configured. Activation
@@ -76,6 +77,14 @@ class Mt3dPipeline(PipelineModule):
         # on every backward that c10d::broadcast_ has no autograd kernel. The copy needs no graph.
         with torch.no_grad():
             super()._synchronize_tied_weights()
+
+    def allreduce_tied_weight_gradients(self):
+        """DeepSpeed's sum of the tied embedding's gradient over the stages that share it, skipped
+        when that weight is frozen (LoRA: ``mt3d.model.lora``), where DeepSpeed would all-reduce its
+        ``grad`` of None (tests/test_lora.py watches the upstream call)."""
+        frozen = all(not w.requires_grad for w, _ in self.get_tied_weights_and_groups())
+        if not frozen:
+            super().allreduce_tied_weight_gradients()
 
     def forward(self, forward_input):
         """Run this stage's layers (recomputing blocks in runs of ``recompute_interval``)."""

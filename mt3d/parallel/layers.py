@@ -17,9 +17,9 @@ from torch import nn
 
 from .fp8 import PLAIN, Gemms
 from .init import BLOCK_ROWS, NoInit, NormalInit  # noqa: F401 - the layers' inits, imported from here too
+from .lora import column_with_adapters, row_with_adapters
 from .mappings import (
     SEQ_DIM,
-    all_reduce,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -30,6 +30,13 @@ from .mappings import (
     start_gather,
     start_reduce_scatter,
 )
+from .marks import (  # noqa: F401 - the marks, imported from here too
+    mark_sequence_parallel,
+    mark_tp,
+    mark_tp_partial_grad,
+    mark_vocab,
+    shard_of,
+)
 from .state import AxisGroup
 
 
@@ -37,48 +44,6 @@ def _divide(n: int, world: int, what: str) -> int:
     if n % world:
         raise ValueError(f"{what} ({n}) is not divisible by tensor-parallel size {world}")
     return n // world
-
-
-def mark_tp(p: nn.Parameter, dim: int, parts: tuple[int, ...] | None = None) -> nn.Parameter:
-    """Mark a parameter as split over TP along ``dim`` (DeepSpeed counts it on every TP rank).
-
-    ``parts`` records fused sub-tensors (full sizes along ``dim``) that are split independently.
-    """
-    p.tensor_model_parallel = True
-    p.partition_dim = dim
-    p.partition_parts = tuple(parts) if parts and len(parts) > 1 else None
-    return p
-
-
-def shard_of(full: torch.Tensor, p: nn.Parameter, rank: int, world: int) -> torch.Tensor:
-    """The slice of an unsharded tensor that ``p`` holds on TP rank ``rank`` (per its marks)."""
-    if not getattr(p, "tensor_model_parallel", False):
-        return full
-    dim = p.partition_dim
-    parts = p.partition_parts or (full.shape[dim],)
-    pieces = full.split(list(parts), dim=dim)
-    return torch.cat([x.chunk(world, dim=dim)[rank] for x in pieces], dim=dim)
-
-
-def mark_tp_partial_grad(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
-    """A replicated parameter each TP rank computes only part of the gradient of (it saw a slice of
-    the sequence, or of the heads): sum the gradient over TP so every rank applies the same update."""
-    p.tp_partial_grad = True
-    if tp.size > 1:
-        p.register_hook(lambda grad: all_reduce(grad.clone(), tp))
-    return p
-
-
-def mark_sequence_parallel(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
-    """Sum this replicated parameter's gradient over TP (it was computed on a sequence shard)."""
-    p.sequence_parallel = True
-    return mark_tp_partial_grad(p, tp)
-
-
-def mark_vocab(p: nn.Parameter, vocab_size: int) -> nn.Parameter:
-    """Mark a vocabulary-parallel tensor: rows beyond ``vocab_size`` are padding (zero, never used)."""
-    p.vocab_rows = vocab_size
-    return p
 
 
 class _ShardSavingLinear(torch.autograd.Function):
@@ -270,12 +235,18 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark_tp(
                 nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device)), 0, self.parts
             )
+        self.lora = nn.ModuleDict()  # LoRA adapters by HF module name (``mt3d.parallel.lora``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, in] (or [b, s/tp, in] with SP) -> [b, s, out/tp] (or out with gather_output)."""
-        y = column_linear(
-            x, self.weight, self.bias, self.tp, self.sequence_parallel, self.keep_gathered, self.gemms
-        )
+        if len(self.lora):  # the adapters read the input the base reads: enter the TP region once
+            x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+            y = local_linear(x, self.weight, self.bias, self.gemms)
+            y = column_with_adapters(y, x, self.lora.values())
+        else:
+            y = column_linear(
+                x, self.weight, self.bias, self.tp, self.sequence_parallel, self.keep_gathered, self.gemms
+            )
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -326,19 +297,23 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             if sequence_parallel:
                 mark_sequence_parallel(self.bias, tp)
+        self.lora = nn.ModuleDict()  # LoRA adapters by HF module name (``mt3d.parallel.lora``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, in/tp] -> [b, s, out] (or [b, s/tp, out] with SP)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)
-        return self.finish(local_linear(x, self.weight, None, self.gemms))
+        y = local_linear(x, self.weight, None, self.gemms)
+        if len(self.lora):  # the adapters' shares join the base's partial product before the reduction
+            y = row_with_adapters(y, x, self.lora.values())
+        return self.finish(y)
 
     def forward_recomputing(self, y: torch.Tensor, fn) -> torch.Tensor:
         """``forward(fn(y))`` keeping ``y`` rather than ``fn(y)`` for the backward, which recomputes
         ``fn`` (an elementwise function: selective recompute). Inside a compiled block the compiler's
         partitioner already recomputes elementwise work in the backward rather than keeping it, and
         cannot trace the autograd call of ``_RecomputedInputLinear``'s backward: plain ``forward``."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or len(self.lora):  # the adapters read fn(y) too
             return self.forward(fn(y))
         return self.finish(_RecomputedInputLinear.apply(y, self.weight, fn, self.gemms))
 

@@ -105,6 +105,32 @@ def build_model(
     return model
 
 
+def add_adapters(model: torch.nn.Module, lora, cfg: ModelConfig, vocab: int, rt: Runtime, seed: int,
+                 fresh: bool) -> None:  # fmt: skip
+    """LoRA (``mt3d.lora``): this rank's adapters on ``model``'s targeted linears, every other weight
+    frozen; ``fresh``: a new run, whose adapters start from ``lora.from_adapter`` when it names one
+    (a resumed run's come from its checkpoint)."""
+    from ..model.lora import attach
+    from ..model.peft import plan, read_adapter
+    from ..model.sharding import to_shard
+
+    spec, targets = plan(lora, cfg, vocab)
+    attach(model, targets, spec, rt.state.tp, seed=seed, tracker=rt.tracker)
+    if fresh and lora.from_adapter:
+        full = read_adapter(lora.from_adapter, targets, spec)
+        params = dict(model.named_parameters())
+        tp = rt.state.tp
+        with torch.no_grad():
+            for t in targets:
+                for name, layout in zip(t.names, (t.a_layout, t.b_layout), strict=True):
+                    if name in params:
+                        params[name].copy_(to_shard(full[name], layout, tp.rank, tp.size))
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if rt.rank == 0:
+        log.info("LoRA r=%d alpha=%g on %d modules: %d trainable parameters on rank 0", spec.r, spec.alpha,
+                 len(targets), n)  # fmt: skip
+
+
 def fp8_context(fp8, layers: int) -> dict:
     """``BuildContext``'s FP8 fields from ``train.fp8`` (None: off) for a model of ``layers`` blocks."""
     if fp8 is None:

@@ -102,8 +102,9 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         if not same_layout:
             load_dir, tag = reshard.prepare(plan, layout, run.mt3d.train.save_dir, rt.rank)
     sp = run.mt3d.parallel.sequence_parallel
+    lora = run.mt3d.lora  # a LoRA checkpoint holds the adapters only: the base is read again on resume
     model = build_model(cfg, layout, rt, vocab, train=run.mt3d.train, sequence_parallel=sp,
-                        skip_init=bool(hf_path) or plan is not None or fast_init,
+                        skip_init=bool(hf_path) or (plan is not None and lora is None) or fast_init,
                         cp_exchange=run.mt3d.parallel.context_exchange,
                         packed=packed)  # fmt: skip
     if fast_init:
@@ -112,10 +113,14 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02)
-    if hf_path and plan is None:
+    if hf_path and (plan is None or lora is not None):
         from ..checkpoint.loading import load_weights, open_source
 
         load_weights(model, open_source(hf_path), rt.state.tp)
+    if lora is not None:
+        from .engine import add_adapters
+
+        add_adapters(model, lora, cfg, vocab, rt, run.mt3d.train.seed, fresh=plan is None)
     engine = initialize(
         run.deepspeed,
         layout,
