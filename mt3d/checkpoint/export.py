@@ -17,25 +17,45 @@ from ..model.sharding import global_names
 from .loading import open_source
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
-    """Write an HF directory (config.json, safetensors, tokenizer) from an mt3d checkpoint of any layout."""
+def _checkpoint_dir(path: str | Path) -> Path:
+    """A ``step_XXXXXXXX`` directory, or a run directory's newest complete checkpoint."""
+    from .manager import newest_complete
+
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    found = newest_complete(p) if p.is_dir() else None
+    if found is None:
+        raise HFError(f"{p} is not an mt3d checkpoint or a run directory with one")
+    return found
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB",
+              adapter_only: bool = False) -> Path:  # fmt: skip
+    """Write an HF directory (config.json, safetensors, tokenizer) from an mt3d checkpoint of any layout;
+    a LoRA run's merged into its base, or with ``adapter_only`` its adapters as a PEFT directory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise HFError(f"{out} exists and is not empty; choose a new directory (nothing was written)")
+    if adapter_only:
+        from .lora import export_adapter
+        from .reader import CheckpointReader
+
+        return export_adapter(CheckpointReader(_checkpoint_dir(checkpoint)), out)
     source = open_source(checkpoint)
-    if source.kind != "checkpoint":
+    if source.kind != "checkpoint" and source.lora_checkpoint is None:
         raise HFError(f"{checkpoint} is not an mt3d checkpoint (export-hf converts mt3d checkpoints)")
-    cfg, vocab, reader = source.cfg, source.vocab, source._reader
+    cfg, vocab = source.cfg, source.vocab
     eos = None
     if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
         from ..data.tokenizer import load_tokenizer
 
         eos = load_tokenizer(source.tokenizer_dir).eos_id
     cfg_dict = hf_config_dict(cfg, vocab, eos)  # refuses a family with no HF form before any read
-    full = {name: reader.full(name) for name in global_names(cfg, vocab)}
+    full = {name: source.full(name) for name in global_names(cfg, vocab)}
     state = get_family(cfg.family).in_memory(cfg, hf_state_dict(cfg, vocab, full))
     kind = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(kind, **{k: v for k, v in cfg_dict.items() if k != "transformers_version"})

@@ -35,6 +35,10 @@ class WeightSource:
     vocab: int
     tokenizer_dir: str | None
     _reader: object = None
+    adapters: object = None
+    """LoRA adapters merged into the weights as they are read (``mt3d.checkpoint.lora.AdapterSet``)."""
+    lora_checkpoint: Path | None = None
+    """The LoRA checkpoint the adapters come from (the weights are its base's: ``kind`` is "hf")."""
 
     def origin(self, name: str) -> str:
         """Where ``name`` comes from, for error messages."""
@@ -43,20 +47,45 @@ class WeightSource:
         return name
 
     def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
-        """TP shard of global parameter ``name``."""
+        """TP shard of global parameter ``name`` (with its adapters merged in, when there are)."""
         if self.kind == "hf":
             if self._reader is None:
                 self._reader = HFReader(self.path)
-            return read_shard(self._reader, self.cfg, name, rank, world, self.vocab)
-        return self._reader.shard(name, rank, world)
+            out = read_shard(self._reader, self.cfg, name, rank, world, self.vocab)
+        else:
+            out = self._reader.shard(name, rank, world)
+        if self.adapters is not None:
+            out = self.adapters.merged_shard(self.cfg, self.vocab, name, out, rank, world)
+        return out
+
+    def full(self, name: str) -> torch.Tensor:
+        """The unsharded tensor of global parameter ``name`` (vocabulary padding removed)."""
+        if self.kind == "checkpoint" and self.adapters is None:
+            return self._reader.full(name)
+        from ..model.sharding import from_shards, layout_of
+
+        return from_shards([self.shard(name, 0, 1)], layout_of(self.cfg, self.vocab, name))
 
 
 def _has_tokenizer(d: Path) -> bool:
     return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
 
 
-def open_source(path: str | Path, verify: bool = True) -> WeightSource:
-    """An HF model directory, or an mt3d checkpoint (a ``step_XXXXXXXX`` dir, or a run dir: its newest)."""
+def open_source(path: str | Path, verify: bool = True, adapter: str | Path | None = None) -> WeightSource:
+    """An HF model directory, or an mt3d checkpoint (a ``step_XXXXXXXX`` dir, or a run dir: its newest).
+    A LoRA run's checkpoint reads as its base with the adapters merged in; ``adapter``: a PEFT adapter
+    directory merged into the weights the same way."""
+    source = _open(path, verify)
+    if adapter is not None:
+        from .lora import from_peft
+
+        if source.adapters is not None:
+            raise UserError(f"{path} is a LoRA checkpoint with adapters of its own: drop --adapter")
+        source.adapters = from_peft(adapter, source.cfg, source.vocab)
+    return source
+
+
+def _open(path: str | Path, verify: bool) -> WeightSource:
     p = Path(path)
     if not p.exists():
         raise UserError(f"model not found: {p}")
@@ -81,6 +110,12 @@ def open_source(path: str | Path, verify: bool = True) -> WeightSource:
     reader = CheckpointReader(p, verify=verify)
     own = p / "tokenizer"  # saved inside the checkpoint; older ones point to where the run had it
     tok = str(own) if _has_tokenizer(own) else reader.meta.get("data", {}).get("tokenizer")
+    if "lora" in reader.meta:  # adapters only: the weights are its base's, with the adapters merged in
+        from .lora import checked_base, from_checkpoint
+
+        base = _open(checked_base(reader), verify)
+        base.adapters, base.lora_checkpoint, base.tokenizer_dir = from_checkpoint(reader), p, tok
+        return base
     return WeightSource("checkpoint", p, reader.cfg, reader.vocab, tok, reader)
 
 
@@ -189,8 +224,10 @@ def from_pretrained(
     state: ParallelState | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    adapter: str | Path | None = None,
 ) -> nn.Module:
-    """Load an HF directory or mt3d checkpoint for the calling rank, ready to run.
+    """Load an HF directory or mt3d checkpoint for the calling rank, ready to run (``adapter``: a PEFT
+    LoRA adapter directory merged into its weights).
 
     Without torch.distributed (or with tp = pp = cp = 1) this is a single-process model. Under a
     launcher with ``tp * pp * cp`` ranks, each rank gets its TP shard of its pipeline stage and, with
@@ -199,7 +236,7 @@ def from_pretrained(
     """
     from ..config.rules import expert_conflict
 
-    source = open_source(path)
+    source = open_source(path, adapter=adapter)
     source.cfg.check_parallel(tp, pp)
     why = expert_conflict(source.cfg.moe_spec, ep)
     if why:

@@ -45,6 +45,12 @@ DERIVED = ("universal", "converted")
 removed with their source when it is rotated away or superseded."""
 
 
+def has_frozen(module) -> bool:
+    """Whether ``module`` has frozen weights (a LoRA base): checkpoints then hold only the trained ones,
+    and the frozen ones are read again from where the run took them (``meta["lora"]["base"]``)."""
+    return any(not p.requires_grad for p in module.parameters())
+
+
 def tag_for(step: int) -> str:
     """Directory name of the checkpoint of ``step``."""
     return f"step_{step:08d}"
@@ -306,7 +312,11 @@ class Checkpointer:
         dist.barrier()
         try:
             self.engine.save_checkpoint(
-                str(self.root), tag=tmp.name, client_state=self.client_state(step), save_latest=False
+                str(self.root),
+                tag=tmp.name,
+                client_state=self.client_state(step),
+                save_latest=False,
+                exclude_frozen_parameters=has_frozen(self.engine.module),
             )
             save_rng(tmp, self.rng_key or f"rank_{rank:05d}", self.tracker)
             write_swap_index(self.engine, tmp)

@@ -19,7 +19,7 @@ from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
 from ..parallel.axes import NAMES, deepspeed_sizes
-from .manager import SUPERSEDED, checkpoints_dir, complete_checkpoints
+from .manager import SUPERSEDED, checkpoints_dir, complete_checkpoints, has_frozen
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
 from .rng import load_rng, rng_key
 
@@ -192,9 +192,34 @@ def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def check_lora(path: Path, meta: dict, lora: dict | None) -> None:
+    """Refuse to resume a LoRA checkpoint into a run without LoRA or with other adapters (r, alpha,
+    targets), or onto another base (its fingerprint, ``mt3d.model.peft.fingerprint``), and a full
+    checkpoint into a LoRA run: adapters and base would not match what was trained."""
+    saved = meta.get("lora")
+    if (saved is None) != (lora is None):
+        what = "a LoRA run's (adapters only)" if saved else "a full run's"
+        has = "has" if lora else "has no"
+        raise CheckpointError(f"{path} is {what} checkpoint; this run {has} mt3d.lora: resume it with the "
+                              "run's own config, or start a new save_dir")  # fmt: skip
+    if saved is None:
+        return
+    for key in ("r", "alpha", "rslora", "target_modules"):
+        if saved.get(key) != lora.get(key):
+            raise CheckpointError(
+                f"{path} holds adapters with {key}={saved.get(key)!r}, this run asks "
+                f"for {lora.get(key)!r}: use the checkpoint's mt3d.lora, or a new save_dir"
+            )
+    if saved.get("fingerprint") != lora.get("fingerprint"):
+        raise CheckpointError(
+            f"{path} holds adapters trained on another base (fingerprint of "
+            f"{saved.get('base')} differs from {lora.get('base')}'s): use that base"
+        )
+
+
 def plan_resume(
     resume: str, save_dir: str | Path, model: ModelConfig, run_facts: dict | None = None,
-    data_info: dict | None = None,
+    data_info: dict | None = None, lora: dict | None = None,
 ) -> ResumePlan | None:  # fmt: skip
     """The verified checkpoint to resume from (collective: every rank hashes a share of the files).
 
@@ -205,6 +230,7 @@ def plan_resume(
         manifest = read_manifest(path)
         _check_model(path, manifest["meta"], model, run_facts)
         _check_data(path, manifest["meta"], data_info)
+        check_lora(path, manifest["meta"], lora)
         plan = ResumePlan(path, manifest["meta"], manifest)
         try:
             verify_everywhere(plan.path, plan.manifest)
@@ -325,7 +351,11 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     accept_adam_states_across_implementations(engine)
     with loading(engine, rt.state, universal=not same_layout):
         path, client = engine.load_checkpoint(
-            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(load_dir),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=not has_frozen(engine.module),  # a LoRA checkpoint holds the adapters only
         )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")

@@ -40,6 +40,9 @@ def _add_model_args(p) -> None:
         "--tp", type=positive_int, default=1, help="tensor-parallel ranks (launch tp*pp processes)"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--adapter", metavar="DIR", help="a PEFT LoRA adapter directory, merged into the model's weights"
+    )
 
 
 def _positive(**values: int) -> None:
@@ -60,7 +63,14 @@ def _load(args, pp: int = 1):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     cp, ep = getattr(args, "cp", 1), getattr(args, "ep", 1)
     return from_pretrained(
-        args.model, tp=args.tp, pp=pp, cp=cp, ep=ep, dtype=getattr(torch, args.dtype), device=device
+        args.model,
+        tp=args.tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        dtype=getattr(torch, args.dtype),
+        device=device,
+        adapter=args.adapter,
     ), device
 
 

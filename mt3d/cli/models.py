@@ -66,7 +66,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--stride {stride} is longer than --seq-len {args.seq_len} (tokens would be skipped)"
         )
-    source = open_source(args.model, verify=False)  # config only: refuse before any weight is read
+    source = open_source(args.model, verify=False, adapter=args.adapter)  # refuse before any weight is read
     cfg = source.cfg
     if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
@@ -165,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     from ..checkpoint.loading import open_source
 
-    source = open_source(args.model, verify=False)  # config and tokenizer: check before any weight is read
+    source = open_source(args.model, verify=False, adapter=args.adapter)  # checked before any weight is read
     tok = _tokenizer_for(source, source.vocab)
     ids = _chat_prompt(args, tok) if args.chat else tok.encode(args.prompt, eos=False)
     if not ids:
@@ -217,13 +217,20 @@ def _add_export(sub) -> None:
         help="write an HF transformers directory from an mt3d checkpoint of any layout",
         description="Gather the shards of a checkpoint (any tp x pp) into config.json + model.safetensors "
         "(sharded with an index above --max-shard-size) + the tokenizer. The checkpoint is verified first.",
-        epilog="example:\n  mt3d export-hf --checkpoint runs/x/checkpoints/step_00001000 --out hf/x",
+        epilog="examples:\n  mt3d export-hf --checkpoint runs/x/checkpoints/step_00001000 --out hf/x\n"
+        "  mt3d export-hf --checkpoint runs/lora --out adapters/lora --adapter-only",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--checkpoint", required=True, help="checkpoint dir (step_XXXXXXXX) or run dir (its newest)"
     )
     p.add_argument("--out", required=True, help="new (or empty) output directory")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run's adapters as a PEFT directory (adapter_config.json, adapter_model.safetensors); "
+        "without it a LoRA run is exported merged into its base",
+    )
     p.add_argument(
         "--max-shard-size", type=byte_size, default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)"
     )
@@ -235,5 +242,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..checkpoint.export import export_hf
 
     writable_output(args.out, "--out", directory=True)
-    print(export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size))
+    print(
+        export_hf(
+            args.checkpoint, args.out, max_shard_size=args.max_shard_size, adapter_only=args.adapter_only
+        )
+    )
     return 0

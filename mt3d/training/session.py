@@ -31,7 +31,31 @@ log = logging.getLogger("mt3d")
 __all__ = ["EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_FAILED", "EXIT_PREEMPTED", "run_training"]
 
 
-def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int, data_info: dict):
+def lora_facts(run: RunConfig, cfg: ModelConfig, vocab: int) -> dict | None:
+    """What a LoRA run's checkpoints record of its adapters and base (None: no LoRA): the spec, the
+    targets as configured, the base's path and fingerprint (``mt3d.model.peft``)."""
+    lora = run.mt3d.lora
+    if lora is None:
+        return None
+    from ..model.peft import fingerprint, plan
+
+    spec, targets = plan(lora, cfg, vocab)
+    base = cfg.extra.get("hf_path")
+    target_modules = lora.target_modules
+    if target_modules is None:  # from the adapter
+        from ..model.peft import read_config
+
+        target_modules = read_config(lora.from_adapter)["target_modules"]
+    return {
+        "r": spec.r, "alpha": spec.alpha, "dropout": spec.dropout, "rslora": spec.rslora,
+        "target_modules": target_modules, "modules": len(targets),
+        "base": str(Path(base).resolve()) if base else None,
+        "fingerprint": fingerprint(base) if base else f"{cfg.name}:seed={run.mt3d.train.seed}",
+    }  # fmt: skip
+
+
+def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int, data_info: dict,
+                    lora: dict | None = None):  # fmt: skip
     """What a checkpoint records about the run that wrote it (for resume, reshard and export)."""
 
     def meta() -> dict:
@@ -51,6 +75,7 @@ def checkpoint_meta(run: RunConfig, layout: Layout, cfg: ModelConfig, vocab: int
                 **{k: data_info[k] for k in resume.DATA_FACTS if k in data_info},
             },
             "config": run.to_dict(),
+            **({"lora": lora} if lora else {}),
         }
 
     return meta
@@ -169,7 +194,8 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
         lock = claim_save_dir(save_dir, rt.rank, run.mt3d.train.overwrite)  # noqa: F841 - held for the run
         data, vocab = prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg)
         facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
-        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts, data.info)
+        lora = lora_facts(run, cfg, vocab)
+        plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts, data.info, lora)
         wandb_run = _open_run(run, layout, cfg, data.info, vocab, preemption) if rt.rank == 0 else None
         try:
             engine, start = build_engine(run, layout, rt, cfg, vocab, plan, packed=data.info["packed"])
@@ -180,7 +206,7 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
     checkpointer = Checkpointer(
         engine,
         save_dir,
-        meta=checkpoint_meta(run, layout, cfg, vocab, data.info),
+        meta=checkpoint_meta(run, layout, cfg, vocab, data.info, lora),
         client_state=lambda step: {"mt3d": {"step": step}},
         keep_last=run.mt3d.train.keep_last,
         tracker=rt.tracker,
