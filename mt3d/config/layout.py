@@ -148,6 +148,23 @@ def _check_model(model: ModelConfig, par: ParallelConfig, degrees: dict[str, int
         )
 
 
+def _check_lora(lora, model: ModelConfig | None, stage: int, here: bool) -> None:
+    """LoRA's settings and targets against the model (``mt3d.model.peft.plan``), and with ``here`` the
+    starting adapter's tensors against the targets: no base weight is read."""
+    if stage == 3:
+        raise ConfigError(
+            "mt3d.lora with ZeRO-3 is not supported: the frozen base has no optimizer states "
+            "to partition and the adapters' are small; use zero_optimization.stage 1 or 2"
+        )
+    if model is None:
+        return
+    from ..model.peft import plan, read_adapter
+
+    spec, targets = plan(lora, model, model.vocab_size or 128)
+    if here and lora.from_adapter:
+        read_adapter(lora.from_adapter, targets, spec)
+
+
 def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, here: bool = True) -> Layout:
     """Check the run against ``world_size`` ranks before any process group exists; fill batch keys.
     ``here`` False skips what depends on this machine (input files, the device's precisions, a
@@ -170,6 +187,8 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         if why:
             raise ConfigError(why)
     rules.check_train(train)
+    if run.mt3d.lora is not None:
+        _check_lora(run.mt3d.lora, model, stage, here)
     if here:
         preflight.check_inputs(train, data)
         preflight.check_device(ds.precision, fp8=train.fp8 is not None)
