@@ -109,13 +109,13 @@ def _same_set(a, b) -> bool:
 def read_adapter(adapter_dir: str | Path, targets: list[Target], spec: LoraSpec) -> dict[str, torch.Tensor]:
     """The unsharded A and B of every target (by the targets' global names) from a PEFT adapter;
     refuses an adapter for another base: modules the model does not have, shapes that differ."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     d = Path(adapter_dir)
     try:
         tensors = load_file(str(d / WEIGHTS))
-    except (SafetensorsError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"{d / WEIGHTS}: not a readable safetensors file ({e})") from None
     tensors = {k.replace(".default.", "."): v for k, v in tensors.items()}
     out, used = {}, set()

@@ -1,0 +1,272 @@
+"""LoRA: adapters sharded like their base under tp (with SP), pp, interleaving, cp and ep; frozen base;
+adapter-only checkpoints that resume exactly; PEFT adapters out (export-hf --adapter-only, loaded by
+peft) and in (from_adapter, --adapter); trainable counts against peft; bad input in one line."""
+
+import json
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf import hf_configs
+from transformers import AutoModelForCausalLM
+
+from mt3d.data.corpora import stdlib_documents
+from mt3d.data.tokenizer import train_bpe
+from mt3d.model.hf import config_from_hf
+from mt3d.model.lora import resolve, trainable_count
+from mt3d.parallel.lora import LoraSpec
+from mt3d.parallel.spawn import spawn
+
+from helpers import run_grouped, tiny_config
+
+peft = pytest.importorskip("peft")
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
+               "shared_expert.down_proj", "down_proj"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny random Llama (llama3 rope scaling), GPT-2 and Qwen2-MoE (shared expert, a dense layer) with a
+    BPE tokenizer; norms and biases randomised, routers sharpened."""
+    base = tmp_path_factory.mktemp("hf-lora")
+    tok = train_bpe([d for _, d in zip(range(400), stdlib_documents())], 512, base / "tok")
+    configs = hf_configs(tok.vocab_size, tok.eos_id)
+    out = {}
+    for i, name in enumerate(("llama", "gpt2", "qwen2_moe")):
+        torch.manual_seed(i)
+        model = AutoModelForCausalLM.from_config(configs[name])
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
+                elif pname.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    p.mul_(30)
+        model.save_pretrained(base / name)
+        for f in (base / "tok").iterdir():
+            (base / name / f.name).write_bytes(f.read_bytes())
+        out[name] = base / name
+    return out
+
+
+def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, **parallel):
+    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps)
+    raw["mt3d"]["model"] = {"from_hf": str(hf_dir)}
+    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32}
+    raw["mt3d"]["parallel"].update(parallel)
+    raw["mt3d"]["lora"] = dict(lora or LORA)
+    raw["optimizer"]["params"]["lr"] = 1e-2
+    return raw
+
+
+def close(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), f"{what} step {i + 1} {key}"
+
+
+@pytest.fixture(scope="module")
+def lora_runs(hf_dirs, tmp_path_factory):
+    """Every parallel LoRA run and its one-process reference; runs of a world size share a spawn."""
+    base = tmp_path_factory.mktemp("lora-runs")
+    llama, moe = hf_dirs["llama"], hf_dirs["qwen2_moe"]
+    moe_lora = {**LORA, "target_modules": MOE_TARGETS}
+    runs = {
+        "ref": (1, lora_config(base / "ref", llama)),
+        "moe ref": (1, lora_config(base / "moe-ref", moe, lora=moe_lora)),
+        "cp2": (2, lora_config(base / "cp2", llama, context=2)),
+        "ep2": (2, lora_config(base / "ep2", moe, lora=moe_lora, expert=2)),
+        "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2)),
+        "tp2 pp2 sp": (
+            4,
+            lora_config(
+                base / "tp2pp2", llama, tp=2, pp=2, sequence_parallel=True, save_at_end=True, save_interval=3
+            ),
+        ),  # fmt: skip
+    }
+    resumed = lora_config(base / "resumed", llama, tp=2, pp=2, sequence_parallel=True,
+                          resume=str(base / "tp2pp2" / "checkpoints" / "step_00000003"))  # fmt: skip
+    runs["resumed"] = (4, resumed)
+    names = list(runs)
+    records = run_grouped([runs[n] for n in names], timeout=600)
+    return base, dict(zip(names, records, strict=True))
+
+
+def test_lora_training_matches_one_process_at_every_axis(lora_runs):
+    """fp32, 5 steps: losses and grad norms of tp 2 x pp 2 with SP, cp 2, the interleaved schedule and
+    a MoE at ep 2 (attention and shared-expert adapters) within 1e-5 of one process; a LoRA checkpoint
+    (adapters and their optimizer states only) resumes exactly at tp 2 x pp 2."""
+    base, rec = lora_runs
+    assert len(rec["ref"]) == 5 and rec["ref"][-1]["loss"] < rec["ref"][0]["loss"]
+    for what in ("cp2", "pp2 v2", "tp2 pp2 sp"):
+        close(rec[what], rec["ref"], what)
+    close(rec["ep2"], rec["moe ref"], "ep2")
+    assert [r["step"] for r in rec["resumed"]] == [4, 5]
+    close(rec["resumed"], rec["tp2 pp2 sp"][3:], "resumed")
+    # the checkpoint holds the adapters only: far smaller than the base's weights
+    step = base / "tp2pp2" / "checkpoints" / "step_00000005"
+    meta = json.loads((step / "manifest.json").read_text())["meta"]
+    assert meta["lora"]["r"] == 4 and meta["lora"]["fingerprint"]
+    layers = {}
+    for f in step.glob("layer_*-model_states.pt"):
+        layers.update(torch.load(f, weights_only=True))
+    assert layers and all(".lora." in k for k in layers), sorted(layers)[:5]
+
+
+def mt3d_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mt3d", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)  # fmt: skip
+
+
+def test_exported_adapter_loads_in_peft_and_equals_the_merged_export(lora_runs, hf_dirs, tmp_path, caplog):
+    """The tp 2 x pp 2 run's adapter (--adapter-only) loaded by peft onto the HF base gives the merged
+    export's logits within 1e-5, silently; every weight outside the targets is the base's, bit for bit."""
+    base, _ = lora_runs
+    run = base / "tp2pp2"
+    out = mt3d_cli(
+        "export-hf", "--checkpoint", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = mt3d_cli("export-hf", "--checkpoint", str(run), "--out", str(tmp_path / "merged"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    hf_base = AutoModelForCausalLM.from_pretrained(hf_dirs["llama"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+    noisy = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    noisy += [
+        str(w.message) for w in caught if not issubclass(w.category, FutureWarning | DeprecationWarning)
+    ]
+    assert not noisy, noisy
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        a, b = model(ids).logits, merged(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(hf_dirs["llama"]).eval()(ids).logits
+    assert (a - plain).abs().max() > 1e-3  # the adapters were trained: they change the function
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    from safetensors.torch import load_file
+
+    before = load_file(hf_dirs["llama"] / "model.safetensors")
+    after = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert changed == {k for k in before if k.rsplit(".", 2)[-2] in linear}, sorted(changed)[:4]
+
+
+def peft_adapter(hf_dir, out, targets, seed=0):
+    """A PEFT adapter made by peft on the HF model, with random (non-zero) A and B."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    pm = peft.get_peft_model(model, config)
+    pm.save_pretrained(out)
+    return pm.eval()
+
+
+def adapter_logits_worker(cases, ids):
+    from mt3d.checkpoint.loading import from_pretrained
+    from mt3d.model.inference import logits
+
+    out, state = {}, None
+    for name, (path, adapter) in cases.items():
+        model = from_pretrained(path, tp=2, state=state, adapter=adapter)
+        state = model.state
+        out[name] = logits(model, ids, state, model.config.hidden)
+    return out
+
+
+def test_peft_adapters_load_at_tp2_with_peft_logits(hf_dirs, tmp_path):
+    """Adapters made by peft on the HF model (Llama q/k/v/o/gate/up/down, GPT-2's fused Conv1D c_attn and
+    c_proj) read through --adapter at tp 2 give peft's logits within 1e-5."""
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(4))
+    cases, want = {}, {}
+    for name, targets in (("llama", "all-linear"), ("gpt2", ["c_attn", "c_proj"])):
+        model = peft_adapter(hf_dirs[name], tmp_path / name, targets)
+        with torch.no_grad():
+            want[name] = model(ids).logits
+        cases[name] = (str(hf_dirs[name]), str(tmp_path / name))
+    got = spawn(adapter_logits_worker, 2, cases, ids, timeout=300)[0]
+    for name in cases:
+        torch.testing.assert_close(got[name][..., : want[name].shape[-1]], want[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name,targets",
+    [
+        ("llama", "all-linear"),
+        ("llama", ["q_proj", "v_proj"]),
+        ("gpt2", "all-linear"),
+        ("qwen2_moe", MOE_TARGETS),
+    ],
+)
+def test_trainable_counts_equal_peft(hf_dirs, name, targets):
+    cfg = config_from_hf(hf_dirs[name])
+    ours = trainable_count(resolve(cfg, cfg.vocab_size, targets), LoraSpec(4, 8.0))
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dirs[name]),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))  # fmt: skip
+    assert ours == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "name,lora,zero,match",
+    [
+        ("llama", {"r": 0, "target_modules": ["q_proj"]}, 1, "r must be a positive integer"),
+        (
+            "llama",
+            {"r": 4, "target_modules": ["c_attn"]},
+            1,
+            "'c_attn' is not a linear module of family 'llama'",
+        ),
+        ("llama", {"r": 4, "target_modules": r".*\.layers\.9\..*"}, 1, "matches no linear module"),
+        ("llama", {"r": 4}, 1, "target_modules is required"),
+        ("llama", {"r": 4, "target_modules": "all-linear"}, 3, "ZeRO-3 is not supported"),
+        ("qwen2_moe", {"r": 4, "target_modules": ["gate"]}, 1, "is a router"),
+        ("qwen2_moe", {"r": 4, "target_modules": r".*experts\.0\.up_proj"}, 1, "routed expert"),
+        ("llama", {"from_adapter": "GPT2"}, 1, "adapter was made for another base"),
+        ("llama", {"r": 8, "from_adapter": "LLAMA"}, 1, "r=8 differs from the adapter's 4"),
+    ],
+)
+def test_bad_lora_input_is_one_line_before_any_weight(hf_dirs, tmp_path, name, lora, zero, match):
+    """`mt3d train --check` refuses each in one line, exit 2, before any weight is read."""
+    if "from_adapter" in lora:
+        src = {"GPT2": ("gpt2", ["c_attn"]), "LLAMA": ("llama", ["q_proj"])}[lora["from_adapter"]]
+        peft_adapter(hf_dirs[src[0]], tmp_path / "adapter", src[1])
+        if src[0] == "gpt2":  # the same module names as Llama's, shapes of another model
+            cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+            cfg["target_modules"] = ["q_proj"]
+            (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(cfg))
+            from safetensors.torch import load_file, save_file
+
+            t = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+            t = {k.replace("transformer.h.", "model.layers.").replace("attn.c_attn", "self_attn.q_proj"): v
+                 for k, v in t.items()}  # fmt: skip
+            save_file(t, tmp_path / "adapter" / "adapter_model.safetensors")
+        lora = {**lora, "from_adapter": str(tmp_path / "adapter")}
+    raw = lora_config(tmp_path / "run", hf_dirs[name], lora=lora)
+    raw["zero_optimization"]["stage"] = zero
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    cmd = [sys.executable, "-m", "mt3d.train", "--config", str(tmp_path / "c.json"), "--check"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2, out.stderr[-1500:]
+    lines = [x for x in out.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and match in lines[0], out.stderr
+
+
+def test_deepspeed_still_all_reduces_a_none_tied_gradient():
+    """mt3d.ds.pipe skips DeepSpeed's tied-weight all-reduce when the tied embedding is frozen: upstream
+    still calls ``dist.all_reduce(weight.grad)`` unconditionally."""
+    import inspect
+
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    src = inspect.getsource(PipelineModule.allreduce_tied_weight_gradients)
+    assert "dist.all_reduce(weight.grad" in src and "requires_grad" not in src
