@@ -55,8 +55,8 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, **parallel):
-    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps)
+def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, train=None, **parallel):
+    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps, **(train or {}))
     raw["mt3d"]["model"] = {"from_hf": str(hf_dir)}
     raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32}
     raw["mt3d"]["parallel"].update(parallel)
@@ -86,12 +86,19 @@ def lora_runs(hf_dirs, tmp_path_factory):
         "tp2 pp2 sp": (
             4,
             lora_config(
-                base / "tp2pp2", llama, tp=2, pp=2, sequence_parallel=True, save_at_end=True, save_interval=3
+                base / "tp2pp2",
+                llama,
+                tp=2,
+                pp=2,
+                sequence_parallel=True,
+                train={"save_at_end": True, "save_interval": 3},
             ),
         ),  # fmt: skip
     }
-    resumed = lora_config(base / "resumed", llama, tp=2, pp=2, sequence_parallel=True,
-                          resume=str(base / "tp2pp2" / "checkpoints" / "step_00000003"))  # fmt: skip
+    step3 = str(base / "tp2pp2" / "checkpoints" / "step_00000003")
+    resumed = lora_config(
+        base / "resumed", llama, tp=2, pp=2, sequence_parallel=True, train={"resume": step3}
+    )
     runs["resumed"] = (4, resumed)
     names = list(runs)
     records = run_grouped([runs[n] for n in names], timeout=600)
