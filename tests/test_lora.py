@@ -77,29 +77,19 @@ def lora_runs(hf_dirs, tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-runs")
     llama, moe = hf_dirs["llama"], hf_dirs["qwen2_moe"]
     moe_lora = {**LORA, "target_modules": MOE_TARGETS}
-    runs = {
+    step3 = str(base / "tp2pp2" / "checkpoints" / "step_00000003")
+    runs = {  # world 4 first: the one-process reshard below resumes its checkpoint
+        "tp2 pp2 sp": (4, lora_config(base / "tp2pp2", llama, tp=2, pp=2, sequence_parallel=True,
+                                      train={"save_at_end": True, "save_interval": 3})),
+        "resumed": (4, lora_config(base / "resumed", llama, tp=2, pp=2, sequence_parallel=True,
+                                   train={"resume": step3})),
         "ref": (1, lora_config(base / "ref", llama)),
+        "resharded": (1, lora_config(base / "resharded", llama, train={"resume": step3})),
         "moe ref": (1, lora_config(base / "moe-ref", moe, lora=moe_lora)),
         "cp2": (2, lora_config(base / "cp2", llama, context=2)),
         "ep2": (2, lora_config(base / "ep2", moe, lora=moe_lora, expert=2)),
         "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2)),
-        "tp2 pp2 sp": (
-            4,
-            lora_config(
-                base / "tp2pp2",
-                llama,
-                tp=2,
-                pp=2,
-                sequence_parallel=True,
-                train={"save_at_end": True, "save_interval": 3},
-            ),
-        ),  # fmt: skip
-    }
-    step3 = str(base / "tp2pp2" / "checkpoints" / "step_00000003")
-    resumed = lora_config(
-        base / "resumed", llama, tp=2, pp=2, sequence_parallel=True, train={"resume": step3}
-    )
-    runs["resumed"] = (4, resumed)
+    }  # fmt: skip
     names = list(runs)
     records = run_grouped([runs[n] for n in names], timeout=600)
     return base, dict(zip(names, records, strict=True))
@@ -108,7 +98,8 @@ def lora_runs(hf_dirs, tmp_path_factory):
 def test_lora_training_matches_one_process_at_every_axis(lora_runs):
     """fp32, 5 steps: losses and grad norms of tp 2 x pp 2 with SP, cp 2, the interleaved schedule and
     a MoE at ep 2 (attention and shared-expert adapters) within 1e-5 of one process; a LoRA checkpoint
-    (adapters and their optimizer states only) resumes exactly at tp 2 x pp 2."""
+    (adapters and their optimizer states only) resumes exactly at tp 2 x pp 2 and resharded to one
+    process (DeepSpeed's universal format, the adapters' splits declared)."""
     base, rec = lora_runs
     assert len(rec["ref"]) == 5 and rec["ref"][-1]["loss"] < rec["ref"][0]["loss"]
     for what in ("cp2", "pp2 v2", "tp2 pp2 sp"):
@@ -116,6 +107,7 @@ def test_lora_training_matches_one_process_at_every_axis(lora_runs):
     close(rec["ep2"], rec["moe ref"], "ep2")
     assert [r["step"] for r in rec["resumed"]] == [4, 5]
     close(rec["resumed"], rec["tp2 pp2 sp"][3:], "resumed")
+    close(rec["resharded"], rec["ref"][3:], "resharded to one process")
     # the checkpoint holds the adapters only: far smaller than the base's weights
     step = base / "tp2pp2" / "checkpoints" / "step_00000005"
     meta = json.loads((step / "manifest.json").read_text())["meta"]

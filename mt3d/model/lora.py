@@ -200,6 +200,26 @@ def attach(model: nn.Module, targets: list[Target], spec: LoraSpec, tp: AxisGrou
     return added
 
 
+def universal_patterns(info: dict, targets: list[Target], tp: int) -> dict:
+    """DeepSpeed universal-checkpoint patterns (``sharding.universal_info``'s ``info``) of a LoRA run:
+    the adapters' splits only (DeepSpeed's strict conversion refuses patterns that match no trained
+    parameter, and the frozen base is not in the checkpoint): column A and row B replicated, row A
+    split by input (dim 1), column B by output per fused part (the default split, or sub-parameters
+    when it covers several parts)."""
+    out = {k: ([] if isinstance(v, list) else {} if isinstance(v, dict) else v) for k, v in info.items()}
+    for t in targets:
+        a, b = (re.escape(n) + "$" for n in t.names)
+        out["tp_replicated_parameter_patterns"].append(a if t.column else b)
+        if not t.column:
+            out["parameter_with_row_parallelism_patterns"].append(a)
+        elif len(t.parts) > 1:
+            out["parameter_with_sub_params"].append(
+                {"patterns": [b], "shape": (t.parts, -1), "partition_dim": 0}
+            )
+            out["sub_param_shard_widths"][b] = [[size // tp] * tp for size in t.parts]
+    return out
+
+
 def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     """This rank's adapter parameters by global name."""
     return {n: p for n, p in model.named_parameters() if is_adapter_param(p)}

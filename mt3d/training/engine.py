@@ -110,12 +110,15 @@ def add_adapters(model: torch.nn.Module, lora, cfg: ModelConfig, vocab: int, rt:
     """LoRA (``mt3d.lora``): this rank's adapters on ``model``'s targeted linears, every other weight
     frozen; ``fresh``: a new run, whose adapters start from ``lora.from_adapter`` when it names one
     (a resumed run's come from its checkpoint)."""
-    from ..model.lora import attach
+    from ..model.lora import attach, universal_patterns
     from ..model.peft import plan, read_adapter
     from ..model.sharding import to_shard
 
     spec, targets = plan(lora, cfg, vocab)
     attach(model, targets, spec, rt.state.tp, seed=seed, tracker=rt.tracker)
+    model.universal_checkpoint_info = universal_patterns(
+        model.universal_checkpoint_info, targets, rt.state.tp.size
+    )
     if fresh and lora.from_adapter:
         full = read_adapter(lora.from_adapter, targets, spec)
         params = dict(model.named_parameters())
