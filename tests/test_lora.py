@@ -269,3 +269,25 @@ def test_deepspeed_still_all_reduces_a_none_tied_gradient():
 
     src = inspect.getsource(PipelineModule.allreduce_tied_weight_gradients)
     assert "dist.all_reduce(weight.grad" in src and "requires_grad" not in src
+
+
+def test_planner_counts_the_adapters_and_their_states(hf_dirs):
+    """``mt3d plan --lora R``: the adapters per rank equal the resolved targets' (all-linear) at tp 1 and
+    what each rank holds at tp 2; model states are the frozen weights plus the adapters' full states."""
+    from mt3d.planner.layout import Layout, Precision, lora_stage_params, stage_params
+    from mt3d.planner.memory import memory_bytes
+
+    cfg = config_from_hf(hf_dirs["llama"])
+    targets = resolve(cfg, cfg.vocab_size, "all-linear")
+    assert lora_stage_params(cfg, 4, 1, 1) == trainable_count(targets, LoraSpec(4, 8.0))
+    per_rank = sum(4 * (t.in_features + t.out_features / 2) if t.column else 4 * (t.in_features / 2 + t.out_features)
+                   for t in targets)  # fmt: skip
+    assert lora_stage_params(cfg, 4, 2, 1) == per_rank
+    lay = Layout(tp=1, pp=1, dp=1, micro_batch=1, grad_accum=1, zero_stage=1, recompute=False,
+                 sequence_parallel=False)  # fmt: skip
+    prec = Precision.of("bf16", 1)
+    full = memory_bytes(cfg, cfg.vocab_size, 32, lay, prec)["model_states"]
+    lora = memory_bytes(cfg, cfg.vocab_size, 32, lay, prec, lora_rank=4)["model_states"]
+    n, a = stage_params(cfg, cfg.vocab_size, 1, 1), lora_stage_params(cfg, 4, 1, 1)
+    assert full == pytest.approx(n * (prec.param + prec.grad + prec.master + prec.optim))
+    assert lora == pytest.approx(n * prec.param + a * (prec.param + prec.grad + prec.master + prec.optim))

@@ -41,6 +41,8 @@ BENCHES = {
     "of the data-parallel gradient reduction (dp 2) and of pipeline transfers (pp 2) hidden behind compute, "
     "beside the schedule's prediction",
     "fp8": "training loss of FP8 linears (tensorwise, rowwise) beside bf16 over N steps, and a plot",
+    "lora": "optimizer and gradient bytes of a LoRA step vs a full fine-tune, measured beside the planner "
+    "(mt3d plan --lora R)",
     "packing": "packed fine-tuning data: document-masked attention vs causal and a dense mask, packing "
     "efficiency of the shipped chat corpus, supervised tokens/s packed vs padded",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and optimizer "
@@ -207,6 +209,10 @@ def _add_model_parsers(sub) -> None:
     f8.add_argument("--lr", type=positive_float, default=2e-3)
     f8.add_argument("--plot", default=None, help="write the curves to this PNG")
     _add_packing_parser(sub)
+    lo = sub.add_parser("lora", help=BENCHES["lora"])
+    lo.add_argument("--hidden", type=positive_int, default=256, help="the tiny Llama's width")
+    lo.add_argument("--layers", type=positive_int, default=4)
+    lo.add_argument("--rank", type=positive_int, default=8, help="LoRA r on every linear of the blocks")
     gm = sub.add_parser("gemm", help=BENCHES["gemm"])
     gm.add_argument("--reps", type=positive_int, default=20)
     gm.add_argument("--fp8", action="store_true",

@@ -300,8 +300,13 @@ class ModelConfig:
 
         return sum(keys_per_query(p, seq_len) for p in self.patterns) / self.layers
 
-    def flops_per_token(self, seq_len: int, vocab: int | None = None, attended: float | None = None) -> float:
+    def flops_per_token(self, seq_len: int, vocab: int | None = None, attended: float | None = None,
+                        adapters: int | None = None) -> float:  # fmt: skip
         """Training FLOPs per token without recompute (Narayanan et al. 2021, FORMULAS.md).
+
+        ``adapters``: the LoRA adapter parameters of a run whose other weights are frozen: their
+        weight-gradient GEMMs are never computed (each weight GEMM counts its forward and input
+        gradient, 2 of its 3), the attention core counts 3 as before, the adapters 6 per parameter.
 
         72 * s * l * h^2 * (1 + s/(6h) + V/(12 l h)) per sequence for GPT-style blocks, with
         the dense terms taken from the actual attention/MLP shapes (GQA, gated MLPs) so that the
@@ -324,6 +329,8 @@ class ModelConfig:
                 mlp += 2 * mats * h * self.ffn
         attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * self.q_size
         logits = 2 * h * v
+        if adapters is not None:
+            return 2.0 * (self.layers * dense + mlp + logits) + 3.0 * self.layers * attn + 6.0 * adapters
         return 3.0 * (self.layers * (dense + attn) + mlp + logits)
 
     def to_dict(self) -> dict:

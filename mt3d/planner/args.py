@@ -96,6 +96,9 @@ def add_plan_stack(p) -> None:
                    "(pipeline transfers posted ahead: mt3d.train.overlap.p2p), tp-comm (--other-stack: "
                    "every TP transfer of an SP layout behind the GEMM beside it, Megatron-Core's "
                    "--tp-comm-overlap; without SP tp's)")  # fmt: skip
+    p.add_argument("--lora", type=positive_int, default=0, metavar="R",
+                   help="LoRA of rank R on every linear of the blocks (mt3d.lora): optimizer states and "
+                   "gradients of the adapters only, beside the frozen base's weights")  # fmt: skip
     p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
                    help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
     p.add_argument("--activation-model", choices=("mt3d", "te", "korthikanti"), default="mt3d",
@@ -157,6 +160,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.fp8,
             args.ep_dispatch,
             args.fsdp,
+            args.lora,
         ),  # fmt: skip
     )
 

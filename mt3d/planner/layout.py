@@ -112,6 +112,19 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
 
+def lora_stage_params(cfg: ModelConfig, r: int, tp: int, pp: int) -> float:
+    """LoRA adapter parameters (rank ``r``, every linear of the blocks: "all-linear") held by one GPU of
+    the heaviest stage (``mt3d.parallel.lora``): a column-parallel base's A [r, in] whole and B
+    [out / tp, r]; a row-parallel base's A [r, in / tp] and B [out, r] whole. Routed experts have none."""
+    h, q, kv, f = cfg.hidden, cfg.q_size, cfg.kv_size, cfg.ffn
+    attn = (h + q / tp) + 2 * (h + kv / tp) + (q / tp + h)
+    ups = 2 if cfg.mlp in ("swiglu", "geglu") else 1
+    dense = ups * (h + f / tp) + (f / tp + h)
+    blocks = math.ceil(cfg.layers / pp)
+    sparse = sum(cfg.is_sparse(i) for i in range(min(blocks, cfg.layers)))
+    return r * (blocks * attn + (blocks - sparse) * dense)
+
+
 def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int, ep: int = 1) -> float:
     """Parameters held by one GPU of the heaviest pipeline stage (experts / ep of each sparse layer)."""
     blocks = math.ceil(cfg.layers / pp)

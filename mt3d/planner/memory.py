@@ -11,7 +11,7 @@ import math
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
-from .layout import Layout, Precision, stage_params
+from .layout import Layout, Precision, lora_stage_params, stage_params
 from .offload import tier_bytes
 
 
@@ -147,6 +147,7 @@ def memory_bytes(
     attention_kernel: str = "flash",
     mt3d_engine: bool = True,
     fsdp: bool = False,
+    lora_rank: int = 0,
 ) -> dict[str, float]:
     """Peak bytes per GPU of the heaviest stage, by component; ``cpu`` and ``nvme``: the bytes each
     rank keeps in CPU memory and on NVMe (offload; ``sub_group_size`` as in ``offload.tier_bytes``);
@@ -155,12 +156,17 @@ def memory_bytes(
     Korthikanti model keeps the attention scores only with the ``materialized`` kernel (FlashAttention
     keeps none). ``fsdp``: ZeRO-3 as FSDP runs it (no 16-bit copy beside the fp32 shard,
     ``layout.fsdp_precision``; two blocks' 16-bit parameters gathered at a time, the one computing
-    and the one prefetched, instead of DeepSpeed's max_live_parameters)."""
+    and the one prefetched, instead of DeepSpeed's max_live_parameters). ``lora_rank``: LoRA on every
+    linear of the blocks (``lora_stage_params``): gradients, master weights and moments of the adapters
+    only, the frozen base's weights beside them."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
     live = 2 * params / math.ceil(cfg.layers / p) * 2 if fsdp and lay.zero_stage == 3 else None
+    frozen = 0.0
+    if lora_rank:
+        frozen, params = params * prec.param, lora_stage_params(cfg, lora_rank, t, p)
     tiers = _model_state_tiers(params, lay, prec, overlap, mt3d_engine, sub_group_size, live)
-    states = tiers["gpu"]
+    states = tiers["gpu"] + frozen
     sp = lay.sequence_parallel and t > 1
     local = seq_len // lay.cp  # tokens of each sample on this rank
     per_layer, working = _block_bytes(cfg, seq_len, lay, prec, activation_model, attention_kernel)

@@ -284,6 +284,9 @@ class Stack:
     fsdp: bool = False
     """ZeRO-3 as FSDP runs it: the fp32 shard is the weight (no 16-bit copy), 16-bit weights gathered
     two blocks at a time."""
+    lora: int = 0
+    """LoRA rank on every linear of the blocks (0: a full fine-tune): memory of the adapters' states
+    only beside the frozen weights (the step time is still a full step's, an upper bound)."""
 
 
 def plan(
@@ -375,10 +378,12 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     prec = fsdp_precision(prec) if fsdp else prec
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
                        overlap=stack.overlap, attention_kernel=stack.attention_kernel,
-                       mt3d_engine=stack.mt3d_rules, fsdp=fsdp)  # fmt: skip
+                       mt3d_engine=stack.mt3d_rules, fsdp=fsdp, lora_rank=stack.lora)  # fmt: skip
     row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
            "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
+    if stack.lora and lay.zero_stage == 3 and stack.mt3d_rules:
+        why = "mt3d.lora with ZeRO-3 is not supported (the adapters' states are small: ZeRO 1 or 2)"
     if stack.mt3d_rules and not why:
         off = Offload.from_label(lay.offload)
         grads = "fp32" if stack.grad_dtype == "fp32" else ""

@@ -35,6 +35,7 @@ class Trainer:
         *,
         wandb_run=None,
         start_step: int = 0,
+        adapters: int | None = None,
         checkpointer=None,
         preemption=None,
         faults=None,
@@ -53,7 +54,7 @@ class Trainer:
         self.save_dir = Path(self.train_cfg.save_dir)
         self.seq_len = seq_len
         self.tokens_per_step = layout.global_batch * self.seq_len
-        self.flops_per_token = model_cfg.flops_per_token(self.seq_len, vocab_size)
+        self.flops_per_token = model_cfg.flops_per_token(self.seq_len, vocab_size, adapters=adapters)
         self.logger = rt.rank == 0
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", wandb_run) if self.logger else None
         self.peak, self.peak_source = (

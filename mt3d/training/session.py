@@ -37,6 +37,7 @@ def lora_facts(run: RunConfig, cfg: ModelConfig, vocab: int) -> dict | None:
     lora = run.mt3d.lora
     if lora is None:
         return None
+    from ..model.lora import trainable_count
     from ..model.peft import fingerprint, plan
 
     spec, targets = plan(lora, cfg, vocab)
@@ -49,6 +50,7 @@ def lora_facts(run: RunConfig, cfg: ModelConfig, vocab: int) -> dict | None:
     return {
         "r": spec.r, "alpha": spec.alpha, "dropout": spec.dropout, "rslora": spec.rslora,
         "target_modules": target_modules, "modules": len(targets),
+        "parameters": trainable_count(targets, spec),
         "base": str(Path(base).resolve()) if base else None,
         "fingerprint": fingerprint(base) if base else f"{cfg.name}:seed={run.mt3d.train.seed}",
     }  # fmt: skip
@@ -217,6 +219,7 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
     trainer = Trainer(
         run.mt3d.train, layout, rt, engine, data, cfg, vocab, run.mt3d.data.seq_len, wandb_run=wandb_run,
         start_step=start, checkpointer=checkpointer, preemption=preemption, faults=faults,
+        adapters=lora["parameters"] if lora else None,
     )  # fmt: skip
     try:
         summary = trainer.train()
