@@ -38,6 +38,8 @@ def hf_dirs(tmp_path_factory):
     base = tmp_path_factory.mktemp("hf-lora")
     tok = train_bpe([d for _, d in zip(range(400), stdlib_documents())], 512, base / "tok")
     configs = hf_configs(tok.vocab_size, tok.eos_id)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):  # GPT-2's dropouts off: parity runs compare
+        setattr(configs["gpt2"], key, 0.0)
     out = {}
     for i, name in enumerate(("llama", "gpt2", "qwen2_moe")):
         torch.manual_seed(i)
@@ -55,10 +57,10 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, train=None, **parallel):
+def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, train=None, packed=False, **parallel):
     raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps, **(train or {}))
     raw["mt3d"]["model"] = {"from_hf": str(hf_dir)}
-    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32}
+    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32, "document_mask": packed}
     raw["mt3d"]["parallel"].update(parallel)
     raw["mt3d"]["lora"] = dict(lora or LORA)
     raw["optimizer"]["params"]["lr"] = 1e-2
@@ -75,20 +77,23 @@ def close(got, want, what):
 def lora_runs(hf_dirs, tmp_path_factory):
     """Every parallel LoRA run and its one-process reference; runs of a world size share a spawn."""
     base = tmp_path_factory.mktemp("lora-runs")
-    llama, moe = hf_dirs["llama"], hf_dirs["qwen2_moe"]
+    llama, moe, gpt2 = hf_dirs["llama"], hf_dirs["qwen2_moe"], hf_dirs["gpt2"]
     moe_lora = {**LORA, "target_modules": MOE_TARGETS}
     step3 = str(base / "tp2pp2" / "checkpoints" / "step_00000003")
+    # the Llama runs train on packed documents (document-masked attention, positions per document)
     runs = {  # world 4 first: the one-process reshard below resumes its checkpoint
-        "tp2 pp2 sp": (4, lora_config(base / "tp2pp2", llama, tp=2, pp=2, sequence_parallel=True,
+        "tp2 pp2 sp": (4, lora_config(base / "tp2pp2", llama, tp=2, pp=2, sequence_parallel=True, packed=True,
                                       train={"save_at_end": True, "save_interval": 3})),
-        "resumed": (4, lora_config(base / "resumed", llama, tp=2, pp=2, sequence_parallel=True,
+        "resumed": (4, lora_config(base / "resumed", llama, tp=2, pp=2, sequence_parallel=True, packed=True,
                                    train={"resume": step3})),
-        "ref": (1, lora_config(base / "ref", llama)),
-        "resharded": (1, lora_config(base / "resharded", llama, train={"resume": step3})),
+        "ref": (1, lora_config(base / "ref", llama, packed=True)),
+        "resharded": (1, lora_config(base / "resharded", llama, packed=True, train={"resume": step3})),
         "moe ref": (1, lora_config(base / "moe-ref", moe, lora=moe_lora)),
-        "cp2": (2, lora_config(base / "cp2", llama, context=2)),
+        "gpt2 ref": (1, lora_config(base / "gpt2-ref", gpt2)),
+        "cp2": (2, lora_config(base / "cp2", llama, context=2, packed=True)),
         "ep2": (2, lora_config(base / "ep2", moe, lora=moe_lora, expert=2)),
-        "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2)),
+        "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2, packed=True)),
+        "gpt2 pp2": (2, lora_config(base / "gpt2-pp2", gpt2, pp=2)),  # the tied, frozen embedding
     }  # fmt: skip
     names = list(runs)
     records = run_grouped([runs[n] for n in names], timeout=600)
@@ -96,8 +101,9 @@ def lora_runs(hf_dirs, tmp_path_factory):
 
 
 def test_lora_training_matches_one_process_at_every_axis(lora_runs):
-    """fp32, 5 steps: losses and grad norms of tp 2 x pp 2 with SP, cp 2, the interleaved schedule and
-    a MoE at ep 2 (attention and shared-expert adapters) within 1e-5 of one process; a LoRA checkpoint
+    """fp32, 5 steps: losses and grad norms of tp 2 x pp 2 with SP, cp 2 and the interleaved schedule
+    on packed documents, a MoE at ep 2 (attention and shared-expert adapters) and GPT-2 at pp 2 (its
+    tied embedding frozen on both stages) within 1e-5 of one process; a LoRA checkpoint
     (adapters and their optimizer states only) resumes exactly at tp 2 x pp 2 and resharded to one
     process (DeepSpeed's universal format, the adapters' splits declared)."""
     base, rec = lora_runs
@@ -105,6 +111,7 @@ def test_lora_training_matches_one_process_at_every_axis(lora_runs):
     for what in ("cp2", "pp2 v2", "tp2 pp2 sp"):
         close(rec[what], rec["ref"], what)
     close(rec["ep2"], rec["moe ref"], "ep2")
+    close(rec["gpt2 pp2"], rec["gpt2 ref"], "gpt2 pp2 (tied embedding)")
     assert [r["step"] for r in rec["resumed"]] == [4, 5]
     close(rec["resumed"], rec["tp2 pp2 sp"][3:], "resumed")
     close(rec["resharded"], rec["ref"][3:], "resharded to one process")
@@ -280,8 +287,11 @@ def test_planner_counts_the_adapters_and_their_states(hf_dirs):
     cfg = config_from_hf(hf_dirs["llama"])
     targets = resolve(cfg, cfg.vocab_size, "all-linear")
     assert lora_stage_params(cfg, 4, 1, 1) == trainable_count(targets, LoraSpec(4, 8.0))
-    per_rank = sum(4 * (t.in_features + t.out_features / 2) if t.column else 4 * (t.in_features / 2 + t.out_features)
-                   for t in targets)  # fmt: skip
+    split = [
+        (t.in_features, t.out_features / 2) if t.column else (t.in_features / 2, t.out_features)
+        for t in targets
+    ]
+    per_rank = sum(4 * (a + b) for a, b in split)
     assert lora_stage_params(cfg, 4, 2, 1) == per_rank
     lay = Layout(tp=1, pp=1, dp=1, micro_batch=1, grad_accum=1, zero_stage=1, recompute=False,
                  sequence_parallel=False)  # fmt: skip
