@@ -166,6 +166,16 @@ def test_exported_adapter_loads_in_peft_and_equals_the_merged_export(lora_runs, 
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     assert changed == {k for k in before if k.rsplit(".", 2)[-2] in linear}, sorted(changed)[:4]
+    # mt3d eval of the base with --adapter = eval of the merged export
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(d for _, d in zip(range(3), stdlib_documents())))
+    losses = []
+    for model_args in (["--model", str(hf_dirs["llama"]), "--adapter", str(tmp_path / "adapter")],
+                       ["--model", str(tmp_path / "merged")]):  # fmt: skip
+        out = mt3d_cli("eval", *model_args, "--text", str(text), "--seq-len", "32", "--json")
+        assert out.returncode == 0, out.stderr[-2000:]
+        losses.append(json.loads(out.stdout.strip().splitlines()[-1])["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 def peft_adapter(hf_dir, out, targets, seed=0):
