@@ -86,7 +86,8 @@ def readme_block(title: str) -> list[str]:
 def test_the_readme_fine_tuning_path_prepares_its_data_and_config(tmp_path):
     """The README's fine-tuning commands as written, on a fresh directory, up to the training: a tiny
     chat Llama, the chat corpus, its preprocessing and ``data show``; then ``ds_configs/sft_llama.json``
-    passes ``train --check`` at the world its deepspeed line launches (4), reading what they made."""
+    and ``lora_llama.json`` pass ``train --check`` at the world their deepspeed lines launch (4),
+    reading what they made."""
     import os
     import subprocess
     import sys
@@ -102,11 +103,13 @@ def test_the_readme_fine_tuning_path_prepares_its_data_and_config(tmp_path):
         )
         assert out.returncode == 0, f"`{line}`: {out.stderr[-2000:]}"
     assert "⟦" in out.stdout  # data show marks what is trained on
-    world = re.search(r"--num_gpus (\d+)", lines[train]).group(1)
-    argv = mt3d_argv(lines[train])[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "mt3d", *argv, "--check"], cwd=tmp_path, env={**env, "WORLD_SIZE": world},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    ok = f"config OK: world {world} = tp 2 x pp 2"
-    assert out.returncode == 0 and ok in out.stdout, out.stdout + out.stderr[-2000:]
+    trainings = [line for line in lines if line.startswith("deepspeed")]
+    assert len(trainings) == 2  # the full fine-tune and the LoRA one
+    for line in trainings:
+        world = re.search(r"--num_gpus (\d+)", line).group(1)
+        out = subprocess.run(
+            [sys.executable, "-m", "mt3d", *mt3d_argv(line)[1], "--check"], cwd=tmp_path,
+            env={**env, "WORLD_SIZE": world}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        ok = f"config OK: world {world} = tp 2 x pp 2"
+        assert out.returncode == 0 and ok in out.stdout, out.stdout + out.stderr[-2000:]
