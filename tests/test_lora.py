@@ -90,9 +90,11 @@ def lora_runs(hf_dirs, tmp_path_factory):
         "resharded": (1, lora_config(base / "resharded", llama, packed=True, train={"resume": step3})),
         "moe ref": (1, lora_config(base / "moe-ref", moe, lora=moe_lora)),
         "gpt2 ref": (1, lora_config(base / "gpt2-ref", gpt2)),
-        "cp2": (2, lora_config(base / "cp2", llama, context=2, packed=True)),
+        "cp2": (2, lora_config(base / "cp2", llama, context=2, packed=True,
+                               train={"recompute": {"interval": 1}})),
         "ep2": (2, lora_config(base / "ep2", moe, lora=moe_lora, expert=2)),
-        "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2, packed=True)),
+        "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2, packed=True,
+                                  train={"recompute": {"granularity": "selective"}})),
         "gpt2 pp2": (2, lora_config(base / "gpt2-pp2", gpt2, pp=2)),  # the tied, frozen embedding
     }  # fmt: skip
     names = list(runs)
@@ -101,11 +103,12 @@ def lora_runs(hf_dirs, tmp_path_factory):
 
 
 def test_lora_training_matches_one_process_at_every_axis(lora_runs):
-    """fp32, 5 steps: losses and grad norms of tp 2 x pp 2 with SP, cp 2 and the interleaved schedule
-    on packed documents, a MoE at ep 2 (attention and shared-expert adapters) and GPT-2 at pp 2 (its
-    tied embedding frozen on both stages) within 1e-5 of one process; a LoRA checkpoint
-    (adapters and their optimizer states only) resumes exactly at tp 2 x pp 2 and resharded to one
-    process (DeepSpeed's universal format, the adapters' splits declared)."""
+    """fp32, 5 steps: losses and grad norms within 1e-5 of one process for tp 2 x pp 2 with SP, cp 2
+    (full recompute) and the interleaved schedule (selective recompute) on packed documents, a MoE
+    at ep 2 (attention and shared-expert adapters) and GPT-2 at pp 2 (its tied embedding frozen on
+    both stages); a LoRA checkpoint (adapters and their optimizer states only) resumes exactly at
+    tp 2 x pp 2 and resharded to one process (DeepSpeed's universal format, the adapters' splits
+    declared)."""
     base, rec = lora_runs
     assert len(rec["ref"]) == 5 and rec["ref"][-1]["loss"] < rec["ref"][0]["loss"]
     for what in ("cp2", "pp2 v2", "tp2 pp2 sp"):
@@ -123,6 +126,41 @@ def test_lora_training_matches_one_process_at_every_axis(lora_runs):
     for f in step.glob("layer_*-model_states.pt"):
         layers.update(torch.load(f, weights_only=True))
     assert layers and all(".lora." in k for k in layers), sorted(layers)[:5]
+
+
+def test_adapters_are_refused_on_another_base(lora_runs, hf_dirs, tmp_path):
+    """A LoRA checkpoint whose base changed (same shapes, other weights) is refused in one line when it
+    is exported or read as a model, and when a run resumes it onto another base."""
+    import shutil
+
+    from mt3d.checkpoint.loading import open_source
+    from mt3d.checkpoint.resume import check_lora
+    from mt3d.errors import UserError
+
+    base, _ = lora_runs
+    step = tmp_path / "step_00000005"
+    shutil.copytree(base / "tp2pp2" / "checkpoints" / "step_00000005", step)
+    other = tmp_path / "other-base"
+    shutil.copytree(hf_dirs["llama"], other)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1  # the last tensor: same header
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["meta"]["lora"]["base"] = str(other)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="not the one its adapters were trained on"):
+        open_source(step)
+    out = mt3d_cli("export-hf", "--checkpoint", str(step), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and "fingerprint" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    lora = dict(manifest["meta"]["lora"])
+    with pytest.raises(UserError, match="trained on another base"):
+        check_lora(step, {"lora": {**lora, "fingerprint": "0" * 64}}, lora)
+    with pytest.raises(UserError, match="r=4, this run asks for 8"):
+        check_lora(step, {"lora": lora}, {**lora, "r": 8})
+    with pytest.raises(UserError, match="a LoRA run's"):
+        check_lora(step, {"lora": lora}, None)
 
 
 def mt3d_cli(*args):
