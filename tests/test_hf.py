@@ -19,6 +19,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -39,9 +40,20 @@ from mt3d.parallel.spawn import spawn
 from helpers import run_grouped, tiny_config, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = [
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
-WINDOWED = ["mistral", "qwen2", "gemma2"]
+WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3"]
 WINDOW = 8
 
 
@@ -73,6 +85,13 @@ def hf_configs(vocab, eos):
         "gemma2": Gemma2Config(
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
             query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **small,
+        ),
+        # Gemma 3: q/k norms, local layers at their own RoPE base, the global ones linearly scaled,
+        # attention biases, one global layer in two (sliding_window_pattern 2)
+        "gemma3": Gemma3TextConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
+            query_pre_attn_scalar=24, sliding_window_pattern=2, attention_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 4.0}, **small,
         ),
         # mixtures of experts: 4 experts, top-2 (routers sharpened in hf_dirs so tokens really choose)
         "mixtral": MixtralConfig(
@@ -182,6 +201,9 @@ def test_families_read_what_transformers_reads(hf_dirs):
     assert cfgs["mistral"].attention == {"window": WINDOW}
     assert cfgs["qwen2"].attention["layer_types"] == ["full_attention"] * 2 + ["sliding_attention"] * 2
     assert [p is None for p in cfgs["gemma2"].patterns] == [False, True, False, True]  # layer 0 is local
+    assert [p is None for p in cfgs["gemma3"].patterns] == [False, True, False, True]
+    assert cfgs["gemma3"].rope_local == {"rope_theta": 10000.0} and cfgs["gemma3"].rope_theta == 1e6
+    assert cfgs["gemma3"].rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfgs["gemma3"].qk_norm
     assert cfgs["qwen3"].head_dim * cfgs["qwen3"].heads != cfgs["qwen3"].hidden and cfgs["qwen3"].qk_norm
     for name in FAMILIES:
         fam = get_family(name)
@@ -240,12 +262,12 @@ def test_eval_matches_transformers_loss(hf_dirs, tmp_path):
     assert abs(got["loss"] - want) <= 1e-5 * want, (name, got, want)
 
 
-def eval_worker(dirs, ids, tp=2, pp=2, ep=1):
+def eval_worker(dirs, ids, tp=2, pp=2, ep=1, cp=1):
     from mt3d.model.inference import evaluate_tokens
 
     out, state = {}, None
     for name, path in dirs.items():
-        model = from_pretrained(path, tp=tp, pp=pp, ep=ep, state=state)
+        model = from_pretrained(path, tp=tp, pp=pp, ep=ep, cp=cp, state=state)
         state = model.state
         out[name] = evaluate_tokens(model, ids[name], state, 64, 64)["loss"]
     return out
@@ -257,8 +279,11 @@ def test_eval_under_tp_and_pp_matches(hf_dirs, tmp_path):
     want = {name: hf_window_loss(hf_model(d), ids[name], 64, 64)[0] for name, d in hf_dirs.items()}
     dirs = {name: str(d) for name, d in hf_dirs.items()}
     sparse = {name: d for name, d in dirs.items() if name in MOE}
-    runs = spawn(eval_worker, 4, dirs, ids, timeout=300) + spawn(
-        eval_worker, 4, sparse, ids, 1, 2, 2, timeout=300
+    local = {name: dirs[name] for name in ("gemma2", "gemma3")}  # windows and per-type RoPE over cp chunks
+    runs = (
+        spawn(eval_worker, 4, dirs, ids, timeout=300)
+        + spawn(eval_worker, 4, sparse, ids, 1, 2, 2, timeout=300)
+        + spawn(eval_worker, 4, local, ids, 2, 1, 1, 2, timeout=300)
     )
     for got in runs:
         for name in got:
@@ -328,13 +353,14 @@ def assert_same_training(got, ref, what):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
 
 
-FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "qwen2_moe"]
+FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe"]
 
 
 @pytest.fixture(scope="module")
 def fine_tuned(hf_dirs, tmp_path_factory):
     """Each family fine-tuned for 5 steps on one process and at (2,2,2) (MoE: tp 2 x pp 2 x ep 2);
-    Gemma 2 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps, windows). Runs of a
+    Gemma 2 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps, windows), Gemma 3
+    at cp 2 (RoPE per layer type from global positions). Runs of a
     world size share one spawn: {name: (dir of the (2,2,2) run, {what: step records})}."""
     base = tmp_path_factory.mktemp("fine-tuned")
     runs, keys = [], []
@@ -351,6 +377,11 @@ def fine_tuned(hf_dirs, tmp_path_factory):
             raw["mt3d"]["parallel"]["sequence_parallel"] = True
             runs.append((4, raw))
             keys.append((name, "SP + recompute"))
+        if name == "gemma3":  # local and global layers' RoPE from global positions of each cp chunk
+            raw = fine_tune_config(d / "cp", hf_dirs[name], 5, 1, 1)
+            raw["mt3d"]["parallel"]["context"] = 2
+            runs.append((2, raw))
+            keys.append((name, "cp 2"))
     out = {name: (base / name / "ft", {}) for name in FINE_TUNED}
     for (name, what), records in zip(keys, run_grouped(runs, timeout=900), strict=True):
         out[name][1][what] = records
@@ -413,8 +444,8 @@ def test_generation_with_sampling_is_seeded():
 
 
 BAD_CONFIGS = [
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     "rope_parameters.rope_type 'yarn' is not supported"),
+    ("llama", {"rope_parameters": {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters.rope_type 'proportional' is not supported"),
     ("mistral", {"num_local_experts": 8}, "num_local_experts=8 asks for mixture-of-experts layers"),
     ("qwen3", {"num_experts": 4, "moe_intermediate_size": 32}, "asks for mixture-of-experts layers"),
     ("qwen2", {"num_attention_sinks": 4}, "num_attention_sinks=4 asks for attention sinks"),
@@ -482,9 +513,12 @@ def test_bad_hf_input(hf_dirs, tmp_path):
     yarn = tmp_path / "yarn"
     yarn.mkdir()
     cfg = json.loads((hf_dirs["llama"] / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
+    cfg["rope_parameters"] = {"rope_type": "proportional", "factor": 2.0, "rope_theta": 1e4}
     (yarn / "config.json").write_text(json.dumps(cfg))
-    for model, expect in ((bert, "unsupported architecture"), (yarn, "rope_type 'yarn' is not supported")):
+    for model, expect in (
+        (bert, "unsupported architecture"),
+        (yarn, "rope_type 'proportional' is not supported"),
+    ):
         out = subprocess.run(
             [sys.executable, "-m", "mt3d", "eval", "--model", str(model), "--text", __file__,
              "--seq-len", "8"],

@@ -57,8 +57,11 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, train=None, packed=False, **parallel):
-    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps, **(train or {}))
+def lora_config(save_dir, hf_dir, *, tp=1, pp=1, steps=5, lora=None, train=None, packed=False, zero=1,
+                bf16=False, **parallel):  # fmt: skip
+    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=steps, zero=zero, **(train or {}))
+    if bf16:  # the frozen base in bf16, the adapters' master weights and moments in fp32
+        raw["bf16"] = {"enabled": True}
     raw["mt3d"]["model"] = {"from_hf": str(hf_dir)}
     raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32, "document_mask": packed}
     raw["mt3d"]["parallel"].update(parallel)
@@ -96,6 +99,8 @@ def lora_runs(hf_dirs, tmp_path_factory):
         "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2, packed=True,
                                   train={"recompute": {"granularity": "selective"}})),
         "gpt2 pp2": (2, lora_config(base / "gpt2-pp2", gpt2, pp=2)),  # the tied, frozen embedding
+        "zero2 dp2": (2, lora_config(base / "zero2", llama, packed=True, zero=2)),  # the regular engine
+        "bf16 tp2": (2, lora_config(base / "bf16", llama, tp=2, packed=True, bf16=True)),
     }  # fmt: skip
     names = list(runs)
     records = run_grouped([runs[n] for n in names], timeout=600)
@@ -115,6 +120,9 @@ def test_lora_training_matches_one_process_at_every_axis(lora_runs):
         close(rec[what], rec["ref"], what)
     close(rec["ep2"], rec["moe ref"], "ep2")
     close(rec["gpt2 pp2"], rec["gpt2 ref"], "gpt2 pp2 (tied embedding)")
+    close(rec["zero2 dp2"], rec["ref"], "ZeRO-2 at dp 2")
+    for got, want in zip(rec["bf16 tp2"], rec["ref"], strict=True):  # bf16: its rounding, not another model
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
     assert [r["step"] for r in rec["resumed"]] == [4, 5]
     close(rec["resumed"], rec["tp2 pp2 sp"][3:], "resumed")
     close(rec["resharded"], rec["ref"][3:], "resharded to one process")

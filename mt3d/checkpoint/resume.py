@@ -30,6 +30,7 @@ log = logging.getLogger("mt3d")
 SOFT_KEYS = (
     "rope_theta",
     "rope_scaling",
+    "rope_local",
     "norm_eps",
     "hidden_dropout",
     "attention_dropout",

@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
         self.pattern = cfg.patterns[layer]
+        self.local = self.pattern is not None  # its RoPE: cfg.rope_local where set (Gemma 3)
         spec = cfg.attention or {}
         self.block, self.kernel = spec.get("block"), spec.get("kernel", "auto")
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
@@ -86,7 +87,9 @@ class Attention(nn.Module):
         key = (past, s, like.device, like.dtype)
         if getattr(self, "_rope_key", None) != key:
             pos = self.ctx.positions(s, past, like.device)
-            self._rope_tables = rope_cos_sin(self.cfg, pos, past + s * self.ctx.cp_size, like.dtype)
+            self._rope_tables = rope_cos_sin(
+                self.cfg, pos, past + s * self.ctx.cp_size, like.dtype, self.local
+            )
             self._rope_key = key
         return self._rope_tables
 
@@ -106,7 +109,7 @@ class Attention(nn.Module):
             tables = (None, None)
         elif documents is not None:  # positions restart at every document
             pos = self.ctx.document_positions(documents, qkv.shape[1])
-            tables = rope_cos_sin(self.cfg, pos, documents.shape[1], qkv.dtype)
+            tables = rope_cos_sin(self.cfg, pos, documents.shape[1], qkv.dtype, self.local)
         else:
             tables = self._rope(past, qkv.shape[1], qkv)
         if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward

@@ -84,6 +84,10 @@ class ModelConfig:
     """RoPE base."""
     rope_scaling: dict | None = None
     """HF-style RoPE scaling dict ('linear', 'dynamic', 'llama3' types), or None."""
+    rope_local: dict | None = None
+    """The local (sliding-window) layers' own RoPE where it differs from the global layers' (Gemma 3):
+    {"rope_theta": base} plus an HF scaling dict's keys ("rope_type", "factor", ...); None: every layer
+    uses rope_theta and rope_scaling."""
     hidden_dropout: float = 0.0
     """Dropout on the residual branches and the embedding output."""
     attention_dropout: float = 0.0

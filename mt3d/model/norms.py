@@ -55,11 +55,19 @@ def make_head_norm(cfg: ModelConfig, ctx: BuildContext) -> RMSNorm:
     return norm
 
 
-def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
-    """RoPE inverse frequencies, with HF-compatible 'linear', 'dynamic' and 'llama3' scaling."""
+def rope_params(cfg: ModelConfig, local: bool = False) -> tuple[float, dict]:
+    """(base, scaling dict) of the global layers, or of the local ones (``cfg.rope_local`` when set)."""
+    if local and cfg.rope_local is not None:
+        sc = dict(cfg.rope_local)
+        return float(sc.pop("rope_theta", cfg.rope_theta)), sc
+    return cfg.rope_theta, dict(cfg.rope_scaling or {})
+
+
+def rope_inv_freq(cfg: ModelConfig, seq_len: int, local: bool = False) -> torch.Tensor:
+    """RoPE inverse frequencies, with HF-compatible 'linear', 'dynamic' and 'llama3' scaling; ``local``:
+    a local layer's (``rope_params``)."""
     d = cfg.head_dim
-    base = cfg.rope_theta
-    sc = dict(cfg.rope_scaling or {})
+    base, sc = rope_params(cfg, local)
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "dynamic" and seq_len > cfg.max_seq_len:
         f = sc["factor"]
@@ -76,9 +84,65 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / f + smooth * scaled
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(
+            inv, base, d, sc, sc.get("factor") or cfg.max_seq_len / sc["original_max_position_embeddings"]
+        )
+    elif kind == "longrope":  # the long factors once the sequence outgrows the pretraining length
+        long = seq_len > sc["original_max_position_embeddings"]
+        factors = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float64)
+        inv = inv / factors
     elif kind not in ("default", "dynamic"):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, dynamic, llama3)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     return inv.float()
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+"""The RoPE scalings mt3d computes, as transformers' ``modeling_rope_utils`` defines them."""
+
+
+def _yarn_inv_freq(inv: torch.Tensor, base: float, d: int, sc: dict, factor: float) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): each frequency interpolated by ``factor`` or kept (extrapolated),
+    with a linear ramp between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the
+    pretraining length (bounds floored/ceiled unless ``truncate`` is false)."""
+    old = sc["original_max_position_embeddings"]
+    fast, slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).double()
+    keep = 1 - ramp  # 1: extrapolated (high frequencies), 0: interpolated
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """The factor YaRN and longrope put on cos and sin (1 for the other scalings): ``attention_factor``
+    when given; YaRN's 0.1 ln(factor) + 1 (with DeepSeek's mscale / mscale_all_dim ratio when both are
+    given); longrope's sqrt(1 + ln(factor) / ln(original length))."""
+    _, sc = rope_params(cfg, local)
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    old = sc["original_max_position_embeddings"]
+    factor = sc.get("factor") or cfg.max_seq_len / old
+    if kind == "longrope":
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return mscale(factor, sc["mscale"]) / mscale(factor, sc["mscale_all_dim"])
+    return mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,12 +151,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype) -> tuple:
+def rope_cos_sin(
+    cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype, local: bool = False
+) -> tuple:
     """cos/sin tables [s, head_dim] for positions [s]; [b, 1, s, head_dim] for per-sample positions
-    [b, s] (packed documents), which broadcast over the heads of [b, heads, s, head_dim]."""
-    inv = rope_inv_freq(cfg, seq_len).to(positions.device)
+    [b, s] (packed documents), which broadcast over the heads of [b, heads, s, head_dim]; ``local``: a
+    local layer's tables (``rope_params``)."""
+    inv = rope_inv_freq(cfg, seq_len, local).to(positions.device)
     freqs = positions.float()[..., None] * inv
     emb = torch.cat((freqs, freqs), dim=-1)
     if emb.dim() == 3:
         emb = emb.unsqueeze(1)
+    scale = rope_attention_factor(cfg, local)
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)

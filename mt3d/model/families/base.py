@@ -40,7 +40,7 @@ class Piece:
     size: int | None = None
 
 
-SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _default_of(cfg, name: str) -> Any:
@@ -196,6 +196,18 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
             raise HFError(f"{where}: {key} of type {kind!r} needs {name} as a positive number, got {v!r}")
     if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise HFError(f"{where}: {key}.high_freq_factor must be larger than low_freq_factor")
+    if kind in ("yarn", "longrope"):  # as transformers fills it: the config's own key first
+        old = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = old or hf.get("max_position_embeddings")
+        if not isinstance(params["original_max_position_embeddings"], int):
+            raise HFError(f"{where}: {key} of type {kind!r} needs original_max_position_embeddings")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(f"{where}: {key}.partial_rotary_factor {params['partial_rotary_factor']} is not "
+                      "supported (RoPE over the whole head only)")  # fmt: skip
+    for name in ("short_factor", "long_factor") if kind == "longrope" else ():
+        v = params.get(name)
+        if not isinstance(v, list) or not v or not all(isinstance(x, int | float) and x > 0 for x in v):
+            raise HFError(f"{where}: {key} of type 'longrope' needs {name} as a list of positive numbers")
     return float(theta), (None if kind == "default" else params)
 
 
@@ -203,6 +215,7 @@ ROPE_NEEDS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
 }
 """The numbers each RoPE scaling type needs (missing or not positive: refused, not NaN)."""
 
