@@ -3,8 +3,8 @@
 Sizes follow the published configurations: GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020,
 Table 2.1), Megatron-LM 8.3B (Shoeybi et al. 2019), MT-NLG 530B (Smith et al. 2022), Llama 2
 (Touvron et al. 2023), and the released HF configs of Mistral 7B v0.1, Qwen2.5-7B, Qwen3-8B,
-Gemma 2 9B, Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B. Each names its ``family``, whose block
-options fill the keys it does not give.
+Gemma 2 9B, Gemma 3 27B, Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B. Each names its
+``family``, whose block options fill the keys it does not give.
 ``tiny`` is the CPU demo model; ``tiny-<family>`` are CPU variants of each family.
 """
 
@@ -33,6 +33,16 @@ PRESETS: dict[str, dict] = {
         head_dim=32,
         query_pre_attn_scalar=24,
         attention={"window": 16, "global_every": 2},
+        **_TINY,
+    ),
+    "tiny-gemma3": dict(
+        family="gemma3",
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        attention={"window": 16, "global_every": 2},
+        rope_theta=1_000_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_local={"rope_theta": 10_000.0},
         **_TINY,
     ),
     # mixture-of-experts CPU variants: 4 experts, top-2, a load-balancing loss
@@ -89,6 +99,14 @@ PRESETS: dict[str, dict] = {
         family="gemma2", hidden=3584, layers=42, heads=16, kv_heads=8, head_dim=256, ffn=14336,
         vocab_size=256000, max_seq_len=8192, query_pre_attn_scalar=256,
         attention={"window": 4096, "global_every": 2},
+    ),
+    # Gemma 3 27B, the language model (Gemma team 2025): five local layers (1024) to one global, the
+    # global layers' RoPE at base 1e6 scaled x8, the local ones' at 1e4
+    "gemma3-27b": dict(
+        family="gemma3", hidden=5376, layers=62, heads=32, kv_heads=16, head_dim=128, ffn=21504,
+        vocab_size=262208, max_seq_len=131072, query_pre_attn_scalar=168,
+        attention={"window": 1024, "global_every": 6}, rope_theta=1_000_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local={"rope_theta": 10_000.0},
     ),
     # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, every layer sparse
     "mixtral-8x7b": dict(

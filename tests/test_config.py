@@ -252,13 +252,24 @@ def test_a_bad_window_stops_the_train_command_in_one_line(tmp_path):
 
 
 def test_presets_of_every_family_and_their_published_sizes():
-    sizes = {"mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen3-8b": 8.19, "gemma2-9b": 9.24}
+    sizes = {"mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen3-8b": 8.19, "gemma2-9b": 9.24, "gemma3-27b": 27.01}
     for name, billions in sizes.items():
         cfg = resolve_model({"preset": name})
         assert cfg.family == name.split("-")[0].replace("2.5", "2")
         assert abs(cfg.num_params() / 1e9 - billions) < 0.01, name
-    for family in ("mistral", "qwen2", "qwen3", "gemma2"):
+    for family in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
         assert resolve_model({"preset": f"tiny-{family}"}).family == family
+    # Gemma 3 27B: the count transformers' model of the published config has, and its layer pattern
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    g3 = resolve_model({"preset": "gemma3-27b"})
+    hf = Gemma3TextConfig(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                          num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+                          sliding_window=1024, vocab_size=262208, max_position_embeddings=131072)  # fmt: skip
+    with torch.device("meta"):
+        assert g3.num_params() == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    assert ["full_attention" if p is None else "sliding_attention" for p in g3.patterns] == hf.layer_types
     # a preset's family is a default: overrides it cannot express make the model 'custom'
     assert resolve_model({"preset": "tiny", "kv_heads": 2}).family == "custom"
     # any preset trains with a pattern (its family becomes 'custom' when HF cannot express it)
