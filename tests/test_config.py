@@ -264,8 +264,8 @@ def test_presets_of_every_family_and_their_published_sizes():
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     g3 = resolve_model({"preset": "gemma3-27b"})
-    hf = Gemma3TextConfig(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-                          num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+    hf = Gemma3TextConfig(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, head_dim=128,
+                          num_attention_heads=32, num_key_value_heads=16, query_pre_attn_scalar=168,
                           sliding_window=1024, vocab_size=262208, max_position_embeddings=131072)  # fmt: skip
     with torch.device("meta"):
         assert g3.num_params() == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
