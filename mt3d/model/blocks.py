@@ -109,7 +109,7 @@ class Attention(nn.Module):
             tables = (None, None)
         elif documents is not None:  # positions restart at every document
             pos = self.ctx.document_positions(documents, qkv.shape[1])
-            tables = rope_cos_sin(self.cfg, pos, documents.shape[1], qkv.dtype, self.local)
+            tables = rope_cos_sin(self.cfg, pos, None, qkv.dtype, self.local)
         else:
             tables = self._rope(past, qkv.shape[1], qkv)
         if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward

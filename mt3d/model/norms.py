@@ -152,11 +152,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    cfg: ModelConfig, positions: torch.Tensor, seq_len: int, dtype, local: bool = False
+    cfg: ModelConfig, positions: torch.Tensor, seq_len: int | None, dtype, local: bool = False
 ) -> tuple:
     """cos/sin tables [s, head_dim] for positions [s]; [b, 1, s, head_dim] for per-sample positions
     [b, s] (packed documents), which broadcast over the heads of [b, heads, s, head_dim]; ``local``: a
-    local layer's tables (``rope_params``)."""
+    local layer's tables (``rope_params``). ``seq_len`` None: the largest position + 1 (packed documents:
+    the longest document, as transformers picks dynamic and longrope frequencies from position ids),
+    read only by the scalings that depend on it."""
+    if seq_len is None:
+        sc = rope_params(cfg, local)[1]
+        kind = sc.get("rope_type", sc.get("type", "default"))
+        seq_len = int(positions.max()) + 1 if kind in ("dynamic", "longrope") else 0
     inv = rope_inv_freq(cfg, seq_len, local).to(positions.device)
     freqs = positions.float()[..., None] * inv
     emb = torch.cat((freqs, freqs), dim=-1)
