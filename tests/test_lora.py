@@ -297,8 +297,12 @@ def test_trainable_counts_equal_peft(hf_dirs, name, targets):
         ("llama", {"r": 8, "from_adapter": "LLAMA"}, 1, "r=8 differs from the adapter's 4"),
     ],
 )
-def test_bad_lora_input_is_one_line_before_any_weight(hf_dirs, tmp_path, name, lora, zero, match):
-    """`mt3d train --check` refuses each in one line, exit 2, before any weight is read."""
+def test_bad_lora_input_is_one_line_before_any_weight(hf_dirs, tmp_path, name, lora, zero, match, capsys,
+                                                     monkeypatch):  # fmt: skip
+    """`mt3d train --check` (its entry point, in this process) refuses each in one line, exit 2, before
+    any weight is read."""
+    from mt3d.train import main
+
     if "from_adapter" in lora:
         src = {"GPT2": ("gpt2", ["c_attn"]), "LLAMA": ("llama", ["q_proj"])}[lora["from_adapter"]]
         peft_adapter(hf_dirs[src[0]], tmp_path / "adapter", src[1])
@@ -316,11 +320,13 @@ def test_bad_lora_input_is_one_line_before_any_weight(hf_dirs, tmp_path, name, l
     raw = lora_config(tmp_path / "run", hf_dirs[name], lora=lora)
     raw["zero_optimization"]["stage"] = zero
     (tmp_path / "c.json").write_text(json.dumps(raw))
-    cmd = [sys.executable, "-m", "mt3d.train", "--config", str(tmp_path / "c.json"), "--check"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 2, out.stderr[-1500:]
-    lines = [x for x in out.stderr.strip().splitlines() if x.strip()]
-    assert len(lines) == 1 and match in lines[0], out.stderr
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    capsys.readouterr()
+    assert main(["--config", str(tmp_path / "c.json"), "--check"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and match in lines[0], err
 
 
 def test_deepspeed_still_all_reduces_a_none_tied_gradient():
