@@ -26,7 +26,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.lora import Adapter, LoraSpec, is_adapter_param
 from ..parallel.state import AxisGroup
 from .config import ModelConfig
-from .sharding import ParamLayout, role_of, split_name
+from .sharding import ParamLayout, cache_key, role_of, split_name
 
 ALL_LINEAR = "all-linear"
 ROUTER = "a router (its scores choose experts; LoRA is not built for it)"
@@ -80,12 +80,6 @@ class Catalog:
     refused: dict  # hf full name -> why it has no adapter
 
 
-def _cache_key(cfg: ModelConfig) -> str:
-    d = cfg.to_dict()
-    d.pop("extra", None), d.pop("name", None)
-    return json.dumps(d, sort_keys=True, default=str)
-
-
 @functools.lru_cache(maxsize=16)
 def _catalog(key: str, vocab: int) -> Catalog:
     from ..model.moe import Router, expert_index
@@ -129,7 +123,7 @@ def _catalog(key: str, vocab: int) -> Catalog:
 
 def catalog(cfg: ModelConfig, vocab: int) -> Catalog:
     """Every HF module of ``cfg``'s blocks, adaptable or not (built once per config, on the meta device)."""
-    return _catalog(_cache_key(cfg), vocab)
+    return _catalog(cache_key(cfg), vocab)
 
 
 def _matches(hf: str, target) -> bool:
@@ -220,16 +214,6 @@ def universal_patterns(info: dict, targets: list[Target], tp: int) -> dict:
     return out
 
 
-def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """This rank's adapter parameters by global name."""
-    return {n: p for n, p in model.named_parameters() if is_adapter_param(p)}
-
-
 def trainable_count(targets: list[Target], spec: LoraSpec) -> int:
     """Adapter parameters of the whole model (what ``peft``'s ``get_peft_model`` reports trainable)."""
     return sum(spec.r * (t.in_features + t.out_features) for t in targets)
-
-
-def merged_delta(t: Target, a: torch.Tensor, b: torch.Tensor, spec: LoraSpec) -> torch.Tensor:
-    """The full ``s B A`` [out, in] of one adapter (unsharded A and B)."""
-    return (b.double() @ a.double() * spec.scale).float()

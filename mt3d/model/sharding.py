@@ -69,7 +69,9 @@ class ParamSpec:
     shape: tuple[int, ...]
 
 
-def _cache_key(cfg: ModelConfig) -> str:
+def cache_key(cfg: ModelConfig) -> str:
+    """``cfg`` as a hashable key of what shapes its parameters (name and provenance left out): the key
+    of the tables built from a config on the meta device (this one, ``model.lora.catalog``)."""
     d = cfg.to_dict()
     d.pop("extra", None), d.pop("name", None)
     return json.dumps(d, sort_keys=True, default=str)
@@ -99,7 +101,7 @@ def _table(key: str, vocab: int) -> dict[str, ParamSpec]:
 
 def sharding_table(cfg: ModelConfig, vocab: int) -> dict[str, ParamSpec]:
     """Every parameter of the model (global name -> layout and unsharded shape), in model order."""
-    return _table(_cache_key(cfg), vocab)
+    return _table(cache_key(cfg), vocab)
 
 
 def layout_of(cfg: ModelConfig, vocab: int, name: str) -> ParamLayout:

@@ -100,11 +100,6 @@ class Adapter(nn.Module):
         kind = "column" if self.column else "row"
         return f"r={self.spec.r}, alpha={self.spec.alpha}, {kind}, parts={self.parts}"
 
-    @torch.no_grad()
-    def delta(self) -> torch.Tensor:
-        """``s B A`` of this rank: the weight change merging folds into the base's local shard."""
-        return (self.B.float() @ self.A.float()) * self.spec.scale
-
 
 def column_with_adapters(y: torch.Tensor, x: torch.Tensor, adapters) -> torch.Tensor:
     """The column base's local output ``y`` [.., out/tp] plus each adapter's output in its columns
