@@ -67,18 +67,23 @@ class Gemma2(LlamaLike):
         ),
     }
 
+    def default_layer_types(self, hf: dict, where: str, layers: int) -> list[str]:
+        """The layer types transformers assumes when the config lists none: even layers local, odd global."""
+        return [SLIDING if i % 2 == 0 else "full_attention" for i in range(layers)]
+
     def options_from_hf(self, hf, where, layers):
-        """Soft-caps, the score scale, attention_bias and the local/global layer list."""
+        """Soft-caps (``hf_defaults``' when the config omits them; none where those have none), the score
+        scale, attention_bias and the local/global layer list."""
         d = self.hf_defaults
         window = positive(hf, "sliding_window", where, d["sliding_window"], integer=True)
-        if hf.get("layer_types") is None:  # transformers' default: even layers local, odd global
-            hf = {**hf, "layer_types": [SLIDING if i % 2 == 0 else "full_attention" for i in range(layers)]}
+        if hf.get("layer_types") is None:
+            hf = {**hf, "layer_types": self.default_layer_types(hf, where, layers)}
         bias = bool(get(hf, "attention_bias", False))
         return dict(
             bias=bias,
             qkv_bias=bias,
-            attn_softcap=positive(hf, "attn_logit_softcapping", where, d["attn_logit_softcapping"]),
-            logit_softcap=positive(hf, "final_logit_softcapping", where, d["final_logit_softcapping"]),
+            attn_softcap=positive(hf, "attn_logit_softcapping", where, d.get("attn_logit_softcapping")),
+            logit_softcap=positive(hf, "final_logit_softcapping", where, d.get("final_logit_softcapping")),
             query_pre_attn_scalar=positive(hf, "query_pre_attn_scalar", where, d["query_pre_attn_scalar"]),
             attention=attention_from_hf(hf, where, layers, window),
         )

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .base import HFError, attention_from_hf, attention_to_hf, get, positive, register, rope_from_hf
+from .base import HFError, get, positive, register, rope_from_hf
 from .gemma2 import Gemma2
 from .keys import COMMON, LLAMA_LIKE, WINDOWED, inert, read
 
@@ -76,22 +76,10 @@ class Gemma3(Gemma2):
         kw["rope_local"] = {"rope_theta": theta, **(scaling or {})}
         return kw
 
-    def options_from_hf(self, hf, where, layers):
-        """q/k norms always; soft-caps only when given; five local layers to one global by default."""
-        d = self.hf_defaults
-        window = positive(hf, "sliding_window", where, d["sliding_window"], integer=True)
-        if hf.get("layer_types") is None:
-            every = positive(hf, "sliding_window_pattern", where, 6, integer=True)
-            hf = {**hf, "layer_types": [SLIDING if (i + 1) % every else FULL for i in range(layers)]}
-        bias = bool(get(hf, "attention_bias", False))
-        return dict(
-            bias=bias,
-            qkv_bias=bias,
-            attn_softcap=positive(hf, "attn_logit_softcapping", where, None),
-            logit_softcap=positive(hf, "final_logit_softcapping", where, None),
-            query_pre_attn_scalar=positive(hf, "query_pre_attn_scalar", where, d["query_pre_attn_scalar"]),
-            attention=attention_from_hf(hf, where, layers, window),
-        )
+    def default_layer_types(self, hf, where, layers):
+        """Five local layers to one global (``sliding_window_pattern``, 6 by default), as transformers."""
+        every = positive(hf, "sliding_window_pattern", where, 6, integer=True)
+        return [SLIDING if (i + 1) % every else FULL for i in range(layers)]
 
     def hf_config(self, cfg, vocab):
         """Gemma 3's keys, RoPE by layer type (``rope_parameters`` only: transformers folds a top-level
@@ -104,15 +92,3 @@ class Gemma3(Gemma2):
         full = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
         out["rope_parameters"] = {FULL: full, SLIDING: local}
         return out
-
-    def options_to_hf(self, cfg):
-        """The Gemma 2 keys (soft-caps null when off) and the layer types."""
-        window, types = attention_to_hf(cfg)
-        return dict(
-            attention_bias=cfg.bias,
-            attn_logit_softcapping=cfg.attn_softcap,
-            final_logit_softcapping=cfg.logit_softcap,
-            query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
-            sliding_window=window,
-            layer_types=types,
-        )
