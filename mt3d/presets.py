@@ -46,6 +46,13 @@ PRESETS: dict[str, dict] = {
         **_TINY,
     ),
     # mixture-of-experts CPU variants: 4 experts, top-2, a load-balancing loss
+    "tiny-gpt-oss": dict(
+        family="gpt_oss", rope_theta=150000.0,
+        attention={"window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        moe=dict(experts=4, top_k=2, expert_ffn=64, norm_topk_prob=True, router_bias=True, expert_bias=True,
+                 swiglu_limit=7.0, swiglu_alpha=1.702),
+        **{**_TINY, "head_dim": 16},
+    ),
     "tiny-mixtral": dict(
         family="mixtral", moe=dict(experts=4, top_k=2, expert_ffn=64, aux_loss_coef=0.02), **_TINY
     ),
@@ -114,6 +121,17 @@ PRESETS: dict[str, dict] = {
         max_seq_len=32768, norm_eps=1e-5, rope_theta=1e6,
         moe=dict(experts=8, top_k=2, expert_ffn=14336, aux_loss_coef=0.02),
     ),
+    # gpt-oss (OpenAI 2025): 32 / 128 experts, top-4, biases and attention sinks, 128-token windows on
+    # every other layer, YaRN x32 over 4096 positions
+    **{name: dict(
+        family="gpt_oss", hidden=2880, layers=layers, heads=64, kv_heads=8, head_dim=64, ffn=2880,
+        vocab_size=201088, max_seq_len=131072, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 4096},
+        attention={"window": 128, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)},
+        moe=dict(experts=experts, top_k=4, expert_ffn=2880, norm_topk_prob=True, router_bias=True,
+                 expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
+    ) for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
     # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): 128 experts, top-8, renormalised
     "qwen3-30b-a3b": dict(
         family="qwen3_moe", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=6144,

@@ -63,25 +63,65 @@ def test_strided_windows_by_hand():
     assert torch.nonzero(blocked[6]).flatten().tolist() == [4, 5, 6]  # its own block of 4, causally
 
 
-@pytest.mark.parametrize("softcap", [None, 2.0])
-@pytest.mark.parametrize("window, stride, dilation", PATTERNS)
-def test_kernels_equal_the_brute_force_mask(window, stride, dilation, softcap):
-    """n = 37 is a multiple of no window, stride or tile; GQA with 2 query heads per KV head."""
+def sink_logits(hq=4, seed=2):
+    """Per-head sink logits around the scores' size (some above, some below)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(hq, generator=g, dtype=torch.float64) * 2).requires_grad_()
+
+
+@pytest.mark.parametrize("softcap, sink", [(None, False), (2.0, False), (None, True)])
+@pytest.mark.parametrize("window, stride, dilation", PATTERNS + [(None, None, None)])
+def test_kernels_equal_the_brute_force_mask(window, stride, dilation, softcap, sink):
+    """n = 37 is a multiple of no window, stride or tile; GQA with 2 query heads per KV head; global
+    attention (window None) too. Attention sinks against transformers' way (a logit column)."""
     n = 37
-    pattern = LocalPattern(window, stride, dilation)
+    pattern = None if window is None else LocalPattern(window, stride, dilation)
     q, k, v = qkv(n)
-    ref = reference_attention(q, k, v, pattern, scale=0.3, softcap=softcap)
-    ref_grads = grads(ref, (q, k, v))
+    sinks = sink_logits() if sink else None
+    inputs = (q, k, v, sinks) if sink else (q, k, v)
+    ref = reference_attention(q, k, v, pattern, scale=0.3, softcap=softcap, sinks=sinks)
+    ref_grads = grads(ref, inputs)
     runs = [("block-local", b) for b in (None, 4, 16, 64)] + [("dense", None), ("auto", None)]
     for kernel, block in runs:  # tiles auto, shorter than, equal to and longer than the window
-        out = attend(q, k, v, pattern=pattern, scale=0.3, softcap=softcap, block=block, kernel=kernel)
+        out = attend(
+            q, k, v, pattern=pattern, scale=0.3, softcap=softcap, block=block, kernel=kernel, sinks=sinks
+        )
         assert (out - ref).abs().max() < 1e-10, (kernel, block)
-        for a, b in zip(grads(out, (q, k, v)), ref_grads):
+        for a, b in zip(grads(out, inputs), ref_grads):
             assert (a - b).abs().max() < 1e-10, (kernel, block)
     with torch.no_grad():  # FlexAttention (the GPU kernel) runs forward on CPUs, uncompiled
         q32, k32, v32 = (x.detach().float() for x in (q, k, v))
-        flex = flex_local_attention(q32, k32, v32, pattern, scale=0.3, softcap=softcap, compiled=False)
+        s32 = sinks.detach().float() if sink else None
+        flex = flex_local_attention(
+            q32, k32, v32, pattern, scale=0.3, softcap=softcap, compiled=False, sinks=s32
+        )
         assert (flex - ref.float()).abs().max() < 1e-5
+
+
+def test_sinks_join_each_query_once_in_pieces_documents_and_decoding():
+    """Queries attended in pieces (as context parallelism's chunks: q_start, keys up to their end), packed
+    documents (each document's queries see the sink once) and one decoding step at a time all equal
+    the whole sequence's attention with sinks; without the sink the result differs."""
+    n, pattern = 24, LocalPattern(5)
+    q, k, v = qkv(n)
+    sinks = sink_logits()
+    for pat in (None, pattern):
+        ref = reference_attention(q, k, v, pat, scale=0.3, sinks=sinks)
+        pieces = [attend(q[:, :, a:e], k[:, :, :e], v[:, :, :e], pattern=pat, scale=0.3, q_start=a, n=n,
+                         sinks=sinks) for a, e in ((0, 6), (6, 18), (18, 24))]  # fmt: skip
+        assert (torch.cat(pieces, dim=2) - ref).abs().max() < 1e-10
+        steps = [attend(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], pattern=pat, scale=0.3,
+                        q_start=i, sinks=sinks) for i in range(n)]  # fmt: skip
+        assert (torch.cat(steps, dim=2) - ref).abs().max() < 1e-10
+        assert (attend(q, k, v, pattern=pat, scale=0.3) - ref).abs().max() > 1e-2
+    docs = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
+    out = attend(q, k, v, pattern=pattern, scale=0.3, documents=docs, sinks=sinks)
+    first = reference_attention(q[:1, :, :10], k[:1, :, :10], v[:1, :, :10], pattern, scale=0.3, sinks=sinks)
+    second = reference_attention(q[:1, :, 10:], k[:1, :, 10:], v[:1, :, 10:], pattern, scale=0.3, sinks=sinks)
+    assert (out[:1] - torch.cat([first, second], dim=2)).abs().max() < 1e-10
+    assert (
+        out[1:] - reference_attention(q[1:], k[1:], v[1:], pattern, scale=0.3, sinks=sinks)
+    ).abs().max() < 1e-10
 
 
 def test_window_blind_attention_differs():

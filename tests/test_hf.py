@@ -21,6 +21,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -51,9 +52,10 @@ FAMILIES = [
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt_oss",
 ]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
-WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 WINDOW = 8
 
 
@@ -106,6 +108,17 @@ def hf_configs(vocab, eos):
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2, **small,
         ),
+        # gpt-oss: attention sinks and biases, sliding/full layers, YaRN past its original 16 positions,
+        # router and expert biases, the clamped SwiGLU at a limit that clamps 8-19% of the gates and
+        # 12-28% of the up values
+        "gpt_oss": GptOssConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=WINDOW, swiglu_limit=0.3,
+            rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 16,
+                             "rope_theta": 150000.0},
+            **{**small, "intermediate_size": 64},
+        ),
     }  # fmt: skip
 
 
@@ -122,9 +135,10 @@ def hf_dirs(tmp_path_factory):
         model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                if p.ndim == 1:  # biases and norm weights: non-zero, not all one
+                if p.ndim == 1 or pname.endswith("_bias"):  # biases, sinks, norm weights: non-zero, not one
                     p.add_(torch.randn_like(p) * 0.2)
-                elif pname.endswith(("moe.gate.weight", "mlp.gate.weight", "shared_expert_gate.weight")):
+                elif pname.endswith(("moe.gate.weight", "mlp.gate.weight", "shared_expert_gate.weight",
+                                     "mlp.router.weight")):  # fmt: skip
                     p.mul_(30)  # routers far from uniform
         d = base / name
         model.save_pretrained(d)
@@ -279,7 +293,8 @@ def test_eval_under_tp_and_pp_matches(hf_dirs, tmp_path):
     want = {name: hf_window_loss(hf_model(d), ids[name], 64, 64)[0] for name, d in hf_dirs.items()}
     dirs = {name: str(d) for name, d in hf_dirs.items()}
     sparse = {name: d for name, d in dirs.items() if name in MOE}
-    local = {name: dirs[name] for name in ("gemma2", "gemma3")}  # windows and per-type RoPE over cp chunks
+    # windows, per-type RoPE and sinks over cp chunks (sinks' heads over the all-to-all)
+    local = {name: dirs[name] for name in ("gemma2", "gemma3", "gpt_oss")}
     runs = (
         spawn(eval_worker, 4, dirs, ids, timeout=300)
         + spawn(eval_worker, 4, sparse, ids, 1, 2, 2, timeout=300)
@@ -353,14 +368,15 @@ def assert_same_training(got, ref, what):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
 
 
-FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe"]
+FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
 def fine_tuned(hf_dirs, tmp_path_factory):
     """Each family fine-tuned for 5 steps on one process and at (2,2,2) (MoE: tp 2 x pp 2 x ep 2);
     Gemma 2 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps, windows), Gemma 3
-    at cp 2 (RoPE per layer type from global positions). Runs of a
+    at cp 2 (RoPE per layer type from global positions), gpt-oss at cp 2 (sinks over the all-gather
+    and halo exchanges; eval covers the all-to-all). Runs of a
     world size share one spawn: {name: (dir of the (2,2,2) run, {what: step records})}."""
     base = tmp_path_factory.mktemp("fine-tuned")
     runs, keys = [], []
@@ -377,9 +393,11 @@ def fine_tuned(hf_dirs, tmp_path_factory):
             raw["mt3d"]["parallel"]["sequence_parallel"] = True
             runs.append((4, raw))
             keys.append((name, "SP + recompute"))
-        if name == "gemma3":  # local and global layers' RoPE from global positions of each cp chunk
+        if name in ("gemma3", "gpt_oss"):  # RoPE per layer type from global positions; sinks over cp
             raw = fine_tune_config(d / "cp", hf_dirs[name], 5, 1, 1)
             raw["mt3d"]["parallel"]["context"] = 2
+            if name == "gpt_oss":
+                raw["mt3d"]["parallel"]["context_exchange"] = "allgather"
             runs.append((2, raw))
             keys.append((name, "cp 2"))
     out = {name: (base / name / "ft", {}) for name in FINE_TUNED}

@@ -19,7 +19,8 @@ here, once per step and once at start-up:
 * norms (``count_dense_once``): dense weights are held by every ep rank; on ep ranks > 0 they carry
   DeepSpeed's ``ds_pipe_replicated`` mark (meant for tied weights held by several stages: "counted
   once"), which every DeepSpeed norm honours, and experts are marked model-parallel so they count on
-  every rank;
+  every rank, except an expert tensor TP does not split (gpt-oss's down bias), counted on TP rank 0
+  (``tp_copy`` on the others);
 * the reported loss is averaged over ep in the training loop (DeepSpeed averages over its 'data');
 * resharding (``tp_slices``): DeepSpeed's universal loader slices TP-split states by the grid's
   'model' rank and size, which count ep ranks too; the load runs with mt3d's tp group instead.
@@ -45,7 +46,9 @@ def is_expert(p: torch.nn.Parameter) -> bool:
 def count_dense_once(module: torch.nn.Module, ep_rank: int) -> None:
     """Mark parameters so DeepSpeed's gradient norms count dense weights once over ep (see above)."""
     for p in module.parameters():
-        if is_expert(p):
+        if is_expert(p) and getattr(p, "tp_copy", False):
+            p.ds_pipe_replicated = True  # TP rank 0 holds the same tensor and counts it
+        elif is_expert(p):
             p.model_parallel = True  # distinct on every (tp, ep) rank: always counted
         elif ep_rank > 0:
             p.ds_pipe_replicated = True  # only set, never cleared: tied weights keep their mark

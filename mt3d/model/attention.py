@@ -1,4 +1,5 @@
-"""Attention patterns and their kernels: the one home for attention masks.
+"""Attention kernels: the one home for attention masks (the patterns themselves, which keys a query
+sees, are ``mt3d.model.patterns``, re-exported here).
 
 A layer attends either globally (causal) or locally with a ``LocalPattern`` (window W, stride s,
 dilation d: sliding, strided, blocked and dilated neighbourhood attention as one family, after
@@ -24,6 +25,14 @@ chosen by ``attend`` (``kernel`` in the attention spec overrides the automatic c
   off CUDA, decoding steps with a KV cache, and the reference the others are tested against.
 
 Soft-capping (Gemma 2) is ``cap * tanh(scores / cap)`` on the scaled scores, before the mask.
+
+Attention sinks (gpt-oss): a learned logit per query head joins every query's softmax once, as a key
+every query sees whose value is zero, so the weights of the real keys sum to less than one. SDPA and
+the block-local tiles take it as one extra key: the query gains a column holding sink / scale and
+the keys a zero column (``_with_sink``), and the sink key is the unit vector on that column; a whole
+causal sequence puts it first and a dummy first query before the others, so SDPA's causal kernels
+still apply. FlexAttention takes it as key 0 with the sink as its score. The sink's gradient flows
+through the query column. Sinks and soft-capping are not combined (no family has both).
 Grouped-query attention never copies key/value heads: query heads are grouped under the key/value
 head they share (HF's ``repeat_kv`` order: query head i uses key/value head i // group).
 """
@@ -32,141 +41,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
-
-
-class AttentionConfigError(UserError):
-    """An attention pattern that cannot be built; the message names the key."""
-
-
-FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types names
-
-
-@dataclass(frozen=True)
-class LocalPattern:
-    """Causal neighbourhood attention with window W, stride s and dilation d (NATTEN's causal na1d).
-
-    For a sequence of n tokens, query i attends to key j exactly when
-
-    * j is in i's dilation group: j = i (mod d); inside the group positions are counted as
-      i' = i // d and j' = j // d, and the group holds n_g = ceil((n - i mod d) / d) tokens;
-    * j' <= i' (causal), and
-    * L - j' < W, where L = min(floor(i'/s)*s + s - 1, n_g - 1) is the leader of i's stride group
-      (its last query, or the group's last token when the sequence ends inside the stride group).
-
-    The queries of a stride group share where their window starts (L - W + 1, cut at 0), so only
-    the leader sees W keys; query i' sees W - (L - i'). s = d = 1 is the sliding window (W keys up
-    to and including the query: transformers' ``kv > q - W``); s = W is blocked attention (each
-    query sees its own block of W, causally). Needs 1 <= s <= W and d >= 1.
-    """
-
-    window: int
-    stride: int = 1
-    dilation: int = 1
-
-    def allowed(self, q: torch.Tensor, k: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """Which key positions ``k`` each query position ``q`` sees (broadcasting integer tensors) in
-        a sequence of ``n`` tokens (None: no stride group is cut short by the end)."""
-        d, s = self.dilation, self.stride
-        qi, kj = q // d, k // d
-        lead = qi if s == 1 else (qi // s) * s + (s - 1)
-        if s > 1 and n is not None:
-            lead = torch.minimum(lead, (n - q % d + d - 1) // d - 1)
-        ok = (kj <= qi) & (lead - kj < self.window)
-        return ok & ((q - k) % d == 0) if d > 1 else ok
-
-    def history(self) -> int:
-        """Past positions a future query can still see: what a generation cache must keep."""
-        return self.window * self.dilation - 1
-
-    def grouped(self) -> LocalPattern:
-        """The pattern inside one dilation group (the group's tokens as a contiguous sequence)."""
-        return replace(self, dilation=1)
-
-
-def _positive_int(value, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise AttentionConfigError(f"model.attention.{key} must be a positive integer, got {value!r}")
-    return value
-
-
-ATTENTION_KEYS = {
-    "window": "keys each local query's window spans (W), itself included",
-    "stride": "queries per stride group sharing one window start (1: sliding; W: blocked)",
-    "dilation": "attend within every d-th token (d interleaved groups)",
-    "layer_types": f"per layer '{SLIDING}' (local) or '{FULL}' (global), as in HF configs",
-    "global_every": "every k-th layer (the k-th, 2k-th, ...) is global, the others local",
-    "block": "query rows per tile of the block-local kernel (default: chosen from the pattern)",
-    "kernel": "auto (flex on CUDA, block-local elsewhere), block-local, flex or dense",
-}
-KERNELS = ("auto", "block-local", "flex", "dense")
-
-
-def layer_patterns(spec: dict | None, layers: int) -> list[LocalPattern | None]:
-    """One entry per layer: its LocalPattern, or None for global causal attention.
-
-    ``spec`` is ``ModelConfig.attention``: ``{"window": W, "stride": s, "dilation": d}`` (every
-    layer local; stride and dilation default to 1), with ``"layer_types": [...]`` (HF names, one per
-    layer) or ``"global_every": k`` to mix in global layers. None: every layer global.
-    """
-    if spec is None:
-        return [None] * layers
-    if not isinstance(spec, dict):
-        raise AttentionConfigError(f"model.attention must be an object like {{'window': 256}}, got {spec!r}")
-    unknown = sorted(set(spec) - set(ATTENTION_KEYS))
-    if unknown:
-        raise AttentionConfigError(
-            f"unknown key model.attention.{unknown[0]} (valid: {', '.join(ATTENTION_KEYS)})"
-        )
-    if "window" not in spec:
-        raise AttentionConfigError("model.attention needs 'window' (keys each local query sees)")
-    window, stride, dilation = (_positive_int(spec.get(k, 1), k) for k in ("window", "stride", "dilation"))
-    if stride > window:
-        raise AttentionConfigError(
-            f"model.attention.stride {stride} is larger than the window {window} "
-            "(blocked attention is stride = window)"
-        )
-    local = LocalPattern(window, stride, dilation)
-    if "block" in spec:
-        _positive_int(spec["block"], "block")
-    if spec.get("kernel", "auto") not in KERNELS:
-        raise AttentionConfigError(f"model.attention.kernel must be one of {KERNELS}, got {spec['kernel']!r}")
-    if "layer_types" in spec and "global_every" in spec:
-        raise AttentionConfigError("model.attention: give layer_types or global_every, not both")
-    if "global_every" in spec:
-        k = _positive_int(spec["global_every"], "global_every")
-        if k > layers:
-            raise AttentionConfigError(
-                f"model.attention.global_every {k} is larger than the {layers} layers: no layer would be "
-                f"global (use a value <= {layers}, or drop global_every for an all-local model)"
-            )
-        return [None if (i + 1) % k == 0 else local for i in range(layers)]
-    types = spec.get("layer_types")
-    if types is None:
-        return [local] * layers
-    if not isinstance(types, list) or len(types) != layers:
-        got = len(types) if isinstance(types, list) else repr(types)
-        raise AttentionConfigError(f"model.attention.layer_types must list {layers} layers, got {got}")
-    bad = [t for t in types if t not in (FULL, SLIDING)]
-    if bad:
-        raise AttentionConfigError(
-            f"model.attention.layer_types: unknown type {bad[0]!r} (use {SLIDING!r} or {FULL!r})"
-        )
-    return [local if t == SLIDING else None for t in types]
-
-
-def keys_per_query(pattern: LocalPattern | None, seq_len: int) -> float:
-    """Keys a query attends to in a ``seq_len`` sequence, as counted for model FLOPs: ``seq_len`` for
-    global layers (the Narayanan et al. convention) and the pattern's mean for local ones (W for a
-    sliding window; W - (s - 1) / 2 with stride s, whose queries see W - (L - i) keys)."""
-    if pattern is None:
-        return seq_len
-    return min(seq_len, pattern.window - (pattern.stride - 1) / 2)
+from .patterns import (  # noqa: F401 - re-exported: the patterns are part of this module's interface
+    ATTENTION_KEYS,
+    FULL,
+    KERNELS,
+    SLIDING,
+    AttentionConfigError,
+    LocalPattern,
+    keys_per_query,
+    layer_patterns,
+)
 
 
 # --- kernels ------------------------------------------------------------------------------------
@@ -251,14 +139,40 @@ def _tile_attention(q, k, v, mask, scale, softcap, dropout, causal=False):
     return _math_attention(q, k, v, mask, scale, softcap, dropout)
 
 
+_SINK_PAD = 8
+"""Columns added to q/k/v for an attention sink (the first carries it; 8 keeps head_dim's alignment)."""
+
+
+def _with_sink(q, k, v, sinks: torch.Tensor, scale: float):
+    """q [b, hq, s, d], k/v [b, hk, t, d] with the sink columns: q's first holds sinks[h] / scale (so
+    its product with the sink key, scaled, is the sink logit), k's and v's are zero (no real key sees
+    the sink column; the sink's value is zero)."""
+    col = (sinks.to(q.dtype) / scale).view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    q = torch.cat([q, col, q.new_zeros(*q.shape[:-1], _SINK_PAD - 1)], dim=-1)
+    k, v = (F.pad(x, (0, _SINK_PAD)) for x in (k, v))
+    return q, k, v
+
+
+def _sink_key(like: torch.Tensor, lead: tuple) -> torch.Tensor:
+    """Zeros shaped ``lead + (like's last dim,)``: the sink's value, and its key once the caller sets
+    the sink column to one."""
+    return like.new_zeros(*lead, like.shape[-1])
+
+
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[..., hq, s, d] -> [..., hk, g*s, d]: the query heads of each key/value head stacked along s."""
     *lead, hq, s, d = q.shape
     return q.reshape(*lead, kv_heads, (hq // kv_heads) * s, d)
 
 
-def dense_attention(q, k, v, mask, *, scale, softcap=None, dropout=0.0):
-    """q [..., hq, s, d], k/v [..., hk, t, d], mask [s, t] or [..., 1, s, t] bool (True: attend) or None."""
+def dense_attention(q, k, v, mask, *, scale, softcap=None, dropout=0.0, sink=False):
+    """q [..., hq, s, d], k/v [..., hk, t, d], mask [s, t] or [..., 1, s, t] bool (True: attend) or None;
+    ``sink``: q/k/v carry the sink column (``_with_sink``): the sink key joins first, seen by all."""
+    if sink:
+        k, v = (torch.cat([_sink_key(x, (*x.shape[:-2], 1)), x], dim=-2) for x in (k, v))
+        k[..., 0, -_SINK_PAD] = 1.0
+        if mask is not None:
+            mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
     hq, s, d = q.shape[-3:]
     hk = k.shape[-3]
     if mask is not None and hq != hk:  # rows follow the grouped query layout
@@ -290,12 +204,13 @@ def _from_groups(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
     return x.view(bd // d, d, h, m, hd).permute(0, 2, 3, 1, 4).reshape(bd // d, h, m * d, hd)[:, :, :n]
 
 
-def _tiles(q, k, v, pattern: LocalPattern, scale, softcap, dropout, block):
+def _tiles(q, k, v, pattern: LocalPattern, scale, softcap, dropout, block, sink=False):
     """Block-local attention of whole sequences (no dilation, no stride group cut short).
 
     Laid out for SDPA's fused kernels as 4-D [batch x kv head, tile, rows, head_dim]: tile t's keys
     are a strided view of the (left-padded) keys, [t*block - span, t*block + block), with no copy;
-    the query heads sharing a key/value head are stacked in each tile's rows.
+    the query heads sharing a key/value head are stacked in each tile's rows. ``sink``: q/k/v carry
+    the sink column (``_with_sink``) and every tile gets the sink key first (a copy of the tiles).
     """
     b, hq, n, hd = q.shape
     hk = k.shape[1]
@@ -311,17 +226,22 @@ def _tiles(q, k, v, pattern: LocalPattern, scale, softcap, dropout, block):
         return xp.unfold(2, span + block, block).transpose(-1, -2).reshape(b * hk, blocks, span + block, hd)
 
     mask, causal = local_tile_mask(pattern, n, block, span, q.device)  # [blocks, block, span + block]
+    kt, vt = tiles(k), tiles(v)
+    if sink:  # the sink key (and its zero value) first in every tile, seen by every row
+        kt, vt = (torch.cat([_sink_key(x, (b * hk, blocks, 1)), x], dim=2) for x in (kt, vt))
+        kt[:, :, 0, -_SINK_PAD] = 1.0
+        mask, causal = torch.cat([mask.new_ones(blocks, block, 1), mask], dim=2), False
     if causal and g == 1:  # blocked attention: every tile is one causal block
-        out = _tile_attention(qt, tiles(k), tiles(v), None, scale, softcap, dropout, causal=True)
+        out = _tile_attention(qt, kt, vt, None, scale, softcap, dropout, causal=True)
     else:
         rows = mask if g == 1 else mask.repeat(1, g, 1)
-        out = _tile_attention(qt, tiles(k), tiles(v), rows[None], scale, softcap, dropout)
+        out = _tile_attention(qt, kt, vt, rows[None], scale, softcap, dropout)
     if g > 1:
         out = out.view(b * hk, blocks, g, block, hd).transpose(1, 2)
     return out.reshape(b, hq, blocks * block, hd)[:, :, :n]
 
 
-def _tail(q, k, v, pattern: LocalPattern, start: int, sizes: list[int], scale, softcap, dropout):
+def _tail(q, k, v, pattern: LocalPattern, start: int, sizes: list[int], scale, softcap, dropout, sink=False):
     """Queries from ``start`` on (group units) of every dilation group, whose stride group the
     sequence cuts short: dense attention over the keys they can reach, masked per group length."""
     m = q.shape[2]
@@ -334,13 +254,15 @@ def _tail(q, k, v, pattern: LocalPattern, start: int, sizes: list[int], scale, s
         masks.append(torch.where(qpos < n_g, mask, kpos == qpos))
     mask = torch.stack(masks).repeat(q.shape[0] // len(sizes), 1, 1)[:, None]  # [b*d, 1, s, t]
     return dense_attention(
-        q[:, :, start:], k[:, :, k0:], v[:, :, k0:], mask, scale=scale, softcap=softcap, dropout=dropout
-    )
+        q[:, :, start:], k[:, :, k0:], v[:, :, k0:], mask, scale=scale, softcap=softcap, dropout=dropout,
+        sink=sink,
+    )  # fmt: skip
 
 
-def block_local_attention(q, k, v, pattern: LocalPattern, *, scale, softcap=None, dropout=0.0, block=None):
+def block_local_attention(q, k, v, pattern: LocalPattern, *, scale, softcap=None, dropout=0.0, block=None,
+                          sink=False):  # fmt: skip
     """Exact local attention for a whole causal sequence (q [b, hq, n, hd], k/v [b, hk, n, hd]) with
-    compute and memory proportional to n * (span + block)."""
+    compute and memory proportional to n * (span + block); ``sink``: q/k/v carry the sink column."""
     n, d, s = q.shape[2], pattern.dilation, pattern.stride
     sizes = [-(-(n - g) // d) for g in range(min(d, n))]
     qg, kg, vg = (_to_groups(x, d) for x in (q, k, v))
@@ -352,11 +274,10 @@ def block_local_attention(q, k, v, pattern: LocalPattern, *, scale, softcap=None
     block = block or choose_block(pattern, q.shape[-1], body)
     parts = []
     if body > 0:
-        parts.append(
-            _tiles(qg[:, :, :body], kg[:, :, :body], vg[:, :, :body], grouped, scale, softcap, dropout, block)
-        )
+        parts.append(_tiles(qg[:, :, :body], kg[:, :, :body], vg[:, :, :body], grouped, scale, softcap,
+                            dropout, block, sink))  # fmt: skip
     if body < m:
-        parts.append(_tail(qg, kg, vg, pattern, body, sizes, scale, softcap, dropout))
+        parts.append(_tail(qg, kg, vg, pattern, body, sizes, scale, softcap, dropout, sink))
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return _from_groups(out, d, n)
 
@@ -364,26 +285,38 @@ def block_local_attention(q, k, v, pattern: LocalPattern, *, scale, softcap=None
 _FLEX: dict = {}
 
 
-def flex_local_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap=None, compiled=True):
+def flex_local_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap=None, compiled=True,
+                         sinks=None):  # fmt: skip
     """FlexAttention (no dropout) with the pattern's block mask, built once per (pattern, length,
-    device); soft-capping as its score modifier. Global causal when ``pattern`` is None."""
+    device); soft-capping as its score modifier. Global causal when ``pattern`` is None. ``sinks``
+    [hq]: key 0 is a zero key (and value) every query sees, scored sinks[h]; the real keys follow."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     n = q.shape[2]
-    key = (pattern, n, str(q.device))
+    sink = sinks is not None
+    key = (pattern, n, str(q.device), sink)
     if key not in _FLEX:
 
-        def mask_mod(b, h, qi, kv):
+        def allowed(qi, kv):
             return kv <= qi if pattern is None else pattern.allowed(qi, kv, n)
+
+        def mask_mod(b, h, qi, kv):
+            return (kv == 0) | allowed(qi, kv - 1) if sink else allowed(qi, kv)
 
         if len(_FLEX) > 32:
             _FLEX.clear()
-        _FLEX[key] = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+        _FLEX[key] = create_block_mask(mask_mod, None, None, n, n + sink, device=q.device)
     score_mod = None
     if softcap is not None:
 
         def score_mod(score, b, h, qi, kv):
             return softcap * torch.tanh(score / softcap)
+
+    elif sink:
+        k, v = (F.pad(x, (0, 0, 1, 0)) for x in (k, v))
+
+        def score_mod(score, b, h, qi, kv):
+            return torch.where(kv == 0, sinks[h].to(score.dtype), score)
 
     fn = _compiled_flex() if compiled else flex_attention
     return fn(
@@ -424,6 +357,7 @@ def attend(
     kernel: str = "auto",
     n: int | None = None,
     documents: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j`` in a
     sequence of ``n`` tokens (default: it ends with the last query).
@@ -431,45 +365,64 @@ def attend(
     q: [b, hq, s, d]; k, v: [b, hk, t, d] (hq a multiple of hk). Returns [b, hq, s, d].
     ``documents`` [b, n]: the document index of every position of the whole sequence (packed samples,
     ``mt3d.data.packing``): attention then stays inside each document (``attend_documents``).
+    ``sinks`` [hq]: each query head's sink logit, joining every query's softmax once.
     """
+    if sinks is not None and softcap is not None:
+        raise AttentionConfigError("attention sinks with soft-capped scores are not supported")
     if documents is not None:
         from .documents import attend_documents
 
         return attend_documents(attend, q, k, v, documents, pattern=pattern, scale=scale, softcap=softcap,
                                 dropout=dropout, q_start=q_start, k_start=k_start, block=block,
-                                kernel=kernel)  # fmt: skip
+                                kernel=kernel, sinks=sinks)  # fmt: skip
+    d = q.shape[-1]
     s, t = q.shape[2], k.shape[2]
     n = q_start + s if n is None else n
     whole = q_start == 0 and k_start == 0 and s == t == n
     if whole and pattern is not None and pattern.dilation == 1 and pattern.window >= s:
         pattern = None  # every window reaches the first token: global attention
-    if whole:
-        name = choose_kernel(kernel, pattern, q.device, softcap, dropout)
-        if name == "flex":
-            if dropout > 0 or (q.device.type != "cuda" and torch.is_grad_enabled()):
-                raise AttentionConfigError(
-                    "attention kernel 'flex' needs CUDA and no attention dropout for training "
-                    "(torch 2.13's FlexAttention has no CPU backward); use 'block-local'"
-                )
-            return flex_local_attention(q, k, v, pattern, scale=scale, softcap=softcap)
-        if name == "block-local" and pattern is not None:
-            return block_local_attention(
-                q, k, v, pattern, scale=scale, softcap=softcap, dropout=dropout, block=block
+    name = choose_kernel(kernel, pattern, q.device, softcap, dropout) if whole else "dense"
+    if name == "flex":
+        if dropout > 0 or (q.device.type != "cuda" and torch.is_grad_enabled()):
+            raise AttentionConfigError(
+                "attention kernel 'flex' needs CUDA and no attention dropout for training "
+                "(torch 2.13's FlexAttention has no CPU backward); use 'block-local'"
             )
-        if pattern is None and softcap is None and name != "dense":
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=s > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
+        return flex_local_attention(q, k, v, pattern, scale=scale, softcap=softcap, sinks=sinks)
+    sink = sinks is not None
+    if sink:  # the sink column on q, k and v; outputs are cut back to d
+        q, k, v = _with_sink(q, k, v, sinks, scale)
+    if name == "block-local" and pattern is not None:
+        out = block_local_attention(
+            q, k, v, pattern, scale=scale, softcap=softcap, dropout=dropout, block=block, sink=sink
+        )
+        return out[..., :d]
+    if pattern is None and softcap is None and name != "dense":
+        if sink:  # the sink key first, and a dummy first query (seeing only it): causal still fits
+            k, v = (torch.cat([_sink_key(x, (*x.shape[:2], 1)), x], dim=2) for x in (k, v))
+            k[:, :, 0, d] = 1.0
+            q = F.pad(q, (0, 0, 1, 0))
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=dropout,
+            is_causal=s > 1 or sink,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out[:, :, 1:, :d] if sink else out
     qpos = torch.arange(q_start, q_start + s, device=q.device)[:, None]
     kpos = torch.arange(k_start, k_start + t, device=q.device)[None, :]
     mask = (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos, n)
     if bool(mask.all()):
         mask = None  # e.g. one decoding step over a cache that holds just its window
-    return dense_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
+    return dense_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout, sink=sink)[..., :d]
 
 
-def reference_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap=None):
-    """Brute force: the full [n, n] mask from ``LocalPattern.allowed`` (tests compare kernels to it)."""
+def reference_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap=None, sinks=None):
+    """Brute force: the full [n, n] mask from ``LocalPattern.allowed`` (tests compare kernels to it);
+    ``sinks`` [hq] as a logit column beside the scores, dropped after the softmax (transformers' way)."""
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
     if pattern is None:
@@ -479,4 +432,13 @@ def reference_attention(q, k, v, pattern: LocalPattern | None, *, scale, softcap
     hk = k.shape[1]
     g = q.shape[1] // hk
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return _math_attention(q, k, v, mask, scale, softcap, 0.0)
+    if sinks is None:
+        return _math_attention(q, k, v, mask, scale, softcap, 0.0)
+    scores = _softcapped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap).masked_fill(
+        ~mask, float("-inf")
+    )
+    col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    low = scores.dtype in (torch.float16, torch.bfloat16)
+    probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1, dtype=torch.float32 if low else None)
+    probs = probs[..., :-1].to(q.dtype)
+    return torch.matmul(probs, v)

@@ -69,6 +69,11 @@ class Attention(nn.Module):
         )
         if cfg.qk_norm:
             self.q_norm, self.k_norm = make_head_norm(cfg, ctx), make_head_norm(cfg, ctx)
+        self.sinks = None
+        if cfg.attn_sinks:  # one logit per query head, split over TP with the heads
+            lo = ctx.tp.rank * self.heads
+            w = ctx.init(layer, "attn.sinks", cfg.init_std).rows(lo, lo + self.heads, 1, ctx.dtype).view(-1)
+            self.sinks = mark_tp(nn.Parameter(w.to(ctx.device)), 0)
         self.out = RowParallelLinear(
             cfg.q_size,
             cfg.hidden,
@@ -147,11 +152,11 @@ class Attention(nn.Module):
             if self.ctx.cp_size > 1 and cache is None:
                 o = context.attention(
                     q, k, v, self.ctx.cp, self.cp_kind(s), pattern=self.pattern, scale=self.scale,
-                    softcap=self.cfg.attn_softcap, dropout=drop, attend=kernel,
+                    softcap=self.cfg.attn_softcap, dropout=drop, attend=kernel, sinks=self.sinks,
                 )  # fmt: skip
             else:
                 o = kernel(q, k, v, pattern=self.pattern, scale=self.scale, softcap=self.cfg.attn_softcap,
-                           dropout=drop, q_start=past, k_start=k_start)  # fmt: skip
+                           dropout=drop, q_start=past, k_start=k_start, sinks=self.sinks)  # fmt: skip
         return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
 

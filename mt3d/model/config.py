@@ -68,6 +68,8 @@ class ModelConfig:
     """Soft-cap the output logits the same way (Gemma 2: 30). None: off."""
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by this ** -0.5 (Gemma 2). None: head_dim."""
+    attn_sinks: bool = False
+    """A learned sink logit per query head that joins every query's softmax once (gpt-oss)."""
     attention: dict | None = None
     """Local attention (``mt3d.model.attention``): {"window": W} makes every layer attend to its W
     most recent keys (itself included); add "layer_types" (HF's per-layer 'sliding_attention' /
@@ -150,6 +152,8 @@ class ModelConfig:
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
                 raise ModelConfigError(f"model.{key} must be a positive number or null, got {v!r}")
+        if self.attn_sinks and self.attn_softcap is not None:
+            raise ModelConfigError("model.attn_sinks with attn_softcap is not supported (no family has both)")
         if self.norm_unit_offset and self.norm != "rmsnorm":
             raise ModelConfigError("model.norm_unit_offset needs norm 'rmsnorm'")
         if self.qk_norm and self.norm != "rmsnorm":
@@ -237,11 +241,13 @@ class ModelConfig:
         """Width of all key (or value) heads."""
         return self.kv_heads * self.head_dim
 
-    def mlp_params(self, ffn: int | None = None) -> int:
-        """Parameters of one dense MLP of inner size ``ffn`` (default: the model's)."""
+    def mlp_params(self, ffn: int | None = None, bias: bool | None = None) -> int:
+        """Parameters of one dense MLP of inner size ``ffn`` (default: the model's), with biases when
+        ``bias`` (default: ``mlp_bias``)."""
         ffn = self.ffn if ffn is None else ffn
+        bias = self.mlp_bias if bias is None else bias
         inner = ffn * (2 if self.mlp in GATED_MLPS else 1)
-        return self.hidden * inner + ffn * self.hidden + self.mlp_bias * (inner + self.hidden)
+        return self.hidden * inner + ffn * self.hidden + bias * (inner + self.hidden)
 
     def block_params(self, layer: int | None = None, active: bool = False, ep: int = 1) -> int:
         """Parameters of transformer block ``layer`` (None: an average block of the model); ``active``:
@@ -257,11 +263,13 @@ class ModelConfig:
             return round(total / self.layers)
         h = self.hidden
         qkv = self.q_size + 2 * self.kv_size
-        attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h
+        attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h + self.attn_sinks * self.heads
         spec = self.moe_spec
         if spec is not None and spec.sparse(layer):
             used = spec.top_k if active else spec.experts // ep
-            mlp = used * self.mlp_params(spec.expert_ffn) + spec.experts * h
+            mlp = used * self.mlp_params(spec.expert_ffn, spec.expert_bias) + spec.experts * (
+                h + spec.router_bias
+            )
             if spec.shared_ffn:
                 mlp += self.mlp_params(spec.shared_ffn) + h
         else:

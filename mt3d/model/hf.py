@@ -12,6 +12,7 @@ materialises the full model. Writing HF directories is ``export.py``.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -176,8 +177,10 @@ class SafetensorsFile:
         """Shape of a tensor."""
         return list(self.entries[name]["shape"])
 
-    def region(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """Rows x columns of a 1-D or 2-D tensor, read straight into the result (no extra copy).
+    def region(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None,
+               index: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Rows x columns of a 1-D or 2-D tensor (of matrix ``index`` of a stacked 2-D or 3-D one), read
+        straight into the result (no extra copy).
 
         Full-width rows are one read; a column range is one read per row (its part of the row).
         """
@@ -187,12 +190,15 @@ class SafetensorsFile:
         dtype = _ST_DTYPES[e["dtype"]]
         shape = e["shape"]
         item = torch.tensor([], dtype=dtype).element_size()
+        begin = self.base + e["data_offsets"][0]
+        if index is not None:  # one matrix of a stack: its bytes are contiguous
+            shape = shape[1:]
+            begin += index * math.prod(shape) * item
         width = shape[1] if len(shape) == 2 else 1
         c0, c1 = cols or (0, width)
         nrows = rows[1] - rows[0]
         out = torch.empty((nrows, c1 - c0) if len(shape) == 2 else (nrows,), dtype=dtype)
         raw = out.view(torch.uint8).view(nrows, -1) if nrows else None
-        begin = self.base + e["data_offsets"][0]
         if nrows and (c0, c1) == (0, width):
             got = os.preadv(self.fd, [raw.numpy()], begin + rows[0] * width * item)
             if got != raw.numel():
@@ -247,27 +253,40 @@ class HFReader:
             self._open[f] = SafetensorsFile(f)
         return self._open[f]
 
+    def _stored(self, piece: Piece) -> list[int]:
+        """The stored shape of the piece's tensor (of one matrix of a stacked one)."""
+        shape = self._file(piece.name).shape(piece.name)
+        if piece.index is not None:
+            if not shape or not 0 <= piece.index < shape[0]:
+                raise HFError(f"{self.dir}: tensor {piece.name} {tuple(shape)} has no entry {piece.index}")
+            shape = shape[1:]
+        return shape
+
     def shape(self, piece: Piece) -> list[int]:
         """Shape of a piece in mt3d orientation."""
-        shape = self._file(piece.name).shape(piece.name)
+        shape = self._stored(piece)
         if piece.transpose:
             shape = shape[::-1]
         if piece.size is not None:
             shape[0] = piece.size
+        elif piece.step > 1:
+            shape[0] = -(-(shape[0] - piece.start) // piece.step)
         return shape
 
     def read(self, piece: Piece, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
-        """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only those bytes."""
+        """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only those bytes
+        (of an interleaved piece: the span of its rows, then every ``step``-th)."""
         f = self._file(piece.name)
-        stored = f.shape(piece.name)
-        nrows = piece.size if piece.size is not None else (stored[1] if piece.transpose else stored[0])
-        r0, r1 = rows or (0, nrows)
-        rows = (r0 + piece.start, r1 + piece.start)
+        stored = self._stored(piece)
+        r0, r1 = rows or (0, self.shape(piece)[0])
+        a, step = piece.start + r0 * piece.step, piece.step
+        rows = (a, a + (r1 - r0 - 1) * step + 1) if r1 > r0 else (a, a)
         if len(stored) == 1:
-            return f.region(piece.name, rows)
+            return f.region(piece.name, rows, index=piece.index)[::step]
         if piece.transpose:  # mt3d rows are the stored columns
-            return f.region(piece.name, cols or (0, stored[0]), rows).t()  # copied into place by the caller
-        return f.region(piece.name, rows, cols)
+            out = f.region(piece.name, cols or (0, stored[0]), rows, index=piece.index)[:, ::step]
+            return out.t()  # copied into place by the caller
+        return f.region(piece.name, rows, cols, index=piece.index)[::step]
 
 
 def read_shard(
@@ -302,8 +321,9 @@ def read_shard(
 
 
 def hf_state_dict(cfg: ModelConfig, vocab: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors from unsharded mt3d tensors (by global name): fused tensors split or re-joined."""
-    grouped: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
+    """HF tensors from unsharded mt3d tensors (by global name): fused tensors split or re-joined,
+    interleaved rows put back in place, one matrix per ``index`` stacked."""
+    grouped: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     for name, tensor in full.items():
         ps = pieces(cfg, name)
         if len(ps) == 1:
@@ -313,12 +333,21 @@ def hf_state_dict(cfg: ModelConfig, vocab: int, full: dict[str, torch.Tensor]) -
         else:  # separate HF tensors (q/k/v, gate/up): the layout's parts
             sizes = list(layout_of(cfg, vocab, name).parts)
         for p, chunk in zip(ps, tensor.split(sizes)):
-            grouped.setdefault(p.name, []).append((p.start, chunk, p.transpose))
+            grouped.setdefault(p.name, []).append((p, chunk))
     result = {}
     for hf_name, chunks in grouped.items():
-        chunks.sort(key=lambda c: c[0])
-        t = torch.cat([c[1] for c in chunks])
-        result[hf_name] = (t.t() if chunks[0][2] else t).contiguous()
+        matrices = {}
+        for index in sorted({p.index for p, _ in chunks}, key=lambda i: -1 if i is None else i):
+            mine = sorted(((p, c) for p, c in chunks if p.index == index), key=lambda pc: pc[0].start)
+            if all(p.step == 1 for p, _ in mine):
+                t = torch.cat([c for _, c in mine])
+            else:  # interleaved: each piece's rows at start, start + step, ...
+                t = mine[0][1].new_empty((sum(c.shape[0] for _, c in mine), *mine[0][1].shape[1:]))
+                for p, c in mine:
+                    t[p.start :: p.step] = c
+            matrices[index] = t.t() if mine[0][0].transpose else t
+        t = torch.stack(list(matrices.values())) if None not in matrices else matrices[None]
+        result[hf_name] = t.contiguous()
     return result
 
 

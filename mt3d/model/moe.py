@@ -55,6 +55,7 @@ from ..parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+from ..parallel.marks import mark_tp_partial_grad
 from .moe_spec import MoEConfigError, MoESpec  # noqa: F401 - MoEConfigError: re-exported
 
 
@@ -88,35 +89,60 @@ def router_losses(spec: MoESpec, routed: Routed, tokens: int, sparse_layers: int
 
 
 class Router(nn.Module):
-    """The replicated [experts, hidden] scoring matrix (no bias)."""
+    """The replicated [experts, hidden] scoring matrix, and its bias where the family has one."""
 
-    def __init__(self, cfg, ctx, layer: int, rows: int, name: str) -> None:
+    def __init__(self, cfg, ctx, layer: int, rows: int, name: str, bias: bool = False) -> None:
         super().__init__()
         w = ctx.init(layer, name, cfg.init_std).rows(0, rows, cfg.hidden, ctx.dtype)
         self.weight = nn.Parameter(w.to(ctx.device))
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=ctx.dtype, device=ctx.device)) if bias else None
         if ctx.sp:  # computed on this rank's sequence shard: partial gradients, summed over TP
-            mark_sequence_parallel(self.weight, ctx.tp)
+            for p in self.parameters():
+                mark_sequence_parallel(p, ctx.tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits [..., rows] of hidden states x [..., h]."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class Expert(nn.Module):
-    """One routed expert: a gated MLP (fused gate/up, down), its inner dimension split over TP."""
+    """One routed expert: a gated MLP (fused gate/up, down), its inner dimension split over TP. With
+    ``expert_bias`` the gate/up bias splits with its rows; the down bias is added by TP rank 0 alone
+    (the ranks' partial outputs are summed after the experts combine): the others add it times 0, so
+    that every rank has its gradient (zero) for the sum over TP that gives every rank the same one."""
 
     def __init__(self, cfg, ctx, layer: int, index: int, ffn: int) -> None:
         super().__init__()
-        common = dict(tp=ctx.tp, bias=False, dtype=ctx.dtype, device=ctx.device)
+        bias = cfg.moe_spec.expert_bias
+        common = dict(tp=ctx.tp, bias=bias, dtype=ctx.dtype, device=ctx.device)
         name = f"mlp.experts.{index}"
         self.up = ColumnParallelLinear(
             cfg.hidden, 2 * ffn, parts=(ffn, ffn), init=ctx.init(layer, f"{name}.up", cfg.init_std), **common
         )
         std = cfg.init_std / math.sqrt(2 * cfg.layers)
         self.down = RowParallelLinear(ffn, cfg.hidden, init=ctx.init(layer, f"{name}.down", std), **common)
+        self.bias_share = 1.0 if ctx.tp.rank == 0 else 0.0
+        if bias:
+            mark_tp_partial_grad(self.down.bias, ctx.tp)
+            self.down.bias.tp_copy = ctx.tp.rank > 0  # the same on every TP rank: norms count rank 0's
         for p in self.parameters():
             p.mt3d_expert = True  # reduced over the expert-data-parallel ranks only (mt3d.ds.experts)
 
-    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
-        """[n, h] rows (already inside the TP region) -> this rank's partial [n, h] output."""
-        gate, up = F.linear(x, self.up.weight).chunk(2, dim=-1)
-        return F.linear(act(gate) * up, self.down.weight)
+    def forward(self, x: torch.Tensor, glu) -> torch.Tensor:
+        """[n, h] rows (already inside the TP region) -> this rank's partial [n, h] output; ``glu`` maps
+        the fused [gate | up] to the gated activation."""
+        y = F.linear(glu(F.linear(x, self.up.weight, self.up.bias)), self.down.weight)
+        return y if self.down.bias is None else y + self.down.bias * self.bias_share
+
+
+def gated(y: torch.Tensor, act, limit: float | None = None, alpha: float = 1.0) -> torch.Tensor:
+    """The gated activation of a fused [gate | up]: act(gate) * up, or with ``limit`` gpt-oss's clamped
+    SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)."""
+    gate, up = y.chunk(2, dim=-1)
+    if limit is None:
+        return act(gate) * up
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 class SparseMoE(nn.Module):
@@ -128,8 +154,9 @@ class SparseMoE(nn.Module):
 
         spec = cfg.moe_spec
         self.spec, self.tp, self.sp = spec, ctx.tp, ctx.sp
-        self.act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
-        self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router")
+        act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
+        self.glu = functools.partial(gated, act=act, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+        self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias)
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
         self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
@@ -148,7 +175,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, stats: tuple | None = None):
         """x [b, s, h] (SP: the sequence shard) -> (output like x, updated ``stats`` or None)."""
         spec = self.spec
-        logits = F.linear(x, self.router.weight)
+        logits = self.router(x)
         probs = logits.float().softmax(dim=-1)
         weights, index = probs.topk(spec.top_k, dim=-1)
         if spec.norm_topk_prob:
@@ -165,7 +192,7 @@ class SparseMoE(nn.Module):
         y = y.view(b, s, h)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
         if self.shared is not None:
-            y = y + torch.sigmoid(F.linear(x, self.shared_gate.weight)) * self.shared(x)
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         if stats is not None:
             stats = self._stats(stats, logits, probs, index, dropped)
         return y, stats
@@ -246,11 +273,18 @@ class SparseMoE(nn.Module):
             # the gradients back to each expert's parameters)
             up = torch.stack([e.up.weight for e in experts]).transpose(1, 2)
             down = torch.stack([e.down.weight for e in experts]).transpose(1, 2)
-            gate, val = _grouped_mm(xs, up, offs).chunk(2, dim=-1)
-            return _grouped_mm(self.act(gate) * val, down, offs)
+            y = _grouped_mm(xs, up, offs)
+            if experts[0].up.bias is not None:  # each row's expert's biases
+                n = torch.tensor(counts, device=xs.device)
+                which = torch.repeat_interleave(torch.arange(len(experts), device=xs.device), n)
+                y = y + torch.stack([e.up.bias for e in experts])[which]
+            y = _grouped_mm(self.glu(y), down, offs)
+            if experts[0].down.bias is not None:
+                y = y + torch.stack([e.down.bias for e in experts])[which] * experts[0].bias_share
+            return y
         outs, start = [], 0
         for expert, n in zip(experts, counts, strict=True):
-            outs.append(expert(xs[start : start + n], self.act))
+            outs.append(expert(xs[start : start + n], self.glu))
             start += n
         return torch.cat(outs)
 

@@ -36,6 +36,15 @@ class MoESpec:
     applied when output_router_logits is on)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss: mean over tokens and sparse layers of logsumexp(router logits)^2."""
+    router_bias: bool = False
+    """A bias on the router's logits (gpt-oss)."""
+    expert_bias: bool = False
+    """Biases on the routed experts' gate/up and down projections (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the routed experts: gate clamped to <= limit, up to [-limit, limit],
+    out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: the model's plain gated activation."""
+    swiglu_alpha: float = 1.0
+    """The sigmoid's gain in the clamped SwiGLU (gpt-oss: 1.702)."""
     capacity_factor: float | None = None
     """None: dropless (transformers). Else, in training, each expert takes at most
     ceil(cf * tokens * k / E) assignments per micro-batch and the rest are dropped (counted in the
@@ -84,6 +93,15 @@ class MoESpec:
             raise MoEConfigError(
                 f"model.moe.capacity_factor must be a finite positive number or null (dropless), got {cf!r}"
             )
+        for key in ("router_bias", "expert_bias"):
+            if not isinstance(getattr(self, key), bool):
+                raise MoEConfigError(f"model.moe.{key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, key)
+            if (v is not None or key == "swiglu_alpha") and (
+                isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 or not math.isfinite(v)
+            ):
+                raise MoEConfigError(f"model.moe.{key} must be a finite positive number, got {v!r}")
         if not isinstance(self.norm_topk_prob, bool):
             raise MoEConfigError(
                 f"model.moe.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}"

@@ -26,6 +26,7 @@ BLOCK_OPTIONS = (
     "attn_softcap",
     "logit_softcap",
     "query_pre_attn_scalar",
+    "attn_sinks",
     "attention",
     "tie_embeddings",
     "moe",

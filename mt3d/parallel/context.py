@@ -149,10 +149,10 @@ def halo(x: torch.Tensor, cp: AxisGroup, h: int) -> tuple[torch.Tensor, torch.Te
     return _Halo.apply(x, cp, h)
 
 
-def _ulysses_local(pattern, scale, softcap, dropout, cp: int, attend):
+def _ulysses_local(pattern, scale, softcap, dropout, cp: int, attend, sinks=None):
     """The attention DeepSpeed's DistributedAttention runs on each rank after its all-to-all:
     [b, n, heads/cp, d] over the whole sequence, whose chunks arrive in rank order (rank r's two
-    chunks at 2r, 2r+1): put in global order, attend, put back."""
+    chunks at 2r, 2r+1): put in global order, attend, put back. ``sinks``: this rank's heads' sinks."""
     order = _order(cp)
     back = [order.index(i) for i in range(2 * cp)]
 
@@ -162,23 +162,26 @@ def _ulysses_local(pattern, scale, softcap, dropout, cp: int, attend):
             return torch.cat([chunks[i] for i in perm], dim=1)
 
         q, k, v = (reorder(t, order).transpose(1, 2) for t in (q, k, v))
-        out = attend(q, k, v, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout)
+        out = attend(q, k, v, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks)
         return reorder(out.transpose(1, 2), back)
 
     return local
 
 
-def ulysses(q, k, v, cp: AxisGroup, *, pattern, scale, softcap, dropout, attend) -> torch.Tensor:
+def ulysses(q, k, v, cp: AxisGroup, *, pattern, scale, softcap, dropout, attend, sinks=None) -> torch.Tensor:
     """All-to-all attention with DeepSpeed's ``DistributedAttention``: q/k/v [b, heads, 2c, d] local
     -> output [b, heads, 2c, d]. Key/value heads fewer than cp are repeated up to cp first (their
-    gradients sum back), so that every rank holds one."""
+    gradients sum back), so that every rank holds one. ``sinks`` [heads]: the all-to-all gives cp rank
+    r the r-th 1/cp of the heads, and with them their sinks."""
     from deepspeed.sequence.layer import DistributedAttention
 
     hq, hk = q.shape[1], k.shape[1]
     if hk < cp.size:
         k, v = (t.repeat_interleave(cp.size // hk, dim=1) for t in (k, v))
+    if sinks is not None:
+        sinks = sinks.chunk(cp.size)[cp.rank]
     dist_attn = DistributedAttention(
-        _ulysses_local(pattern, scale, softcap, dropout, cp.size, attend),
+        _ulysses_local(pattern, scale, softcap, dropout, cp.size, attend, sinks),
         cp.group,
         scatter_idx=2,
         gather_idx=1,
@@ -204,14 +207,17 @@ def ulysses_heads_ok(heads: int, kv_heads: int, cp: int) -> bool:
     return heads % cp == 0 and (kv_heads % cp == 0 or cp % kv_heads == 0)
 
 
-def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dropout, attend) -> torch.Tensor:
+def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dropout, attend,
+              sinks=None) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries (q/k/v [b, heads, 2c, d], positions as ``local_positions``,
     RoPE already applied) over the whole sequence, by exchange ``kind``; ``attend`` is
-    ``model.attention.attend``."""
+    ``model.attention.attend``; ``sinks`` [heads]: attention sinks, which join each query's softmax
+    once (every kind calls ``attend`` once per query: no chunk's partial softmax is merged)."""
     if kind == "alltoall":
         return ulysses(
-            q, k, v, cp, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, attend=attend
-        )
+            q, k, v, cp, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, attend=attend,
+            sinks=sinks,
+        )  # fmt: skip
     c = q.shape[SEQ] // 2
     n = 2 * cp.size * c
     starts = chunk_starts(cp.rank, cp.size, c)
@@ -240,6 +246,7 @@ def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dro
             q_start=starts[i],
             k_start=k0,
             n=n,
+            sinks=sinks,
         )  # fmt: skip
         for i, (kk, vv, k0) in enumerate(keys)
     ]

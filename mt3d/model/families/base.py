@@ -29,15 +29,20 @@ class HFError(UserError):
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[start, start + size)`` (mt3d orientation) of HF tensor ``name``; whole when size is None.
+    """Rows ``start, start + step, ...`` (``size`` of them; mt3d orientation) of HF tensor ``name``;
+    all its rows when size is None.
 
     ``transpose``: the HF tensor is stored [in, out] (GPT-2's Conv1D), mt3d's is [out, in].
+    ``index``: the tensor stacks one matrix per expert ([E, ...], gpt-oss); the piece is in matrix
+    ``index``. ``step`` 2 reads interleaved rows (gpt-oss's gate and up columns alternate).
     """
 
     name: str
     transpose: bool = False
     start: int = 0
     size: int | None = None
+    index: int | None = None
+    step: int = 1
 
 
 SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
