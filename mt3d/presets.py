@@ -53,6 +53,14 @@ PRESETS: dict[str, dict] = {
                  swiglu_limit=7.0, swiglu_alpha=1.702),
         **{**_TINY, "head_dim": 16},
     ),
+    "tiny-deepseek-v3": dict(
+        family="deepseek_v3", hidden=64, layers=4, heads=4, kv_heads=4, ffn=128, max_seq_len=128,
+        mla=dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=32,
+                 rope_interleave=True),
+        moe=dict(experts=8, top_k=2, expert_ffn=32, shared_ffn=32, shared_gate=False, scoring="sigmoid",
+                 n_group=4, topk_group=2, routed_scaling=2.5, correction_bias=True, dense_layers=[0],
+                 bias_update_rate=1e-3),
+    ),
     "tiny-mixtral": dict(
         family="mixtral", moe=dict(experts=4, top_k=2, expert_ffn=64, aux_loss_coef=0.02), **_TINY
     ),
@@ -132,6 +140,29 @@ PRESETS: dict[str, dict] = {
         moe=dict(experts=experts, top_k=4, expert_ffn=2880, norm_topk_prob=True, router_bias=True,
                  expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     ) for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
+    # DeepSeek-V3 (DeepSeek-AI 2024; R1 is the same model): latent attention, 256 experts in 8 groups,
+    # top-8 from 4 groups, one shared expert, 3 dense blocks; without its multi-token-prediction layer
+    "deepseek-v3": dict(
+        family="deepseek_v3", hidden=7168, layers=61, heads=128, kv_heads=128, ffn=18432, vocab_size=129280,
+        max_seq_len=163840, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                 q_lora_rank=1536, rope_interleave=True),
+        moe=dict(experts=256, top_k=8, expert_ffn=2048, shared_ffn=2048, shared_gate=False, scoring="sigmoid",
+                 n_group=8, topk_group=4, routed_scaling=2.5, correction_bias=True, dense_layers=[0, 1, 2]),
+    ),
+    # Kimi K2 (Moonshot AI 2025): DeepSeek-V3's block with 384 experts, 64 heads, one dense block
+    "kimi-k2": dict(
+        family="deepseek_v3", hidden=7168, layers=61, heads=64, kv_heads=64, ffn=18432, vocab_size=163840,
+        max_seq_len=131072, rope_theta=50000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                 q_lora_rank=1536, rope_interleave=True),
+        moe=dict(experts=384, top_k=8, expert_ffn=2048, shared_ffn=2048, shared_gate=False, scoring="sigmoid",
+                 n_group=1, topk_group=1, routed_scaling=2.827, correction_bias=True, dense_layers=[0]),
+    ),
     # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): 128 experts, top-8, renormalised
     "qwen3-30b-a3b": dict(
         family="qwen3_moe", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=6144,

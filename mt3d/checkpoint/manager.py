@@ -47,8 +47,9 @@ removed with their source when it is rotated away or superseded."""
 
 def has_frozen(module) -> bool:
     """Whether ``module`` has frozen weights (a LoRA base): checkpoints then hold only the trained ones,
-    and the frozen ones are read again from where the run took them (``meta["lora"]["base"]``)."""
-    return any(not p.requires_grad for p in module.parameters())
+    and the frozen ones are read again from where the run took them (``meta["lora"]["base"]``). Routers'
+    correction biases (trained outside the gradient, ``moe.balance_experts``) are not frozen weights."""
+    return any(not p.requires_grad and not getattr(p, "mt3d_balance", False) for p in module.parameters())
 
 
 def tag_for(step: int) -> str:

@@ -236,4 +236,14 @@ def initialize(
 
         engine.grad_reduce_overlap = overlap_grad_reduce(engine, overlap.bucket_elements)
     install_safe_loading(engine)
+    keep_balance_biases_fp32(engine.module)
     return engine
+
+
+def keep_balance_biases_fp32(module) -> None:
+    """DeepSpeed casts the whole module to bf16/fp16 in ``deepspeed.initialize``, the routers' correction
+    biases too (not optimizer parameters: nothing holds an fp32 copy). Their aux-loss-free updates
+    (1e-3) would vanish below a bf16 ulp, so they go back to fp32 (where they were built)."""
+    for p in module.parameters():
+        if getattr(p, "mt3d_balance", False) and p.dtype != torch.float32:
+            p.data = p.data.float()

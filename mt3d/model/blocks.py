@@ -35,10 +35,18 @@ from .attention import attend
 from .build import BuildContext  # noqa: F401 - the name layers and callers import from here
 from .config import ModelConfig
 from .mlp import MLP  # noqa: F401
-from .norms import RMSNorm, make_head_norm, make_norm, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401
+from .norms import (  # noqa: F401
+    RMSNorm,
+    RopeTables,
+    make_head_norm,
+    make_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    rotate_half,
+)
 
 
-class Attention(nn.Module):
+class Attention(RopeTables, nn.Module):
     """Causal self-attention, global or local (``cfg.patterns[layer]``); heads and KV groups split
     over TP (QKV column-, output row-parallel). Optional q/k head norms and score soft-capping."""
 
@@ -86,18 +94,6 @@ class Attention(nn.Module):
             gemms=ctx.gemms(layer),
         )
 
-    def _rope(self, past: int, s: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Training sees the same (length, device, dtype) every step: build the tables once rather
-        # than on the host in every layer of every micro-batch (a host-device copy each time).
-        key = (past, s, like.device, like.dtype)
-        if getattr(self, "_rope_key", None) != key:
-            pos = self.ctx.positions(s, past, like.device)
-            self._rope_tables = rope_cos_sin(
-                self.cfg, pos, past + s * self.ctx.cp_size, like.dtype, self.local
-            )
-            self._rope_key = key
-        return self._rope_tables
-
     def cp_kind(self, local_len: int) -> str:
         """This layer's context-parallel exchange for ``local_len`` local tokens (two chunks)."""
         return context.exchange_for(
@@ -110,13 +106,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         past = cache.length if cache is not None else 0
         # the rotary tables are built (and cached on the module) outside the recomputed core
-        if self.cfg.position != "rope":
-            tables = (None, None)
-        elif documents is not None:  # positions restart at every document
-            pos = self.ctx.document_positions(documents, qkv.shape[1])
-            tables = rope_cos_sin(self.cfg, pos, None, qkv.dtype, self.local)
-        else:
-            tables = self._rope(past, qkv.shape[1], qkv)
+        tables = self.rope_tables(qkv.shape[1], past, documents, qkv)
         if self.ctx.selective and cache is None:  # keep qkv only; the core runs again in the backward
             rng = self.cfg.attention_dropout > 0 and self.training  # the core's only random draw
             o = checkpoint(
@@ -187,7 +177,12 @@ class TransformerBlock(nn.Module):
         self.ctx, self.layer = ctx, layer
         self.p = cfg.hidden_dropout
         self.norm1 = make_norm(cfg, ctx)
-        self.attn = Attention(cfg, ctx, layer)
+        if cfg.mla is not None:  # multi-head latent attention (DeepSeek-V2/V3)
+            from .mla import LatentAttention
+
+            self.attn = LatentAttention(cfg, ctx, layer)
+        else:
+            self.attn = Attention(cfg, ctx, layer)
         self.norm2 = make_norm(cfg, ctx)
         self.sparse = cfg.is_sparse(layer)
         if self.sparse:

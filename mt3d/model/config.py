@@ -76,6 +76,10 @@ class ModelConfig:
     'full_attention') or "global_every": k to keep some layers global. None: all layers global."""
     tie_embeddings: bool = True
     """Share the input embedding with the output (LM head) weight."""
+    mla: dict | None = None
+    """Multi-head latent attention (``mt3d.model.mla_spec.LatentSpec``, DeepSeek-V2/V3): {"kv_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"} plus optional "q_lora_rank" and
+    "rope_interleave"; head_dim is then qk_nope_head_dim + qk_rope_head_dim. None: standard attention."""
     moe: dict | None = None
     """Mixture-of-experts MLPs (``mt3d.model.moe.MoESpec``): {"experts": E, "top_k": k, "expert_ffn": f}
     plus optional "norm_topk_prob", "shared_ffn", "sparse_step", "dense_layers", "aux_loss_coef",
@@ -105,6 +109,8 @@ class ModelConfig:
         self._check_positive("hidden", "heads")  # used below, before check() sees the rest
         if self.kv_heads is None:
             self.kv_heads = self.heads
+        if self.head_dim is None and self.mla is not None:
+            self.head_dim = self.mla_spec.qk_head_dim
         if self.head_dim is None:
             if self.hidden % self.heads:
                 raise ModelConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
@@ -166,10 +172,37 @@ class ModelConfig:
                 )
         if self.moe is not None:
             self.moe_spec.check_layers(self.layers)
+        if self.mla is not None:
+            spec = self.mla_spec
+            if self.head_dim != spec.qk_head_dim:
+                raise ModelConfigError(
+                    f"model.head_dim {self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                    f"{spec.qk_head_dim} with model.mla"
+                )
+            if self.kv_heads != self.heads or self.position != "rope" or self.norm != "rmsnorm":
+                raise ModelConfigError("model.mla needs kv_heads = heads, position 'rope' and norm 'rmsnorm'")
+            if self.attention is not None or self.attn_sinks or self.attn_softcap is not None or self.qk_norm:
+                raise ModelConfigError(
+                    "model.mla does not combine with local attention, sinks, soft-capping or q/k norms"
+                )
         if self.family is not None:
             from .families import get_family
 
             get_family(self.family).check(self)
+
+    @property
+    def mla_spec(self):
+        """The parsed ``mla`` option (``LatentSpec``), or None for standard attention."""
+        if self.mla is None:
+            return None
+        from .mla_spec import LatentSpec
+
+        return LatentSpec.parse(self.mla)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Per-head width RoPE rotates: head_dim, or latent attention's qk_rope_head_dim."""
+        return self.head_dim if self.mla is None else self.mla_spec.qk_rope_head_dim
 
     @property
     def moe_spec(self):
@@ -264,6 +297,8 @@ class ModelConfig:
         h = self.hidden
         qkv = self.q_size + 2 * self.kv_size
         attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h + self.attn_sinks * self.heads
+        if self.mla is not None:
+            attn = self.mla_spec.params(h, self.heads, self.qkv_bias) + self.bias * h
         spec = self.moe_spec
         if spec is not None and spec.sparse(layer):
             used = spec.top_k if active else spec.experts // ep
@@ -330,6 +365,10 @@ class ModelConfig:
         h = self.hidden
         # forward matmul FLOPs per token per layer: 2 * (weights) + attention scores/values 4*keys*q
         dense = 2 * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
+        core = self.q_size  # per key: q.k over head_dim and p.v over head_dim, per head
+        if self.mla is not None:
+            dense = 2 * self.mla_spec.matmul_params(h, self.heads)
+            core = self.heads * (self.head_dim + self.mla_spec.v_head_dim) / 2
         mats = 3 if self.mlp in GATED_MLPS else 2
         spec = self.moe_spec
         mlp = 0.0
@@ -339,7 +378,7 @@ class ModelConfig:
                 mlp += 2 * h * bool(spec.shared_ffn)
             else:
                 mlp += 2 * mats * h * self.ffn
-        attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * self.q_size
+        attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * core
         logits = 2 * h * v
         if adapters is not None:
             return 2.0 * (self.layers * dense + mlp + logits) + 3.0 * self.layers * attn + 6.0 * adapters

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from ..parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..parallel.mappings import (
     all_to_all_counts,
     all_to_all_rows,
@@ -56,6 +56,7 @@ from ..parallel.mappings import (
     reduce_scatter_to_sequence,
 )
 from ..parallel.marks import mark_tp_partial_grad
+from ..parallel.random import recomputing
 from .moe_spec import MoEConfigError, MoESpec  # noqa: F401 - MoEConfigError: re-exported
 
 
@@ -88,21 +89,24 @@ def router_losses(spec: MoESpec, routed: Routed, tokens: int, sparse_layers: int
     return e * (frac * prob).sum(), routed.stats_f[e] / rows
 
 
-class Router(nn.Module):
-    """The replicated [experts, hidden] scoring matrix, and its bias where the family has one."""
+class Router(ReplicatedLinear):
+    """The replicated [experts, hidden] scoring matrix, and its bias where the family has one; with
+    ``correction`` the selection-only bias of aux-loss-free balancing (``e_score_correction_bias``,
+    fp32, outside the gradient: ``balance_experts`` moves it), and the load it counts for that."""
 
-    def __init__(self, cfg, ctx, layer: int, rows: int, name: str, bias: bool = False) -> None:
-        super().__init__()
-        w = ctx.init(layer, name, cfg.init_std).rows(0, rows, cfg.hidden, ctx.dtype)
-        self.weight = nn.Parameter(w.to(ctx.device))
-        self.bias = nn.Parameter(torch.zeros(rows, dtype=ctx.dtype, device=ctx.device)) if bias else None
-        if ctx.sp:  # computed on this rank's sequence shard: partial gradients, summed over TP
-            for p in self.parameters():
-                mark_sequence_parallel(p, ctx.tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits [..., rows] of hidden states x [..., h]."""
-        return F.linear(x, self.weight, self.bias)
+    def __init__(self, cfg, ctx, layer: int, rows: int, name: str, bias: bool = False,
+                 correction: bool = False) -> None:  # fmt: skip
+        init = ctx.init(layer, name, cfg.init_std)
+        super().__init__(cfg.hidden, rows, tp=ctx.tp, bias=bias, sequence_parallel=ctx.sp, init=init,
+                         dtype=ctx.dtype, device=ctx.device)  # fmt: skip
+        self.e_score_correction_bias = None
+        if correction:
+            b = torch.zeros(rows, dtype=torch.float32, device=ctx.device)
+            self.e_score_correction_bias = nn.Parameter(b, requires_grad=False)
+            self.e_score_correction_bias.mt3d_balance = True  # trained outside the gradient
+        self.load = None  # assignments per expert counted since the last balancing step
+        self.rate = cfg.moe_spec.bias_update_rate if correction else 0.0
+        self.sequence_parallel = ctx.sp
 
 
 class Expert(nn.Module):
@@ -156,7 +160,8 @@ class SparseMoE(nn.Module):
         self.spec, self.tp, self.sp = spec, ctx.tp, ctx.sp
         act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
         self.glu = functools.partial(gated, act=act, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
-        self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias)
+        self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias,
+                             correction=spec.correction_bias)  # fmt: skip
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
         self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
@@ -170,16 +175,14 @@ class SparseMoE(nn.Module):
         self.shared = self.shared_gate = None
         if spec.shared_ffn:
             self.shared = MLP(cfg, ctx, layer, ffn=spec.shared_ffn, name="mlp.shared")
-            self.shared_gate = Router(cfg, ctx, layer, 1, "mlp.shared_gate")
+            if spec.shared_gate:
+                self.shared_gate = Router(cfg, ctx, layer, 1, "mlp.shared_gate")
 
     def forward(self, x: torch.Tensor, stats: tuple | None = None):
         """x [b, s, h] (SP: the sequence shard) -> (output like x, updated ``stats`` or None)."""
-        spec = self.spec
         logits = self.router(x)
         probs = logits.float().softmax(dim=-1)
-        weights, index = probs.topk(spec.top_k, dim=-1)
-        if spec.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, index = self._route(logits, probs)
         if self.sp:  # enter the TP region with the whole sequence (each rank: its slice of every expert)
             xs, weights = gather_from_sequence(x, self.tp), gather_from_sequence(weights, self.tp)
             with torch.no_grad():
@@ -192,10 +195,40 @@ class SparseMoE(nn.Module):
         y = y.view(b, s, h)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
         if self.shared is not None:
-            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            shared = self.shared(x)
+            y = y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         if stats is not None:
             stats = self._stats(stats, logits, probs, index, dropped)
         return y, stats
+
+    def _route(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) [..., k] of each token: its top-k experts by score (plus the correction
+        bias, within its best groups where routing is group-limited), weighted by their scores
+        (renormalised with ``norm_topk_prob``, times ``routed_scaling``)."""
+        spec = self.spec
+        scores = probs if spec.scoring == "softmax" else logits.float().sigmoid()
+        choice = scores
+        if self.router.e_score_correction_bias is not None:
+            choice = scores + self.router.e_score_correction_bias
+        if spec.n_group > 1:  # keep each token's topk_group groups (by the sum of their two best)
+            grouped = choice.unflatten(-1, (spec.n_group, -1))
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(
+                -1, best.topk(spec.topk_group, -1).indices, True
+            )
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        if choice is scores:
+            weights, index = scores.topk(spec.top_k, dim=-1)
+        else:
+            index = choice.topk(spec.top_k, dim=-1).indices
+            weights = scores.gather(-1, index)
+        if spec.norm_topk_prob:
+            eps = 1e-20 if spec.scoring == "sigmoid" else 0.0  # transformers' DeepSeek-V3 adds it
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+        if self.training and self.router.e_score_correction_bias is not None and not recomputing():
+            counts = torch.bincount(index.flatten(), minlength=spec.experts)
+            self.router.load = counts if self.router.load is None else self.router.load + counts
+        return (weights * spec.routed_scaling if spec.routed_scaling != 1.0 else weights), index
 
     def _stats(self, stats, logits, probs, index, dropped):
         """Add this layer's probability sums, z^2 sum, assignment counts and drops to ``stats``."""
@@ -307,6 +340,34 @@ class SparseMoE(nn.Module):
         return all_to_all_rows(yr, recv, send, self.ep)
 
 
+@torch.no_grad()
+def balance_experts(model: nn.Module, tokens, tp, update: bool = True) -> float | None:
+    """Aux-loss-free balancing (DeepSeek-V3), after an optimizer step: every router with a correction
+    bias moves it by ``bias_update_rate`` against the sign of each expert's load error, the load being
+    the assignments of the step's tokens on every rank (summed over ``tokens``, the ranks that route
+    other tokens: dp x ep x cp, and over ``tp`` with sequence parallelism, where each TP rank routes
+    its own shard), the error its difference from the mean. One all-reduce for all the stage's layers.
+    The counts restart; ``update`` False (a skipped step) drops them. Returns the largest max/mean
+    load over the layers (None: no such router)."""
+    from ..parallel.mappings import all_reduce
+
+    routers = [m for m in model.modules() if isinstance(m, Router) and m.e_score_correction_bias is not None]
+    if not routers:
+        return None
+    counts = torch.stack([
+        r.load if r.load is not None else torch.zeros_like(r.e_score_correction_bias, dtype=torch.int64)
+        for r in routers
+    ]).float()  # fmt: skip
+    all_reduce(counts, tokens)
+    if routers[0].sequence_parallel:
+        all_reduce(counts, tp)
+    for r, load in zip(routers, counts, strict=True):
+        r.load = None
+        if update and r.rate > 0:
+            r.e_score_correction_bias.add_(torch.sign(load.mean() - load), alpha=r.rate)
+    return float((counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)).max())
+
+
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """torch's grouped matmul (rows ``offs``-delimited, group g times ``w[g]``). Its backward on the
     CPU rejects a gradient with zero strides (an expanded one): the gradient is made dense first."""
@@ -367,6 +428,7 @@ __all__ = [
     "MoESpec",
     "Routed",
     "SparseMoE",
+    "balance_experts",
     "expert_index",
     "router_losses",
     "start_stats",

@@ -36,6 +36,23 @@ class MoESpec:
     applied when output_router_logits is on)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss: mean over tokens and sparse layers of logsumexp(router logits)^2."""
+    scoring: str = "softmax"
+    """Expert scores: 'softmax' over the router logits, or 'sigmoid' of each (DeepSeek-V3)."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts form n_group groups, each scored by the sum of
+    its two best scores, and a token's experts come from its topk_group best groups only."""
+    topk_group: int = 1
+    """The groups a token's experts may come from."""
+    routed_scaling: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek's routed_scaling_factor)."""
+    correction_bias: bool = False
+    """A per-expert bias added to the scores for choosing the experts only, not to their weights
+    (DeepSeek-V3's e_score_correction_bias): trained by aux-loss-free balancing, not by gradients."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: after every optimizer step each expert's correction bias moves by this
+    rate against the sign of its load error (load over the step's tokens minus the mean load)."""
+    shared_gate: bool = True
+    """Whether the shared expert's output is gated by sigmoid(x . w) (Qwen2-MoE; DeepSeek: no gate)."""
     router_bias: bool = False
     """A bias on the router's logits (gpt-oss)."""
     expert_bias: bool = False
@@ -93,7 +110,25 @@ class MoESpec:
             raise MoEConfigError(
                 f"model.moe.capacity_factor must be a finite positive number or null (dropless), got {cf!r}"
             )
-        for key in ("router_bias", "expert_bias"):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise MoEConfigError(f"model.moe.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        whole("n_group", 1), whole("topk_group", 1)
+        if self.experts % self.n_group or self.topk_group > self.n_group:
+            raise MoEConfigError(
+                f"model.moe: {self.experts} experts do not form n_group {self.n_group} groups with "
+                f"topk_group {self.topk_group} <= n_group"
+            )
+        if self.n_group > 1 and self.top_k > self.topk_group * self.experts // self.n_group:
+            raise MoEConfigError(
+                f"model.moe.top_k {self.top_k} exceeds the experts of {self.topk_group} groups"
+            )
+        for key in ("routed_scaling", "bias_update_rate"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise MoEConfigError(f"model.moe.{key} must be a non-negative number, got {v!r}")
+        if self.bias_update_rate > 0 and not self.correction_bias:
+            raise MoEConfigError("model.moe.bias_update_rate needs correction_bias (the bias it moves)")
+        for key in ("router_bias", "expert_bias", "correction_bias", "shared_gate"):
             if not isinstance(getattr(self, key), bool):
                 raise MoEConfigError(f"model.moe.{key} must be true or false, got {getattr(self, key)!r}")
         for key in ("swiglu_limit", "swiglu_alpha"):

@@ -35,12 +35,16 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
-    """The configured norm over the residual stream; marked sequence-parallel when SP is on."""
+def make_norm(
+    cfg: ModelConfig, ctx: BuildContext, width: int | None = None, eps: float | None = None
+) -> nn.Module:
+    """The configured norm over the residual stream (or another ``width`` of replicated activations that
+    SP shards the same way: latent attention's latents); marked sequence-parallel when SP is on."""
+    width, eps = width or cfg.hidden, cfg.norm_eps if eps is None else eps
     if cfg.norm == "rmsnorm":
-        norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
+        norm = RMSNorm(width, eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
     else:
-        norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=ctx.dtype, device=ctx.device)
+        norm = nn.LayerNorm(width, eps=eps, dtype=ctx.dtype, device=ctx.device)
     if ctx.sp:
         for p in norm.parameters():
             mark_sequence_parallel(p, ctx.tp)
@@ -66,7 +70,7 @@ def rope_params(cfg: ModelConfig, local: bool = False) -> tuple[float, dict]:
 def rope_inv_freq(cfg: ModelConfig, seq_len: int, local: bool = False) -> torch.Tensor:
     """RoPE inverse frequencies, with HF-compatible 'linear', 'dynamic' and 'llama3' scaling; ``local``:
     a local layer's (``rope_params``)."""
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     base, sc = rope_params(cfg, local)
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "dynamic" and seq_len > cfg.max_seq_len:
@@ -172,3 +176,26 @@ def rope_cos_sin(
     if scale != 1.0:
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class RopeTables:
+    """What an attention layer needs of RoPE (with ``cfg``, ``ctx`` and ``local``, its layer type)."""
+
+    def rope_tables(self, s: int, past: int, documents, like: torch.Tensor) -> tuple:
+        """(cos, sin) of these ``s`` positions (after ``past`` cached ones; packed documents: restarting at
+        each), or (None, None) without RoPE. Training sees the same (length, device, dtype) every step:
+        the tables are built once and kept on the module rather than on the host in every layer of
+        every micro-batch (a host-device copy each time)."""
+        if self.cfg.position != "rope":
+            return None, None
+        if documents is not None:  # positions restart at every document
+            pos = self.ctx.document_positions(documents, s)
+            return rope_cos_sin(self.cfg, pos, None, like.dtype, self.local)
+        key = (past, s, like.device, like.dtype)
+        if getattr(self, "_rope_key", None) != key:
+            pos = self.ctx.positions(s, past, like.device)
+            self._rope_tables = rope_cos_sin(
+                self.cfg, pos, past + s * self.ctx.cp_size, like.dtype, self.local
+            )
+            self._rope_key = key
+        return self._rope_tables

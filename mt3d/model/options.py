@@ -28,6 +28,7 @@ BLOCK_OPTIONS = (
     "query_pre_attn_scalar",
     "attn_sinks",
     "attention",
+    "mla",
     "tie_embeddings",
     "moe",
 )

@@ -211,8 +211,10 @@ def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dro
               sinks=None) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries (q/k/v [b, heads, 2c, d], positions as ``local_positions``,
     RoPE already applied) over the whole sequence, by exchange ``kind``; ``attend`` is
-    ``model.attention.attend``; ``sinks`` [heads]: attention sinks, which join each query's softmax
-    once (every kind calls ``attend`` once per query: no chunk's partial softmax is merged)."""
+    ``model.attention.attend``. Kind "whole": k and v already hold the whole sequence in global order
+    (latent attention gathers its compressed latent and expands it: ``mt3d.model.mla``). ``sinks``
+    [heads]: attention sinks, which join each query's softmax once (every kind calls ``attend`` once per
+    query: no chunk's partial softmax is merged)."""
     if kind == "alltoall":
         return ulysses(
             q, k, v, cp, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, attend=attend,
@@ -231,8 +233,9 @@ def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dro
                 own_k = torch.cat([before[0][i], own_k], dim=SEQ)
                 own_v = torch.cat([before[1][i], own_v], dim=SEQ)
             keys.append((own_k, own_v, start + c - own_k.shape[SEQ]))
-    else:  # allgather: each chunk's queries against every key up to its end
-        whole_k, whole_v = gather_sequence(k, cp), gather_sequence(v, cp)
+    else:  # allgather (or "whole": k/v already hold the whole sequence): each chunk's queries against
+        # every key up to its end
+        whole_k, whole_v = (k, v) if kind == "whole" else (gather_sequence(k, cp), gather_sequence(v, cp))
         keys = [(whole_k.narrow(SEQ, 0, s + c), whole_v.narrow(SEQ, 0, s + c), 0) for s in starts]
     outs = [
         attend(

@@ -249,11 +249,38 @@ class ColumnParallelLinear(nn.Module):
             )
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of an input already inside the TP region (whole on every rank; its
+        gradient reduced by whoever brought it there), adapters included: [.., in] -> [.., out/tp]."""
+        y = local_linear(x, self.weight, self.bias, self.gemms)
+        return column_with_adapters(y, x, self.lora.values()) if len(self.lora) else y
+
     def extra_repr(self) -> str:
         """Sizes and split shown by print(module)."""
         return (
             f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, sp={self.sequence_parallel}"
         )
+
+
+class ReplicatedLinear(nn.Module):
+    """Y = X A^T + b with A whole on every TP rank: small projections each rank computes itself (routers,
+    latent attention's down projections). With sequence parallelism each rank computes on its own
+    sequence shard, so the gradients are partial: summed over TP."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, bias: bool,
+                 sequence_parallel: bool, init: NormalInit, dtype: torch.dtype = torch.float32,
+                 device=None) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(init.rows(0, out_features, in_features, dtype).to(device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        if sequence_parallel:
+            for p in self.parameters():
+                mark_sequence_parallel(p, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[.., in] -> [.., out]."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

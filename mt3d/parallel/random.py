@@ -86,6 +86,15 @@ class RNGTracker:
         self.states = {k: {d: s.clone() for d, s in v.items()} for k, v in states.items()}
 
 
+_RECOMPUTING = [0]
+"""How many ``_Checkpoint`` recomputes are running (nested recompute counts each)."""
+
+
+def recomputing() -> bool:
+    """Whether the caller runs inside a checkpoint's recompute (a forward already counted once)."""
+    return _RECOMPUTING[0] > 0
+
+
 class _Checkpoint(torch.autograd.Function):
     """Run ``fn`` without keeping activations; recompute it in backward with the same RNG."""
 
@@ -113,11 +122,15 @@ class _Checkpoint(torch.autograd.Function):
             r.detach().requires_grad_(g) if torch.is_tensor(r) else r
             for r, g in zip(rest, ctx.rest_requires_grad)
         ]
-        if ctx.rng is None:
-            with torch.enable_grad():
-                out = ctx.fn(x, *rest)
-        else:
-            out = _recompute_with_rng(ctx, x, rest)
+        _RECOMPUTING[0] += 1
+        try:
+            if ctx.rng is None:
+                with torch.enable_grad():
+                    out = ctx.fn(x, *rest)
+            else:
+                out = _recompute_with_rng(ctx, x, rest)
+        finally:
+            _RECOMPUTING[0] -= 1
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [
             (o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None

@@ -64,6 +64,8 @@ class Trainer:
             self.peak_source += f"; FP8 {self.train_cfg.fp8.recipe} linears counted against it"
         self.bar = None
         self.sparse = model_cfg.moe is not None
+        spec = model_cfg.moe_spec if self.sparse else None  # aux-loss-free balancing after each step
+        self.balancing = spec is not None and spec.bias_update_rate > 0
         self.router: dict = {}
         """The last step's router figures (sparse models)."""
         self.packed = bool(data.info.get("packed"))
@@ -249,6 +251,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 last_loss = self.train_step()
                 seconds = time.perf_counter() - t0
+                if self.balancing:
+                    from ..model.moe import balance_experts
+
+                    skipped = self.engine.skipped_steps > skipped_before
+                    balance_experts(self.engine.module, self.rt.state.dense, self.rt.state.tp, not skipped)
                 if self.sparse:
                     self.router = self._router_figures()
                 self.step += 1
