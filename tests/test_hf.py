@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
@@ -53,8 +54,9 @@ FAMILIES = [
     "qwen2_moe",
     "qwen3_moe",
     "gpt_oss",
+    "deepseek_v3",
 ]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"]
 WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 WINDOW = 8
 
@@ -119,6 +121,18 @@ def hf_configs(vocab, eos):
                              "rope_theta": 150000.0},
             **{**small, "intermediate_size": 64},
         ),
+        # DeepSeek-V3: latent attention with a query latent, interleaved RoPE under YaRN with mscale
+        # (past its original 16 positions), v_head_dim != qk; 8 experts in 4 groups, top-2 of 2 groups,
+        # routed scaling, a correction bias (randomised in hf_dirs), a shared expert, one dense block
+        "deepseek_v3": DeepseekV3Config(
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+            rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16,
+                             "rope_theta": 10000.0},
+            **small,
+        ),
     }  # fmt: skip
 
 
@@ -140,6 +154,9 @@ def hf_dirs(tmp_path_factory):
                 elif pname.endswith(("moe.gate.weight", "mlp.gate.weight", "shared_expert_gate.weight",
                                      "mlp.router.weight")):  # fmt: skip
                     p.mul_(30)  # routers far from uniform
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):  # choices the bias changes
+                    b.add_(torch.randn_like(b) * 0.3)
         d = base / name
         model.save_pretrained(d)
         for f in tok_dir.iterdir():
@@ -294,7 +311,7 @@ def test_eval_under_tp_and_pp_matches(hf_dirs, tmp_path):
     dirs = {name: str(d) for name, d in hf_dirs.items()}
     sparse = {name: d for name, d in dirs.items() if name in MOE}
     # windows, per-type RoPE and sinks over cp chunks (sinks' heads over the all-to-all)
-    local = {name: dirs[name] for name in ("gemma2", "gemma3", "gpt_oss")}
+    local = {name: dirs[name] for name in ("gemma2", "gemma3", "gpt_oss", "deepseek_v3")}
     runs = (
         spawn(eval_worker, 4, dirs, ids, timeout=300)
         + spawn(eval_worker, 4, sparse, ids, 1, 2, 2, timeout=300)
@@ -368,15 +385,16 @@ def assert_same_training(got, ref, what):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"{what} step {a['step']} {key}: {a} vs {b}"
 
 
-FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "gpt_oss"]
+FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "gpt_oss", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
 def fine_tuned(hf_dirs, tmp_path_factory):
     """Each family fine-tuned for 5 steps on one process and at (2,2,2) (MoE: tp 2 x pp 2 x ep 2);
-    Gemma 2 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps, windows), Gemma 3
-    at cp 2 (RoPE per layer type from global positions), gpt-oss at cp 2 (sinks over the all-gather
-    and halo exchanges; eval covers the all-to-all). Runs of a
+    Gemma 2 and DeepSeek-V3 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps,
+    windows; latents gathered over TP), Gemma 3, gpt-oss and DeepSeek-V3 at cp 2 (RoPE per layer type
+    from global positions; sinks over the all-gather and halo exchanges, eval covering the all-to-all;
+    the latent gathered over cp). Runs of a
     world size share one spawn: {name: (dir of the (2,2,2) run, {what: step records})}."""
     base = tmp_path_factory.mktemp("fine-tuned")
     runs, keys = [], []
@@ -388,12 +406,12 @@ def fine_tuned(hf_dirs, tmp_path_factory):
             raw["mt3d"]["parallel"]["expert"] = 2
         runs.append((8, raw))
         keys += [(name, "ref"), (name, "(2,2,2)")]
-        if name == "gemma2":
+        if name in ("gemma2", "deepseek_v3"):  # DeepSeek-V3: the latents all-gathered under SP
             raw = fine_tune_config(d / "sp", hf_dirs[name], 5, 2, 2, recompute={"interval": 1})
             raw["mt3d"]["parallel"]["sequence_parallel"] = True
             runs.append((4, raw))
             keys.append((name, "SP + recompute"))
-        if name in ("gemma3", "gpt_oss"):  # RoPE per layer type from global positions; sinks over cp
+        if name in ("gemma3", "gpt_oss", "deepseek_v3"):  # per-type RoPE; sinks and latents over cp
             raw = fine_tune_config(d / "cp", hf_dirs[name], 5, 1, 1)
             raw["mt3d"]["parallel"]["context"] = 2
             if name == "gpt_oss":

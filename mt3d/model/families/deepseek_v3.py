@@ -142,10 +142,14 @@ class DeepseekV3(MoEFamily):
         return dict(
             attention_bias=cfg.bias, kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank,
             qk_rope_head_dim=mla.qk_rope_head_dim, qk_nope_head_dim=mla.qk_nope_head_dim,
-            v_head_dim=mla.v_head_dim, rope_interleave=mla.rope_interleave, head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim, rope_interleave=mla.rope_interleave,
             **self.write_moe(cfg), moe_intermediate_size=spec.expert_ffn,
             n_shared_experts=spec.shared_ffn // spec.expert_ffn, n_group=spec.n_group,
             topk_group=spec.topk_group,
             routed_scaling_factor=spec.routed_scaling, norm_topk_prob=spec.norm_topk_prob,
             first_k_dense_replace=len(spec.dense_layers),
         )  # fmt: skip
+
+    def hf_config(self, cfg, vocab):
+        """head_dim is the rotary part, as transformers writes it."""
+        return {**super().hf_config(cfg, vocab), "head_dim": cfg.mla_spec.qk_rope_head_dim}
