@@ -270,6 +270,26 @@ def test_presets_of_every_family_and_their_published_sizes():
     with torch.device("meta"):
         assert g3.num_params() == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
     assert ["full_attention" if p is None else "sliding_attention" for p in g3.patterns] == hf.layer_types
+    # the 2025 families: transformers' models of the published configs (DeepSeek-V3 without its MTP
+    # layer; the correction biases are buffers there, parameters here), the active counts as published,
+    # without the input embedding (3.6B, 5.1B, 37B)
+    from transformers import DeepseekV3Config, GptOssConfig
+
+    published = {
+        "gpt-oss-20b": (GptOssConfig(num_hidden_layers=24, num_local_experts=32), 3.6),
+        "gpt-oss-120b": (GptOssConfig(), 5.1),
+        "deepseek-v3": (DeepseekV3Config(num_mtp_layers=0), 37.0),
+    }
+    for name, (hf, active) in published.items():
+        cfg = resolve_model({"preset": name})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+        held = sum(p.numel() for p in model.parameters())
+        held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+        assert cfg.num_params() == held, name
+        assert abs((cfg.active_params() - cfg.embedding_params()) / 1e9 - active) / active < 0.02, name
+    kimi = resolve_model({"preset": "kimi-k2"})
+    assert abs(kimi.num_params() / 1e12 - 1.03) < 0.01 and abs(kimi.active_params() / 1e9 - 32.9) < 0.1
     # a preset's family is a default: overrides it cannot express make the model 'custom'
     assert resolve_model({"preset": "tiny", "kv_heads": 2}).family == "custom"
     # any preset trains with a pattern (its family becomes 'custom' when HF cannot express it)

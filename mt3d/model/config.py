@@ -302,16 +302,44 @@ class ModelConfig:
         spec = self.moe_spec
         if spec is not None and spec.sparse(layer):
             used = spec.top_k if active else spec.experts // ep
-            mlp = used * self.mlp_params(spec.expert_ffn, spec.expert_bias) + spec.experts * (
-                h + spec.router_bias
-            )
+            router = spec.experts * (h + spec.router_bias + spec.correction_bias)
+            mlp = used * self.mlp_params(spec.expert_ffn, spec.expert_bias) + router
             if spec.shared_ffn:
-                mlp += self.mlp_params(spec.shared_ffn) + h
+                mlp += self.mlp_params(spec.shared_ffn) + h * spec.shared_gate
         else:
             mlp = self.mlp_params()
         per_norm = h * (2 if self.norm == "layernorm" else 1)
         norms = per_norm * (4 if self.post_norms else 2) + (2 * self.head_dim if self.qk_norm else 0)
         return attn + mlp + norms
+
+    def attn_widths(self, tp: int = 1) -> tuple[float, float]:
+        """(input, output) widths of one TP rank's attention projections per token, as the planner's
+        GEMMs over the hidden size see them: QKV's (q + 2 kv) / tp and the output's q / tp; latent
+        attention's down and up projections folded into an input width of the same FLOPs (the down
+        projections replicated on every rank)."""
+        if self.mla is None:
+            return (self.q_size + 2 * self.kv_size) / tp, self.q_size / tp
+        m, h, a = self.mla_spec, self.hidden, self.heads
+        q = (
+            h * a * m.qk_head_dim / tp
+            if m.q_lora_rank is None
+            else m.q_lora_rank * (h + a * m.qk_head_dim / tp)
+        )
+        kv = (
+            h * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim) / tp
+        )
+        return (q + kv) / h, a * m.v_head_dim / tp
+
+    def attn_activation_width(self, tp: int = 1) -> float:
+        """Per token, the attention activations one TP rank keeps for the backward: q, k, v and the
+        core's output (latent attention: q, k and the padded v at the qk head width, the output, and the
+        latents, replicated)."""
+        if self.mla is None:
+            return (2 * self.q_size + 2 * self.kv_size) / tp
+        m = self.mla_spec
+        latents = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+        return self.heads * (3 * m.qk_head_dim + m.v_head_dim) / tp + latents
 
     def mlp_token_width(self) -> float:
         """Inner MLP width one token passes through, averaged over blocks: ffn for a dense block,
@@ -375,7 +403,7 @@ class ModelConfig:
         for i in range(self.layers):  # MoE layers: the router, the k experts a token visits, the shared one
             if spec is not None and spec.sparse(i):
                 mlp += 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn))
-                mlp += 2 * h * bool(spec.shared_ffn)
+                mlp += 2 * h * bool(spec.shared_ffn and spec.shared_gate)
             else:
                 mlp += 2 * mats * h * self.ffn
         attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * core

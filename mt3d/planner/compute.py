@@ -93,9 +93,10 @@ def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     h = cfg.hidden
     ffn = cfg.mlp_token_width()  # MoE: the k experts a token visits (as one GEMM of their total width)
     mlp_in = (2 if cfg.mlp in GATED_MLPS else 1) * ffn / tp
+    attn_in, attn_out = cfg.attn_widths(tp)
     return [
-        Gemm(tokens, (cfg.q_size + 2 * cfg.kv_size) / tp, h),
-        Gemm(tokens, h, cfg.q_size / tp),
+        Gemm(tokens, attn_in, h),
+        Gemm(tokens, h, attn_out),
         Gemm(tokens, mlp_in, h),
         Gemm(tokens, h, ffn / tp),
     ]

@@ -64,7 +64,7 @@ def mt3d_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, recompu
         return tokens * h * elem / (t if sp else 1)
     norms = 2 * h / (t if sp else 1)
     linear_inputs = 2 * h / (t if sp and not sp_gathered else 1)
-    attn = (2 * cfg.q_size + 2 * cfg.kv_size) / t
+    attn = cfg.attn_activation_width(t)
     mlp = 0.0 if tiled else mlp_inner_elements(cfg, t, selective, gated)
     return tokens * (norms + linear_inputs + attn + mlp) * elem
 

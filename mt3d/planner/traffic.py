@@ -79,6 +79,10 @@ def cp_bytes(cfg, seq_len: int, b: int, tp: int, cp: int, micro_batches: int, el
 
     if cp <= 1:
         return 0.0
+    if cfg.mla is not None:  # the latent gathered forward, its gradient reduce-scattered (mt3d.model.mla)
+        m = cfg.mla_spec
+        per_layer = 2 * (cp - 1) / cp * b * seq_len * (m.kv_lora_rank + m.qk_rope_head_dim)
+        return per_layer * blocks * micro_batches * elem_bytes * (1.5 if recompute else 1.0)
     q, kv, chunk = cfg.heads // tp, cfg.kv_heads // tp, seq_len // (2 * cp)
     total = 0.0
     for pattern in cfg.patterns:
