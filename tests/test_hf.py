@@ -495,6 +495,13 @@ BAD_CONFIGS = [
     ("gemma2", {"final_logit_softcapping": 0}, "final_logit_softcapping must be a positive number, got"),
     ("gemma2", {"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
     ("gpt2", {"n_embd": None}, "config.json has no 'n_embd'"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "asks for quantized (MXFP4) expert weights"),
+    ("gpt_oss", {"swiglu_limit": -1}, "swiglu_limit must be a positive number"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax' asks for softmax expert scores"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' asks for expert selection other than"),
+    ("deepseek_v3", {"first_k_dense_replace": 4}, "first_k_dense_replace 4 leaves no sparse block of 4"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "ntk", "rope_theta": 1e4}},
+     "rope_parameters.rope_type 'ntk' is not supported"),
 ]  # fmt: skip
 
 
