@@ -166,7 +166,7 @@ def _add_model_parsers(sub) -> None:
     h.add_argument("--layers", type=positive_int, default=18)
     h.add_argument("--tmp", default=None, help="directory for the 4 GB model (default: system temp)")
     at = sub.add_parser("attention", help=BENCHES["attention"])
-    at.add_argument("--part", choices=["layers", "patterns", "both"], default="both")
+    at.add_argument("--part", choices=["layers", "patterns", "both", "sinks"], default="both")
     at.add_argument(
         "--seq-lens", type=positive_ints, default=(1024, 4096, 16384), help="layers: sequence lengths"
     )

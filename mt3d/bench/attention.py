@@ -12,6 +12,10 @@ GPU, CUDA's peak allocation):
   and dilated patterns with the kernel mt3d picks (block-local on CPUs, FlexAttention on GPUs)
   against dense causal SDPA (FlashAttention on GPUs), beside the speed-of-light bound of
   ``mt3d.planner.sparsity`` at the kernel's tile shape: measured speedup / bound is the headline.
+* **sinks**: attention sinks (gpt-oss), forward + backward with and without them, global (SDPA with
+  the sink column and key) and gpt-oss's 128-token window (block-local on CPUs, FlexAttention with the
+  sink as key 0 on GPUs), GQA 64/8 heads of 64 on a GPU: the time ratio (its cost), and each
+  kernel's largest error against transformers' way (a logit column) in fp32, forward and gradients.
 """
 
 from __future__ import annotations
@@ -107,6 +111,58 @@ def pattern_case(
     out["kernel"] = choose_kernel(kernel, local, q.device, None, 0.0)
     out["tile"] = choose_block(local, head_dim, n) if local and out["kernel"] == "block-local" else 128
     return out
+
+
+def sink_case(n: int, window: int | None, heads: int, kv_heads: int, head_dim: int, reps: int,
+              sinks: bool) -> dict:  # fmt: skip
+    """Attention with GQA, forward + backward, with or without sinks; with sinks also the fp32 errors
+    of the same kernel (at 512 tokens) against ``reference_attention``'s logit column."""
+    torch, cuda, device, dtype = _setup()
+    from ..model.attention import LocalPattern, attend, choose_kernel, reference_attention
+
+    local = None if window is None else LocalPattern(window)
+
+    def inputs(length, kind):
+        g = torch.Generator(device=device).manual_seed(0)
+        shapes = [(1, heads, length, head_dim)] + [(1, kv_heads, length, head_dim)] * 2 + [(heads,)]
+        return [torch.randn(s, generator=g, device=device, dtype=kind).requires_grad_() for s in shapes]
+
+    q, k, v, s = inputs(n, dtype)
+
+    def step():
+        attend(q, k, v, pattern=local, scale=head_dim**-0.5, sinks=s if sinks else None).sum().backward()
+        q.grad = k.grad = v.grad = s.grad = None
+
+    out = _measure(torch, cuda, step, reps)
+    out["kernel"] = choose_kernel("auto", local, q.device, None, 0.0)
+    if sinks:  # correctness of the same kernel in fp32 (FlexAttention compiles once more for it)
+        xs = inputs(512, torch.float32)
+        got = attend(*xs[:3], pattern=local, scale=head_dim**-0.5, sinks=xs[3])
+        ref = reference_attention(*xs[:3], local, scale=head_dim**-0.5, sinks=xs[3])
+        w = torch.randn_like(ref)
+        ga, gb = torch.autograd.grad(got, xs, w), torch.autograd.grad(ref, xs, w)
+        out["max_err"] = float((got - ref).detach().abs().max())
+        out["max_grad_err"] = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ga, gb))
+    return out
+
+
+def run_sinks(args) -> list[dict]:
+    """Global and gpt-oss-window attention with and without sinks, their time ratio and errors."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    n, heads, kv, d = (4096, 64, 8, 64) if cuda else (2048, 8, 2, 64)
+    rows = []
+    for window in (None, 128):
+        plain = _isolated(sink_case, n, window, heads, kv, d, args.reps, False)
+        sunk = _isolated(sink_case, n, window, heads, kv, d, args.reps, True)
+        rows.append({"n": n, "attention": "global" if window is None else f"local {window}",
+                     "heads": f"{heads}/{kv}", "kernel": sunk["kernel"], "ms": plain["seconds"] * 1e3,
+                     "ms_sinks": sunk["seconds"] * 1e3, "sinks_vs_none": sunk["seconds"] / plain["seconds"],
+                     "max_err": sunk["max_err"], "max_grad_err": sunk["max_grad_err"]})  # fmt: skip
+    print(table(rows, ["n", "attention", "heads", "kernel", "ms", "ms_sinks", "sinks_vs_none", "max_err",
+                       "max_grad_err"]))  # fmt: skip
+    return rows
 
 
 def _isolated(fn, *args) -> dict:
@@ -209,12 +265,20 @@ def run(args) -> None:
         emit("attention", {**common, "window": args.window, "rows": run_layers(args)})
     if args.part in ("patterns", "both"):
         emit("attention", {**common, "head_dim": args.head_dim, "patterns": run_patterns(args)})
+    if args.part == "sinks":
+        emit("attention", {"reps": args.reps, "sinks": run_sinks(args)})
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:
     """Headers and rows of this benchmark's tables in the README (the layer table, then patterns)."""
     from .report import _f
 
+    if r.get("sinks"):
+        rows = [[x["n"], x["attention"], x["heads"], x["kernel"], _f(x["ms"]), _f(x["ms_sinks"]),
+                 _f(x["sinks_vs_none"]), f"{x['max_err']:.1e}", f"{x['max_grad_err']:.1e}"]
+                for x in r["sinks"]]  # fmt: skip
+        return ["n", "attention", "heads", "kernel", "fwd+bwd ms", "with sinks ms", "sinks/none",
+                "max err (fp32)", "max grad err (rel)"], rows  # fmt: skip
     if r.get("rows"):
         rows = [
             [x["n"], x["attention"], _f(x["ms"]), _f(x["peak_mb"]), _f(x.get("time_x_per_4x_n")),
