@@ -114,7 +114,7 @@ def pattern_case(
 
 
 def sink_case(n: int, window: int | None, heads: int, kv_heads: int, head_dim: int, reps: int,
-              sinks: bool) -> dict:  # fmt: skip
+              sinks: bool, kernel: str = "auto") -> dict:  # fmt: skip
     """Attention with GQA, forward + backward, with or without sinks; with sinks also the fp32 errors
     of the same kernel (at 512 tokens) against ``reference_attention``'s logit column."""
     torch, cuda, device, dtype = _setup()
@@ -130,14 +130,16 @@ def sink_case(n: int, window: int | None, heads: int, kv_heads: int, head_dim: i
     q, k, v, s = inputs(n, dtype)
 
     def step():
-        attend(q, k, v, pattern=local, scale=head_dim**-0.5, sinks=s if sinks else None).sum().backward()
+        attend(
+            q, k, v, pattern=local, scale=head_dim**-0.5, sinks=s if sinks else None, kernel=kernel
+        ).sum().backward()
         q.grad = k.grad = v.grad = s.grad = None
 
     out = _measure(torch, cuda, step, reps)
-    out["kernel"] = choose_kernel("auto", local, q.device, None, 0.0)
+    out["kernel"] = choose_kernel(kernel, local, q.device, None, 0.0)
     if sinks:  # correctness of the same kernel in fp32 (FlexAttention compiles once more for it)
         xs = inputs(512, torch.float32)
-        got = attend(*xs[:3], pattern=local, scale=head_dim**-0.5, sinks=xs[3])
+        got = attend(*xs[:3], pattern=local, scale=head_dim**-0.5, sinks=xs[3], kernel=kernel)
         ref = reference_attention(*xs[:3], local, scale=head_dim**-0.5, sinks=xs[3])
         w = torch.randn_like(ref)
         ga, gb = torch.autograd.grad(got, xs, w), torch.autograd.grad(ref, xs, w)
@@ -153,9 +155,10 @@ def run_sinks(args) -> list[dict]:
     cuda = torch.cuda.is_available()
     n, heads, kv, d = (4096, 64, 8, 64) if cuda else (2048, 8, 2, 64)
     rows = []
-    for window in (None, 128):
-        plain = _isolated(sink_case, n, window, heads, kv, d, args.reps, False)
-        sunk = _isolated(sink_case, n, window, heads, kv, d, args.reps, True)
+    cases = [(None, "auto"), (128, "auto")] + ([(None, "flex")] if cuda else [])
+    for window, kernel in cases:
+        plain = _isolated(sink_case, n, window, heads, kv, d, args.reps, False, kernel)
+        sunk = _isolated(sink_case, n, window, heads, kv, d, args.reps, True, kernel)
         rows.append({"n": n, "attention": "global" if window is None else f"local {window}",
                      "heads": f"{heads}/{kv}", "kernel": sunk["kernel"], "ms": plain["seconds"] * 1e3,
                      "ms_sinks": sunk["seconds"] * 1e3, "sinks_vs_none": sunk["seconds"] / plain["seconds"],
