@@ -526,9 +526,10 @@ def test_aux_loss_free_balancing_moves_the_bias_by_the_rate_and_evens_the_load()
 
 
 def test_aux_loss_free_balancing_trains_alike_at_every_axis_and_resumes_exactly(tmp_path):
-    """tiny-deepseek-v3 (rate 1e-3) for 6 steps on one process, resumed from its step 3, and at
-    tp 2 x pp 2 x ep 2 with SP and full recompute (loads summed over the TP shards, counted once under
-    recompute): the same losses, and the same correction biases in the final checkpoints."""
+    """tiny-deepseek-v3 (rate 1e-3) for 6 steps on one process, resumed from its step 3, resharded from
+    it to tp 2 (the biases are not in DeepSpeed's universal format: read from the source checkpoint),
+    and at tp 2 x pp 2 x ep 2 with SP and full recompute (loads summed over the TP shards, counted once
+    under recompute): the same losses, and the same correction biases in the final checkpoints."""
     from mt3d.checkpoint.loading import open_source
 
     from helpers import run_grouped, tiny_config
@@ -540,18 +541,20 @@ def test_aux_loss_free_balancing_trains_alike_at_every_axis_and_resumes_exactly(
         return world, raw
 
     step3 = str(tmp_path / "one" / "checkpoints" / "step_00000003")
-    one, again, spread = run_grouped(
+    one, again, resharded, spread = run_grouped(
         [config("one"), config("again", train={"resume": step3}),
+         config("resharded", 2, {"resume": step3}, tensor=2),
          config("spread", 8, {"recompute": {"interval": 1}}, tensor=2, pipeline=2, expert=2,
                 sequence_parallel=True)],
         timeout=600,
     )  # fmt: skip
     rec = lambda rs: [(r["step"], r["loss"], r["grad_norm"]) for r in rs if "grad_norm" in r]  # noqa: E731
     assert rec(again) == rec(one)[3:]
-    for a, b in zip(rec(spread), rec(one), strict=True):
+    for a, b in [*zip(rec(spread), rec(one), strict=True), *zip(rec(resharded), rec(one)[3:], strict=True)]:
         assert a[0] == b[0] and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
     names = [f"{i + 2}.mlp.router.e_score_correction_bias" for i in (1, 2, 3)]
-    biases = {run: [open_source(tmp_path / run).full(n) for n in names] for run in ("one", "again", "spread")}
+    runs = ("one", "again", "resharded", "spread")
+    biases = {run: [open_source(tmp_path / run).full(n) for n in names] for run in runs}
     assert any(bool(b.any()) for b in biases["one"])
-    for run in ("again", "spread"):
+    for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(biases[run], biases["one"])), run

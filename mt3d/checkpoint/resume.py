@@ -363,11 +363,28 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     from ..ds.nvme import finish_nvme_resume
 
     finish_nvme_resume(engine, Path(load_dir), tag)
+    if not same_layout:
+        restore_unoptimized(engine.module, plan.path)
     _check_finite(engine.module, load_dir / tag)
     key = rng_key(rt.state)
     if same_layout and not load_rng(plan.path, key, rt.tracker):
         log.warning("%s has no random state for %s: keeping the seeded one", plan.path, key)
     return client or {}
+
+
+def restore_unoptimized(module, path: Path) -> None:
+    """After a reshard (DeepSpeed's universal format holds what the optimizer trains): the parameters
+    trained outside it (routers' correction biases, replicated) read from the source checkpoint."""
+    import torch
+
+    from .reader import CheckpointReader
+
+    names = [(n, p) for n, p in module.named_parameters() if getattr(p, "mt3d_balance", False)]
+    if names:
+        reader = CheckpointReader(path, verify=False)
+        with torch.no_grad():
+            for name, p in names:
+                p.copy_(reader.full(name))
 
 
 def _check_finite(module, path: Path) -> None:

@@ -67,6 +67,10 @@ class ParamSpec:
 
     layout: ParamLayout
     shape: tuple[int, ...]
+    optimized: bool = True
+    """Whether the optimizer trains it (False: a router's correction bias, moved by aux-loss-free
+    balancing outside the gradient: not in the optimizer's states, nor in DeepSpeed's universal
+    format, which is made from them)."""
 
 
 def cache_key(cfg: ModelConfig) -> str:
@@ -95,7 +99,7 @@ def _table(key: str, vocab: int) -> dict[str, ParamSpec]:
         shape = tuple(p.shape)
         if layout.vocab is not None:
             shape = (layout.vocab, *shape[1:])  # the real rows; padding depends on tp
-        table[name] = ParamSpec(layout, shape)
+        table[name] = ParamSpec(layout, shape, not getattr(p, "mt3d_balance", False))
     return table
 
 
@@ -189,9 +193,10 @@ def universal_info(cfg: ModelConfig, tp: int, vocab: int) -> dict:
     re-added on load), replicated tensors, row-parallel tensors (dim 1), fused tensors whose shards
     are per-part slices of unequal parts (QKV with GQA, gate/up), and the tied embedding shared by
     the first and last pipeline stage. Column-parallel tensors are left unlisted (DeepSpeed's
-    default). Every pattern matches some parameter (DeepSpeed's strict mode requires it).
+    default). Every pattern matches some parameter (DeepSpeed's strict mode requires it); parameters the
+    optimizer does not train are left out (``ParamSpec.optimized``; ``restore_unoptimized`` reads them).
     """
-    table = sharding_table(cfg, vocab)
+    table = {n: spec for n, spec in sharding_table(cfg, vocab).items() if spec.optimized}
 
     def select(keep):
         return _patterns([n for n, spec in table.items() if keep(spec.layout)], table)
