@@ -30,6 +30,7 @@ from .sharding import ParamLayout, cache_key, role_of, split_name
 
 ALL_LINEAR = "all-linear"
 ROUTER = "a router (its scores choose experts; LoRA is not built for it)"
+REPLICATED = "a replicated latent down-projection of latent attention (LoRA is not built for it)"
 
 
 class LoraError(UserError):
@@ -83,6 +84,7 @@ class Catalog:
 @functools.lru_cache(maxsize=16)
 def _catalog(key: str, vocab: int) -> Catalog:
     from ..model.moe import Router, expert_index
+    from ..parallel.layers import ReplicatedLinear
     from .blocks import BuildContext
     from .hf import pieces
     from .pipeline import StackedModel, layer_specs
@@ -96,9 +98,10 @@ def _catalog(key: str, vocab: int) -> Catalog:
         head = name.split(".", 1)[0]
         if not head.isdigit() or role_of(cfg, int(head)) != "block":
             continue
-        if isinstance(m, Router):
+        if isinstance(m, ReplicatedLinear):  # routers; latent attention's down projections
+            why = ROUTER if isinstance(m, Router) else REPLICATED
             for p in pieces(cfg, name + ".weight"):
-                refused[p.name.rsplit(".", 1)[0]] = ROUTER
+                refused[p.name.rsplit(".", 1)[0]] = why
             continue
         if not isinstance(m, ColumnParallelLinear | RowParallelLinear):
             continue
