@@ -34,9 +34,9 @@ def test_gpu_suite_smoke_mode_on_cpu(tmp_path):
     assert all(r["tflops"] > 0 for r in gemm["rows"]) and gemm["best_tflops"] == max(
         r["tflops"] for r in gemm["rows"]
     )
-    frameworks = sorted((r["model"], r["framework"]) for r in gpu["rows"])
+    frameworks = sorted((r["model"], r["framework"]) for r in gpu["rows"])  # one model in smoke mode
     assert frameworks == sorted(
-        (m, f) for m in ("gpt3-1.3b", "llama-1b")
+        ("gpt3-1.3b", f)
         for f in ("mt3d", "mt3d recompute=selective", "mt3d offload=opt-cpu", "transformers+deepspeed")
     )  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in gpu["rows"]) and gpu["smoke"] is True

@@ -39,7 +39,7 @@ from mt3d.model.families import HFError
 from mt3d.model.hf import config_from_hf
 from mt3d.parallel.spawn import spawn
 
-from helpers import run_grouped, tiny_config, train_worker
+from helpers import run_grouped, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = [
@@ -191,7 +191,7 @@ def test_logits_match_transformers_at_every_layout(hf_dirs):
         ref = {name: hf_model(d)(ids).logits for name, d in hf_dirs.items()}
     dirs = {name: str(d) for name, d in hf_dirs.items()}
     sparse = {name: d for name, d in dirs.items() if name in MOE}
-    for tp, pp, ep in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2)):
+    for tp, pp, ep in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (2, 2, 2)):
         names = sparse if ep > 1 else dirs  # every ep rank runs the same tokens through its experts
         per_rank = spawn(logits_worker, tp * pp * ep, names, tp, pp, ids, ep, timeout=300)
         last_stage = [r for r in per_rank if r[next(iter(names))] is not None]
@@ -346,15 +346,27 @@ def loads_without_warnings(path, caplog):
     return model
 
 
+@pytest.fixture(scope="module")
+def round_trip_runs(hf_dirs, tmp_path_factory):
+    """Every family's HF directory saved as an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts:
+    tp 2 x ep 2, each ep rank's experts in its own files), all in one spawn: {name: run dir}."""
+    base = tmp_path_factory.mktemp("round-trip")
+    runs = []
+    for name in FAMILIES:
+        raw = fine_tune_config(base / name, hf_dirs[name], steps=0, save_at_end=True)
+        if name in MOE:
+            raw["mt3d"]["parallel"].update(pipeline=1, expert=2)
+        runs.append((4, raw))
+    run_grouped(runs, timeout=900)
+    return {name: base / name for name in FAMILIES}
+
+
 @pytest.mark.parametrize("name", FAMILIES)
-def test_round_trip_is_bit_identical(hf_dirs, tmp_path, name, caplog):
-    """HF -> an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts: tp 2 x ep 2, each ep rank's
-    experts in its own files) -> export-hf -> the same tensors, loadable silently."""
-    raw = fine_tune_config(tmp_path / "run", hf_dirs[name], steps=0, save_at_end=True)
-    if name in MOE:
-        raw["mt3d"]["parallel"].update(pipeline=1, expert=2)
-    spawn(train_worker, 4, raw, timeout=300)
-    out = run_export(tmp_path / "run", tmp_path / "export")
+def test_round_trip_is_bit_identical(hf_dirs, round_trip_runs, tmp_path, name, caplog):
+    """HF -> an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts: tp 2 x ep 2) -> export-hf -> the
+    same tensors, loadable silently."""
+    run = round_trip_runs[name]
+    out = run_export(run, tmp_path / "export")
     assert out.returncode == 0, out.stderr[-3000:]
     from safetensors.torch import load_file
 
@@ -372,9 +384,9 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, name, caplog):
     assert (tmp_path / "export" / "tokenizer.json").is_file()
     from mt3d.checkpoint.loading import open_source
 
-    source = open_source(tmp_path / "run")  # the tokenizer travels inside the checkpoint
+    source = open_source(run)  # the tokenizer travels inside the checkpoint
     assert Path(source.tokenizer_dir) == source.path / "tokenizer"
-    again = run_export(tmp_path / "run", tmp_path / "export")
+    again = run_export(run, tmp_path / "export")
     assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites
 
 
@@ -391,8 +403,8 @@ FINE_TUNED = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "gpt
 @pytest.fixture(scope="module")
 def fine_tuned(hf_dirs, tmp_path_factory):
     """Each family fine-tuned for 5 steps on one process and at (2,2,2) (MoE: tp 2 x pp 2 x ep 2);
-    Gemma 2 and DeepSeek-V3 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps,
-    windows; latents gathered over TP), Gemma 3, gpt-oss and DeepSeek-V3 at cp 2 (RoPE per layer type
+    Gemma 2 also at tp 2 x pp 2 with SP and recompute (over post-norms, soft-caps, windows; DeepSeek-V3's
+    latents under SP: tests/test_moe.py), Gemma 3, gpt-oss and DeepSeek-V3 at cp 2 (RoPE per layer type
     from global positions; sinks over the all-gather and halo exchanges, eval covering the all-to-all;
     the latent gathered over cp). Runs of a
     world size share one spawn: {name: (dir of the (2,2,2) run, {what: step records})}."""
@@ -406,7 +418,7 @@ def fine_tuned(hf_dirs, tmp_path_factory):
             raw["mt3d"]["parallel"]["expert"] = 2
         runs.append((8, raw))
         keys += [(name, "ref"), (name, "(2,2,2)")]
-        if name in ("gemma2", "deepseek_v3"):  # DeepSeek-V3: the latents all-gathered under SP
+        if name == "gemma2":
             raw = fine_tune_config(d / "sp", hf_dirs[name], 5, 2, 2, recompute={"interval": 1})
             raw["mt3d"]["parallel"]["sequence_parallel"] = True
             runs.append((4, raw))

@@ -41,7 +41,11 @@ STEPS = (
 )
 SMOKE = (
     ("gemm", ["gemm", "--smoke", "--reps", "2"], 300),
-    ("gpu", ["gpu", "--smoke", "--recompute", "none,selective", "--offload", "opt-cpu"], 300),
+    (
+        "gpu",
+        ["gpu", "--smoke", "--models", "gpt3-1.3b", "--recompute", "none,selective", "--offload", "opt-cpu"],
+        300,
+    ),
 )
 STEP_NAMES = tuple(name for name, _, _ in STEPS)
 """What ``--only`` can name (this module imports torch only when it runs: the parser reads it)."""
