@@ -20,6 +20,21 @@ _LLAMA = dict(family="llama", norm_eps=1e-5, rope_theta=10000.0)
 _TINY = dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, max_seq_len=128)
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 
+
+def _deepseek_v3(heads: int, factor: float, beta_fast: float, moe: dict, **sizes) -> dict:
+    """DeepSeek-V3's shapes (the published latent attention, top-8 routing with one shared expert,
+    YaRN) with what tells DeepSeek-V3 and Kimi K2 apart: heads, sizes, RoPE scaling and expert groups."""
+    return dict(
+        family="deepseek_v3", hidden=7168, layers=61, heads=heads, kv_heads=heads, ffn=18432, **sizes,
+        rope_scaling={"rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": 1.0,
+                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                 q_lora_rank=1536, rope_interleave=True),
+        moe=dict(top_k=8, expert_ffn=2048, shared_ffn=2048, shared_gate=False, scoring="sigmoid",
+                 correction_bias=True, **moe),
+    )  # fmt: skip
+
+
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden=64, layers=4, heads=4, max_seq_len=128, **_GPT),
     "tiny-llama": dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, max_seq_len=128, **_LLAMA),
@@ -142,26 +157,14 @@ PRESETS: dict[str, dict] = {
     ) for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
     # DeepSeek-V3 (DeepSeek-AI 2024; R1 is the same model): latent attention, 256 experts in 8 groups,
     # top-8 from 4 groups, one shared expert, 3 dense blocks; without its multi-token-prediction layer
-    "deepseek-v3": dict(
-        family="deepseek_v3", hidden=7168, layers=61, heads=128, kv_heads=128, ffn=18432, vocab_size=129280,
-        max_seq_len=163840, rope_theta=10000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-        mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                 q_lora_rank=1536, rope_interleave=True),
-        moe=dict(experts=256, top_k=8, expert_ffn=2048, shared_ffn=2048, shared_gate=False, scoring="sigmoid",
-                 n_group=8, topk_group=4, routed_scaling=2.5, correction_bias=True, dense_layers=[0, 1, 2]),
+    "deepseek-v3": _deepseek_v3(
+        heads=128, vocab_size=129280, max_seq_len=163840, rope_theta=10000.0, factor=40.0, beta_fast=32.0,
+        moe=dict(experts=256, n_group=8, topk_group=4, routed_scaling=2.5, dense_layers=[0, 1, 2]),
     ),
     # Kimi K2 (Moonshot AI 2025): DeepSeek-V3's block with 384 experts, 64 heads, one dense block
-    "kimi-k2": dict(
-        family="deepseek_v3", hidden=7168, layers=61, heads=64, kv_heads=64, ffn=18432, vocab_size=163840,
-        max_seq_len=131072, rope_theta=50000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
-                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-        mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                 q_lora_rank=1536, rope_interleave=True),
-        moe=dict(experts=384, top_k=8, expert_ffn=2048, shared_ffn=2048, shared_gate=False, scoring="sigmoid",
-                 n_group=1, topk_group=1, routed_scaling=2.827, correction_bias=True, dense_layers=[0]),
+    "kimi-k2": _deepseek_v3(
+        heads=64, vocab_size=163840, max_seq_len=131072, rope_theta=50000.0, factor=32.0, beta_fast=1.0,
+        moe=dict(experts=384, n_group=1, topk_group=1, routed_scaling=2.827, dense_layers=[0]),
     ),
     # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): 128 experts, top-8, renormalised
     "qwen3-30b-a3b": dict(

@@ -31,8 +31,10 @@ every query sees whose value is zero, so the weights of the real keys sum to les
 the block-local tiles take it as one extra key: the query gains a column holding sink / scale and
 the keys a zero column (``_with_sink``), and the sink key is the unit vector on that column; a whole
 causal sequence puts it first and a dummy first query before the others, so SDPA's causal kernels
-still apply. FlexAttention takes it as key 0 with the sink as its score. The sink's gradient flows
-through the query column. Sinks and soft-capping are not combined (no family has both).
+still apply; the sink's gradient flows through the query column. FlexAttention instead scales its
+output by sigmoid(log-sum-exp - sink), the softmax share the real keys keep. Sinks and soft-capping
+are not combined (no family has both).
+
 Grouped-query attention never copies key/value heads: query heads are grouped under the key/value
 head they share (HF's ``repeat_kv`` order: query head i uses key/value head i // group).
 """
@@ -153,10 +155,12 @@ def _with_sink(q, k, v, sinks: torch.Tensor, scale: float):
     return q, k, v
 
 
-def _sink_key(like: torch.Tensor, lead: tuple) -> torch.Tensor:
-    """Zeros shaped ``lead + (like's last dim,)``: the sink's value, and its key once the caller sets
-    the sink column to one."""
-    return like.new_zeros(*lead, like.shape[-1])
+def _sink_first(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v [..., t, d + pad] (``_with_sink``'s) with the sink key first along the keys (dim -2): the unit
+    vector on the sink column, its value zero."""
+    k, v = (torch.cat([x.new_zeros(*x.shape[:-2], 1, x.shape[-1]), x], dim=-2) for x in (k, v))
+    k[..., 0, -_SINK_PAD] = 1.0
+    return k, v
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -169,8 +173,7 @@ def dense_attention(q, k, v, mask, *, scale, softcap=None, dropout=0.0, sink=Fal
     """q [..., hq, s, d], k/v [..., hk, t, d], mask [s, t] or [..., 1, s, t] bool (True: attend) or None;
     ``sink``: q/k/v carry the sink column (``_with_sink``): the sink key joins first, seen by all."""
     if sink:
-        k, v = (torch.cat([_sink_key(x, (*x.shape[:-2], 1)), x], dim=-2) for x in (k, v))
-        k[..., 0, -_SINK_PAD] = 1.0
+        k, v = _sink_first(k, v)
         if mask is not None:
             mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
     hq, s, d = q.shape[-3:]
@@ -228,8 +231,7 @@ def _tiles(q, k, v, pattern: LocalPattern, scale, softcap, dropout, block, sink=
     mask, causal = local_tile_mask(pattern, n, block, span, q.device)  # [blocks, block, span + block]
     kt, vt = tiles(k), tiles(v)
     if sink:  # the sink key (and its zero value) first in every tile, seen by every row
-        kt, vt = (torch.cat([_sink_key(x, (b * hk, blocks, 1)), x], dim=2) for x in (kt, vt))
-        kt[:, :, 0, -_SINK_PAD] = 1.0
+        kt, vt = _sink_first(kt, vt)
         mask, causal = torch.cat([mask.new_ones(blocks, block, 1), mask], dim=2), False
     if causal and g == 1:  # blocked attention: every tile is one causal block
         out = _tile_attention(qt, kt, vt, None, scale, softcap, dropout, causal=True)
@@ -301,11 +303,8 @@ def flex_local_attention(q, k, v, pattern: LocalPattern | None, *, scale, softca
     key = (pattern, n, str(q.device))
     if key not in _FLEX:
 
-        def allowed(qi, kv):
-            return kv <= qi if pattern is None else pattern.allowed(qi, kv, n)
-
         def mask_mod(b, h, qi, kv):
-            return allowed(qi, kv)
+            return kv <= qi if pattern is None else pattern.allowed(qi, kv, n)
 
         if len(_FLEX) > 32:
             _FLEX.clear()
@@ -403,8 +402,7 @@ def attend(
         return out[..., :d]
     if pattern is None and softcap is None and name != "dense":
         if sink:  # the sink key first, and a dummy first query (seeing only it): causal still fits
-            k, v = (torch.cat([_sink_key(x, (*x.shape[:2], 1)), x], dim=2) for x in (k, v))
-            k[:, :, 0, d] = 1.0
+            k, v = _sink_first(k, v)
             q = F.pad(q, (0, 0, 1, 0))
         out = F.scaled_dot_product_attention(
             q,

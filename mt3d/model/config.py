@@ -193,11 +193,21 @@ class ModelConfig:
     @property
     def mla_spec(self):
         """The parsed ``mla`` option (``LatentSpec``), or None for standard attention."""
-        if self.mla is None:
-            return None
         from .mla_spec import LatentSpec
 
-        return LatentSpec.parse(self.mla)
+        return self._parsed("mla", LatentSpec.parse)
+
+    def _parsed(self, option: str, parse):
+        """``parse`` of option ``option`` (None when unset), parsed once per value of it: the counting
+        helpers ask for it per block, RoPE per table, and the planner for every layout."""
+        value = getattr(self, option)
+        if value is None:
+            return None
+        key = repr(value)
+        cached = self.__dict__.get(f"_{option}_spec")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__[f"_{option}_spec"] = (key, parse(value))
+        return cached[1]
 
     @property
     def rotary_dim(self) -> int:
@@ -206,17 +216,10 @@ class ModelConfig:
 
     @property
     def moe_spec(self):
-        """The parsed ``moe`` option (``MoESpec``), or None for a dense model. Parsed once per value of
-        ``moe`` (the counting helpers ask for it per block, and the planner for every layout)."""
-        if self.moe is None:
-            return None
-        key = repr(self.moe)
-        cached = self.__dict__.get("_moe_spec")
-        if cached is None or cached[0] != key:
-            from .moe_spec import MoESpec
+        """The parsed ``moe`` option (``MoESpec``), or None for a dense model."""
+        from .moe_spec import MoESpec
 
-            cached = self.__dict__["_moe_spec"] = (key, MoESpec.parse(self.moe))
-        return cached[1]
+        return self._parsed("moe", MoESpec.parse)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture-of-experts MLP."""

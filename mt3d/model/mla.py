@@ -27,6 +27,7 @@ attention itself). Generation caches the latent, not the expanded keys and value
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -36,7 +37,7 @@ from ..parallel import context
 from ..parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
 from .attention import attend
-from .norms import RopeTables, make_norm, rope_params, rotate_half
+from .norms import RopeTables, make_norm, rope_params, rotate_half, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds q_a_layernorm and kv_a_layernorm with their default eps, not rms_norm_eps."""
@@ -47,9 +48,7 @@ def softmax_scale(cfg) -> float:
     scale = cfg.head_dim**-0.5
     _, sc = rope_params(cfg)
     if sc.get("rope_type", sc.get("type", "default")) != "default" and sc.get("mscale_all_dim"):
-        factor = sc["factor"]
-        m = 1.0 if factor <= 1 else 0.1 * sc["mscale_all_dim"] * math.log(factor) + 1.0
-        scale *= m * m
+        scale *= yarn_mscale(sc["factor"], sc["mscale_all_dim"]) ** 2
     return scale
 
 
@@ -130,7 +129,7 @@ class LatentAttention(RopeTables, nn.Module):
         drop = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext():
             if self.ctx.cp_size > 1 and cache is None:
-                kernel = lambda *a, **kw: attend(*a, documents=documents, **kw)  # noqa: E731
+                kernel = functools.partial(attend, documents=documents)
                 o = context.attention(q, k, v, cp, "whole", pattern=None, scale=self.scale, softcap=None,
                                       dropout=drop, attend=kernel)  # fmt: skip
             else:

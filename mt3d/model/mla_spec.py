@@ -3,9 +3,9 @@ model config reads without importing the layer that builds it (``mt3d.model.mla`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from .options import ModelConfigError
+from .options import ModelConfigError, option_fields
 
 
 @dataclass(frozen=True)
@@ -30,16 +30,8 @@ class LatentSpec:
         """From the ``model.mla`` dict; one-line errors naming the key."""
         if isinstance(d, LatentSpec):
             return d
-        if not isinstance(d, dict):
-            raise ModelConfigError(f"model.mla must be an object, got {d!r}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ModelConfigError(f"unknown model.mla keys {unknown}; valid keys: {sorted(names)}")
-        for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            if key not in d:
-                raise ModelConfigError(f"model.mla needs {key!r}")
-        spec = cls(**d)
+        required = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        spec = cls(**option_fields(cls, d, "mla", required))
         for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"):
             v = getattr(spec, key)
             if (v is not None or key != "q_lora_rank") and (

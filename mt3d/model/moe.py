@@ -106,7 +106,6 @@ class Router(ReplicatedLinear):
             self.e_score_correction_bias.mt3d_balance = True  # trained outside the gradient
         self.load = None  # assignments per expert counted since the last balancing step
         self.rate = cfg.moe_spec.bias_update_rate if correction else 0.0
-        self.sequence_parallel = ctx.sp
 
 
 class Expert(nn.Module):

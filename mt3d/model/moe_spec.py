@@ -4,9 +4,9 @@ importing the layers that build it (``mt3d.model.moe``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from .options import ModelConfigError
+from .options import ModelConfigError, option_fields
 
 
 class MoEConfigError(ModelConfigError):
@@ -72,16 +72,7 @@ class MoESpec:
         """From the ``model.moe`` dict; one-line errors naming the key."""
         if isinstance(d, MoESpec):
             return d
-        if not isinstance(d, dict):
-            raise MoEConfigError(f"model.moe must be an object, got {d!r}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise MoEConfigError(f"unknown model.moe keys {unknown}; valid keys: {sorted(names)}")
-        for key in ("experts", "top_k", "expert_ffn"):
-            if key not in d:
-                raise MoEConfigError(f"model.moe needs {key!r}")
-        kw = dict(d)
+        kw = option_fields(cls, d, "moe", ("experts", "top_k", "expert_ffn"), MoEConfigError)
         kw["dense_layers"] = tuple(kw.get("dense_layers") or ())
         spec = cls(**kw)
         spec.check()

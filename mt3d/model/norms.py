@@ -141,12 +141,14 @@ def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
     if kind == "longrope":
         return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if sc.get("mscale") and sc.get("mscale_all_dim"):
-        return mscale(factor, sc["mscale"]) / mscale(factor, sc["mscale_all_dim"])
-    return mscale(factor)
+        return yarn_mscale(factor, sc["mscale"]) / yarn_mscale(factor, sc["mscale_all_dim"])
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature for a scaling ``factor``: 0.1 m ln(factor) + 1 (1 when not scaled)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -32,3 +32,21 @@ BLOCK_OPTIONS = (
     "tie_embeddings",
     "moe",
 )
+
+
+def option_fields(cls, d, option: str, required: tuple[str, ...], error=ModelConfigError) -> dict:
+    """The keyword arguments of dataclass ``cls`` that the ``model.<option>`` object ``d`` gives, after the
+    checks every such option shares (an object, no unknown key, the required keys): one-line errors
+    naming the key."""
+    from dataclasses import fields
+
+    if not isinstance(d, dict):
+        raise error(f"model.{option} must be an object, got {d!r}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise error(f"unknown model.{option} keys {unknown}; valid keys: {sorted(names)}")
+    for key in required:
+        if key not in d:
+            raise error(f"model.{option} needs {key!r}")
+    return dict(d)

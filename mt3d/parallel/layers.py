@@ -272,6 +272,7 @@ class ReplicatedLinear(nn.Module):
                  device=None) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(init.rows(0, out_features, in_features, dtype).to(device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         if sequence_parallel:
