@@ -61,8 +61,8 @@ class LatentAttention(RopeTables, nn.Module):
         cfg.check_parallel(tp, 1)
         spec = self.spec = cfg.mla_spec
         self.cfg, self.ctx = cfg, ctx
-        self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.heads // tp, cfg.head_dim
-        self.pattern, self.local = None, False
+        self.heads = cfg.heads // tp
+        self.local = False  # global layers only (RopeTables reads it)
         self.scale = softmax_scale(cfg)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers)
         common = dict(tp=ctx.tp, dtype=ctx.dtype, device=ctx.device)
