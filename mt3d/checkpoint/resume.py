@@ -81,6 +81,8 @@ class ResumePlan:
         for axis in NAMES:  # an optional axis of size 1 is left out of either record
             saved.setdefault(axis, 1)
             now.setdefault(axis, 1)
+        if saved["ep"] > 1 and saved["zero_stage"] > 0:  # from before dense states spanned the ep ranks
+            saved.setdefault("dense_partition", "dp / ep x cp")
         return any(saved.get(k) != v for k, v in now.items())
 
     def check_offload(self, layout: Layout) -> bool:

@@ -44,14 +44,18 @@ class Layout:
         return {a: self.degrees[a] for a in shown(self.degrees)}
 
     def saved(self) -> dict:
-        """The layout as checkpoints record it (what a resume compares)."""
-        return {
+        """The layout as checkpoints record it (what a resume compares); under expert parallelism with
+        ZeRO also what dense optimizer states are partitioned over (``mt3d.ds.experts``)."""
+        out = {
             **self.shown_degrees(),
             "zero_stage": self.zero_stage,
             "virtual_stages": self.virtual_stages,
             "stage_blocks": list(self.stage_blocks) if self.stage_blocks else None,
             "offload": self.offload,
         }
+        if self.degrees.get("ep", 1) > 1 and self.zero_stage > 0:
+            out["dense_partition"] = DENSE_PARTITION
+        return out
 
     def describe(self) -> dict:
         """Everything, flat (run.json)."""
@@ -67,6 +71,12 @@ class Layout:
         shown = self.shown_degrees()
         order = [a for a in shown if a != "dp"] + ["dp"]
         return f"world {self.world} = " + " x ".join(f"{a} {shown[a]}" for a in order)
+
+
+DENSE_PARTITION = "dp x cp"
+"""What ZeRO partitions dense optimizer states over under expert parallelism, as checkpoints record
+it; checkpoints from before it was recorded partitioned them over dp / ep x cp
+(``mt3d.ds.universal`` converts either)."""
 
 
 def _check_mapping(par: ParallelConfig, world: int) -> None:

@@ -18,6 +18,7 @@ the interleaved engine), and what mt3d patches on the engine afterwards, each wi
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -196,31 +197,34 @@ def initialize(
     config: dict,
     layout: Layout,
     mpu=None,
-    ep=None,
+    state=None,
     overlap=None,
 ):
     """``deepspeed.initialize`` (mt3d's schedule engine for an ``InterleavedPipeline``); returns the
     engine, its checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
-    ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``ep``:
-    the expert-parallel group (``mt3d.ds.experts`` when it has more than one rank); ``overlap``:
-    ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on)."""
+    ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``state``:
+    the rank's ParallelState (``mt3d.ds.experts`` when its ep group has more than one rank);
+    ``overlap``: ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on)."""
     import deepspeed
 
+    from . import experts
     from .pipe import InterleavedPipeline
 
-    if isinstance(model, InterleavedPipeline):  # v > 1, or overlap.p2p (training.engine.build_model)
-        from .interleaved import initialize as initialize_interleaved
+    expert_parallel = state is not None and state.ep.size > 1
+    if expert_parallel and layout.zero_stage > 0:
+        param_groups = experts.expert_groups(param_groups)
+    with experts.zero_optimizer(state) if expert_parallel and layout.zero_stage > 0 else nullcontext():
+        if isinstance(model, InterleavedPipeline):  # v > 1, or overlap.p2p (training.engine.build_model)
+            from .interleaved import initialize as initialize_interleaved
 
-        engine = initialize_interleaved(model, param_groups, config)
-        engine.async_p2p = overlap is not None and overlap.p2p
-    else:
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups, config=config, mpu=mpu
-        )
-    if ep is not None and ep.size > 1:
-        from .experts import install
-
-        install(engine, ep)
+            engine = initialize_interleaved(model, param_groups, config)
+            engine.async_p2p = overlap is not None and overlap.p2p
+        else:
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=param_groups, config=config, mpu=mpu
+            )
+    if expert_parallel:
+        experts.install(engine, state, layout.zero_stage)
     if layout.zero_stage == 0 and layout.precision == "fp32":
         guard_fp32_without_zero(engine)
     if mpu is None and layout.degrees["dp"] * layout.degrees["cp"] == 1 and layout.zero_stage == 0:

@@ -1,4 +1,4 @@
-"""Expert parallelism inside DeepSpeed's pipeline engine.
+"""Expert parallelism inside DeepSpeed's pipeline engine and its ZeRO optimizers.
 
 Why not DeepSpeed's own MoE path: the engine switches to it (``has_moe_layers``) only when the model
 holds ``deepspeed.moe.layer.MoE`` (or AutoEP) modules, and then saves and loads checkpoints in the
@@ -7,27 +7,30 @@ native MoE layout (whole-module ``mp_rank`` files plus per-expert files found by
 per-layer files and mt3d's experts (named by global index, split over TP) do not follow. Its router
 is also not transformers' (``mt3d.model.moe``). So mt3d counts the ep ranks in DeepSpeed's 'model'
 axis (``parallel.axes``): every (tp, ep) rank writes its own layer files and optimizer partitions,
-and DeepSpeed reduces gradients and partitions ZeRO states over 'data' = dp / ep x cp, which is
-exactly the expert-data-parallel group for expert weights. What DeepSpeed then does not know is done
-here, once per step and once at start-up:
+and the engine's 'data' axis is dp / ep x cp, the ranks holding the same experts (``state.edp``).
 
-* gradients (``reduce_over_experts``, right before DeepSpeed's own reduction): dense gradients are summed
-  over the ep group and every gradient divided by ep, so DeepSpeed's average over dp / ep x cp
-  becomes the average over dp x cp for dense weights and the sum over ep groups' tokens / (dp x cp)
-  for experts (each expert already received its gradient from every ep rank's tokens through the
-  all-to-all's backward);
-* norms (``count_dense_once``): dense weights are held by every ep rank; on ep ranks > 0 they carry
-  DeepSpeed's ``ds_pipe_replicated`` mark (meant for tied weights held by several stages: "counted
-  once"), which every DeepSpeed norm honours, and experts are marked model-parallel so they count on
-  every rank, except an expert tensor TP does not split (gpt-oss's down bias), counted on TP rank 0
-  (``tp_copy`` on the others);
-* the reported loss is averaged over ep in the training loop (DeepSpeed averages over its 'data');
-* resharding (``tp_slices``): DeepSpeed's universal loader slices TP-split states by the grid's
-  'model' rank and size, which count ep ranks too; the load runs with mt3d's tp group instead.
+With ZeRO 1-2 (``zero_optimizer``): DeepSpeed's ZeRO optimizer does have parameter groups with their
+own data-parallel group ('moe' groups); the engine hands it its MoE groups only on its MoE path, so
+mt3d builds it with them (``expert_groups``): dense weights partitioned over all dp x cp ranks
+(``state.dense``), experts over the dp / ep x cp ranks that hold them, gradients reduced once over
+each (DeepSpeed divides both by dp x cp: the mean over every rank's tokens, which an expert's
+gradient already sums over its ep group through the all-to-all's backward), gradient norms summed
+over dp x cp and over pipe x tp (``state`` as its mpu: the grid's 'model' axis holds ep ranks too),
+and the BF16 optimizer (which has no MoE path without the engine's) replaced by it. Each rank then
+writes its own optimizer file, named by its dp x cp rank (``save_zero_checkpoint``), and reads it
+back (``zero_checkpoint_names``).
 
-The cost against DeepSpeed-MoE's layout: ZeRO-1 partitions dense optimizer states over dp / ep x cp
-instead of dp x cp (the planner's memory model counts it), and dense gradients take a second
-all-reduce over ep (the same bytes as one over dp, in two hops).
+Without ZeRO (``reduce_over_experts``, right before DeepSpeed's own reduction over 'data'): dense
+gradients are summed over the ep group and every gradient divided by ep, so DeepSpeed's average over
+dp / ep x cp becomes the average over dp x cp; dense weights on ep ranks > 0 carry DeepSpeed's
+``ds_pipe_replicated`` mark (meant for tied weights held by several stages: "counted once"), which
+every DeepSpeed norm honours.
+
+Either way experts are marked model-parallel so norms count them on every rank, except an expert
+tensor TP does not split (gpt-oss's down bias), counted on TP rank 0 (``tp_copy`` on the others);
+the reported loss is averaged over ep in the training loop (DeepSpeed averages over its 'data'); and
+resharding (``tp_slices``): DeepSpeed's universal loader slices TP-split states by the grid's 'model'
+rank and size, which count ep ranks too; the load runs with mt3d's tp group instead.
 """
 
 from __future__ import annotations
@@ -43,15 +46,92 @@ def is_expert(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "mt3d_expert", False))
 
 
-def count_dense_once(module: torch.nn.Module, ep_rank: int) -> None:
-    """Mark parameters so DeepSpeed's gradient norms count dense weights once over ep (see above)."""
+EXPERT_GROUP = "mt3d_experts"
+"""The name of the expert parameter groups (DeepSpeed's ``group['name']``, the key of its
+expert-data-parallel group dictionary): one name at every ep, so a resharded run's groups match."""
+
+
+def count_dense_once(module: torch.nn.Module, ep_rank: int, partitioned: bool) -> None:
+    """Mark parameters so DeepSpeed's gradient norms count each once (see above); ``partitioned``:
+    ZeRO partitions dense weights over the ep ranks too, so each rank's share is distinct."""
     for p in module.parameters():
         if is_expert(p) and getattr(p, "tp_copy", False):
             p.ds_pipe_replicated = True  # TP rank 0 holds the same tensor and counts it
         elif is_expert(p):
             p.model_parallel = True  # distinct on every (tp, ep) rank: always counted
-        elif ep_rank > 0:
+        elif ep_rank > 0 and not partitioned:
             p.ds_pipe_replicated = True  # only set, never cleared: tied weights keep their mark
+
+
+def expert_groups(groups: list[dict]) -> list[dict]:
+    """``groups`` (mt3d's optimizer parameter groups) with the experts in groups of their own, after
+    the dense ones and with the same settings, marked as DeepSpeed's ZeRO optimizer recognises them
+    ('moe' groups of ``EXPERT_GROUP``; ``zero_optimizer`` marks their parameters). Dense first: DeepSpeed's
+    universal loader pairs a run's groups with the checkpoint's by position
+    (``mt3d.ds.universal.pad_param_groups``)."""
+    dense, experts = [], []
+    for g in groups:
+        mine = [p for p in g["params"] if is_expert(p)]
+        rest = [p for p in g["params"] if not is_expert(p)]
+        if rest:
+            dense.append({**g, "params": rest})
+        if mine:
+            experts.append({**g, "params": mine, "moe": True, "name": EXPERT_GROUP})
+    return dense + experts
+
+
+@contextmanager
+def zero_optimizer(state):
+    """While open, DeepSpeed's engine builds its ZeRO 1-2 optimizer over mt3d's groups (see above):
+    dense states over ``state.dense``, expert groups over ``state.edp``, norms over ``state``'s
+    pipe x tp; bf16 with ZeRO-1 takes the same optimizer instead of the BF16 one. ``state``: the
+    rank's ``ParallelState``."""
+    from deepspeed.runtime import engine as ds_engine
+
+    built, check = ds_engine.DeepSpeedZeroOptimizer, ds_engine.DeepSpeedEngine._do_optimizer_sanity_check
+
+    def build(optimizer, *args, **kwargs):
+        # DeepSpeed's mark of an expert parameter, set only now: the engine's start-up broadcast reads
+        # it too, and would look for the group in DeepSpeed's own registry (the 'data' group it
+        # broadcasts over otherwise is the same ranks)
+        for group in optimizer.param_groups:
+            for p in group["params"] if group.get("moe") else ():
+                p.allreduce, p.group_name = False, EXPERT_GROUP
+        kwargs.update(
+            dp_process_group=state.dense.group,
+            expert_parallel_group={EXPERT_GROUP: state.ep.group},
+            expert_data_parallel_group={EXPERT_GROUP: state.edp.group},
+            has_moe_layers=True,
+            mpu=state,
+        )
+        return built(optimizer, *args, **kwargs)
+
+    def sanity_check(self, basic_optimizer):
+        kind = check(self, basic_optimizer)
+        return ds_engine.ZERO_OPTIMIZATION if kind == ds_engine.BFLOAT16 else kind
+
+    ds_engine.DeepSpeedZeroOptimizer = build
+    ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = sanity_check
+    try:
+        yield
+    finally:
+        ds_engine.DeepSpeedZeroOptimizer = built
+        ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = check
+
+
+def zero_checkpoint_names(engine, dense_size: int) -> None:
+    """With ``zero_optimizer``, every rank writes its optimizer file (DeepSpeed's engine lets only the
+    ranks whose dp x cp rank equals their 'data' rank write), named by its dp x cp rank, and reads
+    that one back: the engine lists names up to its 'data' size, not dp x cp."""
+    engine.save_zero_checkpoint = True
+
+    def names(load_dir, tag, bf16_mode):
+        return engine._get_mp_rank_zero_checkpoint_names(
+            load_dir=load_dir, tag=tag, mp_rank=engine.checkpoint_mp_rank, dp_world_size=dense_size,
+            bf16_mode=bf16_mode,
+        )
+
+    engine._get_all_zero_checkpoint_names = names
 
 
 def gradient_pairs(engine) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -82,13 +162,18 @@ def reduce_over_experts(pairs, ep) -> None:
         g.div_(ep.size)
 
 
-def install(engine, ep) -> None:
-    """Make ``engine`` (DeepSpeed's pipeline engine or mt3d's interleaved one) train expert-parallel
-    over ``ep`` (an ``AxisGroup``): the norm marks, and the reduction over ep run right before the
-    engine's own. The schedule's reduce step (``_exec_reduce_grads``) is dispatched from a class-level
-    table, so what is wrapped is what it calls on the instance: ``allreduce_gradients``, or
-    ``_bf16_reduce_grads`` with the BF16 optimizer."""
-    count_dense_once(engine.module, ep.rank)
+def install(engine, state, zero_stage: int) -> None:
+    """Make ``engine`` (DeepSpeed's pipeline engine, mt3d's interleaved one, or at ZeRO-2 the regular
+    one, built inside ``zero_optimizer`` when ``zero_stage`` > 0) train expert-parallel over
+    ``state.ep``: the norm marks, and with ZeRO its checkpoint names, else the reduction over ep run
+    right before the engine's own. The schedule's reduce step (``_exec_reduce_grads``) is dispatched
+    from a class-level table, so what is wrapped is what it calls on the instance:
+    ``allreduce_gradients``, or ``_bf16_reduce_grads`` with the BF16 optimizer."""
+    ep = state.ep
+    count_dense_once(engine.module, ep.rank, partitioned=zero_stage > 0)
+    if zero_stage > 0:
+        zero_checkpoint_names(engine, state.dense.size)
+        return
     for name in ("allreduce_gradients", "_bf16_reduce_grads"):
         inner = getattr(engine, name)
 
@@ -126,5 +211,5 @@ def tp_slices(engine, tp):
             delattr(grid, name)
 
 
-__all__ = ["count_dense_once", "gradient_pairs", "install", "is_expert", "loading",
-           "reduce_over_experts", "tp_slices"]  # fmt: skip
+__all__ = ["EXPERT_GROUP", "count_dense_once", "expert_groups", "gradient_pairs", "install", "is_expert",
+           "loading", "reduce_over_experts", "tp_slices", "zero_checkpoint_names", "zero_optimizer"]  # fmt: skip

@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ..config.layout import DENSE_PARTITION
 from ..errors import CheckpointError
 from ..model.moe import expert_index
 from ..versions import running_version
@@ -20,15 +21,47 @@ from ..versions import running_version
 
 def convert(source: Path, out: Path, workers: int = 1, layout: dict | None = None) -> None:
     """Run DeepSpeed's ds_to_universal in-process (no process group needed); ``layout``: the
-    source's saved layout (an expert-parallel one is converted per ep rank, ``_convert_per_ep_rank``)."""
+    source's saved layout (an expert-parallel one is converted through a view of its files:
+    ``_convert_joined`` or, for checkpoints from before dense states spanned the ep ranks,
+    ``_convert_per_ep_rank``)."""
     layout = layout or {}
-    if int(layout.get("ep", 1)) > 1:
-        _convert_per_ep_rank(source, out, int(layout["tp"]), int(layout["ep"]), workers)
+    ep = int(layout.get("ep", 1))
+    if ep > 1 and layout.get("dense_partition") == DENSE_PARTITION:
+        _convert_joined(source, out, int(layout["tp"]), ep, workers)
+    elif ep > 1:
+        _convert_per_ep_rank(source, out, int(layout["tp"]), ep, workers)
+    else:
+        tmp = out.with_name(out.name + ".tmp")
+        _run_converter(source, tmp, workers)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    pad_param_groups(out)
+
+
+GROUP_SLOTS = 4
+"""mt3d's optimizer groups, by position: dense with weight decay, dense without, then (under expert
+parallelism with ZeRO) experts with, experts without (``training.engine.param_groups``,
+``mt3d.ds.experts.expert_groups``)."""
+
+
+def pad_param_groups(out: Path) -> None:
+    """Give the universal checkpoint ``out`` a settings entry for every group slot. DeepSpeed's loader
+    pairs the run's parameter groups with the checkpoint's by position and loads only the pairs
+    (``zip``): a run with expert groups resuming a checkpoint without them (another ep, or a pipeline
+    stage 0 holding no expert) would leave its experts' states unloaded. A missing expert slot takes
+    the settings of the dense slot with the same decay."""
+    import torch
+
+    from .safe import safe_torch_load
+
+    path = out / "zero" / "optimizer_state.pt"
+    state = safe_torch_load(path)
+    groups = state.get("param_groups") or []
+    if not groups or len(groups) >= GROUP_SLOTS:
         return
-    tmp = out.with_name(out.name + ".tmp")
-    _run_converter(source, tmp, workers)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    while len(groups) < GROUP_SLOTS:
+        groups.append({k: v for k, v in groups[len(groups) - 2].items() if k not in ("moe", "name")})
+    torch.save(state, path)
 
 
 def _run_converter(source: Path, tmp: Path, workers: int) -> None:
@@ -97,9 +130,47 @@ def _convert_per_ep_rank(source: Path, out: Path, tp: int, ep: int, workers: int
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _write_tp_only_model_states(source: Path, dest: Path, tp: int) -> None:
+def _convert_joined(source: Path, out: Path, tp: int, ep: int, workers: int) -> None:
+    """Universal form of an expert-parallel checkpoint whose dense optimizer states are partitioned
+    over all dp x cp ranks (``mt3d.ds.experts``). Its files are presented to the converter as one
+    tp-only checkpoint (a directory of links): each optimizer file, named by its dp x cp rank and its
+    model rank p * tp * ep + e * tp + t, is renamed to model rank p * tp + t, so the converter sees
+    dp x cp partitions per (pp, tp) rank, holding every dense fragment once and each expert's in the
+    files of the ranks that held it (in the same order: both groups rank by global rank); the
+    (weightless) model-states file of each (pp, tp) rank lists the parameter shapes of every ep
+    rank's experts; the layer files are ep rank 0's (the converter reads only their names)."""
+    work = out.with_name(out.name + ".ep")
+    shutil.rmtree(work, ignore_errors=True)
+    view = work / "view"
+    view.mkdir(parents=True)
+    models: dict[str, list[tuple[int, Path]]] = {}  # view name -> (ep rank, model-states file)
+    for f in sorted(source.iterdir()):
+        m = re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", f.name)
+        if m:
+            p, model = divmod(int(m.group(2)), tp * ep)
+            name = f"{m.group(1) or ''}mp_rank_{p * tp + model % tp:02d}_{m.group(3)}_states.pt"
+            if m.group(1):
+                (view / name).symlink_to(f.resolve())
+            else:
+                models.setdefault(name, []).append((model // tp, f))
+        elif (name := _renamed_for_ep_rank(f.name, 0, tp, ep)) is not None:
+            (view / name).symlink_to(f.resolve())
+    for name, files in models.items():
+        first, *others = [f for _, f in sorted(files)]  # ep rank 0's file is the one rewritten
+        _write_tp_only_model_states(first, view / name, tp, also=others)
+    try:
+        _run_converter(view, out.with_name(out.name + ".tmp"), workers)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    out.with_name(out.name + ".tmp").rename(out)
+
+
+def _write_tp_only_model_states(source: Path, dest: Path, tp: int, also: list[Path] | None = None) -> None:
     """A copy of a pipeline checkpoint's (weightless) model-states file whose recorded model-parallel
-    sizes are tp instead of tp x ep: ds_to_universal reads the TP degree from them."""
+    sizes are tp instead of tp x ep: ds_to_universal reads the TP degree from them. Without ``also``
+    it describes only the experts it names (the universal info filtered to them); ``also``: the same
+    file of the other ep ranks, whose experts' shapes are added."""
     import torch
 
     from .safe import safe_torch_load
@@ -111,10 +182,17 @@ def _write_tp_only_model_states(source: Path, dest: Path, tp: int) -> None:
     dims["tp_degree"] = tp
     state["checkpoint_parallel_dimensions"] = dims
     state["mp_world_size"] = tp * dims["pp_degree"]
-    held = {j for shapes in state.get("param_shapes") or [] for n in shapes
-            if (j := expert_index(n)) is not None}  # fmt: skip
-    # the converter (strict) wants every name pattern used: those of other ranks' experts go
-    state["universal_checkpoint_info"] = _only_held(state.get("universal_checkpoint_info") or {}, held)
+    if also is not None:
+        shapes = state.get("param_shapes") or []
+        for other in also:
+            shapes = shapes + [{n: s for n, s in group.items() if expert_index(n) is not None}
+                               for group in safe_torch_load(other).get("param_shapes") or []]  # fmt: skip
+        state["param_shapes"] = [group for group in shapes if group]
+    else:
+        held = {j for shapes in state.get("param_shapes") or [] for n in shapes
+                if (j := expert_index(n)) is not None}  # fmt: skip
+        # the converter (strict) wants every name pattern used: those of other ranks' experts go
+        state["universal_checkpoint_info"] = _only_held(state.get("universal_checkpoint_info") or {}, held)
     torch.save(state, dest)
 
 

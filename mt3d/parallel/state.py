@@ -3,9 +3,10 @@
 It is handed explicitly to whoever needs a group (layers, loss, training loop); nothing here is a
 module-level global. Groups are made for every axis of ``axes.AXES`` and for the combined groups
 reductions need (``topology.COMBINED``): ``model`` (pipe x tensor: one model replica), ``dense``
-(dp x cp: dense gradients and ZeRO partitions) and ``edp`` (dp / ep: expert gradients). An
-optional axis of size 1 gets no process group (its ``AxisGroup`` is the rank alone), and a combined
-group equal to another reuses it, so a three-axis run makes exactly the groups it always made.
+(dp x cp: dense gradients and ZeRO partitions) and ``edp`` (dp / ep x cp: expert gradients and
+ZeRO partitions). An optional axis of size 1 gets no process group (its ``AxisGroup`` is the rank
+alone), and a combined group equal to another reuses it, so a three-axis run makes exactly the
+groups it always made.
 
 It also satisfies DeepSpeed's ``mpu`` contract (read in DeepSpeed's ``utils/groups.py`` and engine),
 including the ``get_tensor_model_parallel_group`` that DeepSpeed's own PipelineParallelGrid lacks
@@ -28,8 +29,8 @@ from .topology import COMBINED, place
 
 ALWAYS = ("tp", "dp", "pp", "model")
 """Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world)."""
-REUSE = {"dense": ("cp", "dp"), "edp": ("ep", "dp")}
-"""A combined group equals another when an axis is 1: dense is dp without cp, edp is dp without ep."""
+REUSE = {"dense": ("cp", "dp"), "edp": ("ep", "dense")}
+"""A combined group equals another when an axis is 1: dense is dp without cp, edp is dense without ep."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def _my_group(placement, name: str, me: int, made: dict[str, AxisGroup]) -> Axis
         if placement.degrees[axis] == 1:
             return AxisGroup(name, made[same].ranks, made[same].rank, made[same].group)
     lists = [sorted(g) for g in placement.groups(name)] if name == "model" else list(placement.groups(name))
-    if len(lists[0]) == 1 and name not in ALWAYS:
+    if len(lists[0]) == 1 and name not in ALWAYS and name != "edp":  # edp: a ZeRO group under ep
         return AxisGroup.alone(name, me)
     found = None
     for ranks in lists:

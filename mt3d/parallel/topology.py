@@ -51,12 +51,13 @@ def grid_dims(axis: str) -> tuple[str, ...]:
 COMBINED = {
     "model": ("pp", "tp"),
     "dense": ("dp", "ep", "cp"),
-    "edp": ("dp",),
+    "edp": ("dp", "cp"),
 }
 """Groups that span several axes, by grid dimensions: ``model`` holds one model replica (pipe x
 tensor: what DeepSpeed sums gradient norms over), ``dense`` the ranks that average dense gradients
-(dp x cp), ``edp`` those that hold the same experts (dp / ep: expert gradients reduce over it).
-DeepSpeed's 'data' axis is edp x cp: ZeRO partitions over it (``axes.Axis.ds_axis``)."""
+and partition their ZeRO states (dp x cp), ``edp`` those that hold the same experts (dp / ep x cp:
+expert gradients reduce and expert ZeRO states partition over it; DeepSpeed's 'data' axis,
+``axes.Axis.ds_axis``)."""
 
 
 class Placement:

@@ -169,5 +169,5 @@ def initialize(
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
     return ds_initialize(
-        model, param_groups(model), config, layout, mpu=mpu, ep=rt.state.ep, overlap=train.overlap
+        model, param_groups(model), config, layout, mpu=mpu, state=rt.state, overlap=train.overlap
     )
