@@ -1,6 +1,7 @@
 """Golden files made with main before the parallel axes were declared once (tests/golden): the rank
 mapper's placements of three-axis layouts and a (tp 2, pp 2, dp 2) ZeRO-1 checkpoint, which today's
-code must print and resume exactly as the code that made them did."""
+code must print and resume exactly as the code that made them did; and an ep 2 ZeRO-1 checkpoint
+from before dense optimizer states spanned the ep ranks."""
 
 import copy
 import gzip
@@ -63,3 +64,26 @@ def test_a_checkpoint_of_the_three_axis_code_resumes_exactly_and_reshards(tmp_pa
     expected = json.loads((GOLDEN / "checkpoint_v1" / "expected.json").read_text())
     _assert_same_run(_run(expected, tmp_path, "same", 8), expected["unstopped"][3:])
     _assert_same_run(_run(expected, tmp_path, "one", 1, tensor=1, pipeline=1), expected["reshard_1_1_1"])
+
+
+def test_an_expert_parallel_checkpoint_from_before_dense_states_spanned_ep_resumes(tmp_path):
+    """tests/golden/checkpoint_ep_v1 (ep 2, ZeRO-1, each ep rank's dense optimizer states whole): the
+    layout it records has no ``dense_partition``, so today's code loads it through the universal
+    path (each ep rank's files converted on their own) into states partitioned over dp x cp, and
+    goes on as the code that made it did."""
+    from mt3d.checkpoint.manifest import read_manifest
+
+    src = tmp_path / "ckpt" / "step_00000003"
+    shutil.copytree(GOLDEN / "checkpoint_ep_v1" / "step_00000003", src)
+    assert "dense_partition" not in read_manifest(src)["meta"]["layout"]
+    expected = json.loads((GOLDEN / "checkpoint_ep_v1" / "expected.json").read_text())
+    raw = copy.deepcopy(expected["config"])
+    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "run"), resume=str(src), save_at_end=True)
+    got = step_records(spawn(train_worker, 2, raw, timeout=600)[0])
+    want = expected["unstopped"][3:]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
+    saved = read_manifest(tmp_path / "run" / "checkpoints" / "step_00000006")["meta"]["layout"]
+    assert saved["dense_partition"] == "dp x cp"

@@ -196,7 +196,7 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep):
 LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)
     ("tiny-mixtral", 2, dict(expert=2)),
     ("tiny-mixtral", 2, dict(expert=2, zero=0)),  # mt3d's fp32 norm without ZeRO (mt3d.ds.engine)
-    ("tiny-mixtral", 4, dict(tensor=2, expert=2, sequence_parallel=True)),
+    ("tiny-mixtral", 4, dict(context=2, expert=2)),  # dense states over dp x cp = 4, experts' over cp 2
     ("tiny-mixtral", 4, dict(pipeline=2, expert=2, recompute=1)),  # aux statistics cross stages, recompute
     ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks
     ("tiny-mixtral-capacity", 2, dict(context=2)),  # capacity's "first come" in global token order
@@ -558,3 +558,50 @@ def test_aux_loss_free_balancing_trains_alike_at_every_axis_and_resumes_exactly(
     assert any(bool(b.any()) for b in biases["one"])
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(biases[run], biases["one"])), run
+
+
+def _partition_worker(raw):
+    """Build ``raw``'s engine, train one step; this rank's ZeRO partitions by group kind, beside the
+    dense and expert parameters it holds."""
+    from mt3d.bench.common import build_engine, train_step
+    from mt3d.ds.experts import is_expert
+
+    _, layout, rt, engine, data, cfg = build_engine(raw)
+    train_step(engine, layout, rt, data, layout.micro_batch, 0)
+    opt = engine.optimizer
+    parts = {"dense": 0, "experts": 0}
+    for flat, moe in zip(opt.single_partition_of_fp32_groups, opt.is_moe_param_group, strict=True):
+        parts["experts" if moe else "dense"] += flat.numel()
+    held = {"dense": 0, "experts": 0}
+    for p in engine.module.parameters():
+        held["experts" if is_expert(p) else "dense"] += p.numel()
+    moments = sum(t.numel() for s in opt.optimizer.state.values() for t in s.values() if t.numel() > 1)
+    return {"parts": parts, "held": held, "moments": moments, "cfg": cfg.to_dict(),
+            "groups": (rt.state.dense.size, rt.state.edp.size)}  # fmt: skip
+
+
+def test_zero_partitions_dense_states_over_every_data_rank_and_experts_over_theirs():
+    """ep 2 x dp 2, ZeRO-1: each rank's fp32 master weights (and Adam's two moments of them) hold half
+    the dense parameters (dp x cp = 2 ranks; before, ep = dp left them whole on every rank) and all
+    of its own experts (dp / ep x cp = 1 rank holds them), as the planner counts them."""
+    from mt3d.model.config import ModelConfig
+    from mt3d.planner.layout import Layout, stage_expert_params, stage_params
+
+    from helpers import tiny_config
+
+    raw = tiny_config("/tmp/unused", model={"preset": "tiny-mixtral"}, zero=1)
+    raw["mt3d"]["parallel"].update(expert=2)
+    results = spawn(_partition_worker, 2, raw, timeout=300)
+    for r in results:
+        assert r["groups"] == (2, 1)
+        dense, experts = r["held"]["dense"], r["held"]["experts"]
+        assert dense // 2 <= r["parts"]["dense"] <= dense // 2 + 8  # DeepSpeed aligns partitions
+        assert r["parts"]["experts"] == experts
+        assert r["moments"] == 2 * (r["parts"]["dense"] + r["parts"]["experts"])
+    cfg = ModelConfig.from_dict(results[0]["cfg"])
+    lay = Layout(tp=1, pp=1, dp=2, micro_batch=2, grad_accum=2, zero_stage=1, recompute=False,
+                 sequence_parallel=False, ep=2)  # fmt: skip
+    planned = lay.partitioned(stage_params(cfg, 512, 1, 1, 2), stage_expert_params(cfg, 1, 1, 2))
+    measured = sum(results[0]["parts"].values())
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+    assert stage_expert_params(cfg, 1, 1, 2) == results[0]["held"]["experts"]

@@ -97,9 +97,18 @@ class Layout:
 
     @property
     def data(self) -> int:
-        """Ranks ZeRO partitions over: DeepSpeed's data axis, dp / ep x cp (ep ranks count in its model
-        axis: ``mt3d.ds.experts``)."""
+        """Ranks holding the same experts, which ZeRO partitions expert states over: DeepSpeed's data
+        axis, dp / ep x cp (ep ranks count in its model axis: ``mt3d.ds.experts``); without experts
+        split over ep, everything's."""
         return self.dp // self.ep * self.cp
+
+    def partitioned(self, params: float, experts: float = 0.0) -> float:
+        """Parameters of ``params`` (``experts`` of them routed experts' weights) whose optimizer states
+        one rank holds: with ZeRO dense states over dp x cp and experts' over dp / ep x cp
+        (``mt3d.ds.experts``), without ZeRO all of them."""
+        if self.zero_stage == 0:
+            return params
+        return (params - experts) / self.dense + experts / self.data
 
     @property
     def dense(self) -> int:
@@ -123,6 +132,16 @@ def lora_stage_params(cfg: ModelConfig, r: int, tp: int, pp: int) -> float:
     blocks = math.ceil(cfg.layers / pp)
     sparse = sum(cfg.is_sparse(i) for i in range(min(blocks, cfg.layers)))
     return r * (blocks * attn + (blocks - sparse) * dense)
+
+
+def stage_expert_params(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> float:
+    """The routed experts' part of ``stage_params``: experts / ep of each sparse block of the stage."""
+    spec = cfg.moe_spec
+    if spec is None:
+        return 0.0
+    sparse = sum(spec.sparse(i) for i in range(cfg.layers)) / cfg.layers
+    per_block = (spec.experts // ep) * cfg.mlp_params(spec.expert_ffn, spec.expert_bias) / tp
+    return math.ceil(cfg.layers / pp) * sparse * per_block
 
 
 def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int, ep: int = 1) -> float:

@@ -11,7 +11,7 @@ import math
 from ..model.config import GATED_MLPS, ModelConfig
 from ..parallel.layers import pad_vocab
 from ..pipeline.schedule import warmup
-from .layout import Layout, Precision, lora_stage_params, stage_params
+from .layout import Layout, Precision, lora_stage_params, stage_expert_params, stage_params
 from .offload import tier_bytes
 
 
@@ -161,11 +161,12 @@ def memory_bytes(
     only, the frozen base's weights beside them."""
     t, p = lay.tp, lay.pp
     params = stage_params(cfg, vocab, t, p, lay.ep)
+    experts = stage_expert_params(cfg, t, p, lay.ep)
     live = 2 * params / math.ceil(cfg.layers / p) * 2 if fsdp and lay.zero_stage == 3 else None
     frozen = 0.0
-    if lora_rank:
-        frozen, params = params * prec.param, lora_stage_params(cfg, lora_rank, t, p)
-    tiers = _model_state_tiers(params, lay, prec, overlap, mt3d_engine, sub_group_size, live)
+    if lora_rank:  # routed experts have no adapters
+        frozen, params, experts = params * prec.param, lora_stage_params(cfg, lora_rank, t, p), 0.0
+    tiers = _model_state_tiers(params, lay, prec, overlap, mt3d_engine, sub_group_size, live, experts)
     states = tiers["gpu"] + frozen
     sp = lay.sequence_parallel and t > 1
     local = seq_len // lay.cp  # tokens of each sample on this rank
@@ -208,13 +209,19 @@ def memory_bytes(
 
 def _model_state_tiers(params: float, lay: Layout, prec: Precision, overlap: tuple[str, ...],
                        mt3d_engine: bool, sub_group_size: float | None,
-                       live: float | None = None) -> dict[str, float]:  # fmt: skip
+                       live: float | None = None, experts: float = 0.0) -> dict[str, float]:  # fmt: skip
     """``offload.tier_bytes`` of the stage's model states; DeepSpeed's BF16 optimizer partitions the
     master weights and moments as ZeRO-1 does, and holds the gradients ``bf16_optimizer_gradient_bytes``
-    says."""
+    says. ``experts``: the routed experts' part of ``params``, whose states ZeRO partitions over
+    dp / ep x cp while the dense ones' span dp x cp (``Layout.partitioned``)."""
     bf16_optimizer = runs_bf16_optimizer(lay, prec, mt3d_engine)
     stage = 1 if bf16_optimizer else lay.zero_stage
-    tiers = tier_bytes(params, lay.data, stage, prec, lay.offload, sub_group_size, live)
+    if lay.ep > 1 and stage > 0:
+        dense = tier_bytes(params - experts, lay.dense, stage, prec, lay.offload, sub_group_size, live)
+        mine = tier_bytes(experts, lay.data, stage, prec, lay.offload, sub_group_size, live)
+        tiers = {k: dense[k] + mine[k] for k in dense}
+    else:
+        tiers = tier_bytes(params, lay.data, stage, prec, lay.offload, sub_group_size, live)
     if bf16_optimizer:
         folded = overlaps_reduction(lay, prec, overlap, True)
         tiers["gpu"] += params * (bf16_optimizer_gradient_bytes(prec, folded) - prec.grad)
@@ -270,6 +277,8 @@ def runs_bf16_optimizer(lay: Layout, prec: Precision, mt3d_engine: bool) -> bool
     from ..config import Offload
 
     if not mt3d_engine or prec.name != "bf16" or Offload.from_label(lay.offload).optimizer != "none":
+        return False
+    if lay.ep > 1 and lay.zero_stage == 1:  # mt3d.ds.experts builds DeepSpeed's ZeRO optimizer instead
         return False
     return lay.zero_stage == 0 or (lay.zero_stage == 1 and prec.grad > prec.param)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ..model.config import ModelConfig
-from .layout import Layout, Precision, stage_params
+from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
 from .offload import offload_traffic
 from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, ring_factor, tp_bytes
@@ -286,7 +286,8 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
         )["total_s"]  # fmt: skip
         optimizer = 0.0
         if lay.offload == "none":
-            optimizer = optimizer_seconds(grads / (lay.data if lay.zero_stage >= 1 else 1), device)
+            experts = stage_expert_params(cfg, lay.tp, lay.pp, lay.ep)
+            optimizer = optimizer_seconds(lay.partitioned(grads, experts), device)
         return lay.grad_accum * per_micro, optimizer
     work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
     executed = work * (4 / 3 if lay.recompute else 1)  # recompute repeats the forward pass
