@@ -119,7 +119,8 @@ def test_deepspeed_sees_cp_in_its_data_axis_and_ep_in_its_model_axis():
     )
     assert [topo.get_dim(a) for a in ("pipe", "data", "model")] == [2, 4, 4]
     # edp (the ranks holding the same experts: expert ZeRO states) is DeepSpeed's 'data' axis
-    assert {tuple(sorted(g)) for g in topo.get_axis_comm_lists("data")} == {tuple(sorted(g)) for g in topo.groups("edp")}
+    data = {tuple(sorted(g)) for g in topo.get_axis_comm_lists("data")}
+    assert data == {tuple(sorted(g)) for g in topo.groups("edp")}
     for r in range(32):
         c, ds = topo.coord(r), topo.get_coord(r)
         assert ds.model == c["ep"] * topo.tp + c["tp"]  # the checkpoint files' model index

@@ -443,6 +443,18 @@ def test_deepspeed_still_needs_what_mt3d_ds_experts_does():
 
     load = inspect.getsource(base_optimizer.ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir)
     assert "get_slice_parallel_world_size" in load
+    assert "zip(self.optimizer.param_groups, optim_sd['param_groups'])" in load  # pad_param_groups
+    # with ZeRO (mt3d.ds.experts.zero_optimizer): the engine builds the optimizer by the name swapped,
+    # hands it MoE groups only on its own MoE path, picks the BF16 optimizer for bf16 ZeRO-1, lets only
+    # ranks whose ZeRO rank equals their 'data' rank save, and lists zero files up to its 'data' size
+    build = inspect.getsource(engine.DeepSpeedEngine._configure_zero_optimizer)
+    assert "Stage1And2ZeroOptimizer = DeepSpeedZeroOptimizer" in build
+    assert "has_moe_layers=self.has_moe_layers" in build
+    assert "return BFLOAT16" in inspect.getsource(engine.DeepSpeedEngine._do_optimizer_sanity_check)
+    saving = inspect.getsource(engine.DeepSpeedEngine._configure_checkpointing)
+    assert "self.save_zero_checkpoint = param_rank == dp_rank" in saving
+    names = inspect.getsource(engine.DeepSpeedEngine._get_all_zero_checkpoint_names)
+    assert "dp_world_size=self.loaded_checkpoint_dp_world_size" in names
     assert "self.slice_parallel_size" in inspect.getsource(
         topology.PipelineParallelGrid.get_slice_parallel_world_size
     )

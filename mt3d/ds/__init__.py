@@ -51,9 +51,17 @@ REACHES = (
           "test_offload.py::test_nvme_resume_is_exact_with_another_scheduler_at_dp2"),
     Reach("universal", "reshards of ZeRO-3 states DeepSpeed gets wrong: refused up front",
           "test_checkpoint.py::test_zero3_checkpoints_export_and_refuse_what_deepspeed_reshards_wrongly"),
-    Reach("experts", "ep ranks in DeepSpeed's 'model' axis: engine.allreduce_gradients/_bf16_reduce_grads "
-          "wrapped (dense gradients over ep), dense weights marked ds_pipe_replicated on ep ranks > 0",
-          "test_moe.py::test_moe_training_matches_one_process"),
+    Reach("experts", "ep ranks in DeepSpeed's 'model' axis, without ZeRO: engine.allreduce_gradients/"
+          "_bf16_reduce_grads wrapped (dense gradients over ep), dense weights marked ds_pipe_replicated "
+          "on ep ranks > 0", "test_moe.py::test_moe_training_matches_one_process"),
+    Reach("experts", "with ZeRO: the engine module's DeepSpeedZeroOptimizer swapped during initialize (its "
+          "MoE groups over mt3d's dense and edp groups, mt3d's state as its mpu), "
+          "_do_optimizer_sanity_check's BF16 answer turned into ZeRO, every rank's save_zero_checkpoint "
+          "set and its zero file names listed up to dp x cp",
+          "test_moe.py::test_zero_partitions_dense_states_over_every_data_rank_and_experts_over_theirs"),
+    Reach("universal", "DeepSpeed's universal loader pairs parameter groups by position (zip): the "
+          "checkpoint's group settings padded to mt3d's four slots",
+          "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),
     Reach("experts", "the grid's slice rank/size answered with tp during a universal load (DeepSpeed "
           "slices by its whole 'model' axis)",
           "test_moe.py::test_moe_checkpoints_resume_exactly_and_reshard"),

@@ -127,7 +127,10 @@ def zero_checkpoint_names(engine, dense_size: int) -> None:
 
     def names(load_dir, tag, bf16_mode):
         return engine._get_mp_rank_zero_checkpoint_names(
-            load_dir=load_dir, tag=tag, mp_rank=engine.checkpoint_mp_rank, dp_world_size=dense_size,
+            load_dir=load_dir,
+            tag=tag,
+            mp_rank=engine.checkpoint_mp_rank,
+            dp_world_size=dense_size,
             bf16_mode=bf16_mode,
         )
 
@@ -211,5 +214,6 @@ def tp_slices(engine, tp):
             delattr(grid, name)
 
 
-__all__ = ["EXPERT_GROUP", "count_dense_once", "expert_groups", "gradient_pairs", "install", "is_expert",
-           "loading", "reduce_over_experts", "tp_slices", "zero_checkpoint_names", "zero_optimizer"]  # fmt: skip
+__all__ = ["EXPERT_GROUP", "count_dense_once", "expert_groups", "gradient_pairs", "install",
+           "is_expert", "loading", "reduce_over_experts", "tp_slices", "zero_checkpoint_names",
+           "zero_optimizer"]  # fmt: skip

@@ -36,8 +36,16 @@ def config(save_dir, steps=6, **train):
             "model": copy.deepcopy(MODEL),
             "parallel": {"expert": 2},
             "data": {"corpus": "synthetic", "vocab_size": 512, "seq_len": 32},
-            "train": {"steps": steps, "log_interval": 1, "eval_interval": 0, "save_dir": str(save_dir),
-                      "save_at_end": False, "seed": 1234, "progress": False, **train},  # fmt: skip
+            "train": {
+                "steps": steps,
+                "log_interval": 1,
+                "eval_interval": 0,
+                "save_dir": str(save_dir),
+                "save_at_end": False,
+                "seed": 1234,
+                "progress": False,
+                **train,
+            },  # fmt: skip
         },
     }
 
@@ -50,7 +58,8 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(work / "checkpoints" / "step_00000003", out / "step_00000003", dirs_exist_ok=True)
     unstopped = [{k: r[k] for k in ("step", "loss", "grad_norm", "lr", "moe_aux_loss")} for r in got]
-    (out / "expected.json").write_text(json.dumps({"config": config("SAVE_DIR"), "unstopped": unstopped}, indent=1))
+    expected = {"config": config("SAVE_DIR"), "unstopped": unstopped}
+    (out / "expected.json").write_text(json.dumps(expected, indent=1))
     shutil.rmtree(work)
 
 
