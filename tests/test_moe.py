@@ -196,6 +196,7 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep):
 LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)
     ("tiny-mixtral", 2, dict(expert=2)),
     ("tiny-mixtral", 2, dict(expert=2, zero=0)),  # mt3d's fp32 norm without ZeRO (mt3d.ds.engine)
+    ("tiny-mixtral", 2, dict(expert=2, zero=2)),  # the regular engine, gradients partitioned too
     ("tiny-mixtral", 4, dict(context=2, expert=2)),  # dense states over dp x cp = 4, experts' over cp 2
     ("tiny-mixtral", 4, dict(pipeline=2, expert=2, recompute=1)),  # aux statistics cross stages, recompute
     ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks
@@ -245,29 +246,38 @@ def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world
 def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
     """pp 2 x ep 2 resumes bit for bit (the aux statistics are rebuilt every micro-batch, nothing else
     is state); its checkpoint (each ep rank's experts in its own files) reshards to one process, to
-    ep 4 and to tp 2 x ep 2 (DeepSpeed's universal loader slicing by tp, not tp x ep)."""
+    ep 4, to tp 2 x ep 2 (DeepSpeed's universal loader slicing by tp, not tp x ep) and to ZeRO-2 at
+    ep 2 (the regular engine), whose own checkpoint (module files per ep rank) resumes bit for bit
+    and reads back in mt3d's reader."""
+    from mt3d.checkpoint.reader import CheckpointReader
+
     from helpers import run_grouped, tiny_config
 
-    def config(name, resume=None, **parallel):
+    def config(name, resume=None, zero=1, **parallel):
         raw = tiny_config(tmp_path / name, model={"preset": "tiny-mixtral"}, steps=6, save_interval=3,
-                          **({"resume": resume} if resume else {}))  # fmt: skip
+                          zero=zero, **({"resume": resume} if resume else {}))  # fmt: skip
         raw["mt3d"]["parallel"].update(parallel)
         return raw
 
     step3 = str(tmp_path / "pp2" / "checkpoints" / "step_00000003")
-    targets = ((1, {}), (4, dict(expert=4)), (4, dict(tensor=2, expert=2)))
+    zero2 = tmp_path / "zero2" / "checkpoints" / "step_00000003"
+    targets = ((1, {}), (4, dict(expert=4)), (4, dict(tensor=2, expert=2)), (2, dict(expert=2, zero=2)))
     runs = run_grouped(
         [(4, config("pp2", pipeline=2, expert=2)), (4, config("again", step3, pipeline=2, expert=2))]
-        + [(world, config(f"to{i}", step3, **parallel)) for i, (world, parallel) in enumerate(targets)],
+        + [(world, config(f"to{i}", step3, **parallel)) for i, (world, parallel) in enumerate(targets)]
+        + [(2, config("zero2", zero=2, expert=2)), (2, config("zero2again", str(zero2), zero=2, expert=2))],
         timeout=600,
     )
-    two, again, *got = [
+    two, again, *got, z2, z2again = [
         [(r["step"], r["loss"], r["grad_norm"], r["moe_aux_loss"]) for r in rs] for rs in runs
     ]
-    assert again == two[3:]  # bit for bit
+    assert again == two[3:] and z2again == z2[3:]  # bit for bit
     for records in got:
         for a, b in zip(records, two[3:], strict=True):
             assert a[0] == b[0] and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
+    held = torch.load(zero2 / "mp_rank_01_model_states.pt", weights_only=False)["module"]
+    name = next(k for k in held if ".experts.3." in k)  # ep rank 1's (experts 2, 3)
+    assert torch.equal(CheckpointReader(zero2).full(name), held[name])
     _damaged_expert_files_are_refused_by_name(tmp_path, Path(step3))
 
 
@@ -368,7 +378,6 @@ def test_one_window_families_refuse_mixed_local_and_global_layers():
     "parallel,zero,world,match",
     [
         ({}, 3, 2, "not supported with ZeRO-3 yet"),
-        (dict(expert=2), 2, 2, "expert parallelism runs inside DeepSpeed's pipeline engine"),
         (dict(expert=2), 1, 3, "expert = 2 must divide dp = 3"),
         (dict(expert=3), 1, 3, "model.moe.experts = 4 is not divisible by parallel.expert 3"),
     ],

@@ -72,7 +72,8 @@ class CheckpointReader:
     def _model_rank(self, local: str, tp_rank: int) -> int:
         """The 'model' coordinate whose files hold ``local`` (a layer's parameter) for ``tp_rank``: ep
         ranks count in DeepSpeed's 'model' axis (``mt3d.ds.experts``), e * tp + tp_rank, and each
-        holds experts / ep of every sparse layer (dense weights: every ep rank, read from the first)."""
+        holds experts / ep of every sparse layer (dense weights: every ep rank, read from the first);
+        the regular engine's module files (ZeRO-2) are numbered alike."""
         j = expert_index(local) if self.ep > 1 else None
         if j is None:
             return tp_rank
@@ -127,7 +128,7 @@ class CheckpointReader:
             state = self._layer(layer, self._model_rank(local, tp_rank))
             key = local
         else:
-            state, key = self._module(tp_rank), name
+            state, key = self._module(self._model_rank(local, tp_rank)), name
         if key not in state:
             raise CheckpointError(f"{self.dir}: parameter {name!r} not found in the checkpoint")
         return state[key]

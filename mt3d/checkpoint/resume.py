@@ -13,8 +13,10 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from ..config import Layout, offload_resume_conflict, optimizer_device
+from ..config.rules import uses_pipeline_engine
 from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
@@ -319,9 +321,17 @@ def check_engine_state(path: Path, meta: dict) -> None:
         raise CheckpointError(f"{path} has no engine state file ({' or '.join(ENGINE_STATE_FILES)})")
     state = safe_torch_load(path / name)
     layout = meta.get("layout") or {}
-    # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes)
+    # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes); the
+    # regular engine (ZeRO-2/3) sees dp x cp and tp (mt3d's ParallelState is its mpu), and writes module
+    # files for tp x ep model ranks (mt3d.ds.experts.zero_checkpoint_names)
     degrees = {a: int(layout.get(a, 1)) for a in NAMES}
     ds = deepspeed_sizes(degrees)
+    if not uses_pipeline_engine(SimpleNamespace(zero_stage=int(layout.get("zero_stage", 1)))):
+        ds = {
+            "pipe": degrees["pp"],
+            "data": degrees["dp"] * degrees["cp"],
+            "model": degrees["tp"] * degrees["ep"],
+        }
     per_sample = ds["data"] / max(1, degrees["dp"])
     claims = {
         "step": (meta.get("step"), state.get("global_steps")),

@@ -431,16 +431,11 @@ def expert_conflict(spec, ep: int) -> str | None:
 
 
 def moe_conflict(zero_stage: int, ep: int = 1) -> str | None:
-    """Why a mixture-of-experts model cannot run at this layout (None: it can)."""
+    """Why a mixture-of-experts model cannot run at this layout (None: it can; ZeRO 0-2 at any ep)."""
     if zero_stage == 3:
         return (
             "mixture-of-experts models are not supported with ZeRO-3 yet (each rank gathers only the "
             "experts its tokens visit): use zero_optimization.stage 0-2"
-        )
-    if ep > 1 and zero_stage == 2:
-        return (
-            "expert parallelism runs inside DeepSpeed's pipeline engine (mt3d.ds.experts), which ZeRO-2 "
-            "does not use: use zero_optimization.stage 0 or 1"
         )
     return None
 

@@ -48,7 +48,7 @@ def deepspeed_config(
     # mt3d prints its own progress; DeepSpeed's per-step prints would interleave with it.
     out.setdefault("steps_per_print", 10**9)
     data = deepspeed_sizes(layout.degrees)["data"]
-    if data != layout.dp:
+    if data != layout.dp and uses_pipeline_engine(layout):
         # DeepSpeed's pipeline grid checks train_batch_size = micro-batch x accumulation x the size of
         # its 'data' axis, which holds dp / ep x cp ranks (mt3d.parallel.axes): each cp rank's chunks
         # of a sample count as a sample of their own, and the ep ranks count in its 'model' axis

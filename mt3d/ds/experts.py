@@ -84,16 +84,17 @@ def expert_groups(groups: list[dict]) -> list[dict]:
 def zero_optimizer(state):
     """While open, DeepSpeed's engine builds its ZeRO 1-2 optimizer over mt3d's groups (see above):
     dense states over ``state.dense``, expert groups over ``state.edp``, norms over ``state``'s
-    pipe x tp; bf16 with ZeRO-1 takes the same optimizer instead of the BF16 one. ``state``: the
-    rank's ``ParallelState``."""
+    pipe x tp; bf16 with ZeRO-1 takes the same optimizer instead of the BF16 one; the start-up
+    broadcast sends dense weights over ``state.dense`` and experts over ``state.edp`` (the regular
+    engine's would send rank 0's experts to every ep rank). ``state``: the rank's ``ParallelState``."""
     from deepspeed.runtime import engine as ds_engine
 
     built, check = ds_engine.DeepSpeedZeroOptimizer, ds_engine.DeepSpeedEngine._do_optimizer_sanity_check
+    broadcast = ds_engine.DeepSpeedEngine._broadcast_model
 
     def build(optimizer, *args, **kwargs):
         # DeepSpeed's mark of an expert parameter, set only now: the engine's start-up broadcast reads
-        # it too, and would look for the group in DeepSpeed's own registry (the 'data' group it
-        # broadcasts over otherwise is the same ranks)
+        # it too, and would look for the group in DeepSpeed's own registry
         for group in optimizer.param_groups:
             for p in group["params"] if group.get("moe") else ():
                 p.allreduce, p.group_name = False, EXPERT_GROUP
@@ -110,20 +111,35 @@ def zero_optimizer(state):
         kind = check(self, basic_optimizer)
         return ds_engine.ZERO_OPTIMIZATION if kind == ds_engine.BFLOAT16 else kind
 
+    def broadcast_model(self):
+        for p in self.module.parameters():
+            group = state.edp if is_expert(p) else state.dense
+            if group.size > 1:
+                dist.broadcast(p.data, src=group.ranks[0], group=group.group)
+
     ds_engine.DeepSpeedZeroOptimizer = build
     ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = sanity_check
+    ds_engine.DeepSpeedEngine._broadcast_model = broadcast_model
     try:
         yield
     finally:
         ds_engine.DeepSpeedZeroOptimizer = built
         ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = check
+        ds_engine.DeepSpeedEngine._broadcast_model = broadcast
 
 
-def zero_checkpoint_names(engine, dense_size: int) -> None:
+def zero_checkpoint_names(engine, state) -> None:
     """With ``zero_optimizer``, every rank writes its optimizer file (DeepSpeed's engine lets only the
     ranks whose dp x cp rank equals their 'data' rank write), named by its dp x cp rank, and reads
-    that one back: the engine lists names up to its 'data' size, not dp x cp."""
+    that one back: the engine lists names up to its 'data' size, not dp x cp.
+
+    The regular engine (ZeRO-2) names its files by mt3d's pipe x tp rank and lets dp x cp rank 0 alone
+    write the module: under ep each ep rank's rank 0 of ``state.edp`` writes its module (its own
+    experts) as model rank e * tp + t, the pipeline engine's 'model' coordinate, among tp x ep model
+    ranks (``mp_world_size``: DeepSpeed's loader merges files when there are more than its model
+    ranks, and checks their count against the saved one)."""
     engine.save_zero_checkpoint = True
+    dense_size = state.dense.size
 
     def names(load_dir, tag, bf16_mode):
         return engine._get_mp_rank_zero_checkpoint_names(
@@ -135,6 +151,13 @@ def zero_checkpoint_names(engine, dense_size: int) -> None:
         )
 
     engine._get_all_zero_checkpoint_names = names
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        return
+    engine.checkpoint_mp_rank = state.ep.rank * state.tp.size + state.tp.rank
+    engine.save_non_zero_checkpoint = state.edp.rank == 0
+    engine.mp_world_size *= state.ep.size  # the module files' count, which DeepSpeed's loader checks
 
 
 def gradient_pairs(engine) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -175,7 +198,7 @@ def install(engine, state, zero_stage: int) -> None:
     ep = state.ep
     count_dense_once(engine.module, ep.rank, partitioned=zero_stage > 0)
     if zero_stage > 0:
-        zero_checkpoint_names(engine, state.dense.size)
+        zero_checkpoint_names(engine, state)
         return
     for name in ("allreduce_gradients", "_bf16_reduce_grads"):
         inner = getattr(engine, name)
