@@ -6,8 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mt3d.bench.report import render
+from mt3d.parallel.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,6 +116,8 @@ def test_bubble_benchmark_runs_both_schedules():
         (["gpu-suite", "--smoke", "--out", "/proc/x"], "--out /proc/x is not writable"),
         (["bubble", "--virtual", "2", "--stages", "4", "--micro-batches", "6"], "micro-batches a multiple"),
         (["fp8", "--hidden", "-16"], "argument --hidden: must be >= 1"),
+        (["autoep", "--steps", "3"], "--steps must exceed the 3 warm-up steps"),
+        (["autoep", "--ep", "3"], "--ep 3 does not divide the benchmark Mixtral's 8 experts"),
     ],
 )  # fmt: skip
 def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys, monkeypatch):
@@ -130,3 +134,22 @@ def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expect in err[0], err
+
+
+def test_the_autoep_benchmarks_mt3d_half_trains_the_peer_model_alike_at_ep_1_and_2(tmp_path):
+    """``mt3d.bench autoep``'s mt3d side (the AutoEP side needs its own virtualenv: run by hand) on the
+    model the peer script makes: the same losses and gradient norms at ep 2 as at ep 1 (dp 2), the
+    optimizer DeepSpeed's ZeRO one, the loss falling on the benchmark's learnable rows."""
+    from mt3d.bench.autoep import mt3d_worker, token_batches
+    from mt3d.bench.autoep_peer import make
+
+    model, tokens = str(tmp_path / "mixtral"), str(tmp_path / "tokens.pt")
+    make(model)
+    torch.save(token_batches(4, 2), tokens)
+    runs = [
+        spawn(mt3d_worker, 2, model, tokens, str(tmp_path / f"ep{ep}"), ep, timeout=300)[0] for ep in (1, 2)
+    ]
+    one, two = ([(s["loss"], s["grad_norm"]) for s in r["steps"]] for r in runs)
+    for a, b in zip(two, one, strict=True):
+        assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)
+    assert runs[1]["optimizer"] == "DeepSpeedZeroOptimizer" and one[-1][0] < one[0][0]

@@ -45,6 +45,8 @@ BENCHES = {
     "(mt3d plan --lora R)",
     "packing": "packed fine-tuning data: document-masked attention vs causal and a dense mask, packing "
     "efficiency of the shipped chat corpus, supervised tokens/s packed vs padded",
+    "autoep": "mt3d against DeepSpeed AutoEP on the same HF Mixtral at ep 2 (ZeRO-1, fp32): step time as a "
+    "ratio over A/B pairs, losses side by side (builds AutoEP's own virtualenv when missing)",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and optimizer "
     "offload beside the planner's step time and memory, local attention at 32k, long context), with a dated "
     "record in docs/benchmarks/",
@@ -209,6 +211,12 @@ def _add_model_parsers(sub) -> None:
     f8.add_argument("--lr", type=positive_float, default=2e-3)
     f8.add_argument("--plot", default=None, help="write the curves to this PNG")
     _add_packing_parser(sub)
+    ae = sub.add_parser("autoep", help=BENCHES["autoep"])
+    ae.add_argument("--pairs", type=positive_int, default=4, help="A/B pairs of runs")
+    ae.add_argument("--steps", type=positive_int, default=20, help="steps per run (3 are not timed)")
+    ae.add_argument("--ep", type=positive_int, default=2, help="expert-parallel degree (= processes)")
+    ae.add_argument("--venv", default="~/.cache/mt3d/autoep-venv",
+                    help="AutoEP's virtualenv, built when missing")  # fmt: skip
     lo = sub.add_parser("lora", help=BENCHES["lora"])
     lo.add_argument("--hidden", type=positive_int, default=256, help="the tiny Llama's width")
     lo.add_argument("--layers", type=positive_int, default=4)
