@@ -286,8 +286,10 @@ def overlap_conflict(grad_reduce: bool, zero_stage: int, ep: int, off: Offload, 
                 "backward already when zero_optimization.overlap_comm is true: set that instead")  # fmt: skip
     why = None
     if ep > 1:
-        why = ("expert parallelism (its gradients reduce over two groups, dense over dp x cp and experts over "
-               "dp / ep x cp: mt3d.ds.experts)")
+        why = (
+            "expert parallelism (its gradients reduce over two groups, dense over dp x cp and experts over "
+            "dp / ep x cp: mt3d.ds.experts)"
+        )
     elif off.any:
         why = "optimizer offload (DeepSpeed copies gradients to the CPU inside its own reduction)"
     elif precision == "fp16":
