@@ -464,6 +464,14 @@ def test_deepspeed_still_needs_what_mt3d_ds_experts_does():
     assert "self.save_zero_checkpoint = param_rank == dp_rank" in saving
     names = inspect.getsource(engine.DeepSpeedEngine._get_all_zero_checkpoint_names)
     assert "dp_world_size=self.loaded_checkpoint_dp_world_size" in names
+    # ... broadcasts every weight that is not its own MoE class's over the ZeRO group, and reduces each
+    # group's squared norm on its own (expert_zero_optimizer folds them into one reduction)
+    assert "group=self.seq_data_parallel_group" in inspect.getsource(engine.DeepSpeedEngine._broadcast_model)
+    zero = stage_1_and_2.DeepSpeedZeroOptimizer
+    norm = inspect.getsource(zero.scaled_global_norm)
+    assert "self.get_grad_norm_direct(self.averaged_gradients[i], self.params_in_partition[i])" in norm
+    assert "self._average_expert_grad_norms(norm_groups)" in norm
+    assert "group=self.dp_process_group" in inspect.getsource(zero.get_grad_norm_direct)
     assert "self.slice_parallel_size" in inspect.getsource(
         topology.PipelineParallelGrid.get_slice_parallel_world_size
     )

@@ -26,7 +26,7 @@ from ..parallel.spawn import spawn
 from .common import emit, table
 
 PEER_TRANSFORMERS = "5.22.2"
-"""The newest transformers DeepSpeed 0.19.8's AutoEP runs with: with 5.23 ``deepspeed.initialize`` fails
+"""The newest transformers the pinned DeepSpeed's AutoEP runs with: with 5.23 ``deepspeed.initialize`` fails
 (its Mixtral preset calls transformers' output-recorder registry's ``get`` with a default, which 5.23's
 registry does not take)."""
 WARMUP = 3

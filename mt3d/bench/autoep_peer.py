@@ -1,5 +1,5 @@
 """DeepSpeed AutoEP's side of ``python -m mt3d.bench autoep``: a standalone script run by the peer
-virtualenv's python under ``torch.distributed.run`` (DeepSpeed 0.19.8 with transformers <= 5.22: AutoEP
+virtualenv's python under ``torch.distributed.run`` (mt3d's pinned DeepSpeed with transformers <= 5.22: AutoEP
 fails in ``deepspeed.initialize`` with 5.23+). It imports nothing from mt3d.
 
     python autoep_peer.py make MODEL_DIR              # a tiny random Mixtral, saved for both trainers

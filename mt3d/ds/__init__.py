@@ -56,8 +56,9 @@ REACHES = (
           "on ep ranks > 0", "test_moe.py::test_moe_training_matches_one_process"),
     Reach("experts", "with ZeRO: the engine module's DeepSpeedZeroOptimizer swapped during initialize (its "
           "MoE groups over mt3d's dense and edp groups, mt3d's state as its mpu), "
-          "_do_optimizer_sanity_check's BF16 answer turned into ZeRO, every rank's save_zero_checkpoint "
-          "set and its zero file names listed up to dp x cp",
+          "_do_optimizer_sanity_check's BF16 answer turned into ZeRO, _broadcast_model replaced (experts "
+          "over their own ranks), every rank's save_zero_checkpoint set and its zero file names listed up to "
+          "dp x cp; scaled_global_norm overridden (all groups' squares reduced at once)",
           "test_moe.py::test_zero_partitions_dense_states_over_every_data_rank_and_experts_over_theirs"),
     Reach("universal", "DeepSpeed's universal loader pairs parameter groups by position (zip): the "
           "checkpoint's group settings padded to mt3d's four slots",

@@ -35,6 +35,7 @@ rank and size, which count ep ranks too; the load runs with mt3d's tp group inst
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -105,7 +106,7 @@ def zero_optimizer(state):
             has_moe_layers=True,
             mpu=state,
         )
-        return built(optimizer, *args, **kwargs)
+        return expert_zero_optimizer()(optimizer, *args, **kwargs)
 
     def sanity_check(self, basic_optimizer):
         kind = check(self, basic_optimizer)
@@ -126,6 +127,55 @@ def zero_optimizer(state):
         ds_engine.DeepSpeedZeroOptimizer = built
         ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = check
         ds_engine.DeepSpeedEngine._broadcast_model = broadcast
+
+
+@functools.cache
+def expert_zero_optimizer():
+    """DeepSpeed's ZeRO 1-2 optimizer with the gradient norm of all its groups reduced at once.
+
+    DeepSpeed reduces each group's squared norm over the ZeRO group and again over pipe x tp, then
+    averages each expert group's over its own ranks (which hold the same value already): 2 n + e
+    latency-bound collectives per step for n groups, e of them experts'. Under ep mt3d has a group
+    more than a model without experts (experts apart from dense weights), so this is where ep's
+    step pays for them: measured at ep 2 on 2 CPU processes, X % of the step (``python -m mt3d.bench
+    autoep``). Here the same squares (DeepSpeed's marks honoured: ``ds_pipe_replicated`` skipped,
+    weights not split over TP counted on TP rank 0) are summed per group, all groups in one tensor
+    reduced once over dp x cp and once over pipe x tp, then combined as DeepSpeed combines them.
+    CPU offload (norms computed in its own pass) keeps DeepSpeed's."""
+    from deepspeed.runtime.utils import (
+        combine_grad_norm_groups,
+        is_model_parallel_parameter,
+        mask_nan_or_inf_with_val_inplace,
+    )
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    class ExpertZeroOptimizer(DeepSpeedZeroOptimizer):
+        def scaled_global_norm(self, norm_type=2):
+            groups = range(len(self.bit16_groups))
+            muon = any(self._muon_update_lacks_loss_scale(i) for i in groups)
+            if self.cpu_offload or norm_type != 2 or muon:
+                return super().scaled_global_norm(norm_type)
+            squares = []
+            for i in groups:
+                grads = [g for g in self.averaged_gradients[i] if not getattr(g, "_zero_padding", False)]
+                norms = [
+                    torch.linalg.vector_norm(g.detach().to(get_norm_dtype()), ord=2)
+                    for g, p in zip(grads, self.params_in_partition[i])
+                    if not getattr(p, "ds_pipe_replicated", False)
+                    and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)
+                ]
+                squares.append(torch.stack(norms).pow(2).sum().float() if norms else torch.zeros(()))
+            total = torch.stack([s.to(squares[0].device) for s in squares])
+            dist.all_reduce(total, group=self.dp_process_group)
+            model = self.model_parallel_group
+            if model is not None and dist.get_world_size(model) > 1:
+                dist.all_reduce(total, group=model)
+            norms = total.sqrt()
+            mask_nan_or_inf_with_val_inplace(norms, device=self.device)
+            return combine_grad_norm_groups(list(norms), norm_type=2)
+
+    return ExpertZeroOptimizer
 
 
 def zero_checkpoint_names(engine, state) -> None:
