@@ -96,16 +96,15 @@ def zero_optimizer(state):
     def build(optimizer, *args, **kwargs):
         # DeepSpeed's mark of an expert parameter, set only now: the engine's start-up broadcast reads
         # it too, and would look for the group in DeepSpeed's own registry
-        for group in optimizer.param_groups:
-            for p in group["params"] if group.get("moe") else ():
-                p.allreduce, p.group_name = False, EXPERT_GROUP
-        kwargs.update(
-            dp_process_group=state.dense.group,
-            expert_parallel_group={EXPERT_GROUP: state.ep.group},
-            expert_data_parallel_group={EXPERT_GROUP: state.edp.group},
-            has_moe_layers=True,
-            mpu=state,
-        )
+        moe = [group for group in optimizer.param_groups if group.get("moe")]
+        for p in (p for group in moe for p in group["params"]):
+            p.allreduce, p.group_name = False, EXPERT_GROUP
+        kwargs.update(dp_process_group=state.dense.group, has_moe_layers=bool(moe), mpu=state)
+        if moe:  # none when the experts are frozen (LoRA): every trainable weight is dense
+            kwargs.update(
+                expert_parallel_group={EXPERT_GROUP: state.ep.group},
+                expert_data_parallel_group={EXPERT_GROUP: state.edp.group},
+            )
         return expert_zero_optimizer()(optimizer, *args, **kwargs)
 
     def sanity_check(self, basic_optimizer):
