@@ -136,8 +136,8 @@ def expert_zero_optimizer():
     averages each expert group's over its own ranks (which hold the same value already): 2 n + e
     latency-bound collectives per step for n groups, e of them experts'. Under ep mt3d has a group
     more than a model without experts (experts apart from dense weights), so this is where ep's step
-    pays for them: at ep 2 on 2 CPU processes mt3d's step went from 1.085 to 1.024 of DeepSpeed
-    AutoEP's with this (``python -m mt3d.bench autoep``, docs/benchmarks.md). Here the same squares
+    pays for them: at ep 2 on 2 CPU processes mt3d's step went from 1.085 of DeepSpeed AutoEP's to
+    1.02-1.06 with this (``python -m mt3d.bench autoep``, docs/benchmarks.md). Here the same squares
     (DeepSpeed's marks honoured: ``ds_pipe_replicated`` skipped, weights not split over TP counted
     on TP rank 0) are summed per group, all groups in one tensor reduced once over dp x cp and once
     over pipe x tp, then combined as DeepSpeed combines them.
