@@ -70,22 +70,13 @@ def mt3d_worker(model_dir: str, tokens: str, save_dir: str, ep: int) -> dict:
 
     from ..parallel.mappings import all_reduce
     from .autoep_peer import CLIP, OPTIMIZER
-    from .common import build_engine
+    from .common import bench_run_config, build_engine
 
     world = dist.get_world_size()
-    raw = {
-        "train_batch_size": MICRO * world,
-        "train_micro_batch_size_per_gpu": MICRO,
-        "optimizer": OPTIMIZER,
-        "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": 1},
-        "mt3d": {
-            "model": {"from_hf": model_dir},
-            "parallel": {"expert": ep},
-            "data": {"corpus": "synthetic", "vocab_size": 512, "seq_len": SEQ},
-            "train": {"steps": 1, "save_dir": save_dir, "eval_interval": 0, "progress": False, "seed": 1234},
-        },
-    }
+    raw = bench_run_config(model={"from_hf": model_dir}, global_batch=MICRO * world, micro=MICRO, seq_len=SEQ,
+                           save_dir=save_dir)  # fmt: skip
+    raw.update(optimizer=OPTIMIZER, gradient_clipping=CLIP)
+    raw["mt3d"]["parallel"]["expert"] = ep
     _, _, rt, engine, _, _ = build_engine(raw)
     batches, me = torch.load(tokens), dist.get_rank()
     steps = []

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from .axes import AXES
 from .topology import COMBINED, place
 
-ALWAYS = ("tp", "dp", "pp", "model")
-"""Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world)."""
+ALWAYS = ("tp", "dp", "pp", "model", "edp")
+"""Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world), and
+under ep the experts' ZeRO group (``mt3d.ds.experts``; without ep it is ``dense``, see ``REUSE``)."""
 REUSE = {"dense": ("cp", "dp"), "edp": ("ep", "dense")}
 """A combined group equals another when an axis is 1: dense is dp without cp, edp is dense without ep."""
 
@@ -236,7 +237,7 @@ def _my_group(placement, name: str, me: int, made: dict[str, AxisGroup]) -> Axis
         if placement.degrees[axis] == 1:
             return AxisGroup(name, made[same].ranks, made[same].rank, made[same].group)
     lists = [sorted(g) for g in placement.groups(name)] if name == "model" else list(placement.groups(name))
-    if len(lists[0]) == 1 and name not in ALWAYS and name != "edp":  # edp: a ZeRO group under ep
+    if len(lists[0]) == 1 and name not in ALWAYS:
         return AxisGroup.alone(name, me)
     found = None
     for ranks in lists:
