@@ -132,6 +132,31 @@ def test_capacity_mode_drops_the_assignments_a_hand_count_finds():
     assert block((x, *start_stats(cfg.moe_spec, x)))[2][4].item() == 0
 
 
+@pytest.mark.parametrize("coef", [0.0, 0.01])
+def test_router_statistics_carry_a_gradient_only_when_a_router_loss_uses_them(coef):
+    """The per-layer router statistics (probability sums, z^2) feed the aux and z losses and the
+    metrics: with both coefficients 0 they are computed without gradient (the router's gradient
+    cannot depend on them), with the same values; the stream's ``stats_f`` stays differentiable."""
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.model.config import ModelConfig
+    from mt3d.model.moe import start_stats
+    from mt3d.parallel.state import AxisGroup
+
+    moe = dict(experts=4, top_k=2, expert_ffn=16, aux_loss_coef=coef)
+    cfg = ModelConfig.from_dict(dict(hidden=32, layers=1, heads=4, ffn=64, position="rope", norm="rmsnorm",
+                                     mlp="swiglu", bias=False, moe=moe))  # fmt: skip
+    block = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), seed=3), 0).train()
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    _, stats_f, _ = block((x, *start_stats(cfg.moe_spec, x)))
+    router = block.mlp.router.weight
+    grad = torch.autograd.grad(stats_f.sum(), router, allow_unused=True)[0]
+    assert stats_f.requires_grad and (grad is None) == (coef == 0.0)
+    h = block.norm2(x + block.attn(block.norm1(x)))
+    logits = h @ router.t()
+    want = torch.cat([logits.softmax(-1).sum((0, 1)), torch.logsumexp(logits, -1).pow(2).sum()[None]])
+    torch.testing.assert_close(stats_f.detach(), want, rtol=1e-5, atol=1e-5)
+
+
 def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None)):
     from mt3d.model.blocks import BuildContext, TransformerBlock
     from mt3d.model.config import ModelConfig

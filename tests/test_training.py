@@ -607,7 +607,14 @@ def released_logits_worker(virtual_stages: int, deepspeeds: bool = False) -> dic
 
     wrap_instructions(engine, wrap)
     losses = [train_step(engine, layout, rt, data, 2, k) for k in range(2)]
-    return {"stage": rt.state.pp.rank, "held": held, "losses": losses}
+    module = engine.module  # Mt3dPipeline.train skips what is in its mode already, restores the rest
+    module.eval()
+    next(m for m in module.modules() if m is not module).train()
+    module.train()
+    restored = all(m.training for m in module.modules())
+    module.eval()
+    return {"stage": rt.state.pp.rank, "held": held, "losses": losses, "restored": restored,
+            "evaluating": not any(m.training for m in module.modules())}  # fmt: skip
 
 
 @pytest.mark.parametrize("virtual_stages", [1, 2])
@@ -618,16 +625,20 @@ def test_the_last_stage_releases_its_logits_once_the_loss_holds_them(virtual_sta
     loss is computed (ds.engine.release_loss_outputs; mt3d's schedule engine likewise, which held them
     until the backward had run): no backward of the loss's chunk starts with them held, while with
     DeepSpeed's own forward pass every one does (this fails when upstream frees them itself), with
-    the same losses."""
+    the same losses. Also: DeepSpeed's engine puts the module in training mode at every
+    ``train_batch``, which ``Mt3dPipeline.train`` skips when every module is there already; a module
+    left in another mode is still switched."""
     import inspect
 
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     backward = inspect.getsource(PipelineEngine._exec_backward_pass)
     assert "if self.is_last_stage():\n            super().backward(self.loss)\n            return" in backward
+    assert "self.module.train()" in inspect.getsource(PipelineEngine.train_batch)
     variants = (False, True) if virtual_stages == 1 else (False,)
     runs = [spawn(released_logits_worker, 2, virtual_stages, ds, timeout=300) for ds in variants]
     for ranks, held in zip(runs, variants, strict=True):
         first, last = sorted(ranks, key=lambda r: r["stage"])
         assert first["held"] == [] and last["held"] == [held] * 8, (first, last)
+        assert all(r["restored"] and r["evaluating"] for r in ranks)
     assert all([r["losses"] for r in run] == [r["losses"] for r in runs[0]] for run in runs)

@@ -230,11 +230,16 @@ class SparseMoE(nn.Module):
         return (weights * spec.routed_scaling if spec.routed_scaling != 1.0 else weights), index
 
     def _stats(self, stats, logits, probs, index, dropped):
-        """Add this layer's probability sums, z^2 sum, assignment counts and drops to ``stats``."""
-        z = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
-        local = torch.cat([probs.sum(dim=(0, 1)), z[None]])
-        if self.sp:  # each TP rank scored its own sequence shard
-            local = reduce_from_tp(local, self.tp)
+        """Add this layer's probability sums, z^2 sum, assignment counts and drops to ``stats``. Without
+        gradient when neither router loss uses them (both coefficients 0: metrics only); ``stats``'s
+        own graph stays, so a pipeline stage still returns a differentiable ``stats_f``."""
+        spec = self.spec
+        used = bool(spec.aux_loss_coef or spec.z_loss_coef)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and used):
+            z = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+            local = torch.cat([probs.sum(dim=(0, 1)), z[None]])
+            if self.sp:  # each TP rank scored its own sequence shard
+                local = reduce_from_tp(local, self.tp)
         counts = torch.bincount(index.flatten(), minlength=self.spec.experts)
         return stats[0] + local, stats[1] + torch.cat([counts, dropped.view(1)])
 
