@@ -285,10 +285,10 @@ def overlap_conflict(grad_reduce: bool, zero_stage: int, ep: int, off: Offload, 
         return (f"{key} is for the pipeline engine (ZeRO 0/1); ZeRO-{zero_stage}'s reduction overlaps the "
                 "backward already when zero_optimization.overlap_comm is true: set that instead")  # fmt: skip
     why = None
-    if ep > 1:
+    if ep > 1 and zero_stage == 0:
         why = (
-            "expert parallelism (its gradients reduce over two groups, dense over dp x cp and experts over "
-            "dp / ep x cp: mt3d.ds.experts)"
+            "expert parallelism without ZeRO (dense gradients take two hops there, over ep and then "
+            "DeepSpeed's dp / ep x cp: mt3d.ds.experts); use zero_optimization.stage 1"
         )
     elif off.any:
         why = "optimizer offload (DeepSpeed copies gradients to the CPU inside its own reduction)"

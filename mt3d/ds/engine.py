@@ -239,7 +239,7 @@ def initialize(
     if overlap is not None and overlap.grad_reduce:
         from .overlap import install as overlap_grad_reduce
 
-        engine.grad_reduce_overlap = overlap_grad_reduce(engine, overlap.bucket_elements)
+        engine.grad_reduce_overlap = overlap_grad_reduce(engine, overlap.bucket_elements, state)
     install_safe_loading(engine)
     keep_balance_biases_fp32(engine.module)
     return engine

@@ -19,6 +19,12 @@ engine declares only while that step runs (``_force_grad_boundary``). So mt3d do
   skipped (ZeRO-0, the BF16 optimizer) or runs with its communication (``average_tensor``) made a
   no-op (ZeRO-1: its partition bookkeeping still runs).
 
+Under expert parallelism (ZeRO-1 only: without ZeRO dense gradients take two hops, ``mt3d.ds.experts``)
+a bucket holds dense or expert parameters, never both: dense ones are summed over ZeRO's group
+(dp x cp), experts' over the ranks holding the same experts (dp / ep x cp; a bucket over one rank is
+only scaled), every one divided by dp x cp first, as ZeRO-1's ``average_tensor`` does
+(``reduction_groups``).
+
 The tensors reduced are the ones DeepSpeed would reduce: ``p.grad`` (ZeRO-0, and ZeRO-1 with
 gradients in the weights' dtype: fp32, or bf16 by default), ZeRO-1's ``grad_accum`` (another
 gradient dtype), or the BF16 optimizer's fp32 gradient buffers (bf16 with ``data_types.
@@ -48,6 +54,8 @@ log = logging.getLogger("mt3d")
 @dataclass
 class _Bucket:
     params: list
+    group: object = None
+    """The process group its gradients are summed over (None: one rank, nothing to sum)."""
     waiting: int = 0
     """Parameters whose gradient is not final yet in this step's last backward."""
     tensors: list = field(default_factory=list)
@@ -58,15 +66,15 @@ class _Bucket:
 class GradReduceOverlap:
     """The buckets, hooks and waits of one engine (see the module docstring)."""
 
-    def __init__(self, engine, bucket_elements: int) -> None:
-        from .experts import gradient_pairs
+    def __init__(self, engine, bucket_elements: int, state=None) -> None:
+        from .experts import gradient_pairs, is_expert
 
         self.engine = engine
-        self.group = engine.mpu.get_data_parallel_group()
-        self.dp = dist.get_world_size(self.group)
         opt = engine.optimizer
         self.bf16 = hasattr(opt, "bf16_groups")
         self.zero1 = not self.bf16 and hasattr(opt, "average_tensor")
+        groups = reduction_groups(engine, state)
+        self.dp = dist.get_world_size(groups[False])
         if self.zero1 and opt.cpu_offload:
             # with offload, ZeRO-1's average_tensor also copies into its CPU partition: the no-op
             # below would drop the gradients (mt3d.config.rules.overlap_conflict refuses offload)
@@ -78,15 +86,16 @@ class GradReduceOverlap:
         self._tensor_of = None if not self.bf16 else {id(p): g for p, g in gradient_pairs(engine)}
         params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
         self.buckets: list[_Bucket] = []
-        current, size = [], 0
+        current, size = {}, {}  # per kind (expert or not): the bucket being filled, its elements
         for p in reversed(params):
-            current.append(p)
-            size += p.numel()
-            if size >= bucket_elements:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+            kind = is_expert(p) and groups[True] is not groups[False]
+            current.setdefault(kind, []).append(p)
+            size[kind] = size.get(kind, 0) + p.numel()
+            if size[kind] >= bucket_elements:
+                self.buckets.append(_Bucket(current.pop(kind), _summed_over(groups[kind])))
+                size[kind] = 0
+        for kind, rest in current.items():  # every rank of a group holds the same shapes: the same order
+            self.buckets.append(_Bucket(rest, _summed_over(groups[kind])))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: set[int] = set()
         self.armed = False
@@ -161,7 +170,8 @@ class GradReduceOverlap:
         comm = self.engine.communication_data_type
         bucket.flat = torch.cat([t.reshape(-1).to(comm) for t in bucket.tensors])
         self._scale(bucket.flat, before=True)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        if bucket.group is not None:
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._posted += 1
 
     @torch.no_grad()
@@ -172,7 +182,8 @@ class GradReduceOverlap:
         while self._posted < len(self.buckets):
             self._post(self.buckets[self._posted])
         for b in self.buckets:
-            b.work.wait()
+            if b.work is not None:
+                b.work.wait()
             self._scale(b.flat, before=False)
             offset = 0
             for t in b.tensors:
@@ -200,14 +211,30 @@ class GradReduceOverlap:
         """Buckets posted during the last backward of the latest step (what the overlap bench reads)."""
 
 
-def install(engine, bucket_elements: int) -> GradReduceOverlap | None:
+def reduction_groups(engine, state=None) -> dict:
+    """The process groups DeepSpeed's reduction sums gradients over, by whether they are an expert's:
+    its data-parallel group; under expert parallelism with ZeRO (``mt3d.ds.experts``: ``state`` the
+    rank's ParallelState) dense gradients over its ZeRO group (dp x cp) and experts' over theirs
+    (dp / ep x cp), both divided by the dense group's size."""
+    if state is not None and state.ep.size > 1:  # ZeRO 1 (mt3d.config.rules.overlap_conflict)
+        return {False: state.dense.group, True: state.edp.group}
+    group = engine.mpu.get_data_parallel_group()
+    return {False: group, True: group}
+
+
+def _summed_over(group):
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def install(engine, bucket_elements: int, state=None) -> GradReduceOverlap | None:
     """Overlap ``engine``'s data-parallel gradient reduction with its backward (module docstring);
-    None where there is nothing to reduce (one data-parallel rank, or DeepSpeed's reduction off)."""
-    if dist.get_world_size(engine.mpu.get_data_parallel_group()) == 1:
+    None where there is nothing to reduce (one data-parallel rank, or DeepSpeed's reduction off).
+    ``state``: the rank's ParallelState (expert parallelism: ``reduction_groups``)."""
+    if all(dist.get_world_size(g) == 1 for g in reduction_groups(engine, state).values()):
         return None
     if not engine.pipeline_enable_backward_allreduce:
         return None
-    ov = GradReduceOverlap(engine, bucket_elements)
+    ov = GradReduceOverlap(engine, bucket_elements, state)
 
     def wrap(kind, handler):
         if kind is ds_schedule.BackwardPass:
