@@ -1,7 +1,8 @@
 """Golden files made with main before the parallel axes were declared once (tests/golden): the rank
 mapper's placements of three-axis layouts and a (tp 2, pp 2, dp 2) ZeRO-1 checkpoint, which today's
-code must print and resume exactly as the code that made them did; and an ep 2 ZeRO-1 checkpoint
-from before dense optimizer states spanned the ep ranks."""
+code must print and resume exactly as the code that made them did; and ep 2 ZeRO-1 checkpoints from
+before dense optimizer states spanned the ep ranks and from before their groups followed the weight
+decay (tests/golden/make_ep_checkpoint_fixture.py)."""
 
 import copy
 import gzip
@@ -87,3 +88,51 @@ def test_an_expert_parallel_checkpoint_from_before_dense_states_spanned_ep_resum
             assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
     saved = read_manifest(tmp_path / "run" / "checkpoints" / "step_00000006")["meta"]["layout"]
     assert saved["dense_partition"] == "dp x cp"
+
+
+def _optimizer_groups(step: Path) -> list:
+    import torch
+
+    sd = torch.load(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    groups = sd["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    return [(g["weight_decay"], bool(g.get("moe"))) for g in groups]
+
+
+def test_an_expert_parallel_checkpoint_grouped_by_weight_decay_resumes_with_one_group_each(tmp_path):
+    """tests/golden/checkpoint_ep_v2 (ep 2, ZeRO-1, weight decay 0, three optimizer groups: dense
+    matrices, dense norms, experts) resumed by today's code, which groups by weight decay only where
+    it has one (dense and experts one group each): its saved layout says nothing of the groups, so it
+    loads through the universal path and goes on as the code that made it did; the run's own
+    checkpoints record the grouping, hold two groups (the experts' still marked as such) and resume
+    rigidly, bit for bit, and through the universal path again into groups by weight decay."""
+    from mt3d.checkpoint.manifest import read_manifest
+    from mt3d.config.layout import PARAM_GROUPS
+
+    src = tmp_path / "ckpt" / "step_00000003"
+    shutil.copytree(GOLDEN / "checkpoint_ep_v2" / "step_00000003", src)
+    assert "param_groups" not in read_manifest(src)["meta"]["layout"]
+    assert _optimizer_groups(src) == [(0.0, False), (0.0, False), (0.0, True)]
+    expected = json.loads((GOLDEN / "checkpoint_ep_v2" / "expected.json").read_text())
+    raw = copy.deepcopy(expected["config"])
+    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "run"), resume=str(src), save_interval=2)
+    got = step_records(spawn(train_worker, 2, raw, timeout=600)[0])
+    want = expected["unstopped"][3:]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
+    step4 = tmp_path / "run" / "checkpoints" / "step_00000004"
+    assert read_manifest(step4)["meta"]["layout"]["param_groups"] == PARAM_GROUPS[True]
+    assert _optimizer_groups(step4) == [(0.0, False), (0.0, True)]
+    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "again"), resume=str(step4), save_interval=0)
+    again = step_records(spawn(train_worker, 2, raw, timeout=600)[0])
+    assert [(r["loss"], r["grad_norm"]) for r in again] == [(r["loss"], r["grad_norm"]) for r in got[1:]]
+    # with weight decay again, groups by decay: through the universal path, each group keeps its own
+    # decay and expert mark (DeepSpeed's loader would give each the settings of the saved group at its
+    # position: the dense norms the experts' mark)
+    raw["optimizer"]["params"]["weight_decay"] = 0.1
+    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "decay"), save_at_end=True)
+    spawn(train_worker, 2, raw, timeout=600)
+    step6 = tmp_path / "decay" / "checkpoints" / "step_00000006"
+    assert read_manifest(step6)["meta"]["layout"]["param_groups"] == PARAM_GROUPS[False]
+    assert _optimizer_groups(step6) == [(0.1, False), (0.0, False), (0.1, True)]

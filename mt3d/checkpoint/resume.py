@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..config import Layout, offload_resume_conflict, optimizer_device
+from ..config.layout import PARAM_GROUPS
 from ..config.rules import uses_pipeline_engine
 from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
@@ -83,8 +84,9 @@ class ResumePlan:
         for axis in NAMES:  # an optional axis of size 1 is left out of either record
             saved.setdefault(axis, 1)
             now.setdefault(axis, 1)
-        if saved["ep"] > 1 and saved["zero_stage"] > 0:  # from before dense states spanned the ep ranks
+        if saved["ep"] > 1 and saved["zero_stage"] > 0:  # from before these were recorded
             saved.setdefault("dense_partition", "dp / ep x cp")
+            saved.setdefault("param_groups", PARAM_GROUPS[False])
         return any(saved.get(k) != v for k, v in now.items())
 
     def check_offload(self, layout: Layout) -> bool:
@@ -359,10 +361,14 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
     Random state belongs to a (pp, dp, tp) coordinate, so it is restored only when the degrees are
     unchanged (the rank order may differ); after a reshard every rank keeps its freshly seeded streams.
     """
+    from contextlib import nullcontext
+
     from ..ds.experts import loading
+    from ..ds.universal import own_group_settings
 
     accept_adam_states_across_implementations(engine)
-    with loading(engine, rt.state, universal=not same_layout):
+    own = nullcontext() if same_layout else own_group_settings(engine)
+    with loading(engine, rt.state, universal=not same_layout), own:
         path, client = engine.load_checkpoint(
             str(load_dir),
             tag=tag,

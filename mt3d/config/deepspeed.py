@@ -149,6 +149,13 @@ class DeepSpeedSection:
         return float(self._ds.get("gradient_clipping") or 0.0)
 
     @property
+    def decay_free(self) -> bool:
+        """Whether the optimizer's ``weight_decay`` is given as 0 (absent: the optimizer class's default,
+        which differs between DeepSpeed's optimizers)."""
+        params = (self._ds.get("optimizer") or {}).get("params") or {}
+        return params.get("weight_decay") is not None and float(params["weight_decay"]) == 0.0
+
+    @property
     def optimizer_type(self) -> str:
         """The optimizer's ``type``, lower case ('' when DeepSpeed's section has none)."""
         return str((self._ds.get("optimizer") or {}).get("type", "")).lower()

@@ -30,6 +30,9 @@ class Layout:
     """Where ZeRO keeps parameters and optimizer states (``Offload.label``)."""
     precision: str = field(default="fp32")
     """bf16, fp16 or fp32."""
+    decay_free: bool = False
+    """The optimizer's weight decay is 0 (``DeepSpeedSection.decay_free``): under expert parallelism with
+    ZeRO the dense weights then take one optimizer group, the experts one (``PARAM_GROUPS``)."""
 
     def __getattr__(self, name: str) -> int:
         degrees = self.__dict__.get("degrees")
@@ -55,7 +58,14 @@ class Layout:
         }
         if self.degrees.get("ep", 1) > 1 and self.zero_stage > 0:
             out["dense_partition"] = DENSE_PARTITION
+            out["param_groups"] = self.param_groups
         return out
+
+    @property
+    def param_groups(self) -> str:
+        """How the optimizer groups a rank's parameters under expert parallelism with ZeRO, as checkpoints
+        record it (``PARAM_GROUPS``; ``mt3d.ds.experts.expert_groups``)."""
+        return PARAM_GROUPS[self.decay_free]
 
     def describe(self) -> dict:
         """Everything, flat (run.json)."""
@@ -72,6 +82,12 @@ class Layout:
         order = [a for a in shown if a != "dp"] + ["dp"]
         return f"world {self.world} = " + " x ".join(f"{a} {shown[a]}" for a in order)
 
+
+PARAM_GROUPS = {False: "by weight decay", True: "one dense, one expert"}
+"""Optimizer groups under expert parallelism with ZeRO: dense and experts each split by weight decay
+(matrices decay, norms and biases not), or, with weight decay 0, one group each (a step holds a group's
+Adam call, weight all-gather and copy back: 0.95 of the step time at ep 2 in ``python -m mt3d.bench
+autoep``'s model). Checkpoints from before it was recorded hold groups by weight decay."""
 
 DENSE_PARTITION = "dp x cp"
 """What ZeRO partitions dense optimizer states over under expert parallelism, as checkpoints record
@@ -224,4 +240,4 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
             par.stage_layers or default_stage_blocks(model.layers, degrees["pp"] * par.virtual_stages)
         )
     return Layout(world_size, degrees, mb, ga, gb, stage, par.virtual_stages, blocks, ds.offload.label,
-                  ds.precision)  # fmt: skip
+                  ds.precision, ds.decay_free)  # fmt: skip

@@ -213,7 +213,7 @@ def initialize(
     expert_parallel = state is not None and state.ep.size > 1
     expert_zero = expert_parallel and layout.zero_stage > 0
     if expert_zero:
-        param_groups = experts.expert_groups(param_groups)
+        param_groups = experts.expert_groups(param_groups, one_each=layout.decay_free)
     with experts.zero_optimizer(state) if expert_zero else nullcontext():
         if isinstance(model, InterleavedPipeline):  # v > 1, or overlap.p2p (training.engine.build_model)
             from .interleaved import initialize as initialize_interleaved

@@ -64,12 +64,15 @@ def count_dense_once(module: torch.nn.Module, ep_rank: int, partitioned: bool) -
             p.ds_pipe_replicated = True  # only set, never cleared: tied weights keep their mark
 
 
-def expert_groups(groups: list[dict]) -> list[dict]:
+def expert_groups(groups: list[dict], one_each: bool = False) -> list[dict]:
     """``groups`` (mt3d's optimizer parameter groups) with the experts in groups of their own, after
     the dense ones and with the same settings, marked as DeepSpeed's ZeRO optimizer recognises them
     ('moe' groups of ``EXPERT_GROUP``; ``zero_optimizer`` marks their parameters). Dense first: DeepSpeed's
     universal loader pairs a run's groups with the checkpoint's by position
-    (``mt3d.ds.universal.pad_param_groups``)."""
+    (``mt3d.ds.universal.pad_param_groups``). ``one_each``: the weight decay is 0, so the groups by decay
+    differ in nothing; one dense group and one expert group (``mt3d.config.layout.PARAM_GROUPS``)."""
+    if one_each:
+        groups = [{"params": [p for g in groups for p in g["params"]], "weight_decay": 0.0}]
     dense, experts = [], []
     for g in groups:
         mine = [p for p in g["params"] if is_expert(p)]

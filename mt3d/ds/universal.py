@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config.layout import DENSE_PARTITION
@@ -41,7 +42,8 @@ def convert(source: Path, out: Path, workers: int = 1, layout: dict | None = Non
 GROUP_SLOTS = 4
 """mt3d's optimizer groups, by position: dense with weight decay, dense without, then (under expert
 parallelism with ZeRO) experts with, experts without (``training.engine.param_groups``,
-``mt3d.ds.experts.expert_groups``)."""
+``mt3d.ds.experts.expert_groups``); or there, with weight decay 0, dense and experts (at most four
+either way: ``mt3d.config.layout.PARAM_GROUPS``)."""
 
 
 def pad_param_groups(out: Path) -> None:
@@ -62,6 +64,30 @@ def pad_param_groups(out: Path) -> None:
     while len(groups) < GROUP_SLOTS:
         groups.append({k: v for k, v in groups[len(groups) - 2].items() if k not in ("moe", "name")})
     torch.save(state, path)
+
+
+GROUP_IDENTITY = ("weight_decay", "moe", "name")
+"""What a parameter group is under mt3d's grouping (decay class, expert group), kept through a universal
+load (``own_group_settings``)."""
+
+
+@contextmanager
+def own_group_settings(engine):
+    """While open, a universal load of ``engine`` leaves its optimizer groups' ``GROUP_IDENTITY`` as
+    they are. DeepSpeed's universal loader reads each parameter's states by name but copies every
+    saved group's settings onto the run's group at the same position; where the groups differ (a
+    checkpoint grouped by weight decay resumed with one group each, ``mt3d.config.layout.PARAM_GROUPS``,
+    or one without expert groups) a group would take another's weight decay or expert marks."""
+    opt = engine.optimizer
+    groups = getattr(opt, "optimizer", opt).param_groups
+    kept = [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in groups]
+    try:
+        yield
+    finally:
+        for g, own in zip(groups, kept, strict=True):
+            for k in GROUP_IDENTITY:
+                g.pop(k, None)
+            g.update(own)
 
 
 def _run_converter(source: Path, tmp: Path, workers: int) -> None:
