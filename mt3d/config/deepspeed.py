@@ -152,8 +152,8 @@ class DeepSpeedSection:
     def decay_free(self) -> bool:
         """Whether the optimizer's ``weight_decay`` is given as 0 (absent: the optimizer class's default,
         which differs between DeepSpeed's optimizers)."""
-        params = (self._ds.get("optimizer") or {}).get("params") or {}
-        return params.get("weight_decay") is not None and float(params["weight_decay"]) == 0.0
+        decay = ((self._ds.get("optimizer") or {}).get("params") or {}).get("weight_decay")
+        return isinstance(decay, int | float) and not isinstance(decay, bool) and decay == 0
 
     @property
     def optimizer_type(self) -> str:

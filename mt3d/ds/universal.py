@@ -79,12 +79,11 @@ def own_group_settings(engine):
     checkpoint grouped by weight decay resumed with one group each, ``mt3d.config.layout.PARAM_GROUPS``,
     or one without expert groups) a group would take another's weight decay or expert marks."""
     opt = engine.optimizer
-    groups = getattr(opt, "optimizer", opt).param_groups
-    kept = [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in groups]
+    kept = [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in getattr(opt, "optimizer", opt).param_groups]
     try:
         yield
-    finally:
-        for g, own in zip(groups, kept, strict=True):
+    finally:  # the groups as they are now: a loader may have replaced them
+        for g, own in zip(getattr(opt, "optimizer", opt).param_groups, kept, strict=True):
             for k in GROUP_IDENTITY:
                 g.pop(k, None)
             g.update(own)
