@@ -67,6 +67,21 @@ def test_a_checkpoint_of_the_three_axis_code_resumes_exactly_and_reshards(tmp_pa
     _assert_same_run(_run(expected, tmp_path, "one", 1, tensor=1, pipeline=1), expected["reshard_1_1_1"])
 
 
+def _resume_ep_fixture(name: str, src: Path, tmp_path: Path, **train):
+    """Resume the fixture ``name``'s step 3 (copied to ``src``) in ``tmp_path / "run"``; its steps
+    match the run that made it within 1e-6. Returns (the config, the step records)."""
+    expected = json.loads((GOLDEN / name / "expected.json").read_text())
+    raw = copy.deepcopy(expected["config"])
+    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "run"), resume=str(src), **train)
+    got = step_records(spawn(train_worker, 2, raw, timeout=600)[0])
+    want = expected["unstopped"][3:]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
+    return raw, got
+
+
 def test_an_expert_parallel_checkpoint_from_before_dense_states_spanned_ep_resumes(tmp_path):
     """tests/golden/checkpoint_ep_v1 (ep 2, ZeRO-1, each ep rank's dense optimizer states whole): the
     layout it records has no ``dense_partition``, so today's code loads it through the universal
@@ -77,15 +92,7 @@ def test_an_expert_parallel_checkpoint_from_before_dense_states_spanned_ep_resum
     src = tmp_path / "ckpt" / "step_00000003"
     shutil.copytree(GOLDEN / "checkpoint_ep_v1" / "step_00000003", src)
     assert "dense_partition" not in read_manifest(src)["meta"]["layout"]
-    expected = json.loads((GOLDEN / "checkpoint_ep_v1" / "expected.json").read_text())
-    raw = copy.deepcopy(expected["config"])
-    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "run"), resume=str(src), save_at_end=True)
-    got = step_records(spawn(train_worker, 2, raw, timeout=600)[0])
-    want = expected["unstopped"][3:]
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm", "moe_aux_loss"):
-            assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
+    _resume_ep_fixture("checkpoint_ep_v1", src, tmp_path, save_at_end=True)
     saved = read_manifest(tmp_path / "run" / "checkpoints" / "step_00000006")["meta"]["layout"]
     assert saved["dense_partition"] == "dp x cp"
 
@@ -112,15 +119,7 @@ def test_an_expert_parallel_checkpoint_grouped_by_weight_decay_resumes_with_one_
     shutil.copytree(GOLDEN / "checkpoint_ep_v2" / "step_00000003", src)
     assert "param_groups" not in read_manifest(src)["meta"]["layout"]
     assert _optimizer_groups(src) == [(0.0, False), (0.0, False), (0.0, True)]
-    expected = json.loads((GOLDEN / "checkpoint_ep_v2" / "expected.json").read_text())
-    raw = copy.deepcopy(expected["config"])
-    raw["mt3d"]["train"].update(save_dir=str(tmp_path / "run"), resume=str(src), save_interval=2)
-    got = step_records(spawn(train_worker, 2, raw, timeout=600)[0])
-    want = expected["unstopped"][3:]
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm", "moe_aux_loss"):
-            assert g[key] == pytest.approx(w[key], rel=1e-6), (g, w)
+    raw, got = _resume_ep_fixture("checkpoint_ep_v2", src, tmp_path, save_interval=2)
     step4 = tmp_path / "run" / "checkpoints" / "step_00000004"
     assert read_manifest(step4)["meta"]["layout"]["param_groups"] == PARAM_GROUPS[True]
     assert _optimizer_groups(step4) == [(0.0, False), (0.0, True)]
