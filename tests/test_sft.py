@@ -201,6 +201,66 @@ def test_the_shipped_chat_corpus_preprocesses(sft, tmp_path):
     assert len(ds) > 300 and 0.3 < supervised / ds.num_tokens < 0.9
 
 
+# A template whose generation prompt ends inside a token ("assistant: " + "reply": the reply's first word
+# is " tensor"), as plain text and with transformers' assistant-mask tags; <|im_end|> closes replies.
+STRADDLE = ("{% for m in messages %}{% if m.role == 'assistant' %}assistant: {{ m.content }}<|im_end|>\n"
+            "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+TAGGED = ("{% for m in messages %}{% if m.role == 'assistant' %}assistant: {% generation %}{{ m.content }}"
+          "<|im_end|>{% endgeneration %}{{ '\\n' }}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+
+
+def test_a_reply_is_every_token_holding_its_characters_as_transformers_assistant_mask(sft, tmp_path):
+    """The reply's first token straddles the generation prompt (" tensor" begins with the prompt's
+    space): it is supervised, as in transformers' assistant mask of the same template with
+    ``{% generation %}`` tags, which mt3d reads too (also dating turns with ``strftime_now``)."""
+    hf = AutoTokenizer.from_pretrained(sft["base"] / "tok")
+    convs = sft["convs"][:40]
+    write_jsonl(tmp_path / "in.jsonl", convs)
+    dated = TAGGED.replace("{% for", "{{ strftime_now('%d %B %Y') }}\n{% for", 1)
+    for name, template in {"straddle": STRADDLE, "tagged": TAGGED, "dated": dated}.items():
+        (tmp_path / f"{name}.jinja").write_text(template)
+        rc, _, err = cli("preprocess", "--input", tmp_path / "in.jsonl", "--format", "chat", "--tokenizer",
+                         sft["base"] / "tok", "--chat-template", tmp_path / f"{name}.jinja",
+                         "--output-prefix", tmp_path / name)  # fmt: skip
+        assert rc == 0 and "warning" not in err, err
+        ds = IndexedDataset(tmp_path / name)
+        for i, conv in enumerate(convs):
+            out = hf.apply_chat_template(conv["messages"], chat_template=dated if name == "dated" else TAGGED,
+                                         tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True)  # fmt: skip
+            want = list(out["assistant_masks"])
+            want[0] = 0  # a document's first token is never a target
+            assert ds.doc(i).tolist() == list(out["input_ids"]), (name, i)
+            assert ds.doc_mask(i).tolist() == want, (name, i)
+            if name == "straddle":  # the token holding the prompt's last character and the reply's first
+                text = hf.apply_chat_template(conv["messages"], chat_template=STRADDLE, tokenize=False)
+                offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+                first = text.index("assistant: ") + len("assistant: ")
+                t = next(t for t, (a, b) in enumerate(offsets) if a < first < b)
+                assert ds.doc_mask(i)[t] == 1, (i, text[offsets[t][0] : offsets[t][1]])
+
+
+def test_templates_that_close_no_reply_or_ignore_the_generation_prompt_warn_once(sft, tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", sft["convs"][:20])
+    templates = {
+        "no close": "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}assistant:{% endif %}",
+        "generation prompt": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                             "{% endfor %}",
+    }  # fmt: skip
+    for key, template in templates.items():
+        (tmp_path / "t.jinja").write_text(template)
+        rc, _, err = cli("preprocess", "--input", tmp_path / "in.jsonl", "--format", "chat", "--tokenizer",
+                         sft["base"] / "tok", "--chat-template", tmp_path / "t.jinja",
+                         "--output-prefix", tmp_path / "out")  # fmt: skip
+        warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+        assert rc == 0 and len(warnings) == 1, err
+        assert {"no close": "puts nothing after an assistant reply",
+                "generation prompt": "ignores add_generation_prompt"}[key] in warnings[0]  # fmt: skip
+
+
 def reference_nll(model_dir, prefix, seq_len):
     """transformers, one document at a time (its first seq_len tokens): summed loss and count of the
     supervised targets, and the documents truncated."""
@@ -354,12 +414,25 @@ BAD = {
                                      "no chat records to keep in the inputs (1 had no assistant reply)"),
     "tokenizer without a chat template": ("chat", OK, "plain", "has no chat template"),
     "tokenizer asking for its own code": ("chat", OK, "custom", "asks for custom tokenizer code"),
+    "a message that is a string": ("chat", {"messages": ["hi", OK["messages"][1]]}, "tok",
+                                   'message 0 is a str, not an object {"role": ..., "content": ...}'),
+    "a lone surrogate": ("chat", {"messages": [{"role": "user", "content": "a \ud800"}, OK["messages"][1]]},
+                         "tok", "message 0 (user) holds a lone surrogate '\\ud800' at character 2"),
+    "a lone surrogate in a completion": ("prompt-completion", {"prompt": "a", "completion": "\udfff"}, "tok",
+                                         "'completion' holds a lone surrogate"),
+    "a template over the sandbox's range": ("chat", OK, "tok", "failed on a conversation: OverflowError",
+                                            "{% for i in range(10**8) %}x{% endfor %}"),
+    "an empty template": ("chat", OK, "tok", "t.jinja is empty", " \n"),
+    "a template rendering nothing": ("chat", OK, "tok", "renders nothing for this conversation", "{{ '' }}"),
+    "a template marking no reply": ("chat", OK, "tok", "none of the 1 chat records has a supervised token",
+                                    "{% for m in messages %}{{ m.content }}{% generation %}"
+                                    "{% endgeneration %}{% endfor %}"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_fine_tuning_data_is_one_line_and_exit_2(sft, tmp_path, case):
-    fmt, record, tok, expect = BAD[case]
+    fmt, record, tok, expect, *template = BAD[case]
     base = sft["base"]
     if tok == "plain" and not (base / "plain").is_dir():
         train_bpe(WORDS * 10, 300, base / "plain")
@@ -372,6 +445,9 @@ def test_bad_fine_tuning_data_is_one_line_and_exit_2(sft, tmp_path, case):
         (base / "custom" / "tokenizer_config.json").write_text(json.dumps(config))
     write_jsonl(tmp_path / "in.jsonl", [record])
     argv = ["--input", tmp_path / "in.jsonl", "--format", fmt, "--tokenizer", base / tok]
+    if template:
+        (tmp_path / "t.jinja").write_text(template[0])
+        argv += ["--chat-template", tmp_path / "t.jinja"]
     rc, _, err = cli("preprocess", *argv, "--output-prefix", tmp_path / "out")
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and expect in lines[0], err

@@ -92,6 +92,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     )
     for line in stats.skipped_lines[:20]:
         print(f"skipped: {line}", file=sys.stderr)
+    for line in stats.warnings:
+        print(f"warning: {line}", file=sys.stderr)
     for path, n in stats.replaced_bytes.items():
         print(f"warning: {path}: {n} invalid UTF-8 byte(s) replaced with U+FFFD", file=sys.stderr)
     s = stats.summary()

@@ -197,7 +197,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     writable save_dir): the check of a config written for another cluster (``mt3d plan``)."""
     par, data, train, ds = run.mt3d.parallel, run.mt3d.data, run.mt3d.train, run.deepspeed
     check_sections(run.ds)
-    rules.check_data(data)
+    rules.check_data(data, evaluates=train.eval_batches > 0)
     degrees = rules.degrees_for(par, world_size)
     _check_mapping(par, world_size)
     stage = ds.zero_stage
@@ -216,7 +216,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     if run.mt3d.lora is not None:
         _check_lora(run.mt3d.lora, model, stage, here)
     if here:
-        preflight.check_inputs(train, data)
+        preflight.check_inputs(train, data, model.extra.get("hf_path") if model is not None else None)
         preflight.check_device(ds.precision, fp8=train.fp8 is not None)
     mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
     if model is not None and train.fp8 is not None:

@@ -30,8 +30,10 @@ def writable_dir(path: str | Path, what: str) -> None:
         ) from None
 
 
-def check_inputs(train: TrainConfig, data: DataConfig) -> None:
-    """The files a run reads exist: the resume checkpoint, indexed data and its tokenizer."""
+def check_inputs(train: TrainConfig, data: DataConfig, hf_path: str | None = None) -> None:
+    """The files a run reads exist and can make its samples: the resume checkpoint, indexed data and
+    its tokenizer (``data.tokenizer``, else the one the data were made with or the ``from_hf``
+    model's ``hf_path``: filled in), each split it reads (``check_datasets``)."""
     if train.resume not in ("none", "auto") and not Path(train.resume).exists():
         raise ConfigError(f"mt3d.train.resume: checkpoint not found: {train.resume}")
     if data.corpus != "indexed":
@@ -42,23 +44,87 @@ def check_inputs(train: TrainConfig, data: DataConfig) -> None:
         for ext in (".bin", ".idx"):
             if not Path(pre + ext).is_file():
                 raise ConfigError(f"mt3d.data.prefixes: {pre + ext} not found (run 'mt3d preprocess' first)")
-    if data.tokenizer is None or not Path(data.tokenizer).is_dir():
+    if data.tokenizer is None:
+        data.tokenizer = recorded_tokenizer(data.prefixes, hf_path)
+    if not Path(data.tokenizer).is_dir():
         raise ConfigError(f"mt3d.data.tokenizer: tokenizer directory not found: {data.tokenizer}")
-    _check_packable(data)
+    check_datasets(data, evaluates=train.eval_batches > 0)
 
 
-def _check_packable(data: DataConfig) -> None:
-    """Packed datasets (``data.packing``) have documents that fit ``seq_len`` (read from the index)."""
+def recorded_tokenizer(prefixes: list[str], hf_path: str | None) -> str:
+    """The tokenizer of a run that names none: the one ``mt3d preprocess`` recorded in the prefixes'
+    ``P.meta.json`` (all the same), else the ``from_hf`` model directory's own."""
+    from ..data.preprocess import read_meta
+
+    recorded = {read_meta(pre).get("tokenizer") for pre in prefixes} - {None}
+    if len(recorded) > 1:
+        raise ConfigError(
+            f"mt3d.data.tokenizer is not set and the prefixes were made with {len(recorded)} tokenizers "
+            f"({', '.join(sorted(recorded))}): set mt3d.data.tokenizer"
+        )
+    if recorded and Path(next(iter(recorded))).is_dir():
+        return next(iter(recorded))
+    if hf_path and (Path(hf_path) / "tokenizer.json").is_file():
+        return hf_path
+    where = f"the recorded {next(iter(recorded))} is gone" if recorded else "none is recorded with the data"
+    raise ConfigError(f"mt3d.data.tokenizer is not set and {where}: set mt3d.data.tokenizer to the tokenizer "
+                      "directory the data were preprocessed with")  # fmt: skip
+
+
+SPLITS = ("train", "validation", "test")
+
+
+def check_datasets(data: DataConfig, evaluates: bool) -> None:
+    """Each split a run reads (train; validation when it evaluates) of every indexed prefix can make
+    a sample, and a dataset with loss masks supervises some token: one line naming the prefix, the
+    split and the fix, before any process group (every rank finds the same)."""
     from ..data.indexed import IndexedDataset
     from ..data.packing import all_too_long, packs
+    from ..data.samples import split_documents
 
     datasets = [IndexedDataset(pre) for pre in data.prefixes]
-    if not packs(data, datasets):
-        return
+    packed = packs(data, datasets)
     for pre, ds in zip(data.prefixes, datasets, strict=True):
-        why = all_too_long(pre, ds.doc_lengths(), data.seq_len)
-        if why:
-            raise ConfigError(f"mt3d.data.prefixes: {why.replace('data.seq_len', 'mt3d.data.seq_len')}")
+        if ds.has_mask and not supervises(pre, ds):
+            raise ConfigError(f"mt3d.data.prefixes: {pre} has no supervised token (its loss mask is all "
+                              "0), so there is nothing to train on: preprocess it again with a chat template "
+                              "that marks the replies")  # fmt: skip
+        lengths = ds.doc_lengths()
+        if packed:
+            why = all_too_long(pre, lengths, data.seq_len)
+            if why:
+                raise ConfigError(f"mt3d.data.prefixes: {why.replace('data.seq_len', 'mt3d.data.seq_len')}")
+        for i, part in enumerate(split_documents(len(ds), data.split)[: 2 if evaluates else 1]):
+            why = _split_short(lengths[part], data.seq_len, packed)
+            if why:
+                fix = "shorten mt3d.data.seq_len or add data"
+                if i == 1:
+                    fix = (f"raise mt3d.data.split[1], {fix}, or evaluate nothing "
+                           "(mt3d.train.eval_batches=0, and split [w, 0, 0])")  # fmt: skip
+                raise ConfigError(f"mt3d.data.prefixes: {pre}'s {SPLITS[i]} split (split {data.split}) "
+                                  f"{why}: {fix}")  # fmt: skip
+
+
+def _split_short(lengths, seq_len: int, packed: bool) -> str | None:
+    """Why documents of these lengths cannot make one sample (None: they can)."""
+    if lengths.size == 0:
+        return "holds no document"
+    if packed and not (lengths <= seq_len).any():
+        return f"holds {lengths.size} documents, none of at most seq_len {seq_len} tokens"
+    if not packed and int(lengths.sum()) - 1 < seq_len:
+        return f"holds {lengths.size} documents, {int(lengths.sum())} tokens: not one sample of {seq_len + 1}"
+    return None
+
+
+def supervises(prefix: str, ds, block: int = 1 << 24) -> bool:
+    """Whether a dataset's loss mask has a 1: the count ``mt3d preprocess`` recorded, else a scan
+    that stops at the first supervised token (the first block, for any real dataset)."""
+    from ..data.preprocess import read_meta
+
+    recorded = read_meta(prefix).get("supervised_tokens")
+    if isinstance(recorded, int):
+        return recorded > 0
+    return any(ds.read_mask(a, min(a + block, ds.num_tokens)).any() for a in range(0, ds.num_tokens, block))
 
 
 def check_outputs(train: TrainConfig, data: DataConfig) -> None:

@@ -375,16 +375,22 @@ def tiles_conflict(tile_len: int, zero_stage: int) -> str | None:
     return None
 
 
-def check_data(data: DataConfig) -> None:
-    """Values of the data keys (files are ``preflight``'s)."""
+def check_data(data: DataConfig, evaluates: bool = True) -> None:
+    """Values of the data keys (files are ``preflight``'s); ``evaluates``: the run reads the
+    validation split (``train.eval_batches`` > 0), which then needs a weight."""
     if data.seq_len <= 0:
         raise ConfigError(f"mt3d.data.seq_len must be positive, got {data.seq_len}")
     if data.corpus not in ("builtin", "synthetic", "indexed"):
         raise ConfigError(f"mt3d.data.corpus must be builtin, synthetic or indexed, got {data.corpus!r}")
-    if len(data.split) != 3 or min(data.split) < 0 or data.split[0] <= 0 or data.split[1] <= 0:
+    if len(data.split) != 3 or min(data.split) < 0 or data.split[0] <= 0:
         raise ConfigError(
-            f"mt3d.data.split must be 3 non-negative weights (train, valid, test) with train and valid "
-            f"> 0, got {data.split}"
+            f"mt3d.data.split must be 3 non-negative weights (train, valid, test) with train > 0, got "
+            f"{data.split}"
+        )
+    if evaluates and data.split[1] <= 0:
+        raise ConfigError(
+            f"mt3d.data.split {data.split} gives the validation split no documents but the run evaluates "
+            "(mt3d.train.eval_batches > 0): give split[1] a weight, or set mt3d.train.eval_batches=0"
         )
     if data.weights is not None and (min(data.weights, default=0) < 0 or sum(data.weights) <= 0):
         raise ConfigError(f"mt3d.data.weights must be non-negative and not all zero, got {data.weights}")

@@ -61,24 +61,25 @@ def build_data(cfg, seed: int) -> DataBundle:
     else:
         source = PackedSamples
     train = [source(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]
-    valid = [source(d, s[1], cfg.seq_len, seed + 1, index_dir) for d, s in zip(datasets, splits)]
+    # a run that evaluates nothing may give the validation split no weight (split [w, 0, 0])
+    valid = [source(d, s[1], cfg.seq_len, seed + 1, index_dir) if s[1].size else None
+             for d, s in zip(datasets, splits)]  # fmt: skip
     weights = cfg.weights or [float(t.tokens_per_epoch) for t in train]
     info.update(
         documents=[len(d) for d in datasets],
         tokens=[d.num_tokens for d in datasets],
         train_samples_per_epoch=[len(t) for t in train],
-        valid_samples_per_epoch=[len(v) for v in valid],
+        valid_samples_per_epoch=[len(v) if v is not None else 0 for v in valid],
         packed=packed,
     )
     if packed:
-        truncated = [t.truncated + v.truncated for t, v in zip(train, valid, strict=True)]
+        truncated = [t.truncated + getattr(v, "truncated", 0) for t, v in zip(train, valid, strict=True)]
         info.update(packing_efficiency=[round(t.efficiency, 4) for t in train], truncated_documents=truncated)
     if len(train) == 1:
         return DataBundle(train[0], valid[0], tokenizer, info)
     blend_dir = index_dir / "blends"
-    return DataBundle(
-        BlendedSamples(train, weights, blend_dir), BlendedSamples(valid, weights, blend_dir), tokenizer, info
-    )
+    blended_valid = BlendedSamples(valid, weights, blend_dir) if None not in valid else None
+    return DataBundle(BlendedSamples(train, weights, blend_dir), blended_valid, tokenizer, info)
 
 
 def micro_batch_ids(

@@ -43,6 +43,8 @@ class Stats:
     """Tokens marked as targets (chat and prompt/completion data)."""
     skipped_no_reply: int = 0
     """Conversations without an assistant reply (nothing to learn from), skipped."""
+    warnings: list[str] = field(default_factory=list)
+    """What the command warns of (a chat template's quirks), each once."""
 
     def summary(self) -> dict:
         """JSON-able summary with throughput."""
@@ -152,8 +154,11 @@ def read_documents(
                     text = obj[jsonl_key]
                     if not isinstance(text, str):
                         raise TypeError(f"'{jsonl_key}' is {type(text).__name__}, not a string")
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    text.encode("utf-8")  # a lone surrogate ("\ud800" unpaired) is not Unicode text
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeEncodeError) as e:
                     why = f"missing key '{jsonl_key}'" if isinstance(e, KeyError) else str(e).split(":")[0]
+                    if isinstance(e, UnicodeEncodeError):
+                        why = f"'{jsonl_key}' holds a lone surrogate {e.object[e.start]!a}: not Unicode"
                     msg = f"{path}:{lineno}: invalid jsonl line ({why})"
                     if on_bad_line == "fail":
                         raise PreprocessError(msg + "; fix it or pass --on-bad-line skip") from None
@@ -366,7 +371,14 @@ def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, tem
             raise PreprocessError(
                 f"no {fmt} records to keep in the inputs ({stats.skipped_no_reply} had no assistant reply)"
             )
+        if stats.supervised == 0:
+            raise PreprocessError(
+                f"none of the {stats.documents} {fmt} records has a supervised token, so there is nothing "
+                "to train on: the chat template marks no reply"
+            )
         writer.close()
+        if renderer is not None:
+            stats.warnings.extend(renderer.notes.values())
     except BaseException:
         writer.abort()
         raise
