@@ -137,9 +137,11 @@ class DataConfig:
     weights: list[float] | None = None
     """Blend weights of ``prefixes`` (default: proportional to their sizes)."""
     tokenizer: str | None = None
-    """HF tokenizer directory (required for 'indexed'; builtin/synthetic make their own)."""
+    """HF tokenizer directory. For 'indexed' data, default: the one ``mt3d preprocess`` recorded in the
+    prefixes' ``P.meta.json``, else the ``from_hf`` model's; builtin/synthetic make their own."""
     split: list[float] = field(default_factory=lambda: [98.0, 1.0, 1.0])
-    """Train/valid/test split of the documents, as relative weights."""
+    """Train/valid/test split of the documents, as relative weights (valid may be 0 in a run that
+    evaluates nothing: ``train.eval_batches`` 0)."""
     vocab_size: int = 2048
     """Vocabulary of the tokenizer trained for the builtin corpus."""
     cache_dir: str | None = None
