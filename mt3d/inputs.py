@@ -214,3 +214,31 @@ def fail(prog: str, message: str) -> int:
     """Print ``prog: error: message`` as one line on stderr; returns the bad-input exit code."""
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def cached_digest(path: str | Path, cache_dir: str | Path) -> str:
+    """sha256 of a whole file, read once per version of it: the digest is kept in ``cache_dir`` under
+    the file's resolved path, size, inode and modification time, so a file changed in place (any
+    byte) is hashed again, and the processes of one host hash a shared file once between them (the
+    first holds a lock while it hashes; the others then read its digest)."""
+    import fcntl
+    import hashlib
+
+    p = Path(path).resolve()
+    st = p.stat()
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    store = Path(cache_dir) / "digests"
+    store.mkdir(parents=True, exist_ok=True)
+    entry = store / key
+    with open(store / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if entry.is_file():
+            return entry.read_text().strip()
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(h.hexdigest())
+        os.replace(tmp, entry)
+        return h.hexdigest()

@@ -171,6 +171,54 @@ def test_adapters_are_refused_on_another_base(lora_runs, hf_dirs, tmp_path):
         check_lora(step, {"lora": lora}, None)
 
 
+def test_the_base_fingerprint_covers_every_byte_and_old_checkpoints_still_match(tmp_path, monkeypatch):
+    """4 KiB changed in the middle of a 6 MiB weights file (size kept) is another base; the digest is
+    cached by the file's version (the second fingerprint reads nothing); a fingerprint recorded before
+    (first and last MiB sampled) still names the same base, and misses that change, as it did."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from mt3d.checkpoint.resume import check_lora
+    from mt3d.errors import UserError
+    from mt3d.model import peft as peft_io
+
+    monkeypatch.setenv("MT3D_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"w": torch.randn(1536, 1024)}, base / "model.safetensors")
+    fp = peft_io.fingerprint(base)
+    legacy = peft_io.sampled_fingerprint(base)
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k))
+    assert peft_io.fingerprint(base) == fp and not any(f.endswith(".safetensors") for f in opened)
+    monkeypatch.undo()
+    monkeypatch.setenv("MT3D_CACHE", str(tmp_path / "cache"))
+    f = base / "model.safetensors"
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        fh.seek(st.st_size // 2)
+        fh.write(os.urandom(4096))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert f.stat().st_size == st.st_size
+    assert peft_io.fingerprint(base) != fp and fp.startswith(peft_io.FULL)
+    assert peft_io.same_base(legacy, base)  # the old sampling missed the change
+    assert not peft_io.same_base(fp, base)
+    lora = {"r": 4, "alpha": 8.0, "rslora": False, "target_modules": ["q_proj"], "base": str(base)}
+    check_lora(
+        tmp_path,
+        {"lora": {**lora, "fingerprint": legacy}},
+        {**lora, "fingerprint": peft_io.fingerprint(base)},
+    )
+    with pytest.raises(UserError, match="trained on another base"):
+        check_lora(
+            tmp_path,
+            {"lora": {**lora, "fingerprint": fp}},
+            {**lora, "fingerprint": peft_io.fingerprint(base)},
+        )
+
+
 def mt3d_cli(*args):
     return subprocess.run([sys.executable, "-m", "mt3d", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)  # fmt: skip
@@ -295,6 +343,31 @@ def test_trainable_counts_equal_peft(hf_dirs, name, targets):
         ("qwen2_moe", {"r": 4, "target_modules": r".*experts\.0\.up_proj"}, 1, "routed expert"),
         ("llama", {"from_adapter": "GPT2"}, 1, "adapter was made for another base"),
         ("llama", {"r": 8, "from_adapter": "LLAMA"}, 1, "r=8 differs from the adapter's 4"),
+        (
+            "llama",
+            {"r": 4, "alpha": float("nan"), "target_modules": ["q_proj"]},
+            1,
+            "alpha must be a positive finite number, got nan",
+        ),
+        (
+            "llama",
+            {"r": 4, "alpha": float("inf"), "target_modules": ["q_proj"]},
+            1,
+            "alpha must be a positive finite number, got inf",
+        ),
+        (
+            "llama",
+            {"r": 10**9, "target_modules": "all-linear"},
+            1,
+            "r 1000000000 is above min(in, out) = 32 of the smallest adapted linear",
+        ),
+        ("llama", {"from_adapter": "LLAMA lora_alpha=nan"}, 1, "alpha must be a positive finite number"),
+        (
+            "llama",
+            {"from_adapter": "LLAMA r=8"},
+            1,
+            "its rank is 4 but its adapter_config.json says r 8: the adapter's config does not match",
+        ),
     ],
 )
 def test_bad_lora_input_is_one_line_before_any_weight(hf_dirs, tmp_path, name, lora, zero, match, capsys,
@@ -304,8 +377,14 @@ def test_bad_lora_input_is_one_line_before_any_weight(hf_dirs, tmp_path, name, l
     from mt3d.train import main
 
     if "from_adapter" in lora:
-        src = {"GPT2": ("gpt2", ["c_attn"]), "LLAMA": ("llama", ["q_proj"])}[lora["from_adapter"]]
+        which, *edit = lora["from_adapter"].split()
+        src = {"GPT2": ("gpt2", ["c_attn"]), "LLAMA": ("llama", ["q_proj"])}[which]
         peft_adapter(hf_dirs[src[0]], tmp_path / "adapter", src[1])
+        if edit:  # a config that says otherwise than the adapter's tensors, or a NaN alpha
+            key, value = edit[0].split("=")
+            cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+            cfg[key] = json.loads(value) if value != "nan" else float("nan")
+            (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(cfg))
         if src[0] == "gpt2":  # the same module names as Llama's, shapes of another model
             cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
             cfg["target_modules"] = ["q_proj"]

@@ -16,7 +16,7 @@ import torch
 
 from ..config.schema import LoraConfig
 from ..model.lora import LoraError, Target, resolve
-from ..model.peft import fingerprint, read_adapter, read_config, settings, write_adapter
+from ..model.peft import check_rank, read_adapter, read_config, same_base, settings, write_adapter
 from ..model.sharding import from_shards, layout_of, to_shard
 from ..parallel.lora import LoraSpec
 
@@ -73,6 +73,7 @@ def from_peft(adapter_dir: str | Path, cfg, vocab: int) -> AdapterSet:
     config = read_config(adapter_dir)
     spec, target_modules = settings(LoraConfig(from_adapter=str(adapter_dir)), config, "--adapter")
     targets = resolve(cfg, vocab, target_modules)
+    check_rank(spec.r, targets, f"{adapter_dir}: r")
     return AdapterSet(spec, targets, read_adapter(adapter_dir, targets, spec), target_modules)
 
 
@@ -86,7 +87,7 @@ def checked_base(reader) -> Path:
     if not Path(base).is_dir():
         raise LoraError(f"{reader.dir}: its base model {base} is missing: LoRA checkpoints hold the adapters "
                         "only, the base is read from there")  # fmt: skip
-    if fingerprint(base) != saved.get("fingerprint"):
+    if not same_base(saved.get("fingerprint"), base):
         raise LoraError(f"{reader.dir}: the base model at {base} is not the one its adapters were trained on "
                         "(fingerprint changed)")  # fmt: skip
     return Path(base)

@@ -21,6 +21,7 @@ from ..config.rules import uses_pipeline_engine
 from ..ds.optim_states import accept_adam_states_across_implementations
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
+from ..model.peft import FULL, same_base
 from ..parallel.axes import NAMES, deepspeed_sizes
 from .manager import SUPERSEDED, checkpoints_dir, complete_checkpoints, has_frozen
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_everywhere
@@ -217,7 +218,10 @@ def check_lora(path: Path, meta: dict, lora: dict | None) -> None:
                 f"{path} holds adapters with {key}={saved.get(key)!r}, this run asks "
                 f"for {lora.get(key)!r}: use the checkpoint's mt3d.lora, or a new save_dir"
             )
-    if saved.get("fingerprint") != lora.get("fingerprint"):
+    same = saved.get("fingerprint") == lora.get("fingerprint")
+    if not same and lora.get("base") and not str(saved.get("fingerprint")).startswith(FULL):
+        same = same_base(saved.get("fingerprint"), lora["base"])  # recorded before whole-file fingerprints
+    if not same:
         raise CheckpointError(
             f"{path} holds adapters trained on another base (fingerprint of "
             f"{saved.get('base')} differs from {lora.get('base')}'s): use that base"

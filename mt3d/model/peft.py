@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -26,16 +27,30 @@ PREFIX = "base_model.model."
 DEFAULTS = {"r": 8, "dropout": 0.0, "rslora": False}
 
 
+FULL = "sha256:"
+"""The prefix of a fingerprint over whole files (``fingerprint``); one without it is the sampled
+fingerprint checkpoints recorded before (``sampled_fingerprint``)."""
+
+
 def fingerprint(hf_dir: str | Path) -> str:
-    """A cheap identity of an HF model's weights: sha256 over each safetensors file's name, size,
-    header (every tensor's name, dtype, shape and offsets) and first and last MiB of data. Reading
-    whole files of a 70B model would take minutes; a different checkpoint of the same shapes differs
-    in its first and last bytes."""
+    """The identity of an HF model's weights: sha256 over each safetensors file's name and the sha256
+    of its whole content, so any byte changed anywhere is another base. Each file is read once per
+    version (``inputs.cached_digest``: cached by path, size, inode and mtime; the ranks of a host
+    share the work): a 70B base costs a minute or so the first time, nothing after."""
+    from ..data.corpora import cache_root
+    from ..inputs import cached_digest
+
     h = hashlib.sha256()
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise LoraError(f"{hf_dir}: no *.safetensors files to fingerprint the base model by")
-    for f in files:
+    for f in _weight_files(hf_dir):
+        h.update(f"{f.name}:{cached_digest(f, cache_root())}|".encode())
+    return FULL + h.hexdigest()
+
+
+def sampled_fingerprint(hf_dir: str | Path) -> str:
+    """The fingerprint of checkpoints made before ``FULL``: sha256 over each safetensors file's name,
+    size, header and first and last MiB of data (a change in between went unseen)."""
+    h = hashlib.sha256()
+    for f in _weight_files(hf_dir):
         size = f.stat().st_size
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
@@ -45,6 +60,20 @@ def fingerprint(hf_dir: str | Path) -> str:
             tail = fh.read()
         h.update(f"{f.name}:{size}:".encode() + header + head + tail)
     return h.hexdigest()
+
+
+def same_base(recorded: str | None, hf_dir: str | Path) -> bool:
+    """Whether ``hf_dir`` holds the weights a checkpoint recorded the ``fingerprint`` of (either kind)."""
+    if not recorded:
+        return False
+    return recorded == (fingerprint(hf_dir) if recorded.startswith(FULL) else sampled_fingerprint(hf_dir))
+
+
+def _weight_files(hf_dir: str | Path) -> list[Path]:
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise LoraError(f"{hf_dir}: no *.safetensors files to fingerprint the base model by")
+    return files
 
 
 def read_config(adapter_dir: str | Path) -> dict:
@@ -88,10 +117,10 @@ def settings(lora, adapter: dict | None, where: str = "mt3d.lora") -> tuple[Lora
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise LoraError(f"{where}.r must be a positive integer, got {r!r}")
     alpha = r if mine["alpha"] is None else mine["alpha"]
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
-        raise LoraError(f"{where}.alpha must be a positive number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
+        raise LoraError(f"{where}.alpha must be a positive finite number, got {alpha!r}")
     dropout = DEFAULTS["dropout"] if mine["dropout"] is None else mine["dropout"]
-    if not 0 <= dropout < 1:
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise LoraError(f"{where}.dropout must be in [0, 1), got {dropout!r}")
     targets = mine["target_modules"]
     if targets is None:
@@ -100,6 +129,16 @@ def settings(lora, adapter: dict | None, where: str = "mt3d.lora") -> tuple[Lora
     if isinstance(targets, list) and not all(isinstance(t, str) for t in targets):
         raise LoraError(f"{where}.target_modules must be a list of module names or a string, got {targets!r}")
     return LoraSpec(r, float(alpha), float(dropout), bool(mine["rslora"] or False)), targets
+
+
+def _shape_cause(got, want: tuple[int, int], which: str, r: int) -> str:
+    """Why an adapter tensor has another shape: a rank other than its own config's ``r`` (the base's
+    dimension matches), or another base model."""
+    rank_dim = 0 if which == "A" else 1
+    if len(got) == 2 and got[1 - rank_dim] == want[1 - rank_dim] and got[rank_dim] != r:
+        return (f"its rank is {got[rank_dim]} but its {CONFIG} says r {r}: the adapter's config does not "
+                "match its own weights (fix r there)")  # fmt: skip
+    return "the adapter was made for another base model"
 
 
 def _same_set(a, b) -> bool:
@@ -129,7 +168,7 @@ def read_adapter(adapter_dir: str | Path, targets: list[Target], spec: LoraSpec)
             v = tensors[key]
             if tuple(v.shape) != shape:
                 raise LoraError(f"{d}: {key} has shape {tuple(v.shape)}, this base needs {shape}: "
-                                "the adapter was made for another base model")  # fmt: skip
+                                + _shape_cause(v.shape, shape, which, spec.r))  # fmt: skip
             if not v.is_floating_point() or not torch.isfinite(v).all():
                 raise LoraError(f"{d}: {key} holds non-finite or non-float values")
             out[name] = v.float()
@@ -192,4 +231,17 @@ def plan(lora, cfg, vocab: int) -> tuple[LoraSpec, list[Target]]:
     weight (the adapter's config read, its tensors not yet)."""
     adapter = read_config(lora.from_adapter) if lora.from_adapter else None
     spec, target_modules = settings(lora, adapter)
-    return spec, resolve(cfg, vocab, target_modules)
+    targets = resolve(cfg, vocab, target_modules)
+    check_rank(spec.r, targets, "mt3d.lora.r")
+    return spec, targets
+
+
+def check_rank(r: int, targets: list[Target], where: str) -> None:
+    """Refuse a rank above min(in, out) of the smallest adapted linear before any adapter is made:
+    its update's rank cannot exceed that, and a mistyped r (1e9) would allocate until memory ends."""
+    small = min(targets, key=lambda t: min(t.in_features, t.out_features))
+    most = min(small.in_features, small.out_features)
+    if r > most:
+        shape = f"{small.hf}: {small.in_features} -> {small.out_features}"
+        raise LoraError(f"{where} {r} is above min(in, out) = {most} of the smallest adapted linear "
+                        f"({shape}): use r <= {most}")  # fmt: skip
