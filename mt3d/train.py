@@ -93,6 +93,11 @@ def run(args: argparse.Namespace, prog: str = "mt3d train") -> int:
     except UserError as e:  # ConfigError, and any other bad input found before process groups exist
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from .inputs import env_int
+
+    if env_int("RANK", 0) == 0:  # once per run
+        for note in layout.notes:
+            print(f"{prog}: warning: {note}", file=sys.stderr)
     if args.check:
         print(
             f"config OK: {layout.headline()}, global batch {layout.global_batch} = micro "

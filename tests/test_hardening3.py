@@ -142,3 +142,26 @@ def test_a_run_naming_no_tokenizer_and_no_validation_split_trains(corpus, tmp_pa
     rc, records = spawn(train_rc_worker, 1, raw, timeout=240)[0]
     assert rc == 0 and [r["step"] for r in records if "loss" in r] == [1, 2], records
     assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records if "loss" in r)
+
+
+@pytest.mark.parametrize(
+    "case,fp8,layers,rc,expect",
+    [
+        ("all_gather without SP", {"all_gather": True}, 4, 0,
+         "warning: mt3d.train.fp8.all_gather does nothing here"),
+        ("exclude_first_last over 2 blocks", {"exclude_first_last": True}, 2, 2,
+         "error: mt3d.train.fp8 covers no linear: exclude_first_last keeps the first and last block"),
+    ],
+)  # fmt: skip
+def test_fp8_settings_that_do_nothing_are_said(tmp_path, monkeypatch, case, fp8, layers, rc, expect):
+    from helpers import TINY_LLAMA, tiny_config
+
+    raw = tiny_config(
+        tmp_path / "run", model={**TINY_LLAMA, "layers": layers}, tp=2, fp8={"recipe": "tensorwise", **fp8}
+    )
+    raw["bf16"] = {"enabled": True}
+    (tmp_path / "run.json").write_text(json.dumps(raw))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    got, _, err = cli("train", "--config", tmp_path / "run.json", "--check")
+    lines = err.strip().splitlines()
+    assert got == rc and len(lines) == 1 and expect in lines[0], err

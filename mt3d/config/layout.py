@@ -33,6 +33,8 @@ class Layout:
     decay_free: bool = False
     """The optimizer's weight decay is 0 (``DeepSpeedSection.decay_free``): under expert parallelism with
     ZeRO the dense weights then take one optimizer group, the experts one (``PARAM_GROUPS``)."""
+    notes: tuple[str, ...] = ()
+    """Warnings about the config: settings that do nothing in this layout (``mt3d train`` prints them)."""
 
     def __getattr__(self, name: str) -> int:
         degrees = self.__dict__.get("degrees")
@@ -220,7 +222,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         preflight.check_device(ds.precision, fp8=train.fp8 is not None)
     mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
     if model is not None and train.fp8 is not None:
-        why = rules.fp8_shape_conflict(model, degrees["tp"], mb * data.seq_len // degrees["cp"])
+        why = rules.fp8_cover_conflict(train.fp8, model.layers) or rules.fp8_shape_conflict(
+            model, degrees["tp"], mb * data.seq_len // degrees["cp"]
+        )
         if why:
             raise ConfigError(why)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
@@ -239,5 +243,6 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         blocks = tuple(
             par.stage_layers or default_stage_blocks(model.layers, degrees["pp"] * par.virtual_stages)
         )
+    notes = tuple(rules.fp8_notes(train.fp8, par.sequence_parallel, degrees["tp"]))
     return Layout(world_size, degrees, mb, ga, gb, stage, par.virtual_stages, blocks, ds.offload.label,
-                  ds.precision, ds.decay_free)  # fmt: skip
+                  ds.precision, ds.decay_free, notes)  # fmt: skip

@@ -234,6 +234,24 @@ def fp8_conflict(fp8, precision: str) -> str | None:
     return None
 
 
+def fp8_cover_conflict(fp8, layers: int) -> str | None:
+    """Why ``mt3d.train.fp8`` would run no GEMM in FP8 (None: some block's linears take it)."""
+    if fp8 is not None and fp8.exclude_first_last and layers <= 2:
+        return (f"mt3d.train.fp8 covers no linear: exclude_first_last keeps the first and last block in bf16 "
+                f"and the model has {layers}; drop exclude_first_last or mt3d.train.fp8")  # fmt: skip
+    return None
+
+
+def fp8_notes(fp8, sequence_parallel: bool, tp: int) -> list[str]:
+    """What an FP8 setting does not do in this layout (warnings, not errors)."""
+    if fp8 is not None and fp8.all_gather and not (sequence_parallel and tp > 1):
+        return [
+            "mt3d.train.fp8.all_gather does nothing here: it casts the sequence-parallel all-gather's "
+            "inputs, and this run has no sequence parallelism (parallel.sequence_parallel with tensor > 1)"
+        ]
+    return []
+
+
 def fp8_shape_conflict(model, tp: int, tokens: int) -> str | None:
     """Why the blocks' FP8 GEMMs cannot run at tensor parallelism ``tp`` with ``tokens`` rows per
     micro-batch and rank (micro-batch x seq_len / cp): every GEMM dimension must be a multiple of 16."""

@@ -71,10 +71,12 @@ class Fp8Config:
     torchao's float8 training recipes, with current (dynamic) scaling."""
     all_gather: bool = False
     """With sequence parallelism, cast each column-parallel input's sequence shard to FP8 before the
-    forward all-gather (half its bytes; tensorwise all-reduces one amax first)."""
+    forward all-gather (half its bytes; tensorwise all-reduces one amax first). Without sequence
+    parallelism it does nothing, and ``mt3d train`` says so."""
     exclude_first_last: bool = False
     """Keep the first and the last transformer block in bf16 (their inputs and outputs are the most
-    sensitive to rounding; a common choice for long runs)."""
+    sensitive to rounding; a common choice for long runs). A model of 2 blocks or fewer would then
+    have no FP8 linear: refused."""
 
 
 @dataclass
