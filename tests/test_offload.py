@@ -171,6 +171,27 @@ def test_zero1_cpu_optimizer_offload_at_pp2(tmp_path, precision):
             close(losses(spawn(train_worker, 2, config(saved + now, now, resume=resume))[0]), ref[2:], 1e-5)
 
 
+def test_a_cpu_offloaded_zero2_checkpoint_reshards_into_a_run_without_offload(tmp_path):
+    """ZeRO-2 with DeepSpeedCPUAdam (int steps) at dp 2, resumed at dp 1 without offload through the
+    universal conversion: torch's Adam steps (``optim_states.steps_as_their_optimizer_keeps_them``;
+    without it, "state_steps argument must contain a list of singleton tensors" at the first step)
+    and continues the run within 1e-5."""
+    model = {"preset": "tiny", "hidden": 64, "layers": 2, "heads": 4, "max_seq_len": 32}
+
+    def config(d, offload, **kw):
+        raw = tiny_config(tmp_path / d, model=model, zero=2, steps=4, save_interval=2, **kw)
+        from mt3d.config import Offload
+
+        raw["zero_optimization"].update(Offload.from_label(offload, None).ds_keys())
+        return raw
+
+    ref = losses(spawn(train_worker, 2, config("a", "opt-cpu"))[0])
+    resume = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    rc, records = spawn(train_rc_worker, 1, config("b", "none", resume=resume))[0]
+    assert rc == 0
+    close(losses(records), ref[2:], 1e-5)
+
+
 def test_cpu_adam_takes_torch_adamw_state_only_through_the_workaround():
     """Upstream watch for resume.optimizer_state_across_implementations: DeepSpeedCPUAdam cannot step
     after loading torch AdamW's state (KeyError 'bias_correction'); with the hook it continues

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from ..config import Layout, offload_resume_conflict, optimizer_device
 from ..config.layout import PARAM_GROUPS
 from ..config.rules import uses_pipeline_engine
-from ..ds.optim_states import accept_adam_states_across_implementations
+from ..ds.optim_states import accept_adam_states_across_implementations, steps_as_their_optimizer_keeps_them
 from ..errors import UserError
 from ..model.config import BLOCK_OPTIONS, ModelConfig
 from ..model.peft import FULL, same_base
@@ -382,6 +382,8 @@ def restore(engine, plan: ResumePlan, load_dir: Path, tag: str, rt, same_layout:
         )
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
+    if not same_layout:
+        steps_as_their_optimizer_keeps_them(engine)
     from ..ds.nvme import finish_nvme_resume
 
     finish_nvme_resume(engine, Path(load_dir), tag)
