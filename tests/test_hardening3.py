@@ -165,3 +165,18 @@ def test_fp8_settings_that_do_nothing_are_said(tmp_path, monkeypatch, case, fp8,
     got, _, err = cli("train", "--config", tmp_path / "run.json", "--check")
     lines = err.strip().splitlines()
     assert got == rc and len(lines) == 1 and expect in lines[0], err
+
+
+def test_plan_with_a_context_degree_the_sequence_cannot_take_is_the_whole_reason_and_exit_2():
+    rc, _, err = cli("plan", "--model", "llama-1b", "--gpus", "6", "--context", "3", "--seq-len", "4096")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert (
+        "--context 3 --seq-len 4096: context parallelism needs seq_len 4096 divisible by 2 x cp = 6"
+        in lines[0]
+    )
+    # one usable degree among those pinned: a plan, whose rejections keep the rule's numbers
+    rc, out, err = cli("plan", "--model", "llama-1b", "--gpus", "6", "--context", "2,3", "--seq-len", "4096",
+                       "--json")  # fmt: skip
+    rejected = {r["reason"] for r in json.loads(out)["rejected"] if r.get("cp") == 3}
+    assert rc == 0 and "context parallelism needs seq_len 4096 divisible by 2 x cp = 6" in rejected, rejected

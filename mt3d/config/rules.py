@@ -438,7 +438,7 @@ def context_sequence_conflict(cp: int, tp: int, seq_len: int, sequence_parallel:
     """Why a sequence cannot be cut into this rank's chunks (and SP shards) (None: it can)."""
     if cp > 1 and seq_len % (2 * cp):
         return (
-            f"context parallelism needs seq_len ({seq_len}) divisible by 2 x cp = {2 * cp} (rank i holds "
+            f"context parallelism needs seq_len {seq_len} divisible by 2 x cp = {2 * cp} (rank i holds "
             f"chunks i and {2 * cp - 1}-i of every sample)"
         )
     if cp > 1 and sequence_parallel and tp > 1 and (seq_len // cp) % tp:

@@ -134,10 +134,12 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
     named = [flag for flag, on in other.items() if on]
     if named and not args.other_stack:
         raise UserError(f"{named[0]} states another stack's choice (mt3d does not run it): add --other-stack")
+    seq_len = given(args.seq_len, defaults.get("seq_len") or cfg.max_seq_len)
+    _check_context(args.context, seq_len)
     return dict(
         cluster=Cluster(args.gpus, args.gpus_per_node, get_device(args.gpu, **overrides)),
         global_batch=given(args.global_batch, defaults.get("global_batch") or 512),
-        seq_len=given(args.seq_len, defaults.get("seq_len") or cfg.max_seq_len),
+        seq_len=seq_len,
         vocab=given(args.vocab, cfg.vocab_size or defaults.get("vocab")),
         precision=args.precision,
         efficiency=args.efficiency,
@@ -163,6 +165,15 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.lora,
         ),  # fmt: skip
     )
+
+
+def _check_context(context: tuple[int, ...] | None, seq_len: int) -> None:
+    """Pinned ``--context`` degrees that no layout can use at this sequence length are bad input."""
+    from ..config.rules import context_sequence_conflict
+
+    why = [context_sequence_conflict(cp, 1, seq_len, False) for cp in context or ()]
+    if why and all(why):
+        raise UserError(f"--context {','.join(map(str, context))} --seq-len {seq_len}: {why[0]}")
 
 
 def planned_overlap(given: tuple[str, ...], other_stack: bool) -> tuple[str, ...]:
