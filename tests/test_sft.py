@@ -414,6 +414,7 @@ BAD = {
                                      "no chat records to keep in the inputs (1 had no assistant reply)"),
     "tokenizer without a chat template": ("chat", OK, "plain", "has no chat template"),
     "tokenizer asking for its own code": ("chat", OK, "custom", "asks for custom tokenizer code"),
+    "invalid UTF-8": ("chat", OK, "tok", "in.jsonl:1: not UTF-8 text (byte 0xff at column 45)"),
     "a message that is a string": ("chat", {"messages": ["hi", OK["messages"][1]]}, "tok",
                                    'message 0 is a str, not an object {"role": ..., "content": ...}'),
     "a lone surrogate": ("chat", {"messages": [{"role": "user", "content": "a \ud800"}, OK["messages"][1]]},
@@ -444,6 +445,8 @@ def test_bad_fine_tuning_data_is_one_line_and_exit_2(sft, tmp_path, case):
         config["auto_map"] = {"AutoTokenizer": ["tok.MyTokenizer", None]}
         (base / "custom" / "tokenizer_config.json").write_text(json.dumps(config))
     write_jsonl(tmp_path / "in.jsonl", [record])
+    if case == "invalid UTF-8":
+        (tmp_path / "in.jsonl").write_bytes((tmp_path / "in.jsonl").read_bytes().replace(b"hi", b"h\xff"))
     argv = ["--input", tmp_path / "in.jsonl", "--format", fmt, "--tokenizer", base / tok]
     if template:
         (tmp_path / "t.jinja").write_text(template[0])

@@ -278,7 +278,8 @@ def preprocess(
     stats = Stats()
     t0 = time.perf_counter()
     if fmt != "text":
-        _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats)
+        _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats,
+                        on_bad_bytes)  # fmt: skip
         stats.seconds = time.perf_counter() - t0
         write_meta(output_prefix, fmt, tokenizer_dir, stats)
         return stats
@@ -332,7 +333,8 @@ def read_meta(prefix: str | Path) -> dict:
     return read_json(f, "dataset metadata") if f.is_file() else {}
 
 
-def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats) -> None:
+def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats,
+                    on_bad_bytes: str = "fail") -> None:  # fmt: skip
     """Chat or prompt/completion jsonl into ``output_prefix``.bin/.idx/.mask (``mt3d.data.sft``)."""
     from .sft import (
         FORMATS,
@@ -358,7 +360,7 @@ def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, tem
     try:
         for path in paths:
             stats.bytes_in += path.stat().st_size
-            for rec in records(path, fmt, stats):
+            for rec in records(path, fmt, stats, on_bad_bytes):
                 if renderer is not None:
                     ids, mask = conversation(tok, renderer, rec["messages"], rec["where"])
                 else:

@@ -255,15 +255,27 @@ def prompt_completion(tok, prompt: str, completion: str) -> tuple[list, list]:
     return p + c, mask
 
 
-def records(path: Path, fmt: str, stats) -> Iterator[dict]:
+def records(path: Path, fmt: str, stats, on_bad_bytes: str = "fail") -> Iterator[dict]:
     """The checked records of one jsonl file: ``messages`` (chat) or ``prompt`` and ``completion``;
     anything else is one line naming the file and line. Conversations without an assistant reply are
-    skipped and counted (``stats.skipped_no_reply``)."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    skipped and counted (``stats.skipped_no_reply``). Invalid UTF-8 is refused by line, or with
+    ``on_bad_bytes`` "replace" becomes U+FFFD and is counted (``stats.replaced_bytes``)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}: "
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if on_bad_bytes != "replace":
+                    at = f"byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                    raise SFTDataError(f"{where}not UTF-8 text ({at}): fix the file or pass --on-bad-bytes "
+                                       "replace") from None  # fmt: skip
+                line = raw.decode("utf-8", errors="replace")
+                stats.replaced_bytes[str(path)] = stats.replaced_bytes.get(str(path), 0) + line.count(
+                    "\ufffd"
+                )
             if not line.strip():
                 continue
-            where = f"{path}:{n}: "
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
