@@ -212,6 +212,34 @@ def test_vocab_parallel_cross_entropy(runs):
             close(got["dlogits"], last_shard(want_grad, rk, n), dt, "dlogits")
 
 
+def test_whole_vocabulary_cross_entropy_of_bf16_logits_is_fp32_and_keeps_no_fp32_copy():
+    """tp 1 with bf16 logits: the loss is fp32 cross entropy of the upcast logits (padded columns and
+    ignored targets excluded), the gradient theirs rounded to bf16, and what autograd keeps for
+    the backward is the bf16 logits and one fp32 value per token (the fp32 logits were kept before)."""
+    tp = AxisGroup.alone("tp")
+    g = torch.Generator().manual_seed(0)
+    real, padded = 40, 48
+    logits = (torch.randn(2, 16, padded, generator=g) * 4).bfloat16()
+    logits[..., real:] = 60.0
+    target = torch.randint(0, real, (2, 16), generator=g)
+    target[0, :5] = IGNORE_INDEX
+    weight = torch.rand(2, 16, generator=g)
+    x = logits.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(x, target, tp, real)
+    (loss * weight).sum().backward()
+    ref = logits[..., :real].float().requires_grad_()
+    want = F.cross_entropy(ref.transpose(1, 2), target, reduction="none", ignore_index=IGNORE_INDEX)
+    (want * weight).sum().backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    grad = torch.cat([ref.grad, torch.zeros(2, 16, padded - real)], dim=-1).bfloat16()
+    torch.testing.assert_close(x.grad, grad, rtol=8e-3, atol=1e-7)  # one bf16 rounding apart at most
+    assert x.grad.dtype == torch.bfloat16 and torch.all(x.grad[..., real:] == 0)
+    assert max(t.numel() * t.element_size() for t in saved) == logits.numel() * 2
+
+
 def test_cross_entropy_is_stable_for_huge_logits():
     tp = AxisGroup.alone("tp")
     logits = torch.tensor([[[1e4, 0.0, -1e4]]], requires_grad=True)

@@ -152,5 +152,14 @@ class StepBatches:
             from ..parallel.context import split_sequence
 
             x, y = split_sequence(x, self.cp), split_sequence(y, self.cp)
-        x, y = x.to(self.device), y.to(self.device)
-        return ((x, docs.to(self.device)) if docs is not None else x), y
+        x, y = _to(x, self.device), _to(y, self.device)
+        return ((x, _to(docs, self.device)) if docs is not None else x), y
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU through pinned memory without blocking: a copy from pageable
+    memory waits for the stream, so the host would sit idle until the last step's work is done
+    instead of queueing the next micro-batch's."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

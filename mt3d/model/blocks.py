@@ -318,18 +318,22 @@ class PositionsAndDropout(nn.Module):
         if self.pos is not None:
             s = x.shape[1]
             tp = self.ctx.tp.size if self.ctx.sp else 1
-            if documents is not None:  # positions restart at every document
-                pos = self.ctx.document_positions(documents, s * tp)
+            # Bounds from Python ints (reading positions back would stop the host every micro-batch):
+            # documents and context-parallel chunks place tokens below the whole sequence's length.
+            last = offset + s * tp * self.ctx.cp_size - 1
+            if last >= self.pos.shape[0]:
+                raise ValueError(f"sequence of {last + 1} tokens exceeds max_seq_len {self.pos.shape[0]}")
+            if self.ctx.cp_size == 1 and documents is None:  # contiguous: a slice of the table
+                start = offset + (self.ctx.tp.rank * s if tp > 1 else 0)
+                x = x + self.pos[start : start + s]
             else:
-                pos = self.ctx.positions(s * tp, offset, x.device)
-            if tp > 1:  # this rank's sequence shard of its tokens
-                pos = pos[..., self.ctx.tp.rank * s : (self.ctx.tp.rank + 1) * s]
-            if int(pos.max()) >= self.pos.shape[0]:
-                raise ValueError(
-                    f"sequence of {int(pos.max()) + 1} tokens exceeds max_seq_len {self.pos.shape[0]}"
-                )
-            gather = self.ctx.cp_size > 1 or documents is not None
-            x = x + (self.pos[pos] if gather else self.pos[int(pos[0]) : int(pos[0]) + s])
+                if documents is not None:  # positions restart at every document
+                    pos = self.ctx.document_positions(documents, s * tp)
+                else:
+                    pos = self.ctx.positions(s * tp, offset, x.device)
+                if tp > 1:  # this rank's sequence shard of its tokens
+                    pos = pos[..., self.ctx.tp.rank * s : (self.ctx.tp.rank + 1) * s]
+                x = x + self.pos[pos]
         if self.training and self.p > 0:
             with self.ctx.tp_region_rng() if self.ctx.sp else contextlib.nullcontext():
                 x = F.dropout(x, self.p, True)
