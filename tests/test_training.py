@@ -1,5 +1,6 @@
 """Training features: sequence parallelism, recompute, ZeRO-2/3, precisions, launchers, outputs."""
 
+import copy
 import json
 import os
 import struct
@@ -19,7 +20,7 @@ from mt3d.model.pipeline import LossFn, StackedModel, default_stage_blocks, laye
 from mt3d.parallel.spawn import free_port, spawn
 from mt3d.parallel.state import AxisGroup
 
-from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_worker
+from helpers import TINY_GPT, TINY_LLAMA, step_records, tiny_config, train_rc_worker, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -648,3 +649,37 @@ def test_the_last_stage_releases_its_logits_once_the_loss_holds_them(virtual_sta
         assert first["held"] == [] and last["held"] == [held] * 8, (first, last)
         assert all(r["restored"] and r["evaluating"] for r in ranks)
     assert all([r["losses"] for r in run] == [r["losses"] for r in runs[0]] for run in runs)
+
+
+def alone_worker(raw, lean):
+    """Rank 0's step records of ``raw`` at one data rank, with mt3d's reduction skip or DeepSpeed's own
+    reduction (``lean`` False), and how many times DeepSpeed asked for a bucket's reduction."""
+    import mt3d.ds.engine as door
+
+    calls = []
+    if lean:
+        door._no_reduction = lambda *a, **k: calls.append(1)
+    else:
+        door.alone_in_zero = lambda *a, **k: False
+    rc, records = train_rc_worker(raw)
+    assert rc == 0
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(records or [])], len(calls)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_one_data_rank_skips_deepspeeds_reduction_with_the_same_step(tmp_path, pp):
+    """ZeRO-1 at dp 1 (the regular engine, and the pipeline engine at pp 2): DeepSpeed still asks to
+    reduce each bucket of gradients (the upstream watch: ``mt3d.ds.engine.skip_reduction`` makes that
+    call a no-op), and the run's losses and gradient norms are bit for bit DeepSpeed's own."""
+    from mt3d.ds.engine import alone_in_zero, deepspeed_config
+
+    raw = tiny_config(tmp_path / "a", pp=pp, steps=3)
+    run = from_dict(copy.deepcopy(raw))
+    layout = validate(run, pp, resolve_model(run.mt3d.model))
+    assert alone_in_zero(layout)
+    config = deepspeed_config(run.deepspeed, layout, sequence_parallel=False, on_cpu=True)
+    assert config["zero_optimization"]["contiguous_gradients"] is False
+    lean = spawn(alone_worker, pp, raw, True, timeout=300)[0]
+    stock = spawn(alone_worker, pp, tiny_config(tmp_path / "b", pp=pp, steps=3), False, timeout=300)[0]
+    assert lean[1] >= 3, lean  # one bucket per step at least
+    assert lean[0] == stock[0], (lean, stock)

@@ -13,6 +13,10 @@ the interleaved engine), and what mt3d patches on the engine afterwards, each wi
 * ``release_loss_outputs``: the pipeline engine's last stage keeps its logits after the backward;
   they are released once the loss is computed
   (tests/test_training.py::test_the_last_stage_releases_its_logits_once_the_loss_holds_them).
+* ``alone_in_zero``: ZeRO-1 with no other data rank reduces nothing, yet DeepSpeed copies every
+  gradient into a bucket and back; without contiguous gradients and with ``buffered_reduce_fallback``
+  a no-op the gradients stay where the backward left them
+  (tests/test_training.py::test_one_data_rank_skips_deepspeeds_reduction_with_the_same_step).
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ def deepspeed_config(
         # its BF16 optimizer instead (fp32 master, keys ignored) when gradients accumulate in fp32.
         out.setdefault("bf16", {}).update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
         out.setdefault("data_types", {})["grad_accum_dtype"] = "bf16"
+    if alone_in_zero(layout, overlap_grad_reduce):
+        # ZeRO-1 with no other data rank: gradients are not copied into buckets (see skip_reduction)
+        out.setdefault("zero_optimization", {}).setdefault("contiguous_gradients", False)
     opt = out.get("optimizer")
     if isinstance(opt, dict) and ds.optimizer_type in ("adam", "adamw"):
         offload = ds.offload.optimizer in ("cpu", "nvme")
@@ -88,6 +95,27 @@ def deepspeed_config(
             if not on_cpu:
                 params.setdefault("fused", True)
     return out
+
+
+def alone_in_zero(layout: Layout, overlap_grad_reduce: bool = False) -> bool:
+    """ZeRO-1 on the GPUs' memory with no other data or context rank (so no expert rank either):
+    the gradient reduction DeepSpeed runs each step is an exact no-op (``skip_reduction``). Not with
+    ``overlap.grad_reduce``, which reduces through ZeRO-1's own buckets (``mt3d.ds.overlap``)."""
+    return (layout.zero_stage == 1 and layout.offload == "none" and not overlap_grad_reduce
+            and layout.degrees["dp"] * layout.degrees["cp"] == 1)  # fmt: skip
+
+
+def skip_reduction(engine) -> None:
+    """With one data rank, DeepSpeed's ZeRO-1 step still flattens every gradient, all-reduces it over
+    the group of one, divides it by 1 and copies it back (``buffered_reduce_fallback``, called per
+    bucket when gradients are not contiguous, ``deepspeed_config``): at gpt3-1.3b, 292 gradients
+    copied twice a step plus the host's work to launch it. The gradients stay as the backward left
+    them, bit for bit what the reduction would give."""
+    engine.optimizer.buffered_reduce_fallback = _no_reduction
+
+
+def _no_reduction(*args, **kwargs) -> None:
+    """``DeepSpeedZeroOptimizer.buffered_reduce_fallback`` with no other rank: nothing to do."""
 
 
 def release_loss_outputs(engine) -> None:
@@ -234,6 +262,8 @@ def initialize(
         # skipped. Not with cp ranks (they average their chunks' gradients in DeepSpeed's data axis),
         # nor with ep ranks (within dp: mt3d.ds.experts sums dense gradients over them in that step).
         engine.pipeline_enable_backward_allreduce = False
+    if alone_in_zero(layout, overlap is not None and overlap.grad_reduce):
+        skip_reduction(engine)
     if uses_pipeline_engine(layout) and not isinstance(model, InterleavedPipeline):  # that one does itself
         release_loss_outputs(engine)
     if overlap is not None and overlap.grad_reduce:
