@@ -295,34 +295,36 @@ class SparseMoE(nn.Module):
         sb = block[order]
         return shift[sb // 2, sb % 2, flat[order]]
 
-    def _run_local(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _run_local(self, xs: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         """Rows grouped by local expert (``counts`` each) -> their outputs, in the same order: one
         grouped GEMM per projection over all local experts where the device has torch's grouped
         matmul (``grouped_gemm_works``), else one matmul per expert. An expert without rows still runs
         (on none): every rank then has a (zero) gradient for every expert it holds, so data-parallel
-        reductions line up across ranks."""
+        reductions line up across ranks. ``counts`` on the device (no expert parallelism) stay there on
+        the grouped path: the host never waits for the router."""
         experts = [self.experts[str(j)] for j in self.local]
         inner = experts[0].down.weight.shape[1]
         aligned = all(n * xs.element_size() % 16 == 0 for n in (xs.shape[-1], inner))
         if aligned and xs.shape[0] > 0 and grouped_gemm_works(xs.device, xs.dtype):
-            offs = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
+            n = torch.as_tensor(counts, device=xs.device)
+            offs = n.cumsum(0).to(torch.int32)
             # [experts, in, out] views of the stacked weights (a copy per call; its backward scatters
             # the gradients back to each expert's parameters)
             up = torch.stack([e.up.weight for e in experts]).transpose(1, 2)
             down = torch.stack([e.down.weight for e in experts]).transpose(1, 2)
             y = _grouped_mm(xs, up, offs)
             if experts[0].up.bias is not None:  # each row's expert's biases
-                n = torch.tensor(counts, device=xs.device)
-                which = torch.repeat_interleave(torch.arange(len(experts), device=xs.device), n)
+                which = torch.repeat_interleave(torch.arange(len(experts), device=xs.device), n,
+                                                output_size=xs.shape[0])  # fmt: skip
                 y = y + torch.stack([e.up.bias for e in experts])[which]
             y = _grouped_mm(self.glu(y), down, offs)
             if experts[0].down.bias is not None:
                 y = y + torch.stack([e.down.bias for e in experts])[which] * experts[0].bias_share
             return y
         outs, start = [], 0
-        for expert, n in zip(experts, counts, strict=True):
-            outs.append(expert(xs[start : start + n], self.glu))
-            start += n
+        for expert, rows in zip(experts, torch.as_tensor(counts).tolist(), strict=True):
+            outs.append(expert(xs[start : start + rows], self.glu))
+            start += rows
         return torch.cat(outs)
 
     def _run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -331,7 +333,7 @@ class SparseMoE(nn.Module):
         way (the counts first, so every rank knows what it receives); the received rows, ordered by
         source then expert, are regrouped by expert for one matmul per expert and put back."""
         if self.ep is None:
-            return self._run_local(xs, counts.tolist())
+            return self._run_local(xs, counts)
         ep, local = self.ep.size, len(self.local)
         sent = counts.view(ep, local)  # row i: rows for each of rank i's experts
         got = all_to_all_counts(sent, self.ep)  # row i: rows rank i sends for each of my experts
