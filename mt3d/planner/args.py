@@ -104,9 +104,10 @@ def add_plan_stack(p) -> None:
     p.add_argument("--activation-model", choices=("mt3d", "te", "korthikanti"), default="mt3d",
                    help="activation memory of mt3d's blocks, of TransformerEngine's (a gated MLP keeps 3 x "
                    "ffn/t, mt3d 4), or Korthikanti et al.'s Table 2 (Megatron)")  # fmt: skip
-    p.add_argument("--ep-dispatch", choices=("whole", "sequence-shard"), default="whole",
-                   help="--other-stack: each TP rank dispatches only its sequence shard to the experts "
-                   "(Megatron-Core with SP; mt3d: whole rows)")  # fmt: skip
+    p.add_argument("--ep-dispatch", choices=("whole", "sequence-shard"), default=None,
+                   help="how tokens reach the experts: every TP rank sends whole rows (mt3d's, the default) "
+                   "or only its sequence shard, the rows then gathered over the expert-TP ranks "
+                   "(Megatron-Core with SP: the default with --other-stack)")  # fmt: skip
     p.add_argument("--fsdp", action="store_true",
                    help="--other-stack: ZeRO-3 as FSDP runs it (fp32 shards with no 16-bit copy, two blocks "
                    "gathered at a time)")  # fmt: skip
@@ -129,7 +130,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
         return value if value is not None else fallback
 
     pins = {ax: getattr(args, flag) for ax, flag in PLAN_PINS.items() if getattr(args, flag)}
-    other = {"--fsdp": args.fsdp, "--ep-dispatch sequence-shard": args.ep_dispatch != "whole",
+    other = {"--fsdp": args.fsdp, "--ep-dispatch sequence-shard": args.ep_dispatch == "sequence-shard",
              "--activation-model te": args.activation_model == "te"}  # fmt: skip
     named = [flag for flag, on in other.items() if on]
     if named and not args.other_stack:
@@ -160,7 +161,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             not args.other_stack,
             planned_overlap(args.overlap, args.other_stack),
             args.fp8,
-            args.ep_dispatch,
+            args.ep_dispatch or ("sequence-shard" if args.other_stack else "whole"),
             args.fsdp,
             args.lora,
         ),  # fmt: skip

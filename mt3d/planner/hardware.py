@@ -19,7 +19,9 @@ class Device:
     peak_tflops: float
     """Dense bf16 peak (no sparsity)."""
     memory_gb: float
-    """Usable memory (HBM, or host RAM for the CPU profile), GB = 1e9 bytes."""
+    """Memory (HBM, or host RAM for the CPU profile), GB = 1e9 bytes, as the driver reports it
+    (``nvidia-smi``'s memory.total in MiB x 1.048576): an "80 GB" H100 holds 81,559 MiB = 85.52 GB,
+    which the predictions (also in 1e9 bytes) are held against, less ``reserved_gb``."""
     intra_gbps: float
     """GB/s per GPU inside a node (NVLink / NVSwitch bus bandwidth)."""
     inter_gbps: float
@@ -81,10 +83,14 @@ def dense_peak_tflops(device_name: str) -> float | None:
 # Node defaults are those of NVIDIA's DGX systems (DGX A100: 1 TB RAM, 4 x 3.84 TB NVMe, PCIe 4,
 # 2 x 64 cores; DGX H100/H200: 2 TB RAM, 8 x 3.84 TB NVMe, PCIe 5, 2 x 56 cores); `mt3d plan`
 # overrides each with a flag.
+# Memory: the driver's memory.total (81,559 MiB on an H100 SXM5 80GB, 81,920 on an A100 SXM4 80GB,
+# 143,771 on an H200, read in the H200 record of docs/benchmarks/), not the marketing GB: an
+# "80 GB" card holds 85.5e9 bytes, and sizing it as 80e9 refused layouts that ran (Llama 3.1 405B at
+# tp 8 pp 9 cp 2 v 7 on H100s by 0.4 GB).
 _H100 = Device(
     "H100-SXM5-80GB",
     DENSE_PEAK_TFLOPS["H100"],
-    80.0,
+    81_559 * 1.048576e-3,
     intra_gbps=360.0,
     inter_gbps=50.0,
     host_memory_gb=2000.0,
@@ -101,7 +107,7 @@ DEVICES: dict[str, Device] = {
     "a100-80gb": Device(
         "A100-SXM4-80GB",
         DENSE_PEAK_TFLOPS["A100"],
-        80.0,
+        81_920 * 1.048576e-3,
         intra_gbps=240.0,
         inter_gbps=25.0,
         sms=108,
@@ -110,7 +116,7 @@ DEVICES: dict[str, Device] = {
     ),
     "h100": _H100,
     # the H100's SMs, clocks and node, with more and faster HBM (the GEMM ceiling is the H100's figure)
-    "h200": replace(_H100, name="H200-SXM-141GB", memory_gb=141.0, hbm_gbps=4800.0),
+    "h200": replace(_H100, name="H200-SXM-141GB", memory_gb=143_771 * 1.048576e-3, hbm_gbps=4800.0),
     "cpu": Device(
         "CPU (gloo)",
         0.1,

@@ -46,10 +46,12 @@ class Precision:
 
 def fsdp_precision(prec: Precision) -> Precision:
     """FSDP's mixed precision at ZeRO-3: the fp32 shard is the weight (no master copy beside a 16-bit
-    one), the gradients reduced in their dtype, Adam's two fp32 moments; 16-bit only when gathered."""
+    one), the gradient shard fp32 too (torch's FSDP casts the reduced shard back to the flat
+    parameter's dtype unless ``keep_low_precision_grads``), Adam's two fp32 moments; 16-bit only
+    when gathered: 16 bytes a parameter over the shards."""
     from dataclasses import replace
 
-    return replace(prec, param=4, master=0) if prec.name in ("bf16", "fp16") else prec
+    return replace(prec, param=4, grad=4, master=0) if prec.name in ("bf16", "fp16") else prec
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int, prec: Precision) -> float:

@@ -41,6 +41,23 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
 
 
+def etp_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, t: int, elem: int, blocks: int,
+              recompute: bool) -> float:  # fmt: skip
+    """Bytes one rank sends per step over its expert-TP group beyond what ``tp_bytes`` counts, when
+    each TP rank dispatches only its sequence shard (Megatron-Core's all-to-all dispatcher, which runs
+    with SP under TP): after the all-to-all the rows routed to this rank's experts (about k tokens /
+    t) are all-gathered over the t expert-TP ranks, reduce-scattered back after the experts, and both
+    again in the backward, k times the sparse block's MLP region that ``tp_bytes`` counts once (as
+    for mt3d's gathered rows): 4 (t - 1)/t (k - 1) tokens h more per sparse layer and micro-batch, the
+    forward again with recompute."""
+    spec = cfg.moe_spec
+    if spec is None or t <= 1:
+        return 0.0
+    sparse = blocks * cfg.sparse_layers / cfg.layers
+    per_layer = 4 * (t - 1) / t * tokens * (spec.top_k - 1) * cfg.hidden * elem
+    return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
+
+
 def bucket_reduction_hidden(dp: float, last_bucket_share: float, backward: float) -> float:
     """Seconds of a gradient reduction (``dp``) hidden behind the backward that fills its buckets:
     they are reduced in backward order as they fill, so all but the last bucket (``last_bucket_share``
@@ -158,6 +175,9 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
     ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
     ep = ep / (t if ep_dispatch == "sequence-shard" else 1) / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
+    if lay.ep > 1 and ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
+        tokens = seq_len // lay.cp * lay.micro_batch
+        ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
     dp = _dp_seconds(lay, grads, prec, compute, bw, "dp" in overlap, mt3d_engine, 2 if fsdp else None)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
