@@ -4,15 +4,26 @@
 # back what ran. Prepare here first: `bash launch/device_wheels.sh` (DeepSpeed and its pure-Python
 # needs into .whl/); then the device tool runs, carrying .whl:
 #   bash launch/gpu_record.sh [part]
-# part: "main" (default: GEMMs, one-GPU MFU with FP8, attention, the cp/ep smoke) or "second" (FP8
-# beside bf16 again, and no, selective and full recompute without compiling).
+# part: "main" (default: GEMMs, one-GPU MFU with FP8, attention, the cp/ep smoke), "second" (FP8
+# beside bf16 again, and no, selective and full recompute without compiling) or "third" (the step
+# overheads removed: gpt3-1.3b against the code before them, carried in .before/ (`bash
+# launch/gpu_record.sh --before REV` makes it), llama-1b, the Qwen3-MoE row against transformers, and
+# the GPU-only tests). SMOKE=1 runs the part's commands on the CPU in smoke mode (the dry run) and
+# WHEELS=0 skips installing .whl (a CPU machine has DeepSpeed already).
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu-record}"
 mkdir -p "$OUT"
 LOG="$OUT/record.log"
 part="${1:-main}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    >>"$LOG" 2>&1 || { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
+if [ "$part" = --before ]; then  # the mt3d package as it was at REV, for the "before" rows of "third"
+    rm -rf .before && mkdir .before && git archive "${2:?--before REV}" mt3d | tar -x -C .before
+    grep -qx '/.before/' .git/info/exclude || echo '/.before/' >>.git/info/exclude
+    exit 0
+fi
+if [ "${WHEELS:-1}" = 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        >>"$LOG" 2>&1 || { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 WANDB_MODE=disabled
 export TOKENIZERS_PARALLELISM=false
 t_start=$(date +%s)
@@ -33,7 +44,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log its output, time
     python3 -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
 } >>"$LOG" 2>&1
 
-gpu="python3 -m mt3d.bench gpu --seq-len 2048 --micro ${MICRO:-16} --steps 6 --warmup 2 --compile-only"
+dry=${SMOKE:+--smoke}
+gpu="python3 -m mt3d.bench gpu --seq-len 2048 --micro ${MICRO:-16} --steps 6 --warmup 2 --compile-only $dry"
 smoke="--set mt3d.parallel.tensor=1 --set mt3d.parallel.pipeline=1 --set mt3d.train.steps=5
  --set mt3d.train.overwrite=true --set wandb.enabled=false --set mt3d.train.eval_interval=0
  --set mt3d.train.eval_batches=0 --set mt3d.train.save_at_end=false --set mt3d.train.log_interval=1
@@ -53,8 +65,16 @@ elif [ "$part" = second ]; then  # FP8 after the cast reuse, and the recompute r
     step gpt3-1.3b-recompute 100 $eager --models gpt3-1.3b --recompute none,selective,full --no-hf
     step llama-1b-fp8 130 $gpu --models llama-1b --fp8 tensorwise,rowwise --no-hf
     step llama-1b-recompute 100 $eager --models llama-1b --recompute none,selective,full --no-hf
+elif [ "$part" = third ]; then  # the overheads the 2026-11-27 profile found, removed; MoE on a GPU
+    step gpt3-1.3b 200 $gpu --models gpt3-1.3b --profile --no-hf
+    # from inside .before/: python -m puts the working directory first on the path
+    step gpt3-1.3b-before 130 env -C .before PYTHONPATH=/tmp/site:$PWD/.before $gpu --models gpt3-1.3b --no-hf
+    step llama-1b 110 $gpu --models llama-1b --no-hf
+    step qwen3-moe 300 python3 -m mt3d.bench gpu --seq-len 2048 --micro 8 --steps 6 --warmup 2 --compile \
+        --models qwen3-moe-1.7b $dry
+    step gpu-tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_blocks.py
 else
-    echo "unknown part $part (main, second)" | tee -a "$LOG"
+    echo "unknown part $part (main, second, third)" | tee -a "$LOG"
     exit 2
 fi
 echo "# done after $(( $(date +%s) - t_start )) s" | tee -a "$LOG"

@@ -55,3 +55,25 @@ def test_the_new_blocks_on_a_gpu_equal_the_cpu(preset, layer):
             else:
                 err = float((g - want).norm() / want.norm().clamp(min=1e-12))
             assert err <= (tol if dtype == torch.float32 else 0.15), (dtype, name, err)
+
+
+def test_the_compiled_whole_vocabulary_cross_entropy_equals_the_cpu():
+    """tp 1 on a GPU runs the cross entropy's two halves compiled (``parallel.cross_entropy``): bf16
+    logits with padded columns and ignored targets give the CPU's eager loss and gradient."""
+    from mt3d.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+
+    tp = AxisGroup.alone("tp")
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 512, 50_304, generator=g) * 3).bfloat16()
+    target = torch.randint(0, 50_257, (4, 512), generator=g)
+    target[0, :64] = IGNORE_INDEX
+    weight = torch.rand(4, 512, generator=g)
+    out = {}
+    for device in ("cpu", "cuda"):
+        x = logits.to(device).requires_grad_()
+        loss = vocab_parallel_cross_entropy(x, target.to(device), tp, 50_257)
+        (loss * weight.to(device)).sum().backward()
+        out[device] = (loss.detach().cpu(), x.grad.float().cpu())
+    torch.testing.assert_close(out["cuda"][0], out["cpu"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["cuda"][1], out["cpu"][1], rtol=8e-3, atol=1e-7)
+    assert torch.all(out["cuda"][1][..., 50_257:] == 0)

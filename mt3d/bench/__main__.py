@@ -141,7 +141,7 @@ def _add_device_and_model_parsers(sub) -> None:
                     help="opt-cpu: one more mt3d row per model, its optimizer on the CPU")  # fmt: skip
     gp.add_argument("--fp8", type=choices_list(("tensorwise", "rowwise"), "--fp8"), default=(),
                     help="one more mt3d row per model and FP8 recipe (train.fp8)")  # fmt: skip
-    gp.add_argument("--models", type=choices_list(("gpt3-1.3b", "llama-1b"), "--models"),
+    gp.add_argument("--models", type=choices_list(("gpt3-1.3b", "llama-1b", "qwen3-moe-1.7b"), "--models"),
                     default=("gpt3-1.3b", "llama-1b"), help="which models to measure")  # fmt: skip
     gp.add_argument("--no-hf", action="store_true", help="skip the transformers + DeepSpeed rows")
     gp.add_argument("--profile", action="store_true",

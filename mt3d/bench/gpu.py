@@ -1,8 +1,9 @@
 """``gpu``: single-GPU training throughput and MFU, beside transformers + DeepSpeed and the matmul peak.
 
-For gpt3-1.3b and llama-1b in bf16 at sequence 2048 on one GPU: mt3d (the pipeline engine at
-tp = pp = dp = 1, optionally with compiled blocks) and ``transformers`` (GPT2LMHeadModel /
-LlamaForCausalLM of the same shape, SDPA attention) under ``deepspeed.initialize``, both with
+For gpt3-1.3b, llama-1b and a 1.7B Qwen3-MoE in bf16 at sequence 2048 on one GPU: mt3d (the
+pipeline engine at tp = pp = dp = 1, optionally with compiled blocks) and ``transformers``
+(GPT2LMHeadModel / LlamaForCausalLM / Qwen3MoeForCausalLM of the same shape, SDPA attention, its
+experts' default grouped GEMMs) under ``deepspeed.initialize``, both with
 DeepSpeed bf16, ZeRO-1 and torch's fused AdamW, the same micro-batch and random tokens. Reported:
 tokens/s, model TFLOP/s (FORMULAS.md, identical counting for both), MFU against the dense bf16
 peak of the device (989 TFLOP/s on H100/H200) and against the bf16 matmul peak measured in the
@@ -23,7 +24,11 @@ from .common import emit, hf_twin, table
 MODELS = {
     "gpt3-1.3b": {"preset": "gpt3-1.3b"},
     "llama-1b": {"preset": "llama-1b"},
-}
+    # Qwen3-MoE's shape at 1.7B parameters, 0.31B active: 64 experts of 512, top 8, on every layer
+    "qwen3-moe-1.7b": {"preset": "qwen3-30b-a3b", "hidden": 1024, "layers": 16, "heads": 16, "kv_heads": 4,
+                       "head_dim": 64, "vocab_size": 32000, "max_seq_len": 2048,
+                       "moe": {"experts": 64, "top_k": 8, "expert_ffn": 512}},
+}  # fmt: skip
 SMOKE = {
     "gpt3-1.3b": {"preset": "gpt3-1.3b", "hidden": 64, "layers": 2, "heads": 4, "vocab_size": 512},
     "llama-1b": {
@@ -35,7 +40,10 @@ SMOKE = {
         "ffn": 128,
         "vocab_size": 512,
     },
-}
+    "qwen3-moe-1.7b": {"preset": "qwen3-30b-a3b", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
+                       "head_dim": 16, "vocab_size": 512, "max_seq_len": 64,
+                       "moe": {"experts": 8, "top_k": 2, "expert_ffn": 32}},
+}  # fmt: skip
 
 
 def matmul_peak(device: str, n: int, reps: int) -> float:
@@ -203,7 +211,11 @@ def hf_worker(name: str, model: dict, seq: int, micro: int, accum: int, steps: i
 
     seconds = _time_steps(step, steps, warmup, dev)
     mem = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
-    return {"seconds": seconds, "peak_mem_gb": mem}
+    return {
+        "seconds": seconds,
+        "peak_mem_gb": mem,
+        "flops_per_token": cfg.flops_per_token(seq, cfg.vocab_size),
+    }
 
 
 PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"))
@@ -277,9 +289,21 @@ def row_runs(args, smoke: bool) -> list[tuple]:
     return runs + [(f"mt3d offload={off}", False, "none", off, None) for off in offloads if off != "none"]
 
 
+def _row(what: str, worker, *argv) -> dict | None:
+    """One measured row in a process of its own; a row that fails (out of memory, a compiler error) is
+    said in one line and the others still run (a GPU record has one call to get them all)."""
+    from ..parallel.spawn import WorkerError, spawn
+
+    try:
+        return spawn(worker, 1, *argv, timeout=1500)[0]
+    except WorkerError as e:
+        last = [line for line in str(e).splitlines() if line.strip()][-1:]
+        print(f"{what}: FAILED: {last[0] if last else e}", flush=True)
+        return None
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench gpu``."""
-    from ..parallel.spawn import spawn
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -301,16 +325,19 @@ def run(args) -> dict:
         for i, (key, comp, mode, off, fp8) in enumerate(row_runs(args, smoke)):
             prof = bool(getattr(args, "profile", False)) and i == 0
             argv = (model, seq, micro, accum, steps, warmup, comp, mode, off, fp8, prof)
-            results[key] = spawn(mt3d_worker, 1, *argv, timeout=1500)[0]
-            results[key].update(predicted(model, seq, micro, accum, mode, smoke, off, fp8))
+            got = _row(f"{name} {key}", mt3d_worker, *argv)
+            if got is None:
+                continue
+            results[key] = {**got, **predicted(model, seq, micro, accum, mode, smoke, off, fp8)}
             if results[key].get("kernels"):
                 print(f"{name} {key}: one step's top kernels\n{results[key].pop('kernels')}", flush=True)
             print(f"{name} {key}: {results[key]['seconds']:.4f} s per step", flush=True)
         if not getattr(args, "no_hf", False):
-            results["transformers+deepspeed"] = spawn(
-                hf_worker, 1, name, model, seq, micro, accum, steps, warmup, timeout=1500
-            )[0]
-        rows += _rows(name, results, micro * accum * seq, dense_peak, measured_peak)
+            got = _row(f"{name} transformers", hf_worker, name, model, seq, micro, accum, steps, warmup)
+            if got is not None:
+                results["transformers+deepspeed"] = got
+        if results:
+            rows += _rows(name, results, micro * accum * seq, dense_peak, measured_peak)
     gpu = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     print(
         f"{gpu}: dense peak {dense_peak:.0f} TFLOP/s ({source}), measured matmul peak "
