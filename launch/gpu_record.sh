@@ -66,13 +66,14 @@ elif [ "$part" = second ]; then  # FP8 after the cast reuse, and the recompute r
     step llama-1b-fp8 130 $gpu --models llama-1b --fp8 tensorwise,rowwise --no-hf
     step llama-1b-recompute 100 $eager --models llama-1b --recompute none,selective,full --no-hf
 elif [ "$part" = third ]; then  # the overheads the 2026-11-27 profile found, removed; MoE on a GPU
-    step gpt3-1.3b 200 $gpu --models gpt3-1.3b --profile --no-hf
+    moe="python3 -m mt3d.bench gpu --seq-len 2048 --micro 8 --steps 6 --warmup 2 --models qwen3-moe-1.7b $dry"
+    step gpt3-1.3b 110 $gpu --models gpt3-1.3b --profile --no-hf
     # from inside .before/: python -m puts the working directory first on the path
-    step gpt3-1.3b-before 130 env -C .before PYTHONPATH=/tmp/site:$PWD/.before $gpu --models gpt3-1.3b --no-hf
-    step llama-1b 110 $gpu --models llama-1b --no-hf
-    step qwen3-moe 300 python3 -m mt3d.bench gpu --seq-len 2048 --micro 8 --steps 6 --warmup 2 --compile \
-        --models qwen3-moe-1.7b $dry
-    step gpu-tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_blocks.py
+    step gpt3-1.3b-before 80 env -C .before PYTHONPATH=/tmp/site:$PWD/.before $gpu --models gpt3-1.3b --no-hf
+    step llama-1b 70 $gpu --models llama-1b --no-hf
+    step qwen3-moe 110 $moe
+    step qwen3-moe-compiled 100 $moe --compile-only --no-hf
+    step gpu-tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_blocks.py
 else
     echo "unknown part $part (main, second, third)" | tee -a "$LOG"
     exit 2
