@@ -35,6 +35,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log its output, time
     local t0=$(date +%s)
     timeout --kill-after=5 "$limit" "$@" 2>&1 | grep -v -E "Warning|warn\(|^\s*$" >>"$LOG"
     local rc=${PIPESTATUS[0]}
+    # a step cut at its limit leaves its ranks (forked by multiprocessing's forkserver) holding the GPU
+    pkill -9 -f multiprocessing.forkserver 2>/dev/null
     echo "## $name: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
 }
 
