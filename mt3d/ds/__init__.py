@@ -81,7 +81,8 @@ REACHES = (
           "backward returns early): dropped once the loss is computed (the instance's instruction table)",
           "test_training.py::test_the_last_stage_releases_its_logits_once_the_loss_holds_them"),
     Reach("engine", "ZeRO-1 with one data rank: contiguous_gradients off and buffered_reduce_fallback a "
-          "no-op (DeepSpeed copies every gradient into a bucket and back to reduce it over one rank)",
+          "no-op (DeepSpeed copies every gradient into a bucket and back to reduce it over one rank); "
+          "has_overflow answered by the norm, get_grad_norm_direct's L2 norm as one foreach fp64 norm",
           "test_training.py::test_one_data_rank_skips_deepspeeds_reduction_with_the_same_step"),
     Reach("ops", "a JIT op build's stale lock makes every later run wait forever: named with its fix",
           "test_offload.py::test_torch_still_waits_on_build_locks_without_a_time_limit"),

@@ -13,9 +13,9 @@ the interleaved engine), and what mt3d patches on the engine afterwards, each wi
 * ``release_loss_outputs``: the pipeline engine's last stage keeps its logits after the backward;
   they are released once the loss is computed
   (tests/test_training.py::test_the_last_stage_releases_its_logits_once_the_loss_holds_them).
-* ``alone_in_zero``: ZeRO-1 with no other data rank reduces nothing, yet DeepSpeed copies every
-  gradient into a bucket and back; without contiguous gradients and with ``buffered_reduce_fallback``
-  a no-op the gradients stay where the backward left them
+* ``alone_in_zero`` / ``skip_reduction``: ZeRO-1 with no other data rank reduces nothing, yet
+  DeepSpeed copies every gradient into a bucket and back (a no-op here, with contiguous gradients
+  off), and checks overflow and takes the norm with kernels per gradient (one foreach norm here)
   (tests/test_training.py::test_one_data_rank_skips_deepspeeds_reduction_with_the_same_step).
 """
 
@@ -106,12 +106,57 @@ def alone_in_zero(layout: Layout, overlap_grad_reduce: bool = False) -> bool:
 
 
 def skip_reduction(engine) -> None:
-    """With one data rank, DeepSpeed's ZeRO-1 step still flattens every gradient, all-reduces it over
-    the group of one, divides it by 1 and copies it back (``buffered_reduce_fallback``, called per
-    bucket when gradients are not contiguous, ``deepspeed_config``): at gpt3-1.3b, 292 gradients
-    copied twice a step plus the host's work to launch it. The gradients stay as the backward left
-    them, bit for bit what the reduction would give."""
-    engine.optimizer.buffered_reduce_fallback = _no_reduction
+    """With one data rank, what DeepSpeed's ZeRO-1 step does per gradient, done for all at once.
+
+    * The reduction: DeepSpeed flattens every gradient, all-reduces it over the group of one, divides
+      it by 1 and copies it back (``buffered_reduce_fallback``, called per bucket when gradients are
+      not contiguous, ``deepspeed_config``): a no-op; the gradients stay as the backward left them.
+    * The overflow check and the gradient norm: DeepSpeed launches a max, a min and an add per
+      gradient, then an fp64 copy and a norm per gradient. One foreach fp64 norm per call does both:
+      a norm is finite exactly when its tensor is. At 2,195 tensors (a 64-expert MoE) these loops
+      were about 11,000 kernel launches a step, and the step waited on the host (an H200 busy 315 ms
+      of a 689 ms step, docs/benchmarks.md).
+    The same step as DeepSpeed's: the fp64 norms only summed in another order."""
+    opt = engine.optimizer
+    opt.buffered_reduce_fallback = _no_reduction
+    norm_checks_overflow = opt.compute_grad_norm and (opt.dtype != torch.bfloat16 or opt.check_grad_overflow)
+    if not norm_checks_overflow:
+        return
+    plain_norm = opt.get_grad_norm_direct
+
+    def has_overflow(partition_gradients=True):
+        # the norm below is not finite exactly when a gradient is not, and step() tests it
+        return False
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return plain_norm(gradients, params, norm_type)
+        return _grad_norm(opt, gradients, params)
+
+    opt.has_overflow = has_overflow
+    opt.get_grad_norm_direct = get_grad_norm_direct
+
+
+def _grad_norm(opt, gradients, params) -> torch.Tensor:
+    """``DeepSpeedZeroOptimizer.get_grad_norm_direct``'s L2 norm with one foreach fp64 norm: the same
+    gradients counted (no padding, no pipeline-replicated copy, split ones on every TP rank, the others
+    on TP rank 0), summed over the data and model-parallel groups, -1 when not finite."""
+    import torch.distributed as dist
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+
+    grads = (g for g in gradients if not getattr(g, "_zero_padding", False))
+    kept = [g.detach() for g, p in zip(grads, params)
+            if not getattr(p, "ds_pipe_replicated", False)
+            and (is_model_parallel_parameter(p) or opt.model_parallel_rank == 0)]  # fmt: skip
+    if kept:
+        total = torch.stack(torch._foreach_norm(kept, 2.0, dtype=torch.float64)).pow(2).sum().float()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=opt.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
+    opt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total.pow(0.5)
+    mask_nan_or_inf_with_val_inplace(total, device=opt.device)
+    return total
 
 
 def _no_reduction(*args, **kwargs) -> None:
