@@ -126,7 +126,11 @@ BAD = {
         4,
         "eval_interval > 0 needs eval_batches >= 1",
     ),
-    "data split": (lambda r: r["mt3d"]["data"].update(split=[1.0, 0.0, 0.0]), 4, "train and valid > 0"),
+    "data split": (
+        lambda r: r["mt3d"]["data"].update(split=[1.0, 0.0, 0.0]),
+        4,
+        "gives the validation split no documents but the run evaluates",
+    ),
     "blend weights": (lambda r: r["mt3d"]["data"].update(weights=[-1.0]), 4, "weights must be non-negative"),
 }
 
