@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .errors import UserError
+
 DESCRIPTION = "Train a model with tensor x pipeline x ZeRO data parallelism from one JSON config."
 EXAMPLES = """examples:
   mt3d train --config ds_configs/cpu_demo_3d.json --set mt3d.parallel.tensor=1 --set mt3d.parallel.pipeline=1
@@ -62,14 +64,21 @@ def prepare(args: argparse.Namespace):
     from .inputs import check_launcher, launcher_world
 
     world = launcher_world()
+    if not args.check:
+        try:
+            check_launcher(world)
+        except UserError as e:  # this rank's own variables: it says so itself
+            raise RankError(str(e)) from None
     run = load(args.config, args.set)
     model_cfg = resolve_model(run.mt3d.model)
     layout = validate(run, world, model_cfg)
     check_accelerate(run.deepspeed)
-    if not args.check:
-        check_launcher(world)
     preflight(run, layout, model_cfg)
     return run, layout, model_cfg
+
+
+class RankError(UserError):
+    """Bad launcher variables of one rank (every rank reports its own)."""
 
 
 def preflight(run, layout, model_cfg) -> None:
@@ -86,14 +95,17 @@ def preflight(run, layout, model_cfg) -> None:
 
 def run(args: argparse.Namespace, prog: str = "mt3d train") -> int:
     """Validate, then train; returns the process exit code."""
-    from .errors import EXIT_BAD_INPUT, UserError
+    from .errors import EXIT_BAD_INPUT
+    from .inputs import env_int
 
     try:
         run_cfg, layout, model_cfg = prepare(args)
     except UserError as e:  # ConfigError, and any other bad input found before process groups exist
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        # The config and this host's files are the same for every rank of the host: its first rank
+        # speaks for them (a launcher variable is the rank's own).
+        if isinstance(e, RankError) or env_int("LOCAL_RANK", 0) == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from .inputs import env_int
 
     if env_int("RANK", 0) == 0:  # once per run
         for note in layout.notes:

@@ -180,3 +180,24 @@ def test_plan_with_a_context_degree_the_sequence_cannot_take_is_the_whole_reason
                        "--json")  # fmt: skip
     rejected = {r["reason"] for r in json.loads(out)["rejected"] if r.get("cp") == 3}
     assert rc == 0 and "context parallelism needs seq_len 4096 divisible by 2 x cp = 6" in rejected, rejected
+
+
+def test_a_set_up_error_before_process_groups_is_said_once_per_host(corpus, tmp_path, monkeypatch, capsys):
+    """Under a launcher every rank checks the config and its host's files alike: the host's first rank
+    says what is wrong, the others exit 2 silently; a rank's own launcher variables are its own to
+    report."""
+    from mt3d.train import main as train
+
+    raw = config(corpus, tmp_path / "run", split=[30, 1, 0], seq_len=100)
+    (tmp_path / "run.json").write_text(json.dumps(raw))
+    said = []
+    for local in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(local))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        assert train(["--config", str(tmp_path / "run.json")]) == 2
+        said.append(capsys.readouterr().err.strip().splitlines())
+    assert len(said[0]) == 1 and "validation split" in said[0][0] and said[1] == [], said
+    monkeypatch.setenv("RANK", "5")
+    assert train(["--config", str(tmp_path / "run.json")]) == 2
+    assert "RANK=5 is outside WORLD_SIZE=2" in capsys.readouterr().err
