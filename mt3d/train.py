@@ -64,15 +64,15 @@ def prepare(args: argparse.Namespace):
     from .inputs import check_launcher, launcher_world
 
     world = launcher_world()
+    run = load(args.config, args.set)
+    model_cfg = resolve_model(run.mt3d.model)
+    layout = validate(run, world, model_cfg)
+    check_accelerate(run.deepspeed)
     if not args.check:
         try:
             check_launcher(world)
         except UserError as e:  # this rank's own variables: it says so itself
             raise RankError(str(e)) from None
-    run = load(args.config, args.set)
-    model_cfg = resolve_model(run.mt3d.model)
-    layout = validate(run, world, model_cfg)
-    check_accelerate(run.deepspeed)
     preflight(run, layout, model_cfg)
     return run, layout, model_cfg
 

@@ -162,7 +162,7 @@ def test_context_parallel_checkpoints_resume_exactly_and_reshard(tmp_path):
 @pytest.mark.parametrize(
     "parallel,extra,match",
     [
-        (dict(context=3), {}, "seq_len \\(32\\) divisible by 2 x cp = 6"),
+        (dict(context=3), {}, "seq_len 32 divisible by 2 x cp = 6"),
         (
             dict(context=2, context_exchange="alltoall"),
             {"heads": 3, "hidden": 48},

@@ -198,6 +198,7 @@ def test_a_set_up_error_before_process_groups_is_said_once_per_host(corpus, tmp_
         assert train(["--config", str(tmp_path / "run.json")]) == 2
         said.append(capsys.readouterr().err.strip().splitlines())
     assert len(said[0]) == 1 and "validation split" in said[0][0] and said[1] == [], said
-    monkeypatch.setenv("RANK", "5")
-    assert train(["--config", str(tmp_path / "run.json")]) == 2
+    (tmp_path / "good.json").write_text(json.dumps(config(corpus, tmp_path / "run")))
+    monkeypatch.setenv("RANK", "5")  # LOCAL_RANK 1 still
+    assert train(["--config", str(tmp_path / "good.json")]) == 2
     assert "RANK=5 is outside WORLD_SIZE=2" in capsys.readouterr().err
