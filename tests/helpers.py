@@ -1,6 +1,7 @@
 """Helpers shared by the training tests: tiny configs and a worker that trains in spawned ranks."""
 
 import copy
+import logging
 import os
 
 TINY_GPT = {"preset": "tiny", "hidden": 64, "layers": 4, "heads": 4, "max_seq_len": 64}
@@ -48,10 +49,27 @@ def train_worker(raw):
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    rc, records = train_rc_worker(raw)
-    if rc != 0:
-        raise RuntimeError(f"run_training returned {rc} on rank {rank}")
+    failures = _Failures()
+    logging.getLogger("mt3d").addHandler(failures)
+    try:
+        rc, records = train_rc_worker(raw)
+    finally:
+        logging.getLogger("mt3d").removeHandler(failures)
+    if rc != 0:  # the rank's own traceback, so that a failure seen only in CI can be read there
+        raise RuntimeError(f"run_training returned {rc} on rank {rank}:\n" + "\n".join(failures.seen))
     return records
+
+
+class _Failures(logging.Handler):
+    """The errors (with their tracebacks) mt3d logs during a run in this process."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        self.seen.append(self.format(record))
 
 
 def runs_worker(raws, meeting):
