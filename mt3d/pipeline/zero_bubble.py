@@ -41,7 +41,7 @@ SCHEDULES = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
 """Each schedule's chunks per rank."""
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Pass:
     """One pass of rank's work: ``kind`` (F, B or W) of ``stage`` on micro-batch ``mb``."""
 
@@ -203,7 +203,7 @@ class _Run:
             candidates.append((0.5 if len(self.pending_w[r]) > self.lag[r] else 2, now, self.pending_w[r][0]))
         if not candidates:
             return None
-        # what can start soonest; among those that can start now, B before F before W
+        # what can start soonest; among those that can start then: B, a W past the lag, F, any W
         start = min(max(t, now) for _, t, _ in candidates)
         _, t, x = min((c for c in candidates if max(c[1], now) == start), key=lambda c: c[0])
         return x, max(t, now)
