@@ -2,7 +2,10 @@
 
 import os as _os
 
+from .interpreter import mend_reentrant_imports as _mend
 from .versions import __version__  # noqa: F401
+
+_mend()  # an import inside another import's lock wait must not break it (Python < 3.12)
 
 if "DS_ACCELERATOR" not in _os.environ:
     # DeepSpeed logs a warning on every import when it has to guess the accelerator; tell it what

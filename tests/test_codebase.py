@@ -68,7 +68,20 @@ def test_deepspeed_internals_are_reached_only_from_the_door():
     door subclasses DeepSpeed's, which the check enforces too) or where ``SHARED_NAMES`` lists it."""
     assert set(SHARED_NAMES) <= _own_private_names(defined_outside_door=True), SHARED_NAMES
     own = (_own_private_names() - _deepspeed_private_names()) | set(SHARED_NAMES)
-    library_roots = {"torch", "np", "os", "sys", "dist", "F", "nn", "json", "math", "logging", "types"}
+    library_roots = {
+        "torch",
+        "np",
+        "os",
+        "sys",
+        "dist",
+        "F",
+        "nn",
+        "json",
+        "math",
+        "logging",
+        "types",
+        "importlib_bootstrap",
+    }
     reaches = []
     for path, tree in _modules():
         rel = path.relative_to(ROOT)
@@ -124,9 +137,9 @@ def test_no_function_is_longer_than_80_lines():
 
 
 FLOORS = {
-    "errors": 0, "inputs": 0, "versions": 0, "pipeline": 1, "parallel": 2, "data": 3, "model": 4,
-    "presets": 5, "config": 6, "planner": 7, "ds": 8, "checkpoint": 9, "training": 10, "train": 11,
-    "bench": 12, "cli": 13, "__main__": 14, "__init__": 14,
+    "errors": 0, "inputs": 0, "versions": 0, "interpreter": 0, "pipeline": 1, "parallel": 2, "data": 3,
+    "model": 4, "presets": 5, "config": 6, "planner": 7, "ds": 8, "checkpoint": 9, "training": 10,
+    "train": 11, "bench": 12, "cli": 13, "__main__": 14, "__init__": 14,
 }  # fmt: skip
 """DESIGN.md's floors, lowest first (the ground floor is the base modules): a module may import its own
 floor and lower ones only. ``mt3d/__init__.py`` sits on top (its one lazy import, ``from_pretrained``)."""
@@ -259,3 +272,62 @@ def test_files_are_short_and_public_names_documented():
                             bare.append(f"{rel}:{m.lineno} {node.name}.{m.name}")
     assert not long, "split these files:\n" + "\n".join(long)
     assert not bare, "document these:\n" + "\n".join(bare)
+
+
+REENTRANT_IMPORT = r"""
+import os, signal, sys, threading, time, types
+if sys.argv[1] == "mended":
+    import mt3d  # applies mt3d.interpreter's mend
+gate = types.ModuleType("gate")  # the slow module's body waits on these
+gate.inside, gate.go = threading.Event(), threading.Event()
+sys.modules["gate"] = gate
+sys.path.insert(0, sys.argv[2])
+main = threading.get_ident()
+signal.signal(signal.SIGUSR1, lambda *_: __import__("nested"))  # an import inside the wait
+
+def slow_import():
+    import slow  # noqa: F401 - holds slow's module lock until gate.go
+
+def interrupt():
+    gate.inside.wait()
+    time.sleep(0.3)  # the main thread now waits on slow's lock
+    signal.pthread_kill(main, signal.SIGUSR1)
+    time.sleep(0.3)
+    gate.go.set()
+
+threads = [threading.Thread(target=slow_import), threading.Thread(target=interrupt)]
+for t in threads:
+    t.start()
+gate.inside.wait()
+try:
+    import slow  # noqa: F401
+    print("ok" if "nested" in sys.modules else "no nested import")
+except KeyError:
+    print("KeyError")
+for t in threads:
+    t.join()
+"""
+
+
+def test_an_import_inside_another_imports_lock_wait_works(tmp_path):
+    """CPython gh-91351 (before 3.12): a nested import in the same thread during a module-lock wait
+    (a signal handler here; a garbage-collected finalizer in CI) makes the outer import raise KeyError.
+    Reproduced deterministically: unmended, this interpreter still has the bug (else drop the mend in
+    mt3d/interpreter.py), and mt3d's mend removes it."""
+    import subprocess
+    import sys
+
+    from mt3d.interpreter import NEEDS_REENTRANT_IMPORTS
+
+    (tmp_path / "slow.py").write_text("import gate\ngate.inside.set()\ngate.go.wait()\n")
+    (tmp_path / "nested.py").write_text("VALUE = 1\n")
+    script = tmp_path / "reentrant.py"
+    script.write_text(REENTRANT_IMPORT)
+
+    def outcome(mode):
+        argv = [sys.executable, str(script), mode, str(tmp_path)]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return done.stdout.strip() or done.stderr[-2000:]
+
+    assert outcome("plain") == ("KeyError" if NEEDS_REENTRANT_IMPORTS else "ok")
+    assert outcome("mended") == "ok"
