@@ -107,3 +107,65 @@ def test_bad_sizes_and_names_are_one_line():
 def test_passes_are_plain_values():
     x = Pass(F, 1, 2)
     assert dataclasses.astuple(x) == ("F", 1, 2) and x == Pass("F", 1, 2) and hash(x) == hash(Pass("F", 1, 2))
+
+
+TIMES = [dict(), dict(bwd=2.0, wgt=0.5), dict(bwd=0.7, wgt=1.3, p2p=0.3), dict(p2p=0.1)]
+
+
+@pytest.mark.parametrize("name", list(zb.SCHEDULES))
+def test_the_instruction_programs_run_the_orders_through_the_engines_simulator(name):
+    """``rank_programs`` under ``pipeline.schedule``'s simulator (posted transfers, batches completing
+    in order, every message the one its receiver expects): no deadlock at any size or pass times,
+    every pass once, and at unit times the orders' own makespan (no transfer holds anything up)."""
+    from mt3d.pipeline.schedule import COMMIT, LOCAL_ACT, SEND_ACT, SEND_GRAD
+
+    for p in (2, 3, 4):
+        for m in (1, 2, 3, p, 2 * p + 1):
+            stages = len(zb.placement(name, p))
+            programs = zb.rank_programs(name, p, m)
+            assert all(step[-1].kind == COMMIT for steps in programs for step in steps)
+            ops = [o for steps in programs for step in steps for o in step]
+            remote = sum(o.kind in (SEND_ACT, SEND_GRAD) for o in ops)
+            assert remote == 2 * m * (p - 1) * zb.SCHEDULES[name]  # the V turns on its rank
+            assert sum(o.kind == LOCAL_ACT for o in ops) == (m if name == "zbv" else 0)
+            for times in TIMES:
+                sim = zb.simulate(name, p, m, **times)
+                assert (sim["fwd"], sim["bwd"], sim["messages"]) == (stages * m, stages * m, remote)
+                assert sim.get("wgt", 0) == (0 if name == "1f1b" else stages * m)
+                ideal = zb.replay(name, p, m, **times)["makespan"]
+                if not times:
+                    assert sim["makespan"] == pytest.approx(ideal, abs=1e-12)
+                else:  # fixed programs cannot adapt to other times as the replay's passes do
+                    assert ideal - 1e-9 <= sim["makespan"] <= 1.16 * ideal
+
+
+def test_the_simulator_refuses_a_broken_program():
+    """A receive out of the sender's order, a W before its B, a hand-over to another rank: each an
+    AssertionError naming the rank."""
+    from mt3d.pipeline.schedule import LOCAL_GRAD, RECV_ACT, RECV_GRAD, WGT, Op, simulate_programs
+
+    def run(programs, name="zbv", p=2):
+        return simulate_programs(programs, zb.stages(name, p))
+
+    good = zb.rank_programs("zbv", 2, 3)
+    run(good)
+    recvs = [
+        (k, i)
+        for k, step in enumerate(good[1])
+        for i, o in enumerate(step)
+        if o.kind in (RECV_ACT, RECV_GRAD)
+    ]
+    swapped = [[list(s) for s in steps] for steps in good]
+    (k1, i1), (k2, i2) = recvs[0], recvs[1]
+    swapped[1][k1][i1], swapped[1][k2][i2] = swapped[1][k2][i2], swapped[1][k1][i1]
+    with pytest.raises(AssertionError, match="rank 1 expected"):
+        run(swapped)
+    early = [[list(s) for s in steps] for steps in good]
+    w = next(k for k, step in enumerate(early[0]) if step[0].kind == WGT)
+    early[0].insert(0, early[0].pop(w))
+    with pytest.raises(AssertionError, match="rank 0: .* before its input gradient"):
+        run(early)
+    turned = [[list(s) for s in steps] for steps in zb.rank_programs("zb-h1", 2, 2)]
+    turned[1].insert(-1, [Op(LOCAL_GRAD, 0, 0)])
+    with pytest.raises(AssertionError, match="hands over to rank 0"):
+        run(turned, "zb-h1")

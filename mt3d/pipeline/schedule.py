@@ -27,6 +27,9 @@ from dataclasses import dataclass
 LOAD, FWD, BWD, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD, COMMIT = (
     "load", "fwd", "bwd", "send_act", "send_grad", "recv_act", "recv_grad", "commit",
 )  # fmt: skip
+# zero-bubble schedules (``zero_bubble``): the weight-gradient half of a split backward (BWD is then
+# the input-gradient half), and a hand-over between two stages on the same rank (the V's turn)
+WGT, LOCAL_ACT, LOCAL_GRAD = "wgt", "local_act", "local_grad"
 
 
 @dataclass(frozen=True)
@@ -164,20 +167,36 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
     forward or backward whose input has not arrived.
     """
     split = posted if split is None else split
-    return _Simulation(p, v, m, train, fwd_s, bwd_s, p2p_s, posted, split, in_order and posted).run()
+    programs = [rank_steps(p, v, m, r, train, split) for r in range(p)]
+    stages = [(s % p, s // p) for s in range(p * v)]  # virtual stage c * p + r is chunk c of rank r
+    return _Simulation(programs, stages, fwd_s, bwd_s, p2p_s, posted, in_order and posted).run()
+
+
+def simulate_programs(programs: list[list[list[Op]]], stages: list[tuple[int, int]], *, fwd_s: float = 0.0,
+                      bwd_s: float = 0.0, wgt_s: float = 0.0, p2p_s: float = 0.0, posted: bool = True,
+                      in_order: bool = True) -> dict:  # fmt: skip
+    """``simulate`` for any placement: ``programs[r]`` rank r's steps, ``stages[s]`` the (rank, chunk)
+    holding stage s (in the order a micro-batch goes through them). ``wgt_s``: one WGT op's seconds
+    (``bwd_s`` is then a BWD's, the input-gradient half). Also checks that a WGT follows its BWD."""
+    return _Simulation(programs, stages, fwd_s, bwd_s, p2p_s, posted, in_order and posted, wgt_s).run()
 
 
 class _Simulation:
     """The state of ``simulate``: each rank's program, position, posted messages and clock."""
 
-    def __init__(self, p: int, v: int, m: int, train: bool, fwd_s: float, bwd_s: float, p2p_s: float,
-                 posted: bool, split: bool, in_order: bool = False) -> None:  # fmt: skip
-        self.p, self.v, self.fwd_s, self.bwd_s, self.p2p_s, self.posted = p, v, fwd_s, bwd_s, p2p_s, posted
+    def __init__(self, programs: list[list[list[Op]]], stages: list[tuple[int, int]], fwd_s: float,
+                 bwd_s: float, p2p_s: float, posted: bool, in_order: bool = False,
+                 wgt_s: float = 0.0) -> None:  # fmt: skip
+        self.p = len(programs)
+        self.fwd_s, self.bwd_s, self.wgt_s, self.p2p_s, self.posted = fwd_s, bwd_s, wgt_s, p2p_s, posted
+        self.stages = stages
+        self.stage_of = {rc: s for s, rc in enumerate(stages)}
         self.in_order = in_order
+        p = self.p
         # each rank's posted batches: [unmatched messages, when the last matched one arrived, received]
         self.batches: list[list[list]] = [[] for _ in range(p)]
         self.waited = [0] * p  # batches before this index have been waited for (in_order)
-        self.programs = [rank_steps(p, v, m, r, train, split) for r in range(p)]
+        self.programs = programs
         self.pos = [-1] * p  # the step each rank has posted (-1: none yet)
         self.pending = [0] * p  # unmatched messages of each rank's posted step
         self.sends: dict[tuple[int, int], list] = defaultdict(list)
@@ -190,24 +209,26 @@ class _Simulation:
         self.drained = [0.0] * p  # when each rank's last send arrived
         self.busy = [0.0] * p
 
+    def neighbour(self, r: int, chunk: int, step: int) -> tuple[int, int]:
+        """(rank, chunk) of the stage ``step`` (+1 next, -1 previous) from rank r's ``chunk``."""
+        return self.stages[self.stage_of[(r, chunk)] + step]
+
     def route(self, r: int, o: Op) -> tuple[int, int, tuple]:
         """(sender, receiver, message as the receiver names it) of a send or receive op."""
-        p = self.p
         kind = "act" if o.kind in (SEND_ACT, RECV_ACT) else "grad"
-        if o.kind == SEND_ACT:  # to the next virtual stage
-            return r, (r + 1) % p, (kind, o.chunk + (r == p - 1), o.mb)
-        if o.kind == SEND_GRAD:  # to the previous virtual stage
-            return r, (r - 1) % p, (kind, o.chunk - (r == 0), o.mb)
-        src = (r - 1) % p if o.kind == RECV_ACT else (r + 1) % p
+        if o.kind in (SEND_ACT, SEND_GRAD):  # to the next (previous) stage
+            dst, chunk = self.neighbour(r, o.chunk, +1 if o.kind == SEND_ACT else -1)
+            return r, dst, (kind, chunk, o.mb)
+        src, _ = self.neighbour(r, o.chunk, -1 if o.kind == RECV_ACT else +1)
         return src, r, (kind, o.chunk, o.mb)
 
     def inputs(self, r: int, ops: list[Op]) -> list[tuple]:
         """The received messages the compute ops of a step read."""
-        need = []
+        need, last = [], len(self.stages) - 1
         for o in ops:
-            if o.kind == FWD and not (r == 0 and o.chunk == 0):
+            if o.kind == FWD and self.stage_of[(r, o.chunk)] != 0:
                 need.append(("act", o.chunk, o.mb))
-            elif o.kind == BWD and not (r == self.p - 1 and o.chunk == self.v - 1):
+            elif o.kind == BWD and self.stage_of[(r, o.chunk)] != last:
                 need.append(("grad", o.chunk, o.mb))
         return need
 
@@ -225,15 +246,28 @@ class _Simulation:
             elif o.kind == BWD:
                 assert ("out", o.chunk, o.mb) in have, f"rank {r}: {o} before its forward"
                 assert all(msg in have for msg in self.inputs(r, [o])), f"rank {r}: {o} before its gradient"
+                have.add(("bwd", o.chunk, o.mb))
                 self.counts["bwd"] += 1
-            if o.kind in (FWD, BWD):
+            elif o.kind == WGT:
+                assert ("bwd", o.chunk, o.mb) in have, f"rank {r}: {o} before its input gradient"
+                assert ("wgt", o.chunk, o.mb) not in have, f"rank {r}: {o} twice"
+                have.add(("wgt", o.chunk, o.mb))
+                self.counts["wgt"] += 1
+            elif o.kind in (LOCAL_ACT, LOCAL_GRAD):  # hand-over to this rank's other stage
+                kind, done = ("act", "out") if o.kind == LOCAL_ACT else ("grad", "bwd")
+                assert (done, o.chunk, o.mb) in have, f"rank {r}: {o} before its pass"
+                peer, chunk = self.neighbour(r, o.chunk, +1 if kind == "act" else -1)
+                assert peer == r, f"rank {r}: {o} hands over to rank {peer}"
+                have.add((kind, chunk, o.mb))
+                self.arrival[(r, (kind, chunk, o.mb))] = t
+            if o.kind in (FWD, BWD, WGT):
                 needed = self.inputs(r, [o])
                 t = max([t] + [self.arrival.get((r, msg), 0.0) for msg in needed])
                 if self.in_order:  # and for every batch up to the one it came in
                     last = self._batch_of(r, needed)
                     t = max([t] + [b[1] for b in self.batches[r][self.waited[r] : last + 1]])
                     self.waited[r] = max(self.waited[r], last + 1)
-                work = self.fwd_s if o.kind == FWD else self.bwd_s
+                work = {FWD: self.fwd_s, BWD: self.bwd_s, WGT: self.wgt_s}[o.kind]
                 t += work
                 self.busy[r] += work
         return t

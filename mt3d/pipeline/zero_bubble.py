@@ -28,13 +28,38 @@ With F = B = W and free transfers (mean idle fraction of the step): 1F1B 0.200 /
 ZB-V 0.040 at p 2, m 4 (ZB-H1's (p - 1) F, the paper's third of 1F1B's (p - 1)(F + B + W));
 0.273 / 0.143 / 0.059 at p 4, m 8 (ZB-H1 one pass over the paper's 0.111: its theory frees part of
 the activations at B); 0.304 / 0.158 / 0.068 at p 8, m 16 (``replay``; tests/test_zero_bubble.py
-holds the first two). Not yet here: the engine that runs these orders and the B/W split in the
-layers (issue 47).
+holds the first two).
+
+* ``rank_programs``: the orders as the instruction steps mt3d's pipeline engine runs (sends,
+  receives, commits; WGT for W, LOCAL hand-overs at the V's turn), and ``simulate`` runs them through
+  ``pipeline.schedule``'s simulator, which checks every message against what its receiver expects.
+  At unit pass times they take exactly the orders' makespan; with other pass times or transfers up
+  to 0.5 F they stay within 16% of the replay's (whose passes adapt, where the programs are fixed).
+
+Not yet here: the engine that runs these programs and the B/W split in the layers (issue 47).
 """
 
 from __future__ import annotations
 
+import bisect
+from collections import defaultdict
 from dataclasses import dataclass
+
+from .schedule import (
+    BWD,
+    COMMIT,
+    FWD,
+    LOAD,
+    LOCAL_ACT,
+    LOCAL_GRAD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    WGT,
+    Op,
+    simulate_programs,
+)
 
 F, B, W = "F", "B", "W"
 SCHEDULES = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
@@ -257,4 +282,89 @@ class _Run:
             "idle": [1 - b / makespan for b in self.busy],
             "peak": list(self.peak),
             "orders": self.order,
+            "ends": dict(self.done),
         }
+
+
+def stages(schedule: str, p: int) -> list[tuple[int, int]]:
+    """(rank, chunk) of each stage: a rank's chunks numbered in stage order (the V: chunk 0 of rank r
+    is stage r, chunk 1 is stage 2p - 1 - r)."""
+    seen = [0] * p
+    out = []
+    for r in placement(schedule, p):
+        out.append((r, seen[r]))
+        seen[r] += 1
+    return out
+
+
+def rank_programs(schedule: str, p: int, m: int) -> list[list[list[Op]]]:
+    """Every rank's ``orders`` as steps of instructions (``pipeline.schedule``'s ops, each step ending
+    in a COMMIT), for posted transfers whose batches complete in posting order (NCCL runs a rank's
+    batches in order on one stream; ``mt3d.ds.interleaved`` waits so): a step runs one pass, then
+    posts its output (a send, or a LOCAL hand-over to the rank's other stage at the V's turn) and the
+    receives due. A receive is posted at the commit the receiving rank reaches no later than the
+    sender posts the send, in the orders' own timeline (``replay`` at unit times): posted later, the
+    send would hold up the sender's later batches (its receives too) until then. Receives therefore
+    follow the sender's order on each (sender, receiver) pair, as NCCL's matching by order alone
+    needs. The first stage loads the inputs, the last the labels; "1f1b" has no WGT (its BWD is the
+    whole backward)."""
+    check(schedule, p, m)
+    place = stages(schedule, p)
+    last = len(place) - 1
+    rank_of = [r for r, _ in place]
+    timeline = replay(schedule, p, m)
+    order, ends = timeline["orders"], timeline["ends"]
+
+    def output(x: Pass) -> tuple[str, int, tuple] | None:
+        """(op kind, receiving rank, message as the receiver names it) of what pass ``x`` hands on."""
+        if x.kind == F and x.stage < last:
+            to, kind = x.stage + 1, "act"
+        elif x.kind == B and x.stage > 0:
+            to, kind = x.stage - 1, "grad"
+        else:
+            return None
+        local = rank_of[to] == rank_of[x.stage]
+        op = {("act", True): LOCAL_ACT, ("act", False): SEND_ACT, ("grad", True): LOCAL_GRAD,
+              ("grad", False): SEND_GRAD}[(kind, local)]  # fmt: skip
+        return op, rank_of[to], (kind, place[to][1], x.mb)
+
+    # receives: receiving rank -> the index of the pass whose step posts them (-1: a step before all)
+    due: list[dict[int, list[tuple]]] = [defaultdict(list) for _ in range(p)]
+    sends = sorted(
+        ((ends[x], r, k, out) for r in range(p) for k, x in enumerate(order[r])
+         if (out := output(x)) is not None and out[0] in (SEND_ACT, SEND_GRAD)),
+    )  # fmt: skip  # in time order, each sender's in its own order
+    for sent_at, _, _, (_, to, msg) in sends:
+        finished = [ends[x] for x in order[to]]
+        due[to][bisect.bisect_right(finished, sent_at) - 1].append(msg)
+
+    def receives(r: int, k: int) -> list[Op]:
+        return [Op(RECV_ACT if kind == "act" else RECV_GRAD, chunk, mb) for kind, chunk, mb in due[r][k]]
+
+    programs = []
+    for r in range(p):
+        steps = [receives(r, -1) + [Op(COMMIT)]] if due[r][-1] else []
+        for k, x in enumerate(order[r]):
+            chunk = place[x.stage][1]
+            ops = [Op(LOAD, chunk, x.mb)] if x.kind == F and x.stage in (0, last) else []
+            ops.append(Op({F: FWD, B: BWD, W: WGT}[x.kind], chunk, x.mb))
+            out = output(x)
+            if out is not None:
+                ops.append(Op(out[0], chunk, x.mb))
+            steps.append(ops + receives(r, k) + [Op(COMMIT)])
+        programs.append(steps)
+    return programs
+
+
+def simulate(schedule: str, p: int, m: int, *, fwd: float = 1.0, bwd: float = 1.0, wgt: float = 1.0,
+             p2p: float = 0.0) -> dict:  # fmt: skip
+    """``rank_programs`` run by ``pipeline.schedule``'s simulator as the engine runs them (posted
+    transfers, each rank's batches completing in posting order): the checks of ``simulate_programs``
+    (every message the one its receiver expects, no deadlock, inputs before passes, W after B) and
+    its counts, makespan and idle fractions. Pass times as ``replay``'s (a rank's layers, per
+    micro-batch; "1f1b"'s backward takes ``bwd + wgt``)."""
+    chunks = SCHEDULES[schedule]
+    full = 0.0 if schedule != "1f1b" else wgt
+    programs = rank_programs(schedule, p, m)
+    return simulate_programs(programs, stages(schedule, p), fwd_s=fwd / chunks, bwd_s=(bwd + full) / chunks,
+                             wgt_s=wgt / chunks, p2p_s=p2p)  # fmt: skip
