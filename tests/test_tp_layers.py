@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mt3d.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from mt3d.parallel.deferred import WeightGrads, deferring, split_backward
 from mt3d.parallel.layers import (
     ColumnParallelLinear,
     NormalInit,
@@ -65,8 +66,39 @@ def last_shard(t, rank, n, parts=None):
     return torch.cat([p.chunk(n, dim=-1)[rank] for p in pieces], dim=-1)
 
 
-def run_layers(tp: AxisGroup, dtype, sp: bool) -> dict:
-    """Run every layer once on this rank; return local outputs and gradients."""
+def backward(loss, weights, split: bool) -> None:
+    """``loss.backward()``, or (``split``) B then W (``mt3d.parallel.deferred``): B leaves each linear's
+    weight gradient to W, which accumulates it through autograd, so the weight's hooks see it there.
+    torch runs a weight's hooks in B too, with no gradient (the None its function returned): a hook
+    on a split linear's weight must let None pass (the engine's reduction hooks count on W)."""
+    if not split:
+        loss.backward()
+        return
+    queue, seen = WeightGrads(), []
+    hooks = [
+        w.register_hook(lambda g: seen.append(("B" if queue.items else "W", g is not None))) for w in weights
+    ]
+    with deferring(queue):
+        loss.backward()
+    assert all(w.grad is None for w in weights) and len(queue) == len(weights), (len(queue), len(weights))
+    queue.run()
+    assert len(queue) == 0 and all(w.grad is not None for w in weights)
+    assert seen == [("B", False)] * len(weights) + [("W", True)] * len(weights), seen
+    for h in hooks:
+        h.remove()
+
+
+def run_layers(tp: AxisGroup, dtype, sp: bool, split: bool = False) -> dict:
+    """Run every layer once on this rank (``split``: each backward as B then W); return local outputs
+    and gradients."""
+    split_backward(split)
+    try:
+        return _run_layers(tp, dtype, sp, split)
+    finally:
+        split_backward(False)
+
+
+def _run_layers(tp: AxisGroup, dtype, sp: bool, split: bool) -> dict:
     d = full_data(dtype)
     n, rk = tp.size, tp.rank
     out = {}
@@ -78,13 +110,13 @@ def run_layers(tp: AxisGroup, dtype, sp: bool) -> dict:
         col.bias.copy_(last_shard(d["bias_col"], rk, n, PARTS))
     x = (seq_shard(d["x"], rk, n) if sp else d["x"]).clone().requires_grad_()
     y = col(x)
-    (y * last_shard(d["dy_col"], rk, n, PARTS)).sum().backward()
+    backward((y * last_shard(d["dy_col"], rk, n, PARTS)).sum(), [col.weight], split)
     out["col"] = dict(y=y, dx=x.grad, w=col.weight, dw=col.weight.grad, db=col.bias.grad)
 
     gcol = ColumnParallelLinear(H, FFN, tp=tp, gather_output=True, init=NormalInit(0.3, 12), dtype=dtype)
     x = d["x"].clone().requires_grad_()
     y = gcol(x)
-    (y * d["dy_gcol"]).sum().backward()
+    backward((y * d["dy_gcol"]).sum(), [gcol.weight], split)
     out["gcol"] = dict(y=y, dx=x.grad, dw=gcol.weight.grad)
 
     row = RowParallelLinear(FFN, H, tp=tp, sequence_parallel=sp, init=NormalInit(0.3, 13), dtype=dtype)
@@ -92,18 +124,18 @@ def run_layers(tp: AxisGroup, dtype, sp: bool) -> dict:
         row.bias.copy_(d["bias_row"])
     x = last_shard(d["x_row"], rk, n).clone().requires_grad_()
     y = row(x)
-    (y * (seq_shard(d["dy_row"], rk, n) if sp else d["dy_row"])).sum().backward()
+    backward((y * (seq_shard(d["dy_row"], rk, n) if sp else d["dy_row"])).sum(), [row.weight], split)
     out["row"] = dict(y=y, dx=x.grad, w=row.weight, dw=row.weight.grad, db=row.bias.grad)
 
     srow = RowParallelLinear(FFN, H, tp=tp, input_is_parallel=False, init=NormalInit(0.3, 14), dtype=dtype)
     x = d["x_row"].clone().requires_grad_()
     y = srow(x)
-    (y * d["dy_row"]).sum().backward()
+    backward((y * d["dy_row"]).sum(), [srow.weight], split)
     out["srow"] = dict(y=y, dx=x.grad, dw=srow.weight.grad)
 
     emb = VocabParallelEmbedding(V, H, tp=tp, sequence_parallel=sp, init=NormalInit(0.3, 15), dtype=dtype)
     y = emb(d["ids"])
-    (y * (seq_shard(d["dy_emb"], rk, n) if sp else d["dy_emb"])).sum().backward()
+    backward((y * (seq_shard(d["dy_emb"], rk, n) if sp else d["dy_emb"])).sum(), [], split)  # nothing left
     out["emb"] = dict(y=y, w=emb.weight, dw=emb.weight.grad, start=emb.vocab_start)
 
     vp = pad_vocab(V, n)
@@ -123,7 +155,10 @@ def run_layers(tp: AxisGroup, dtype, sp: bool) -> dict:
 def worker():
     tp = tp_group()
     return {
-        (str(dt), sp): run_layers(tp, dt, sp) for dt in (torch.float32, torch.float64) for sp in (False, True)
+        (str(dt), sp, split): run_layers(tp, dt, sp, split)
+        for dt in (torch.float32, torch.float64)
+        for sp in (False, True)
+        for split in (False, True)
     }
 
 
@@ -151,8 +186,9 @@ def each_rank(runs):
     for dtype in (torch.float32, torch.float64):
         ref = reference(dtype)
         for sp in (False, True):
-            for rank, res in enumerate(results):
-                yield n, rank, dtype, sp, res[(str(dtype), sp)], ref
+            for split in (False, True):  # the backward split into B and W, as zero-bubble runs it
+                for rank, res in enumerate(results):
+                    yield n, rank, dtype, sp, res[(str(dtype), sp, split)], ref
 
 
 def test_column_parallel_linear(runs):
@@ -206,7 +242,7 @@ def test_vocab_parallel_cross_entropy(runs):
         vp = pad_vocab(V, n)
         want_grad = torch.cat([logits.grad, torch.zeros(B, S, vp - V, dtype=dt)], dim=-1)
         for rk, res in enumerate(results):
-            got = res[(str(dt), False)]["ce"]
+            got = res[(str(dt), False, False)]["ce"]
             close(got["loss"], want.detach(), dt, "loss")
             assert torch.all(got["loss"][0, :3] == 0)
             close(got["dlogits"], last_shard(want_grad, rk, n), dt, "dlogits")
@@ -288,3 +324,22 @@ def test_sequence_parallel_linear_keeps_its_input_shard():
     again there); ``keep_gathered`` keeps the whole gathered input, tp times as much."""
     for got in spawn(_sp_saved_worker, 2, timeout=120):
         assert got[False] == 2 * 8 * 16 and got[True] == 2 * got[False], got
+
+
+def test_a_split_backward_of_the_recomputing_linear_matches_the_plain_one():
+    """Selective recompute's linear (``forward_recomputing``) split into B and W: the same gradients."""
+    dtype = torch.float64
+    d = full_data(dtype)
+    grads = {}
+    for split in (False, True):
+        split_backward(split)
+        try:
+            row = RowParallelLinear(FFN, H, tp=AxisGroup.alone("tp"), init=NormalInit(0.3, 13), dtype=dtype)
+            x = d["x_row"].clone().requires_grad_()
+            y = row.forward_recomputing(x, torch.nn.functional.silu)
+            backward((y * d["dy_row"]).sum(), [row.weight], split)
+            grads[split] = (x.grad, row.weight.grad, row.bias.grad)
+        finally:
+            split_backward(False)
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert torch.equal(a, b)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .deferred import is_deferring, is_split, weight_grad
 from .fp8 import PLAIN, Gemms
 from .init import BLOCK_ROWS, NoInit, NormalInit  # noqa: F401 - the layers' inits, imported from here too
 from .lora import column_with_adapters, row_with_adapters
@@ -61,15 +62,20 @@ class _ShardSavingLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        gemms = ctx.gemms
+        gemms, g = ctx.gemms, ctx.g
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gathered = start_gather(x, ctx.g, SEQ_DIM) if need_w else None
+        # deferred to W (``parallel.deferred``), the weight gradient gathers X there: B keeps the shard
+        gathered = start_gather(x, g, SEQ_DIM) if need_w and not is_deferring() else None
         grad_x = None
         dy = gemms.grad_of(grad)
         if need_x:
-            scatter = start_reduce_scatter(gemms.dgrad(dy, weight), ctx.g, SEQ_DIM)  # overlaps the gather
-        # the weight gradient overlaps the scatter
-        grad_w = gemms.wgrad(dy, gemms.kept_of(gathered().reshape(-1, x.shape[-1]))) if need_w else None
+            scatter = start_reduce_scatter(gemms.dgrad(dy, weight), g, SEQ_DIM)  # overlaps the gather
+
+        def wgrad():  # overlaps the scatter
+            rows = (gathered or start_gather(x, g, SEQ_DIM))().reshape(-1, x.shape[-1])
+            return gemms.wgrad(dy, gemms.kept_of(rows))
+
+        grad_w = weight_grad(weight, wgrad) if need_w else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if need_x:
             grad_x = scatter()
@@ -100,7 +106,8 @@ class _AllReducingLinear(torch.autograd.Function):
         gemms = ctx.gemms
         dy = gemms.grad_of(grad)
         reduced = start_all_reduce(gemms.dgrad(dy, weight), ctx.g) if ctx.needs_input_grad[0] else None
-        grad_w = gemms.wgrad(dy, kept) if ctx.needs_input_grad[1] else None  # overlaps the all-reduce
+        # overlaps the all-reduce
+        grad_w = weight_grad(weight, lambda: gemms.wgrad(dy, kept)) if ctx.needs_input_grad[1] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (reduced() if reduced else None), grad_w, grad_b, None, None
 
@@ -122,7 +129,7 @@ class _Linear(torch.autograd.Function):
         gemms = ctx.gemms
         dy = gemms.grad_of(grad)
         grad_x = gemms.dgrad(dy, weight) if ctx.needs_input_grad[0] else None
-        grad_w = gemms.wgrad(dy, kept) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(weight, lambda: gemms.wgrad(dy, kept)) if ctx.needs_input_grad[1] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
@@ -130,8 +137,8 @@ class _Linear(torch.autograd.Function):
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  gemms: Gemms = PLAIN) -> torch.Tensor:  # fmt: skip
     """``x W^T + b`` on this rank's shard: ``F.linear`` itself for the plain GEMMs (bit-identical to
-    what mt3d always ran), ``_Linear`` for FP8."""
-    if gemms.fp8 is None:
+    what mt3d always ran), ``_Linear`` for FP8 and for a split backward (``parallel.deferred``)."""
+    if gemms.fp8 is None and not is_split():
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, gemms)
 
@@ -157,7 +164,7 @@ class _RecomputedInputLinear(torch.autograd.Function):
             h = ctx.fn(y)
         dy = gemms.grad_of(grad)
         kept = gemms.kept_of(h.detach().reshape(-1, h.shape[-1]))
-        grad_w = gemms.wgrad(dy, kept) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(weight, lambda: gemms.wgrad(dy, kept)) if ctx.needs_input_grad[1] else None
         grad_y = torch.autograd.grad(h, y, gemms.dgrad(dy, weight))[0] if ctx.needs_input_grad[0] else None
         return grad_y, grad_w, None, None
 

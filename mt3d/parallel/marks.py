@@ -36,7 +36,8 @@ def mark_tp_partial_grad(p: nn.Parameter, tp: AxisGroup) -> nn.Parameter:
     the sequence, or of the heads): sum the gradient over TP so every rank applies the same update."""
     p.tp_partial_grad = True
     if tp.size > 1:
-        p.register_hook(lambda grad: all_reduce(grad.clone(), tp))
+        # None: a split backward's B left this weight's gradient to W (``parallel.deferred``)
+        p.register_hook(lambda grad: None if grad is None else all_reduce(grad.clone(), tp))
     return p
 
 
