@@ -35,6 +35,8 @@ class Layout:
     ZeRO the dense weights then take one optimizer group, the experts one (``PARAM_GROUPS``)."""
     notes: tuple[str, ...] = ()
     """Warnings about the config: settings that do nothing in this layout (``mt3d train`` prints them)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (``mt3d.parallel.schedule``); not in ``saved``: a run resumes under any."""
 
     def __getattr__(self, name: str) -> int:
         degrees = self.__dict__.get("degrees")
@@ -118,7 +120,8 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
     if v < 1:
         raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
     why = (
-        rules.virtual_stage_conflict(pp, v)
+        rules.schedule_conflict(par.schedule, pp, v, run.mt3d.train.overlap.grad_reduce)
+        or rules.virtual_stage_conflict(pp, v)
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)
         or rules.tiles_conflict(run.mt3d.train.recompute.tile_len, stage)
@@ -230,7 +233,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
     why = rules.virtual_stage_conflict(
         degrees["pp"], par.virtual_stages, micro_batches=ga
-    ) or rules.p2p_conflict(train.overlap.p2p, degrees["pp"], ga)
+    ) or rules.p2p_conflict(train.overlap.p2p and par.schedule == "1f1b", degrees["pp"], ga)
     if why:
         raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
     if here:
@@ -245,4 +248,4 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         )
     notes = tuple(rules.fp8_notes(train.fp8, par.sequence_parallel, degrees["tp"]))
     return Layout(world_size, degrees, mb, ga, gb, stage, par.virtual_stages, blocks, ds.offload.label,
-                  ds.precision, ds.decay_free, notes)  # fmt: skip
+                  ds.precision, ds.decay_free, notes, par.schedule)  # fmt: skip

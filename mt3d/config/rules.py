@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from .deepspeed import Offload
 from .errors import ConfigError
+from .pipeline_rules import (  # noqa: F401 - the pipeline's rules, read from here too
+    p2p_conflict,
+    schedule_conflict,
+    virtual_stage_conflict,
+    zero_pipeline_conflict,
+)
 from .schema import DataConfig, ParallelConfig, TrainConfig
 
 
@@ -28,41 +34,6 @@ def uses_pipeline_engine(layout) -> bool:
     """Whether a layout trains on DeepSpeed's pipeline engine (ZeRO 0/1, any pp, 1 included) rather
     than its regular engine (ZeRO-2/3, pp 1). ``layout``: anything with a ``zero_stage``."""
     return layout.zero_stage < 2
-
-
-def zero_pipeline_conflict(pp: int, zero_stage: int) -> str | None:
-    """Why a ZeRO stage cannot run with ``pp`` pipeline stages (None: it can)."""
-    from ..versions import running_version
-
-    if pp > 1 and zero_stage >= 2:
-        return (
-            f"ZeRO stage {zero_stage} cannot be used with pipeline={pp} (DeepSpeed's pipeline engine "
-            "supports stages 0-1); use zero_optimization.stage 1, or pipeline 1 for ZeRO-2/3"
-        )
-    if pp > 1 and zero_stage == 0:
-        return (
-            f"ZeRO stage 0 with pipeline > 1 hits DeepSpeed {running_version()} bugs (wrong clipping norm, "
-            "bf16 resume crash); set zero_optimization.stage to 1"
-        )
-    return None
-
-
-def virtual_stage_conflict(
-    pp: int, v: int, micro_batches: int | None = None, layers: int | None = None
-) -> str | None:
-    """Why ``v`` virtual stages per rank cannot run (None: they can, as far as the inputs given tell)."""
-    if v == 1:
-        return None
-    if pp < 2:
-        return f"mt3d.parallel.virtual_stages {v} needs pipeline >= 2 (it interleaves stages)"
-    if micro_batches is not None and micro_batches % pp:
-        return (
-            f"the interleaved schedule needs micro-batches per step ({micro_batches} = "
-            f"gradient_accumulation_steps) to be a multiple of pipeline {pp}"
-        )
-    if layers is not None and layers < pp * v:
-        return f"{layers} layers cannot fill pipeline {pp} x virtual_stages {v} = {pp * v} chunks"
-    return None
 
 
 def offload_conflict(zero_stage: int, off: Offload, short: bool = False) -> str | None:
@@ -278,19 +249,6 @@ def overlap_moe_conflict(grad_reduce: bool, pp: int) -> str | None:
         return ("mt3d.train.overlap.grad_reduce is not supported with a mixture-of-experts model at "
                 f"pipeline {pp} (DeepSpeed's engine runs one backward per tensor the stages pass); set it "
                 "false")  # fmt: skip
-    return None
-
-
-def p2p_conflict(p2p: bool, pp: int, micro_batches: int | None = None) -> str | None:
-    """Why ``mt3d.train.overlap.p2p`` cannot run (None: it can)."""
-    if not p2p:
-        return None
-    if pp < 2:
-        return "mt3d.train.overlap.p2p overlaps pipeline transfers: it needs pipeline >= 2"
-    if micro_batches is not None and micro_batches % pp:
-        return (f"mt3d.train.overlap.p2p runs mt3d's pipeline schedule, which needs micro-batches per "
-                f"step ({micro_batches} = gradient_accumulation_steps) to be a multiple of pipeline "
-                f"{pp}")  # fmt: skip
     return None
 
 

@@ -38,6 +38,9 @@ REACHES = (
           "swapped during deepspeed.initialize: the interleaved schedule (also at v 1 with overlap.p2p: "
           "commits posted without waiting)",
           "test_interleaved.py::test_every_interleaved_layout_matches_one_process"),
+    Reach("interleaved", "a WeightPass instruction added to PipelineEngine's map, each backward run inside "
+          "parallel.deferred: zero-bubble ZB-H1 with W after B, its gradients through DeepSpeed's hooks",
+          "test_zero_bubble.py::test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_under_1f1b"),
     Reach("engine", "FusedAdam's builder breaks on arch suffixes: torch's AdamW is asked for",
           "test_checkpoint.py::test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes"),
     Reach("engine", "fp32 without ZeRO: opt.step, clip_fp32_gradients and _global_grad_norm patched (a "

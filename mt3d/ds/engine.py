@@ -292,7 +292,9 @@ def initialize(
             from .interleaved import initialize as initialize_interleaved
 
             engine = initialize_interleaved(model, param_groups, config)
-            engine.async_p2p = overlap is not None and overlap.p2p
+            engine.schedule = layout.schedule
+            # the zero-bubble programs are made for posted transfers (``pipeline.zero_bubble``)
+            engine.async_p2p = (overlap is not None and overlap.p2p) or layout.schedule != "1f1b"
         else:
             engine, _, _, _ = deepspeed.initialize(
                 model=model, model_parameters=param_groups, config=config, mpu=mpu

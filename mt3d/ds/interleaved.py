@@ -26,6 +26,13 @@ checkpoint machinery. What changes:
   m 16 with transfers a tenth of a forward, 41 transfer times exposed waiting at each commit, 41
   posting one commit per step, 14 posting split ones).
 
+* a zero-bubble schedule (``schedule`` = ``mt3d.parallel.schedule``, "zb-h1") runs the programs of
+  ``pipeline.zero_bubble`` (posted transfers): each backward pass is B, run inside
+  ``parallel.deferred.deferring`` so the linears leave their weight-gradient GEMMs in a queue of the
+  (chunk, micro-batch), and a ``WeightPass`` instruction is W, which runs that queue; the weight
+  gradients then accumulate through autograd as in a plain backward, so DeepSpeed's gradient hooks
+  (the bf16 optimizer's) and its reduction at the end of the schedule see them unchanged.
+
 ``initialize`` builds this engine where ``deepspeed.initialize`` would build its own (it picks the
 engine class by module type and has no hook for another).
 """
@@ -40,6 +47,8 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..parallel.deferred import WeightGrads, deferring, split_backward
+from ..pipeline import zero_bubble
 from ..pipeline.schedule import (
     BWD,
     COMMIT,
@@ -49,6 +58,7 @@ from ..pipeline.schedule import (
     RECV_GRAD,
     SEND_ACT,
     SEND_GRAD,
+    WGT,
     Op,
     rank_steps,
 )
@@ -57,10 +67,20 @@ from .pipe import InterleavedPipeline
 _RANK_VIEW = object()  # no chunk active: stage questions are about the rank
 
 
-def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True, split: bool = False):
+class WeightPass(ds_schedule.BufferOpInstruction):
+    """W of a split backward: the weight gradients B left for the buffer's micro-batch and chunk."""
+
+
+def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True, split: bool = False,
+                       schedule: str = "1f1b"):  # fmt: skip
     """The DeepSpeed ``PipeSchedule`` running ``rank_steps`` (instructions carry ``chunk=``; ``split``:
-    two commits per forward-and-backward step, for posted transfers)."""
+    two commits per forward-and-backward step, for posted transfers), or for a zero-bubble
+    ``schedule`` in training its ``zero_bubble.rank_programs``."""
     ds = ds_schedule
+    if train and schedule != "1f1b":
+        programs = zero_bubble.rank_programs(schedule, p, m)[rank]
+    else:
+        programs = rank_steps(p, v, m, rank, train, split)
     kinds = {
         LOAD: ds.LoadMicroBatch,
         FWD: ds.ForwardPass,
@@ -69,6 +89,7 @@ def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True, sp
         SEND_GRAD: ds.SendGrad,
         RECV_ACT: ds.RecvActivation,
         RECV_GRAD: ds.RecvGrad,
+        WGT: WeightPass,
     }
 
     def instruction(o: Op):
@@ -81,7 +102,7 @@ def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True, sp
 
         def steps(self):
             """One list of instructions per step; the reduction and optimizer step at the end."""
-            for ops in rank_steps(p, v, m, rank, train, split):
+            for ops in programs:
                 yield [instruction(o) for o in ops]
             if train:
                 yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
@@ -104,6 +125,9 @@ class InterleavedPipelineEngine(PipelineEngine):
             "pipe/grad partitioning must be off"
         )
         self.virtual_stages = self.module.virtual_stages
+        self.schedule = "1f1b"
+        """``mt3d.parallel.schedule``: a zero-bubble one splits each backward into B and W."""
+        self._weight_grads: dict[int, WeightGrads] = {}  # buffer -> what its B left for its W
         self._queued: list = []
         self.async_p2p = False
         """Post each commit's batch without waiting (see the module docstring)."""
@@ -139,7 +163,7 @@ class InterleavedPipelineEngine(PipelineEngine):
 
     def _train_schedule(self):
         return deepspeed_schedule(self.num_stages, self.virtual_stages, self.micro_batches, self.stage_id,
-                                  split=self.async_p2p)  # fmt: skip
+                                  split=self.async_p2p, schedule=self.schedule)  # fmt: skip
 
     def _inference_schedule(self, micro_batches):
         return deepspeed_schedule(
@@ -172,6 +196,18 @@ class InterleavedPipelineEngine(PipelineEngine):
                 self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_backward_pass(self, buffer_id, chunk):
+        if self.schedule == "1f1b":
+            self._backward(buffer_id, chunk)
+            return
+        queue = self._weight_grads.setdefault(buffer_id, WeightGrads())
+        with deferring(queue):  # B: the weight gradients wait for this buffer's WeightPass
+            self._backward(buffer_id, chunk)
+
+    def _exec_weight_pass(self, buffer_id, chunk):
+        with self._in_chunk(chunk):
+            self._weight_grads.pop(buffer_id).run()
+
+    def _backward(self, buffer_id, chunk):
         if self._inflight:
             self._wait_until(("grad", buffer_id))
         with self._in_chunk(chunk):
@@ -223,9 +259,13 @@ class InterleavedPipelineEngine(PipelineEngine):
     def _exec_schedule(self, pipe_schedule):
         self.p2p_wait_s = 0.0
         self._queued, self._batch_keys = [], set()  # what an interrupted schedule left
+        self._weight_grads.clear()
+        # a zero-bubble schedule's training forwards run the linears whose backward can split
+        split_backward(self.schedule != "1f1b" and torch.is_grad_enabled())
         try:
             super()._exec_schedule(pipe_schedule)
         finally:
+            split_backward(False)
             self._wait_until(None)  # the last sends
 
     # A stage passes one activation tensor, or (a sparse model) a tuple: the hidden states and the
@@ -285,6 +325,7 @@ class InterleavedPipelineEngine(PipelineEngine):
         ds_schedule.SendGrad: _exec_send_grads,
         ds_schedule.RecvGrad: _exec_recv_grads,
         ds_schedule.CommitP2P: _exec_commit_p2p,
+        WeightPass: _exec_weight_pass,
     }
 
 

@@ -86,7 +86,7 @@ def build_model(
             recompute_interval=rec.interval,
             ckpt=ckpt,
         )
-        if v > 1 or train.overlap.p2p:  # mt3d's schedule engine (mt3d.ds.interleaved)
+        if v > 1 or train.overlap.p2p or layout.schedule != "1f1b":  # mt3d's schedule engine (ds.interleaved)
             model = InterleavedPipeline(specs, virtual_stages=v, **kwargs)
         else:
             model = Mt3dPipeline(specs, **kwargs)
