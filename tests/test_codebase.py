@@ -289,10 +289,13 @@ def slow_import():
     import slow  # noqa: F401 - holds slow's module lock until gate.go
 
 def interrupt():
+    import importlib._bootstrap as bootstrap
     gate.inside.wait()
-    time.sleep(0.3)  # the main thread now waits on slow's lock
+    while getattr(bootstrap._blocking_on.get(main), "name", None) != "slow":
+        time.sleep(0.01)  # until the main thread waits on slow's lock
     signal.pthread_kill(main, signal.SIGUSR1)
-    time.sleep(0.3)
+    while "nested" not in sys.modules:
+        time.sleep(0.01)  # until its handler has imported
     gate.go.set()
 
 threads = [threading.Thread(target=slow_import), threading.Thread(target=interrupt)]

@@ -181,33 +181,49 @@ def zb_config(tmp_path, name, pp=2, schedule="zb-h1", **train):
 
 def test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_under_1f1b(tmp_path):
     """ZB-H1 on DeepSpeed's pipeline engine (pp 2, 5 steps, 4 micro-batches): losses and gradient norms
-    equal the one-process run's within 1e-5 (fp32); bf16 equals 1F1B's bf16 run on the same engine
-    bit for bit (DeepSpeed's bf16 optimizer takes W's gradients through its hooks); its step-3
-    checkpoint resumes under plain 1F1B (DeepSpeed's own schedule) onto the same steps."""
+    equal the one-process run's within 1e-5 in fp32, at dp 1 and at pp 2 x dp 2 (ZeRO-1's gradient
+    hooks see W's gradients); in bf16 they equal 1F1B's run on the same engine bit for bit, with
+    ZeRO-1's bf16 gradients and with fp32 gradient accumulation (DeepSpeed's BF16 optimizer, which
+    takes W's gradients through its hooks); the step-3 checkpoint resumes under plain 1F1B
+    (DeepSpeed's own schedule) onto the same steps."""
     from helpers import run_grouped, step_records
 
     step3 = str(tmp_path / "zb" / "checkpoints" / "step_00000003")
     bf16 = {"bf16": {"enabled": True}}
-    plain_bf16 = {**zb_config(tmp_path, "1f1b-bf16", schedule="1f1b"), **bf16}
-    plain_bf16["mt3d"]["train"]["overlap"] = {"p2p": True}  # the same engine as the zero-bubble one
-    ref, zb_fp32, resumed, zb_bf16, one_bf16 = run_grouped([
+    # gradients accumulated in fp32: DeepSpeed's BF16 optimizer, whose copy to fp32 must follow W
+    fp32_accum = {**bf16, "data_types": {"grad_accum_dtype": "fp32"}}
+
+    def plain(name, extra):  # 1F1B on the same engine as the zero-bubble one
+        raw = {**zb_config(tmp_path, name, schedule="1f1b"), **extra}
+        raw["mt3d"]["train"]["overlap"] = {"p2p": True}
+        return raw
+
+    dp2 = zb_config(tmp_path, "zb-dp2", global_batch=16)  # pp 2 x dp 2: ZeRO-1 partitions over dp
+    ref, zb_fp32, resumed, zb_bf16, one_bf16, zb_accum, one_accum, ref16, zb_dp2 = run_grouped([
         (1, zb_config(tmp_path, "ref", pp=1, schedule="1f1b")),
         (2, zb_config(tmp_path, "zb", save_interval=3)),
         (2, zb_config(tmp_path, "resumed", schedule="1f1b", resume=step3)),
         (2, {**zb_config(tmp_path, "zb-bf16"), **bf16}),
-        (2, plain_bf16),
+        (2, plain("1f1b-bf16", bf16)),
+        (2, {**zb_config(tmp_path, "zb-accum"), **fp32_accum}),
+        (2, plain("1f1b-accum", fp32_accum)),
+        (1, zb_config(tmp_path, "ref16", pp=1, schedule="1f1b", global_batch=16)),
+        (4, dp2),
     ])  # fmt: skip
-    ref, zb_fp32 = step_records(ref), step_records(zb_fp32)
-    assert len(ref) == len(zb_fp32) == 5 and ref[-1]["loss"] < ref[0]["loss"]
-    for a, b in zip(zb_fp32, ref, strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+    for got, want in ((zb_fp32, ref), (zb_dp2, ref16)):
+        got, want = step_records(got), step_records(want)
+        assert len(got) == len(want) == 5 and want[-1]["loss"] < want[0]["loss"]
+        for a, b in zip(got, want, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+    ref = step_records(ref)
     resumed = step_records(resumed)
     assert [r["step"] for r in resumed] == [4, 5]
     for a, b in zip(resumed, ref[3:], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
     pick = lambda rs: [(r["loss"], r["grad_norm"]) for r in step_records(rs)]  # noqa: E731
     assert pick(zb_bf16) == pick(one_bf16) and len(pick(zb_bf16)) == 5
+    assert pick(zb_accum) == pick(one_accum) and len(pick(zb_accum)) == 5
 
 
 def weight_passes_worker(raw):
@@ -237,20 +253,26 @@ def test_the_engine_runs_a_w_pass_per_micro_batch_with_the_linears_weight_gradie
 
 
 @pytest.mark.parametrize(
-    "parallel,overlap,message",
+    "parallel,train,message",
     [
         ({"schedule": "zb-h2"}, {}, "unknown mt3d.parallel.schedule 'zb-h2'; choose one of 1f1b, zb-h1, zbv"),
         ({"schedule": "zbv"}, {}, "'zbv' does not run yet"),
         ({"schedule": "zb-h1", "pipeline": 1}, {}, "it needs pipeline >= 2"),
         ({"schedule": "zb-h1", "virtual_stages": 2}, {}, "runs one chunk per rank: set virtual_stages to 1"),
-        ({"schedule": "zb-h1"}, {"grad_reduce": True}, "grad_reduce does not follow the deferred weight"),
+        ({"schedule": "zb-h1"}, {"overlap": {"grad_reduce": True}}, "grad_reduce does not run with mt3d"),
+        ({"schedule": "zb-h1"}, {"compile": True}, "mt3d.train.compile does not run with mt3d.parallel"),
+        (
+            {"schedule": "zb-h1"},
+            {"batch": 6},
+            "needs micro-batches per step (3 = gradient_accumulation_steps)",
+        ),
     ],
 )
-def test_bad_schedules_are_refused_before_process_groups(tmp_path, parallel, overlap, message):
+def test_bad_schedules_are_refused_before_process_groups(tmp_path, parallel, train, message):
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
 
-    raw = zb_config(tmp_path, "bad")
+    raw = zb_config(tmp_path, "bad", global_batch=train.pop("batch", 8))
     raw["mt3d"]["parallel"].update(parallel)
-    raw["mt3d"]["train"]["overlap"] = overlap
+    raw["mt3d"]["train"].update(train)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(from_dict(raw), raw["mt3d"]["parallel"]["pipeline"], resolve_model(raw["mt3d"]["model"]))

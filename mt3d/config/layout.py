@@ -120,7 +120,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
     if v < 1:
         raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
     why = (
-        rules.schedule_conflict(par.schedule, pp, v, run.mt3d.train.overlap.grad_reduce)
+        rules.schedule_conflict(par.schedule, pp, v, run.mt3d.train)
         or rules.virtual_stage_conflict(pp, v)
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)
@@ -234,6 +234,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     why = rules.virtual_stage_conflict(
         degrees["pp"], par.virtual_stages, micro_batches=ga
     ) or rules.p2p_conflict(train.overlap.p2p and par.schedule == "1f1b", degrees["pp"], ga)
+    why = why or rules.schedule_conflict(par.schedule, degrees["pp"], par.virtual_stages, micro_batches=ga)
     if why:
         raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
     if here:

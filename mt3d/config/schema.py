@@ -114,9 +114,9 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """The pipeline schedule: '1f1b' (interleaved when virtual_stages > 1), or 'zb-h1' (zero-bubble,
     Qi et al. 2024: each backward split into B, the input gradient, and W, the linears' weight
-    gradients, which fill the bubble; 1F1B's activation memory; any number of micro-batches; runs on
-    mt3d's schedule engine with posted transfers). 'zbv' (two chunks per rank in a V) is planned
-    and refused for now."""
+    gradients, which fill the bubble; 1F1B's activation memory; micro-batches per step a multiple
+    of pipeline; runs on mt3d's schedule engine with posted transfers; not yet with overlap.grad_reduce,
+    compile or fp8). 'zbv' (two chunks per rank in a V) is planned and refused for now."""
     hostfile: str | None = None
     """Hostfile describing the hosts (default: discovered from the launcher's local ranks)."""
     islands: str | None = None

@@ -70,9 +70,10 @@ def deepspeed_config(
         pipe = out.setdefault("pipeline", {})
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
-    if overlap_grad_reduce and layout.precision == "bf16":
+    if (overlap_grad_reduce or layout.schedule != "1f1b") and layout.precision == "bf16":
         # The BF16 optimizer then accumulates each parameter's fp32 gradient from a hook as soon as
-        # it is ready, instead of all of them after the backward: what mt3d.ds.overlap reduces.
+        # it is ready, instead of all of them after the backward: what mt3d.ds.overlap reduces, and
+        # what a zero-bubble W (after the backward, before the next one clears the bf16 gradients) needs.
         out.setdefault("bf16", {})["immediate_grad_update"] = True
     if optimizer_states == "bf16":
         # bf16 master weights and moments live in DeepSpeed's ZeRO optimizers only; DeepSpeed picks
@@ -118,6 +119,8 @@ def skip_reduction(engine) -> None:
       of a 689 ms step, docs/benchmarks.md).
     The same step as DeepSpeed's: the fp64 norms only summed in another order."""
     opt = engine.optimizer
+    if not hasattr(opt, "compute_grad_norm"):  # DeepSpeed's BF16 optimizer (bf16, fp32 gradient
+        return  # accumulation) at ZeRO-1: it has neither ZeRO's reduction nor its checks to replace
     opt.buffered_reduce_fallback = _no_reduction
     norm_checks_overflow = opt.compute_grad_norm and (opt.dtype != torch.bfloat16 or opt.check_grad_overflow)
     if not norm_checks_overflow:

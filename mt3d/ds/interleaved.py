@@ -204,8 +204,14 @@ class InterleavedPipelineEngine(PipelineEngine):
             self._backward(buffer_id, chunk)
 
     def _exec_weight_pass(self, buffer_id, chunk):
-        with self._in_chunk(chunk):
-            self._weight_grads.pop(buffer_id).run()
+        # a backward the engine runs (as its pipeline backward marks it): DeepSpeed's gradient hooks
+        # then skip the checks they make of a user's own backward call
+        self._running_engine_backward = True
+        try:
+            with self._in_chunk(chunk):
+                self._weight_grads.pop(buffer_id).run()
+        finally:
+            self._running_engine_backward = False
 
     def _backward(self, buffer_id, chunk):
         if self._inflight:
@@ -266,6 +272,7 @@ class InterleavedPipelineEngine(PipelineEngine):
             super()._exec_schedule(pipe_schedule)
         finally:
             split_backward(False)
+            self._weight_grads.clear()  # an interrupted schedule's (they hold activations)
             self._wait_until(None)  # the last sends
 
     # A stage passes one activation tensor, or (a sparse model) a tuple: the hidden states and the

@@ -42,6 +42,7 @@ Not yet here: the engine that runs these programs and the B/W split in the layer
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -297,7 +298,8 @@ def stages(schedule: str, p: int) -> list[tuple[int, int]]:
     return out
 
 
-def rank_programs(schedule: str, p: int, m: int) -> list[list[list[Op]]]:
+@functools.lru_cache(maxsize=8)
+def rank_programs(schedule: str, p: int, m: int) -> tuple[tuple[tuple[Op, ...], ...], ...]:
     """Every rank's ``orders`` as steps of instructions (``pipeline.schedule``'s ops, each step ending
     in a COMMIT), for posted transfers whose batches complete in posting order (NCCL runs a rank's
     batches in order on one stream; ``mt3d.ds.interleaved`` waits so): a step runs one pass, then
@@ -307,7 +309,7 @@ def rank_programs(schedule: str, p: int, m: int) -> list[list[list[Op]]]:
     send would hold up the sender's later batches (its receives too) until then. Receives therefore
     follow the sender's order on each (sender, receiver) pair, as NCCL's matching by order alone
     needs. The first stage loads the inputs, the last the labels; "1f1b" has no WGT (its BWD is the
-    whole backward)."""
+    whole backward). Cached: an engine asks for them every step."""
     check(schedule, p, m)
     place = stages(schedule, p)
     last = len(place) - 1
@@ -334,9 +336,9 @@ def rank_programs(schedule: str, p: int, m: int) -> list[list[list[Op]]]:
         ((ends[x], r, k, out) for r in range(p) for k, x in enumerate(order[r])
          if (out := output(x)) is not None and out[0] in (SEND_ACT, SEND_GRAD)),
     )  # fmt: skip  # in time order, each sender's in its own order
+    finished = [[ends[x] for x in order[r]] for r in range(p)]  # each rank's passes' ends, ascending
     for sent_at, _, _, (_, to, msg) in sends:
-        finished = [ends[x] for x in order[to]]
-        due[to][bisect.bisect_right(finished, sent_at) - 1].append(msg)
+        due[to][bisect.bisect_right(finished[to], sent_at) - 1].append(msg)
 
     def receives(r: int, k: int) -> list[Op]:
         return [Op(RECV_ACT if kind == "act" else RECV_GRAD, chunk, mb) for kind, chunk, mb in due[r][k]]
@@ -352,8 +354,8 @@ def rank_programs(schedule: str, p: int, m: int) -> list[list[list[Op]]]:
             if out is not None:
                 ops.append(Op(out[0], chunk, x.mb))
             steps.append(ops + receives(r, k) + [Op(COMMIT)])
-        programs.append(steps)
-    return programs
+        programs.append(tuple(tuple(step) for step in steps))
+    return tuple(programs)
 
 
 def simulate(schedule: str, p: int, m: int, *, fwd: float = 1.0, bwd: float = 1.0, wgt: float = 1.0,
