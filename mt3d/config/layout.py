@@ -233,7 +233,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
     why = rules.virtual_stage_conflict(
         degrees["pp"], par.virtual_stages, micro_batches=ga
-    ) or rules.p2p_conflict(train.overlap.p2p and par.schedule == "1f1b", degrees["pp"], ga)
+    ) or rules.p2p_conflict(train.overlap.p2p, degrees["pp"], ga)
     why = why or rules.schedule_conflict(par.schedule, degrees["pp"], par.virtual_stages, micro_batches=ga)
     if why:
         raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")

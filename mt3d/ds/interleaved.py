@@ -265,7 +265,6 @@ class InterleavedPipelineEngine(PipelineEngine):
     def _exec_schedule(self, pipe_schedule):
         self.p2p_wait_s = 0.0
         self._queued, self._batch_keys = [], set()  # what an interrupted schedule left
-        self._weight_grads.clear()
         # a zero-bubble schedule's training forwards run the linears whose backward can split
         split_backward(self.schedule != "1f1b" and torch.is_grad_enabled())
         try:

@@ -36,7 +36,8 @@ holds the first two).
   At unit pass times they take exactly the orders' makespan; with other pass times or transfers up
   to 0.5 F they stay within 16% of the replay's (whose passes adapt, where the programs are fixed).
 
-Not yet here: the engine that runs these programs and the B/W split in the layers (issue 47).
+``mt3d.ds.interleaved`` runs the ZB-H1 programs (with ``parallel.deferred``'s split backward); not yet
+here: the engine placement that would run ZB-V's (issue 47).
 """
 
 from __future__ import annotations
