@@ -227,6 +227,8 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks
     ("tiny-mixtral-capacity", 2, dict(context=2)),  # capacity's "first come" in global token order
     ("tiny-qwen2-moe", 4, dict(pipeline=2, expert=2, virtual_stages=2)),  # shared expert, a dense layer
+    # ZB-V: the stream tuple handed over at the V's turn, the loss and router log on rank 0
+    ("tiny-mixtral", 4, dict(pipeline=2, expert=2, virtual_stages=2, schedule="zbv")),
     ("tiny-qwen2-moe", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
 ]
 

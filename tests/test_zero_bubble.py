@@ -171,11 +171,12 @@ def test_the_simulator_refuses_a_broken_program():
         run(turned, "zb-h1")
 
 
-def zb_config(tmp_path, name, pp=2, schedule="zb-h1", **train):
+def zb_config(tmp_path, name, pp=2, schedule="zb-h1", model=None, **train):
     from helpers import TINY_LLAMA, tiny_config
 
-    raw = tiny_config(tmp_path / name, model=TINY_LLAMA, pp=pp, **train)
+    raw = tiny_config(tmp_path / name, model=model or TINY_LLAMA, pp=pp, **train)
     raw["mt3d"]["parallel"]["schedule"] = schedule
+    raw["mt3d"]["parallel"]["virtual_stages"] = 2 if schedule == "zbv" else 1
     return raw
 
 
@@ -226,6 +227,48 @@ def test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_und
     assert pick(zb_accum) == pick(one_accum) and len(pick(zb_accum)) == 5
 
 
+def test_zbv_trains_as_one_process_with_the_v_placement_and_resumes_under_zb_h1(tmp_path):
+    """ZB-V (two chunks per rank in a V, pp 2 and tp 2 x pp 4, fp32, 5 steps) equals one process within
+    1e-5 (losses and gradient norms): the tiny Llama, with its evaluation (the V's forwards alone);
+    every block option with a tied embedding (the embedding and the head one module on rank 0) and 3
+    micro-batches, not a multiple of pipeline; tp 2 x pp 4 (world 8) with sequence parallelism and
+    selective recompute on 8 layers. The step-3 checkpoint resumes under ZB-H1 (one chunk per rank)
+    onto the same steps."""
+    from helpers import TINY_EVERY, TINY_LLAMA, run_grouped, step_records
+
+    from mt3d.training.metrics import read_metrics
+
+    step3 = str(tmp_path / "zbv" / "checkpoints" / "step_00000003")
+    deep = {**TINY_LLAMA, "layers": 8}
+    wide = zb_config(tmp_path, "tp2-pp4", pp=4, schedule="zbv", model=deep,
+                     recompute={"granularity": "selective"})  # fmt: skip
+    wide["mt3d"]["parallel"].update(tensor=2, sequence_parallel=True)
+    evaluated = {"eval_interval": 5, "eval_batches": 1}
+    runs = run_grouped([
+        (1, zb_config(tmp_path, "ref", pp=1, schedule="1f1b", **evaluated)),
+        (2, zb_config(tmp_path, "zbv", schedule="zbv", save_interval=3, **evaluated)),
+        (2, zb_config(tmp_path, "resumed", resume=step3)),
+        (1, zb_config(tmp_path, "every-ref", pp=1, schedule="1f1b", model=TINY_EVERY, global_batch=6)),
+        (2, zb_config(tmp_path, "every", schedule="zbv", model=TINY_EVERY, global_batch=6)),
+        (1, zb_config(tmp_path, "deep-ref", pp=1, schedule="1f1b", model=deep)),
+        (8, wide),
+    ])  # fmt: skip
+    ref, zbv, resumed, every_ref, every, deep_ref, tp_pp = runs
+    for got, want in ((zbv, ref), (every, every_ref), (tp_pp, deep_ref)):
+        got, want = step_records(got), step_records(want)
+        assert len(got) == len(want) == 5 and want[-1]["loss"] < want[0]["loss"]
+        for a, b in zip(got, want, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+    evals = [[r["eval_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "eval_loss" in r]
+             for name in ("zbv", "ref")]  # fmt: skip
+    assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][0]) <= 1e-5 * evals[1][0], evals
+    resumed, ref = step_records(resumed), step_records(ref)
+    assert [r["step"] for r in resumed] == [4, 5]
+    for a, b in zip(resumed, ref[3:], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+
+
 def weight_passes_worker(raw):
     """One training step of ``raw``'s engine: the weight gradients each of this rank's W passes ran."""
     from mt3d.bench.common import build_engine, train_step
@@ -256,15 +299,15 @@ def test_the_engine_runs_a_w_pass_per_micro_batch_with_the_linears_weight_gradie
     "parallel,train,message",
     [
         ({"schedule": "zb-h2"}, {}, "unknown mt3d.parallel.schedule 'zb-h2'; choose one of 1f1b, zb-h1, zbv"),
-        ({"schedule": "zbv"}, {}, "'zbv' does not run yet"),
+        ({"schedule": "zbv", "virtual_stages": 1}, {}, "runs two chunks per rank in a V: set virtual_stages to 2"),
         ({"schedule": "zb-h1", "pipeline": 1}, {}, "it needs pipeline >= 2"),
         ({"schedule": "zb-h1", "virtual_stages": 2}, {}, "runs one chunk per rank: set virtual_stages to 1"),
         ({"schedule": "zb-h1"}, {"overlap": {"grad_reduce": True}}, "grad_reduce does not run with mt3d"),
         ({"schedule": "zb-h1"}, {"compile": True}, "mt3d.train.compile does not run with mt3d.parallel"),
-        (
-            {"schedule": "zb-h1"},
+        (  # interleaved 1F1B's minimum: a multiple of pipeline (the zero-bubble ones run any count)
+            {"schedule": "1f1b", "virtual_stages": 2},
             {"batch": 6},
-            "needs micro-batches per step (3 = gradient_accumulation_steps)",
+            "the interleaved schedule needs micro-batches per step (3 = gradient_accumulation_steps)",
         ),
     ],
 )

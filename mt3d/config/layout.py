@@ -121,7 +121,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
         raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
     why = (
         rules.schedule_conflict(par.schedule, pp, v, run.mt3d.train)
-        or rules.virtual_stage_conflict(pp, v)
+        or rules.virtual_stage_conflict(pp, v, schedule=par.schedule)
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)
         or rules.tiles_conflict(run.mt3d.train.recompute.tile_len, stage)
@@ -232,9 +232,8 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
             raise ConfigError(why)
     run.ds.update(train_batch_size=gb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
     why = rules.virtual_stage_conflict(
-        degrees["pp"], par.virtual_stages, micro_batches=ga
-    ) or rules.p2p_conflict(train.overlap.p2p, degrees["pp"], ga)
-    why = why or rules.schedule_conflict(par.schedule, degrees["pp"], par.virtual_stages, micro_batches=ga)
+        degrees["pp"], par.virtual_stages, micro_batches=ga, schedule=par.schedule
+    ) or rules.p2p_conflict(train.overlap.p2p, degrees["pp"], ga, par.schedule)
     if why:
         raise ConfigError(why + "; change train_batch_size or train_micro_batch_size_per_gpu")
     if here:

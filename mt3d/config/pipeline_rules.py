@@ -22,14 +22,15 @@ def zero_pipeline_conflict(pp: int, zero_stage: int) -> str | None:
 
 
 def virtual_stage_conflict(
-    pp: int, v: int, micro_batches: int | None = None, layers: int | None = None
+    pp: int, v: int, micro_batches: int | None = None, layers: int | None = None, schedule: str = "1f1b"
 ) -> str | None:
-    """Why ``v`` virtual stages per rank cannot run (None: they can, as far as the inputs given tell)."""
+    """Why ``v`` virtual stages per rank cannot run (None: they can, as far as the inputs given tell);
+    the micro-batch count is the interleaved 1F1B's rule (the zero-bubble schedules run any)."""
     if v == 1:
         return None
     if pp < 2:
         return f"mt3d.parallel.virtual_stages {v} needs pipeline >= 2 (it interleaves stages)"
-    if micro_batches is not None and micro_batches % pp:
+    if micro_batches is not None and micro_batches % pp and schedule == "1f1b":
         return (
             f"the interleaved schedule needs micro-batches per step ({micro_batches} = "
             f"gradient_accumulation_steps) to be a multiple of pipeline {pp}"
@@ -39,24 +40,22 @@ def virtual_stage_conflict(
     return None
 
 
-def schedule_conflict(
-    schedule: str, pp: int, v: int, train=None, micro_batches: int | None = None
-) -> str | None:
-    """Why ``mt3d.parallel.schedule`` cannot run (None: it can), with ``train`` (``TrainConfig``) and
-    ``micro_batches`` per step when given."""
+def schedule_conflict(schedule: str, pp: int, v: int, train=None) -> str | None:
+    """Why ``mt3d.parallel.schedule`` cannot run (None: it can), with ``train`` (``TrainConfig``) when
+    given. Micro-batches per step: "1f1b" any (interleaved: a multiple of pipeline, the virtual
+    stages' rule), "zb-h1" and "zbv" any from 1 (``pipeline.zero_bubble``'s orders run every count;
+    the bubble needs m well above pipeline to shrink)."""
     from ..pipeline.zero_bubble import SCHEDULES
 
     if schedule not in SCHEDULES:
         return f"unknown mt3d.parallel.schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
     if schedule == "1f1b":
         return None
-    if schedule == "zbv":
-        return ("mt3d.parallel.schedule 'zbv' does not run yet (its engine, the V placement, is still to "
-                "come); use 'zb-h1'")  # fmt: skip
     if pp < 2:
         return f"mt3d.parallel.schedule {schedule!r} schedules pipeline stages: it needs pipeline >= 2"
-    if v != 1:
-        return f"mt3d.parallel.schedule {schedule!r} runs one chunk per rank: set virtual_stages to 1"
+    if v != SCHEDULES[schedule]:
+        return (f"mt3d.parallel.schedule {schedule!r} runs " + ("one chunk per rank: set virtual_stages to 1"
+                if SCHEDULES[schedule] == 1 else "two chunks per rank in a V: set virtual_stages to 2"))  # fmt: skip
     untested = {  # combinations whose interplay with the deferred weight gradients is not built or tested
         "mt3d.train.overlap.grad_reduce": train is not None and train.overlap.grad_reduce,  # it fires on B
         "mt3d.train.compile": train is not None and train.compile,  # traced before any B exists
@@ -65,20 +64,16 @@ def schedule_conflict(
     for key, on in untested.items():
         if on:
             return f"{key} does not run with mt3d.parallel.schedule {schedule!r} yet; turn it off"
-    if micro_batches is not None and micro_batches % pp:
-        return (f"mt3d.parallel.schedule {schedule!r} evaluates with the interleaved forward schedule, which "
-                f"needs micro-batches per step ({micro_batches} = gradient_accumulation_steps) to be a "
-                f"multiple of pipeline {pp}")  # fmt: skip
     return None
 
 
-def p2p_conflict(p2p: bool, pp: int, micro_batches: int | None = None) -> str | None:
+def p2p_conflict(p2p: bool, pp: int, micro_batches: int | None = None, schedule: str = "1f1b") -> str | None:
     """Why ``mt3d.train.overlap.p2p`` cannot run (None: it can)."""
     if not p2p:
         return None
     if pp < 2:
         return "mt3d.train.overlap.p2p overlaps pipeline transfers: it needs pipeline >= 2"
-    if micro_batches is not None and micro_batches % pp:
+    if micro_batches is not None and micro_batches % pp and schedule == "1f1b":
         return (f"mt3d.train.overlap.p2p runs mt3d's pipeline schedule, which needs micro-batches per "
                 f"step ({micro_batches} = gradient_accumulation_steps) to be a multiple of pipeline "
                 f"{pp}")  # fmt: skip

@@ -5,13 +5,19 @@ Everything but the schedule is DeepSpeed's: the optimizer (ZeRO-1, bf16/fp16 and
 scaler), gradient reduction over data parallelism, tied-weight reduction, clipping and the
 checkpoint machinery. What changes:
 
-* the "first" and "last" stage are virtual stages: rank 0 chunk 0 loads the inputs, rank p-1
-  chunk v-1 the labels and computes the loss. DeepSpeed asks ``is_first_stage``/``is_last_stage``
-  both to decide who loads data (the rank's position) and how to run a pass (the chunk's), so
-  outside a pass they answer for the rank and inside one for the active chunk. Backward runs
-  inside its chunk too: DeepSpeed scales received gradients by 1/accumulation only on the last
-  stage, and decides it at backward time;
-* point-to-point goes round a ring (rank p-1 feeds rank 0 the next chunk's input), queued by the
+* the "first" and "last" stage are virtual stages, placed by the module's ``placement``: on the
+  ring, rank 0 chunk 0 loads the inputs, rank p-1 chunk v-1 the labels and computes the loss; on
+  ZB-V's V both are on rank 0 (chunks 0 and 1), which loads a micro-batch once and keeps its labels
+  in the last chunk's buffer. DeepSpeed asks ``is_first_stage``/``is_last_stage`` both to decide who
+  loads data and holds the loss (the rank's position) and how to run a pass (the chunk's), so
+  outside a pass they answer for the rank and inside one for the active chunk (during DeepSpeed's
+  start-up, whose handshake walks the ranks in order, for stages 0 and p-1). Backward runs inside
+  its chunk too: DeepSpeed scales received gradients by 1/accumulation only on the last stage, and
+  decides it at backward time;
+* point-to-point goes from each chunk to the rank holding the next (previous) virtual stage: round a
+  ring (rank p-1 feeds rank 0 the next chunk's input), or down and back up the V, whose turn on rank
+  p-1 is a local hand-over (``LocalActivation``, ``LocalGrad``: the output of one chunk is the input
+  of the other, as if received); the shapes go once to each peer. Transfers are queued by the
   send/receive instructions and posted together by ``CommitP2P`` (``batch_isend_irecv``); each
   receive gets its own tensor, and losses and received gradients are kept per (chunk,
   micro-batch) buffer since several are in flight;
@@ -26,8 +32,9 @@ checkpoint machinery. What changes:
   m 16 with transfers a tenth of a forward, 41 transfer times exposed waiting at each commit, 41
   posting one commit per step, 14 posting split ones).
 
-* a zero-bubble schedule (``schedule`` = ``mt3d.parallel.schedule``, "zb-h1") runs the programs of
-  ``pipeline.zero_bubble`` (posted transfers): each backward pass is B, run inside
+* a zero-bubble schedule (``schedule`` = ``mt3d.parallel.schedule``, "zb-h1" or "zbv") runs the
+  programs of ``pipeline.zero_bubble`` (posted transfers; evaluation runs their forwards in the same
+  order): each backward pass is B, run inside
   ``parallel.deferred.deferring`` so the linears leave their weight-gradient GEMMs in a queue of the
   (chunk, micro-batch), and a ``WeightPass`` instruction is W, which runs that queue; the weight
   gradients then accumulate through autograd as in a plain backward, so DeepSpeed's gradient hooks
@@ -54,6 +61,8 @@ from ..pipeline.schedule import (
     COMMIT,
     FWD,
     LOAD,
+    LOCAL_ACT,
+    LOCAL_GRAD,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
@@ -71,14 +80,22 @@ class WeightPass(ds_schedule.BufferOpInstruction):
     """W of a split backward: the weight gradients B left for the buffer's micro-batch and chunk."""
 
 
+class LocalActivation(ds_schedule.BufferOpInstruction):
+    """The buffer's output is the input of this rank's next virtual stage (the V's turn)."""
+
+
+class LocalGrad(ds_schedule.BufferOpInstruction):
+    """The gradient of the buffer's input is the output gradient of this rank's previous virtual stage."""
+
+
 def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True, split: bool = False,
                        schedule: str = "1f1b"):  # fmt: skip
     """The DeepSpeed ``PipeSchedule`` running ``rank_steps`` (instructions carry ``chunk=``; ``split``:
     two commits per forward-and-backward step, for posted transfers), or for a zero-bubble
-    ``schedule`` in training its ``zero_bubble.rank_programs``."""
+    ``schedule`` its ``zero_bubble.rank_programs`` (training's, or evaluation's forwards)."""
     ds = ds_schedule
-    if train and schedule != "1f1b":
-        programs = zero_bubble.rank_programs(schedule, p, m)[rank]
+    if schedule != "1f1b":
+        programs = zero_bubble.rank_programs(schedule, p, m, train)[rank]
     else:
         programs = rank_steps(p, v, m, rank, train, split)
     kinds = {
@@ -90,6 +107,8 @@ def deepspeed_schedule(p: int, v: int, m: int, rank: int, train: bool = True, sp
         RECV_ACT: ds.RecvActivation,
         RECV_GRAD: ds.RecvGrad,
         WGT: WeightPass,
+        LOCAL_ACT: LocalActivation,
+        LOCAL_GRAD: LocalGrad,
     }
 
     def instruction(o: Op):
@@ -119,13 +138,19 @@ class InterleavedPipelineEngine(PipelineEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         self._chunk = _RANK_VIEW
+        self._ends = None  # (rank, chunk) of the first and the last stage; None in DeepSpeed's start-up
         super().__init__(*args, **kwargs)
         assert isinstance(self.module, InterleavedPipeline), "the model must be an InterleavedPipeline"
         assert not (self.is_pipe_partitioned or self.is_grad_partitioned), (
             "pipe/grad partitioning must be off"
         )
         self.virtual_stages = self.module.virtual_stages
-        self.schedule = "1f1b"
+        self.placement = self.module.placement
+        """(pipeline rank, chunk) of each virtual stage (``InterleavedPipeline.placement``)."""
+        self._stage_of = {rc: s for s, rc in enumerate(self.placement)}
+        self._ends = (self.placement[0], self.placement[-1])
+        self._micro = self.micro_batches  # the running schedule's (a buffer is chunk * m + mb)
+        self.schedule = self.module.schedule
         """``mt3d.parallel.schedule``: a zero-bubble one splits each backward into B and W."""
         self._weight_grads: dict[int, WeightGrads] = {}  # buffer -> what its B left for its W
         self._queued: list = []
@@ -136,21 +161,30 @@ class InterleavedPipelineEngine(PipelineEngine):
         self.p2p_wait_s = 0.0
         """Seconds the host spent waiting for point-to-point transfers in the latest schedule (gloo; with
         NCCL ``wait`` only orders the streams and returns at once: this then measures little)."""
-        self._sent_meta = False
-        self._recv_spec = None
+        self._sent_meta: set[int] = set()  # the peers (pipeline ranks) sent the activations' shapes
+        self._recv_spec: dict[int, tuple] = {}  # peer -> (shapes and dtypes, a tuple?) received from it
         self.pipe_buffers["grads"] = []
         self.pipe_buffers["losses"] = []
 
     # --- which stage am I -------------------------------------------------------------------------
+    def _holds(self, end: int) -> bool:
+        if self._ends is None:  # DeepSpeed's start-up: its handshake walks stages 0 .. p-1
+            rank, chunk = (0, 0) if end == 0 else (self.num_stages - 1, self.virtual_stages - 1)
+        else:
+            rank, chunk = self._ends[end]
+        return self.stage_id == rank and (self._chunk is _RANK_VIEW or self._chunk == chunk)
+
     def is_first_stage(self):
-        """Rank 0 outside a pass; rank 0's chunk 0 inside one."""
-        first = self.stage_id == 0
-        return first if self._chunk is _RANK_VIEW else first and self._chunk == 0
+        """This rank holds the first virtual stage (outside a pass); the active chunk is it (inside one)."""
+        return self._holds(0)
 
     def is_last_stage(self):
-        """Rank p-1 outside a pass; rank p-1's last chunk inside one."""
-        last = self.stage_id == self.num_stages - 1
-        return last if self._chunk is _RANK_VIEW else last and self._chunk == self.virtual_stages - 1
+        """This rank holds the last virtual stage, the loss (outside a pass); the active chunk is it."""
+        return self._holds(-1)
+
+    def _loss_stage_global_rank(self):
+        """The rank holding the last virtual stage (DeepSpeed's loss broadcasts come from it)."""
+        return self.grid.stage_to_global(self._ends[-1][0])
 
     @contextmanager
     def _in_chunk(self, chunk: int):
@@ -166,19 +200,30 @@ class InterleavedPipelineEngine(PipelineEngine):
                                   split=self.async_p2p, schedule=self.schedule)  # fmt: skip
 
     def _inference_schedule(self, micro_batches):
-        return deepspeed_schedule(
-            self.num_stages, self.virtual_stages, micro_batches, self.stage_id, train=False
-        )
+        return deepspeed_schedule(self.num_stages, self.virtual_stages, micro_batches, self.stage_id,
+                                  train=False, schedule=self.schedule)  # fmt: skip
 
     def reset_activation_shape(self):
-        """Forget the exchanged activation shape (a new sequence length)."""
+        """Forget the exchanged activation shapes (a new sequence length)."""
         super().reset_activation_shape()
-        self._sent_meta, self._recv_spec = False, None
+        self._sent_meta, self._recv_spec = set(), {}
+
+    def _buffer(self, buffer_id: int, chunk: int, step: int) -> tuple[int, int]:
+        """(pipeline rank, buffer) of the same micro-batch on the virtual stage ``step`` away from
+        ``chunk`` of this rank."""
+        rank, other = self.placement[self._stage_of[(self.stage_id, chunk)] + step]
+        return rank, other * self._micro + buffer_id % self._micro
 
     # --- compute ------------------------------------------------------------------------------------
     def _exec_load_micro_batch(self, buffer_id, chunk):
-        with self._in_chunk(chunk):
-            super()._exec_load_micro_batch(buffer_id)
+        # the rank's view: the first stage's rank takes the inputs, the last stage's the labels, one
+        # batch read per micro-batch (the V's rank 0 holds both, loading at its first chunk)
+        super()._exec_load_micro_batch(buffer_id)
+        rank, last = self._ends[-1]
+        if self.stage_id == rank and chunk != last:  # the labels go to the last stage's buffer
+            labels = self.pipe_buffers["labels"]
+            labels[last * self._micro + buffer_id % self._micro] = labels[buffer_id]
+            labels[buffer_id] = None
 
     def _exec_forward_pass(self, buffer_id, chunk):
         if self._inflight:
@@ -202,6 +247,24 @@ class InterleavedPipelineEngine(PipelineEngine):
         queue = self._weight_grads.setdefault(buffer_id, WeightGrads())
         with deferring(queue):  # B: the weight gradients wait for this buffer's WeightPass
             self._backward(buffer_id, chunk)
+
+    def _exec_local_activation(self, buffer_id, chunk):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        taken = tuple(t.detach().requires_grad_(t.is_floating_point())
+                      for t in (outputs if isinstance(outputs, tuple) else (outputs,)))  # fmt: skip
+        _, target = self._buffer(buffer_id, chunk, +1)
+        self.pipe_buffers["inputs"][target] = taken if isinstance(outputs, tuple) else taken[0]
+        if not torch.is_grad_enabled():
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_local_grad(self, buffer_id, chunk):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        _, target = self._buffer(buffer_id, chunk, -1)
+        if isinstance(inputs, tuple):  # as ``_exec_recv_grads`` keeps them: the floating ones' list
+            self.pipe_buffers["grads"][target] = [t.grad for t in inputs if t.is_floating_point()]
+        else:
+            self.pipe_buffers["grads"][target] = inputs.grad
+        self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_weight_pass(self, buffer_id, chunk):
         # a backward the engine runs (as its pipeline backward marks it): DeepSpeed's gradient hooks
@@ -230,13 +293,16 @@ class InterleavedPipelineEngine(PipelineEngine):
         if first:  # nobody sends its input's gradient: free the input here
             self.pipe_buffers["inputs"][buffer_id] = None
 
-    # --- point to point, round the ring --------------------------------------------------------
-    def _peer(self, step: int) -> int:
-        """Global rank of the stage ``step`` (+1 downstream, -1 upstream) away, wrapping round."""
-        return self.grid.stage_to_global((self.stage_id + step) % self.num_stages)
+    # --- point to point, to the neighbouring virtual stages -----------------------------------
+    def _queue(self, op, tensor, peer: int) -> None:
+        self._queued.append(dist.P2POp(op, tensor, self.grid.stage_to_global(peer)))
 
-    def _queue(self, op, tensor, step: int) -> None:
-        self._queued.append(dist.P2POp(op, tensor, self._peer(step)))
+    def _post_before_meta(self) -> None:
+        """Post what this step queued before a blocking shape exchange (posted transfers): its peer
+        may be waiting for those messages before it reaches its side of the exchange (the V at p 4:
+        rank 0 receives rank 1's shapes while rank 1 waits for the activation rank 0 queued)."""
+        if self.async_p2p and self._queued:
+            self._exec_commit_p2p()
 
     def _exec_commit_p2p(self):
         if not self._queued:
@@ -264,6 +330,7 @@ class InterleavedPipelineEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule):
         self.p2p_wait_s = 0.0
+        self._micro = pipe_schedule.micro_batches
         self._queued, self._batch_keys = [], set()  # what an interrupted schedule left
         # a zero-bubble schedule's training forwards run the linears whose backward can split
         split_backward(self.schedule != "1f1b" and torch.is_grad_enabled())
@@ -278,46 +345,52 @@ class InterleavedPipelineEngine(PipelineEngine):
     # router statistics (``mt3d.model.moe``), whose floating tensors carry gradients back.
     def _exec_send_activations(self, buffer_id, chunk):
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        if not self._sent_meta:  # the first message to the downstream rank: shapes and dtypes
-            self._sent_meta = True
-            self._send_tensor_meta(outputs, (self.stage_id + 1) % self.num_stages)
+        peer, _ = self._buffer(buffer_id, chunk, +1)
+        if peer not in self._sent_meta:  # the first message to that rank: shapes and dtypes
+            self._sent_meta.add(peer)
+            self._post_before_meta()
+            self._send_tensor_meta(outputs, peer)
         for t in outputs if isinstance(outputs, tuple) else (outputs,):
-            self._queue(dist.isend, t, +1)
+            self._queue(dist.isend, t, peer)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id, chunk):
-        if self._recv_spec is None:
-            meta = self._recv_tensor_meta((self.stage_id - 1) % self.num_stages)
+        peer, _ = self._buffer(buffer_id, chunk, -1)
+        if peer not in self._recv_spec:
+            self._post_before_meta()
+            meta = self._recv_tensor_meta(peer)
             metas = meta if isinstance(meta, tuple) else (meta,)
-            self._recv_spec = ([(m.shape, m.dtype) for m in metas], isinstance(meta, tuple))
-        specs, as_tuple = self._recv_spec
+            self._recv_spec[peer] = ([(m.shape, m.dtype) for m in metas], isinstance(meta, tuple))
+        specs, as_tuple = self._recv_spec[peer]
         received = tuple(
             torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
             for shape, dtype in specs
         )
         for t in received:
-            self._queue(dist.irecv, t, -1)
+            self._queue(dist.irecv, t, peer)
         self._batch_keys.add(("act", buffer_id))
         self.pipe_buffers["inputs"][buffer_id] = received if as_tuple else received[0]
 
     def _exec_send_grads(self, buffer_id, chunk):
         inputs = self.pipe_buffers["inputs"][buffer_id]
+        peer, _ = self._buffer(buffer_id, chunk, -1)
         for t in inputs if isinstance(inputs, tuple) else (inputs,):
             if t.is_floating_point():
                 assert t.grad is not None, f"no input gradient for chunk {chunk} buffer {buffer_id}"
-                self._queue(dist.isend, t.grad, -1)
+                self._queue(dist.isend, t.grad, peer)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id, chunk):
         outputs = self.pipe_buffers["outputs"][buffer_id]
+        peer, _ = self._buffer(buffer_id, chunk, +1)
         if isinstance(outputs, tuple):
             grad = [torch.empty_like(t) for t in outputs if t.is_floating_point()]
             for g in grad:
-                self._queue(dist.irecv, g, +1)
+                self._queue(dist.irecv, g, peer)
         else:
             grad = torch.empty_like(outputs)
-            self._queue(dist.irecv, grad, +1)
+            self._queue(dist.irecv, grad, peer)
         self._batch_keys.add(("grad", buffer_id))
         self.pipe_buffers["grads"][buffer_id] = grad
 
@@ -332,6 +405,8 @@ class InterleavedPipelineEngine(PipelineEngine):
         ds_schedule.RecvGrad: _exec_recv_grads,
         ds_schedule.CommitP2P: _exec_commit_p2p,
         WeightPass: _exec_weight_pass,
+        LocalActivation: _exec_local_activation,
+        LocalGrad: _exec_local_grad,
     }
 
 

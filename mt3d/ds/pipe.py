@@ -11,9 +11,12 @@ tests/test_interleaved.py, tests/test_training.py and tests/test_lora.py:
   ``recompute_interval`` consecutive blocks are checkpointed on every stage (the embedding and head
   never are), with mt3d's TP-aware, recompute-safe ``checkpoint``. The tied-weight broadcast runs
   without autograd (DeepSpeed's records a graph torch then warns about on every backward).
-* ``InterleavedPipeline``: a stage that holds v non-contiguous chunks of layers. Virtual stage
-  j = c * p + r (chunk c of rank r) holds the j-th block of layers: ``stage_bounds`` over p * v
-  per-chunk block counts, the embedding on virtual stage 0 and the head on virtual stage p v - 1.
+* ``InterleavedPipeline``: a stage that holds v non-contiguous chunks of layers. Virtual stage j
+  holds the j-th block of layers (``stage_bounds`` over p * v per-chunk block counts, the embedding
+  on virtual stage 0 and the head on virtual stage p v - 1), on the (rank, chunk) its ``placement``
+  gives (``pipeline.zero_bubble.stages``): PTD-P's ring (j = c * p + r: chunk c of rank r), or
+  ZB-V's V (rank r holds stages r and 2p - 1 - r; the head then sits on rank 0 beside the
+  embedding, so a tied embedding is one module there, and its gradient needs no sum over stages).
   A rank builds each of its chunks with DeepSpeed's own ``_build`` (modules named by global layer
   index, the tied embedding shared as at v = 1) and exposes one at a time (``activate_chunk``) to
   ``forward``, DeepSpeed's checkpoint writer and its loader, so parameter names and checkpoint
@@ -32,6 +35,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..model.pipeline import LossFn, run_layers, stage_bounds
+from ..pipeline import zero_bubble
 from ..parallel.random import checkpoint
 
 log = logging.getLogger("mt3d")
@@ -104,24 +108,31 @@ class Mt3dPipeline(PipelineModule):
 class InterleavedPipeline(Mt3dPipeline):
     """``Mt3dPipeline`` with ``virtual_stages`` chunks per rank; ``stage_blocks`` has p * v entries."""
 
-    def __init__(self, specs: list, *, virtual_stages: int, **kwargs) -> None:
+    def __init__(self, specs: list, *, virtual_stages: int, schedule: str = "1f1b", **kwargs) -> None:
         self.virtual_stages = virtual_stages
+        self.schedule = schedule
+        """``mt3d.parallel.schedule``: "zbv" places the chunks as a V, any other as a ring."""
         super().__init__(specs, **kwargs)
 
     def _partition_layers(self, method="mt3d-blocks"):
         p, v = self.num_stages, self.virtual_stages
+        self.placement = zero_bubble.stages(self.schedule, p, v)
+        """(pipeline rank, chunk) of each virtual stage."""
         self.parts = stage_bounds(self._stage_blocks)
         if len(self.parts) != p * v + 1 or self.parts[-1] != len(self._layer_specs):
             raise ValueError(f"stage_blocks {self._stage_blocks} do not fit {p} stages x {v} chunks")
+        if len(self.placement) != p * v:
+            raise ValueError(f"the {self.schedule} schedule places {len(self.placement)} chunks, not {p} x {v}")
         rank = self._topo.get_coord(self.global_rank).pipe
-        self.chunk_bounds = [(self.parts[c * p + rank], self.parts[c * p + rank + 1]) for c in range(v)]
+        mine = sorted((c, j) for j, (r, c) in enumerate(self.placement) if r == rank)
+        self.chunk_bounds = [(self.parts[j], self.parts[j + 1]) for _, j in mine]
         self._set_bounds(*self.chunk_bounds[0])
 
     def stage_owner(self, layer_idx):
         """The pipeline rank whose chunk holds ``layer_idx``."""
         for j in range(len(self.parts) - 1):
             if self.parts[j] <= layer_idx < self.parts[j + 1]:
-                return j % self.num_stages
+                return self.placement[j][0]
         raise RuntimeError(f"layer {layer_idx} is outside {self.parts}")
 
     def _build(self):

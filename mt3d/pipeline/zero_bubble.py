@@ -160,8 +160,9 @@ class _Run:
     once its inputs are there; events in time order, ties by rank."""
 
     def __init__(self, schedule: str, p: int, m: int, timing: _Timing, programs: list[list[Pass]] | None,
-                 lag: list[int] | None = None):  # fmt: skip
+                 lag: list[int] | None = None, train: bool = True):  # fmt: skip
         self.schedule, self.p, self.m, self.t = schedule, p, m, timing
+        self.train = train  # False: forwards only (evaluation's), which hold nothing
         self.lag = lag or [10**9] * p
         self.rank_of = placement(schedule, p)
         self.stages = len(self.rank_of)
@@ -178,7 +179,7 @@ class _Run:
         self.next_b = [0] * self.stages  # and runs B of
         self.pending_w: list[list[Pass]] = [[] for _ in range(p)]
         self.order: list[list[Pass]] = [[] for _ in range(p)]
-        kinds = (F, B) if schedule == "1f1b" else (F, B, W)
+        kinds = (F,) if not train else (F, B) if schedule == "1f1b" else (F, B, W)
         self.expected = {Pass(k, s, mb) for k in kinds for s in range(self.stages) for mb in range(m)}
 
     def window(self, r: int) -> int:
@@ -244,7 +245,7 @@ class _Run:
             self.live[r] += 1
             self.open[r] += 1
             limit = memory_limit(self.schedule, self.p, r)
-            assert self.live[r] <= limit, f"rank {r}: {self.live[r]} activations held, over {limit}"
+            assert not self.train or self.live[r] <= limit, f"rank {r}: {self.live[r]} held, over {limit}"
             self.peak[r] = max(self.peak[r], self.live[r])
         elif x.kind == B:
             assert x.mb == self.next_b[x.stage], f"rank {r}: {x} out of micro-batch order"
@@ -288,9 +289,12 @@ class _Run:
         }
 
 
-def stages(schedule: str, p: int) -> list[tuple[int, int]]:
-    """(rank, chunk) of each stage: a rank's chunks numbered in stage order (the V: chunk 0 of rank r
-    is stage r, chunk 1 is stage 2p - 1 - r)."""
+def stages(schedule: str, p: int, v: int = 1) -> list[tuple[int, int]]:
+    """(rank, chunk) of each stage, a rank's chunks numbered in stage order: the V's (chunk 0 of rank
+    r is stage r, chunk 1 is stage 2p - 1 - r), or else the ring of ``v`` chunks per rank (stage
+    c p + r is chunk c of rank r: one stage per rank at v = 1, PTD-P's interleaving above)."""
+    if schedule != "zbv":
+        return [(s % p, s // p) for s in range(p * v)]
     seen = [0] * p
     out = []
     for r in placement(schedule, p):
@@ -299,8 +303,8 @@ def stages(schedule: str, p: int) -> list[tuple[int, int]]:
     return out
 
 
-@functools.lru_cache(maxsize=8)
-def rank_programs(schedule: str, p: int, m: int) -> tuple[tuple[tuple[Op, ...], ...], ...]:
+@functools.lru_cache(maxsize=16)
+def rank_programs(schedule: str, p: int, m: int, train: bool = True) -> tuple[tuple[tuple[Op, ...], ...], ...]:
     """Every rank's ``orders`` as steps of instructions (``pipeline.schedule``'s ops, each step ending
     in a COMMIT), for posted transfers whose batches complete in posting order (NCCL runs a rank's
     batches in order on one stream; ``mt3d.ds.interleaved`` waits so): a step runs one pass, then
@@ -309,13 +313,19 @@ def rank_programs(schedule: str, p: int, m: int) -> tuple[tuple[tuple[Op, ...], 
     sender posts the send, in the orders' own timeline (``replay`` at unit times): posted later, the
     send would hold up the sender's later batches (its receives too) until then. Receives therefore
     follow the sender's order on each (sender, receiver) pair, as NCCL's matching by order alone
-    needs. The first stage loads the inputs, the last the labels; "1f1b" has no WGT (its BWD is the
-    whole backward). Cached: an engine asks for them every step."""
+    needs. A rank loads a micro-batch once, at the forward of the first stage or the last one it
+    holds (the V's rank 0 holds both: its engine keeps the labels for the last); "1f1b" has no WGT
+    (its BWD is the whole backward). ``train`` False: evaluation's, the forwards alone in the same
+    order. Cached: an engine asks for them every step."""
     check(schedule, p, m)
     place = stages(schedule, p)
     last = len(place) - 1
     rank_of = [r for r, _ in place]
-    timeline = replay(schedule, p, m)
+    if train:
+        timeline = replay(schedule, p, m)
+    else:  # a subset of a schedule that runs, in the same order, runs (its dependencies are a subset)
+        forwards = [[x for x in o if x.kind == F] for o in orders(schedule, p, m)]
+        timeline = _Run(schedule, p, m, _Timing(1.0, 1.0, 1.0, 0.0), forwards, train=False).run()
     order, ends = timeline["orders"], timeline["ends"]
 
     def output(x: Pass) -> tuple[str, int, tuple] | None:
@@ -349,7 +359,8 @@ def rank_programs(schedule: str, p: int, m: int) -> tuple[tuple[tuple[Op, ...], 
         steps = [receives(r, -1) + [Op(COMMIT)]] if due[r][-1] else []
         for k, x in enumerate(order[r]):
             chunk = place[x.stage][1]
-            ops = [Op(LOAD, chunk, x.mb)] if x.kind == F and x.stage in (0, last) else []
+            loads = x.stage == 0 or (x.stage == last and rank_of[last] != rank_of[0])
+            ops = [Op(LOAD, chunk, x.mb)] if x.kind == F and loads else []
             ops.append(Op({F: FWD, B: BWD, W: WGT}[x.kind], chunk, x.mb))
             out = output(x)
             if out is not None:

@@ -87,7 +87,7 @@ def build_model(
             ckpt=ckpt,
         )
         if v > 1 or train.overlap.p2p or layout.schedule != "1f1b":  # mt3d's schedule engine (ds.interleaved)
-            model = InterleavedPipeline(specs, virtual_stages=v, **kwargs)
+            model = InterleavedPipeline(specs, virtual_stages=v, schedule=layout.schedule, **kwargs)
         else:
             model = Mt3dPipeline(specs, **kwargs)
     else:

@@ -166,8 +166,10 @@ class Trainer:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def _router_figures(self) -> dict:
-        state = self.rt.state  # one rank per data-parallel replica holds its (cp-summed) figures
-        holder = state.is_last_stage and state.tp.rank == 0 and state.cp.rank == 0
+        state = self.rt.state  # one rank per data-parallel replica holds its (cp-summed) figures: the
+        # loss's (the last pipeline rank's, or the V's rank 0: the pipeline engine knows which)
+        loss_rank = self.engine.is_last_stage() if hasattr(self.engine, "is_last_stage") else state.is_last_stage
+        holder = loss_rank and state.tp.rank == 0 and state.cp.rank == 0
         return router_figures(self.engine.module.loss_fn, holder, self.rt.device)
 
     def _log_step(self, loss: float, seconds: float) -> None:
