@@ -234,9 +234,9 @@ def test_zbv_trains_as_one_process_with_the_v_placement_and_resumes_under_zb_h1(
     micro-batches, not a multiple of pipeline; tp 2 x pp 4 (world 8) with sequence parallelism and
     selective recompute on 8 layers. The step-3 checkpoint resumes under ZB-H1 (one chunk per rank)
     onto the same steps."""
-    from helpers import TINY_EVERY, TINY_LLAMA, run_grouped, step_records
-
     from mt3d.training.metrics import read_metrics
+
+    from helpers import TINY_EVERY, TINY_LLAMA, run_grouped, step_records
 
     step3 = str(tmp_path / "zbv" / "checkpoints" / "step_00000003")
     deep = {**TINY_LLAMA, "layers": 8}
@@ -299,7 +299,7 @@ def test_the_engine_runs_a_w_pass_per_micro_batch_with_the_linears_weight_gradie
     "parallel,train,message",
     [
         ({"schedule": "zb-h2"}, {}, "unknown mt3d.parallel.schedule 'zb-h2'; choose one of 1f1b, zb-h1, zbv"),
-        ({"schedule": "zbv", "virtual_stages": 1}, {}, "runs two chunks per rank in a V: set virtual_stages to 2"),
+        ({"schedule": "zbv", "virtual_stages": 1}, {}, "two chunks per rank in a V: set virtual_stages to 2"),
         ({"schedule": "zb-h1", "pipeline": 1}, {}, "it needs pipeline >= 2"),
         ({"schedule": "zb-h1", "virtual_stages": 2}, {}, "runs one chunk per rank: set virtual_stages to 1"),
         ({"schedule": "zb-h1"}, {"overlap": {"grad_reduce": True}}, "grad_reduce does not run with mt3d"),

@@ -54,8 +54,9 @@ def schedule_conflict(schedule: str, pp: int, v: int, train=None) -> str | None:
     if pp < 2:
         return f"mt3d.parallel.schedule {schedule!r} schedules pipeline stages: it needs pipeline >= 2"
     if v != SCHEDULES[schedule]:
-        return (f"mt3d.parallel.schedule {schedule!r} runs " + ("one chunk per rank: set virtual_stages to 1"
-                if SCHEDULES[schedule] == 1 else "two chunks per rank in a V: set virtual_stages to 2"))  # fmt: skip
+        fix = ("one chunk per rank: set virtual_stages to 1" if SCHEDULES[schedule] == 1
+               else "two chunks per rank in a V: set virtual_stages to 2")  # fmt: skip
+        return f"mt3d.parallel.schedule {schedule!r} runs {fix}"
     untested = {  # combinations whose interplay with the deferred weight gradients is not built or tested
         "mt3d.train.overlap.grad_reduce": train is not None and train.overlap.grad_reduce,  # it fires on B
         "mt3d.train.compile": train is not None and train.compile,  # traced before any B exists

@@ -35,8 +35,8 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..model.pipeline import LossFn, run_layers, stage_bounds
-from ..pipeline import zero_bubble
 from ..parallel.random import checkpoint
+from ..pipeline import zero_bubble
 
 log = logging.getLogger("mt3d")
 
@@ -122,7 +122,7 @@ class InterleavedPipeline(Mt3dPipeline):
         if len(self.parts) != p * v + 1 or self.parts[-1] != len(self._layer_specs):
             raise ValueError(f"stage_blocks {self._stage_blocks} do not fit {p} stages x {v} chunks")
         if len(self.placement) != p * v:
-            raise ValueError(f"the {self.schedule} schedule places {len(self.placement)} chunks, not {p} x {v}")
+            raise ValueError(f"{self.schedule} places {len(self.placement)} chunks, not {p} x {v}")
         rank = self._topo.get_coord(self.global_rank).pipe
         mine = sorted((c, j) for j, (r, c) in enumerate(self.placement) if r == rank)
         self.chunk_bounds = [(self.parts[j], self.parts[j + 1]) for _, j in mine]

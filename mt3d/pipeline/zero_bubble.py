@@ -304,7 +304,9 @@ def stages(schedule: str, p: int, v: int = 1) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=16)
-def rank_programs(schedule: str, p: int, m: int, train: bool = True) -> tuple[tuple[tuple[Op, ...], ...], ...]:
+def rank_programs(
+    schedule: str, p: int, m: int, train: bool = True
+) -> tuple[tuple[tuple[Op, ...], ...], ...]:
     """Every rank's ``orders`` as steps of instructions (``pipeline.schedule``'s ops, each step ending
     in a COMMIT), for posted transfers whose batches complete in posting order (NCCL runs a rank's
     batches in order on one stream; ``mt3d.ds.interleaved`` waits so): a step runs one pass, then

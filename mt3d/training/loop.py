@@ -168,7 +168,8 @@ class Trainer:
     def _router_figures(self) -> dict:
         state = self.rt.state  # one rank per data-parallel replica holds its (cp-summed) figures: the
         # loss's (the last pipeline rank's, or the V's rank 0: the pipeline engine knows which)
-        loss_rank = self.engine.is_last_stage() if hasattr(self.engine, "is_last_stage") else state.is_last_stage
+        pipelined = hasattr(self.engine, "is_last_stage")
+        loss_rank = self.engine.is_last_stage() if pipelined else state.is_last_stage
         holder = loss_rank and state.tp.rank == 0 and state.cp.rank == 0
         return router_figures(self.engine.module.loss_fn, holder, self.rt.device)
 
