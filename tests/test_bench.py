@@ -87,19 +87,28 @@ def test_comm_benchmark_measures_the_expert_all_to_all_at_its_volume():
     assert row["ratio"] == 1.0 and row["calls"] == 5 and row["theory"] == 0.5 * (4 * 64 * 2 * 32 + 8)
 
 
-def test_bubble_benchmark_runs_both_schedules():
-    """Smoke: a tiny p=2 pipeline under DeepSpeed's 1F1B and the interleaved schedule; the figures are
-    overhead-dominated at this size (the measured ones are in docs/benchmarks)."""
+def test_bubble_benchmark_runs_every_schedule():
+    """Smoke: a tiny p=2 pipeline under DeepSpeed's 1F1B, the interleaved schedule, ZB-H1 and ZB-V; the
+    figures are overhead-dominated at this size (the measured ones are in docs/benchmarks)."""
+    from mt3d.pipeline import zero_bubble
+
     rec, text = bench("bubble", "--stages", "2", "--micro-batches", "4", "--virtual", "1,2", "--steps", "2",
-                      "--hidden", "64")  # fmt: skip
-    assert [(r["p"], r["m"], r["v"]) for r in rec["rows"]] == [(2, 4, 1), (2, 4, 2)]
-    for r in rec["rows"]:
-        assert r["theory"] == (r["p"] - 1) / (r["v"] * r["m"] + r["p"] - 1)
+                      "--hidden", "64", "--schedules", "1f1b,zb-h1,zbv")  # fmt: skip
+    rows = rec["rows"]
+    assert [(r["schedule"], r["p"], r["m"], r["v"]) for r in rows] == [
+        ("1f1b", 2, 4, 1), ("1f1b", 2, 4, 2), ("zb-h1", 2, 4, 1), ("zbv", 2, 4, 2)
+    ]  # fmt: skip
+    for r in rows:
         assert len(r["per_stage"]) == 2 and all(0 <= x < 1 for x in r["per_stage"])
+        assert r["speedup"] == rows[0]["step_s"] / r["step_s"]
+    for r in rows[:2]:
+        assert r["theory"] == (r["p"] - 1) / (r["v"] * r["m"] + r["p"] - 1)
         assert r["ideal_speedup"] == (r["m"] + r["p"] - 1) / (r["m"] + (r["p"] - 1) / r["v"])
-    one, two = rec["rows"]
-    assert one["speedup"] == 1.0 and two["speedup"] == one["step_s"] / two["step_s"]
-    assert "| 2 | 4 | 2 |" in render([rec])
+    for r in rows[2:]:  # the paper's unit-time figures: 0.077 and 0.040 at p 2, m 4
+        idle = zero_bubble.replay(r["schedule"], 2, 4)["idle"]
+        assert r["theory"] == sum(idle) / 2 and r["theory"] < rows[0]["theory"] / 2
+    assert rows[1]["predicted"] is None and all(0 < rows[k]["predicted"] < 1 for k in (0, 2, 3))
+    assert "| zbv | 2 | 4 | 2 |" in render([rec])
 
 
 @pytest.mark.parametrize(
@@ -115,6 +124,8 @@ def test_bubble_benchmark_runs_both_schedules():
         (["memory", "--rows", "99"], "--rows 99: there are"),
         (["gpu-suite", "--smoke", "--out", "/proc/x"], "--out /proc/x is not writable"),
         (["bubble", "--virtual", "2", "--stages", "4", "--micro-batches", "6"], "micro-batches a multiple"),
+        (["bubble", "--schedules", "zbv", "--layers-per-stage", "3"], "--layers-per-stage (3) even"),
+        (["bubble", "--schedules", "zb-h2"], "--schedules"),
         (["fp8", "--hidden", "-16"], "argument --hidden: must be >= 1"),
         (["autoep", "--steps", "3"], "--steps must exceed the 3 warm-up steps"),
         (["autoep", "--ep", "3"], "--ep 3 does not divide the benchmark Mixtral's 8 experts"),

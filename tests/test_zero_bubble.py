@@ -56,6 +56,19 @@ def test_the_v_puts_the_first_and_last_stage_on_rank_0():
     assert first_b.stage == 3
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv"])
+def test_the_chart_draws_the_replay(name):
+    """docs/training.md's figure: each rank's row holds its passes (F, B, W; the V's second chunk in
+    lower case) and as many idle slots as the replay's idle fraction of the step."""
+    run, rows = zb.replay(name, 2, 4), zb.chart(name, 2, 4).splitlines()
+    slots = round(run["makespan"] * zb.SCHEDULES[name])
+    for r, row in enumerate(rows):
+        body = row.split("|")[1]
+        assert len(body) == 2 * slots and body.count("..") / slots == pytest.approx(run["idle"][r])
+        kinds = {body[k] for k in range(0, len(body), 2)} - {"."}
+        assert kinds == {"1f1b": {"F", "B"}, "zb-h1": {"F", "B", "W"}, "zbv": set("FBWfbw")}[name]
+
+
 def test_replay_takes_transfer_and_pass_times():
     """Slower transfers stretch every schedule; B's and W's times are the ones given (the V's
     passes are half a rank's layers)."""

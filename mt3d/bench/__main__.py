@@ -23,7 +23,7 @@ from ..inputs import (
 
 BENCHES = {
     "overhead": "step time of mt3d at tp=pp=dp=1 vs a plain PyTorch loop and transformers+DeepSpeed",
-    "bubble": "measured pipeline idle fraction per stage vs (p-1)/(v m+p-1), 1F1B and interleaved",
+    "bubble": "measured pipeline idle fraction per stage vs theory: 1F1B, interleaved, zero-bubble",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
     "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP); "
     "with --cp, each context-parallel exchange (all-to-all, all-gather, halo) vs its volume",
@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_ints,
         default=(1, 2),
         help="virtual stages per rank to compare (1: DeepSpeed's 1F1B)",
+    )
+    b.add_argument(
+        "--schedules",
+        type=choices_list(("1f1b", "zb-h1", "zbv"), "--schedules"),
+        default=("1f1b",),
+        help="pipeline schedules to compare (1f1b at each --virtual; zb-h1 and zbv at their own chunks)",
     )
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
     pr.add_argument("--mb", type=positive_float, default=50.0, help="size of the generated jsonl input")

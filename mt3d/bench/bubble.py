@@ -2,12 +2,18 @@
 
 v = 1 is DeepSpeed's 1F1B schedule, v > 1 mt3d's interleaved one (v chunks per stage, the same
 model cut into p v chunks): its bubble is (p-1)/(v m) of the ideal time, i.e. (p-1)/(v m + p - 1)
-of the total for uniform chunks.
+of the total for uniform chunks. ``--schedules zb-h1,zbv`` adds the zero-bubble schedules
+(``mt3d.pipeline.zero_bubble``, run by mt3d's engine with the backward split into B and W): their
+"theory" is the schedule replayed at the paper's unit pass times (F = B = W, free transfers), and
+"predicted" every schedule's programs run by the simulator at the pass times measured in the same
+run (each rank's forward, input-gradient and weight-gradient seconds per micro-batch; 1F1B's
+backward is both halves), which is what the measured idle is held against.
 
 DeepSpeed's pipeline engine runs each step as a list of instructions; the benchmark times every
 instruction on every stage (by wrapping the engine's instruction table on the instance). Per stage,
 busy = forward + backward compute, window = the step minus the optimizer step and gradient
-reductions (which the 1F1B bubble formula does not cover), idle = 1 - busy / window. The model has
+reductions (which the 1F1B bubble formula does not cover), idle = 1 - busy / window (busy includes
+the W passes of a split backward). The model has
 equal blocks per stage and a small vocabulary so that stages are balanced, as the formula assumes.
 
 Reported: the mean over stages, and the idle fraction of the busiest stage (which sets the pace;
@@ -46,10 +52,13 @@ def _instrument(engine):
     return totals
 
 
-def worker(
-    stages: int, micro_batches: int, steps: int, hidden: int, layers_per_stage: int, v: int = 1
-) -> dict:
-    """One rank: train ``steps`` steps and report this stage's busy/window times."""
+PASSES = {"fwd": "ForwardPass", "bwd": "BackwardPass", "wgt": "WeightPass"}
+
+
+def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_stage: int, v: int = 1,
+           schedule: str = "1f1b") -> dict:  # fmt: skip
+    """One rank: train ``steps`` steps and report this stage's busy/window times and its seconds of
+    forward, backward (B) and weight-gradient (W) passes per micro-batch."""
     import torch.distributed as dist
 
     from ..data.loader import StepBatches
@@ -58,10 +67,11 @@ def worker(
     raw = bench_run_config(
         model=model, pp=stages, global_batch=micro_batches, micro=1, seq_len=128, vocab=512
     )
-    raw["mt3d"]["parallel"]["virtual_stages"] = v
+    raw["mt3d"]["parallel"].update(virtual_stages=v, schedule=schedule)
     _, layout, rt, engine, data, _ = build_engine(raw)
     totals = _instrument(engine)
     idle, busy_s, window_s = [], [], []
+    passes: dict[str, list[float]] = {k: [] for k in PASSES}
     for step in range(steps + 1):
         totals.clear()
         t0 = time.perf_counter()
@@ -77,18 +87,56 @@ def worker(
         )
         total = time.perf_counter() - t0
         window = total - sum(totals[k] for k in EXCLUDED)
-        busy = totals["ForwardPass"] + totals["BackwardPass"]
+        busy = sum(totals[k] for k in PASSES.values())
         if step:  # the first step includes one-time shape exchanges
             idle.append(1 - busy / window)
             busy_s.append(busy)
             window_s.append(window)
+            for key, kind in PASSES.items():
+                passes[key].append(totals[kind] / micro_batches)
     return {
         "stage": rt.state.pp.rank,
         "idle": statistics.median(idle),
         "busy_s": statistics.median(busy_s),
         "window_s": statistics.median(window_s),
         "rank": dist.get_rank(),
+        **{f"{key}_s": statistics.median(times) for key, times in passes.items()},
     }
+
+
+def runs(args) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) of each measured run at one (p, m): 1F1B at every ``--virtual``, a
+    zero-bubble schedule at its own chunks per rank."""
+    from ..pipeline.zero_bubble import SCHEDULES
+
+    out = []
+    for schedule in args.schedules:
+        vs = args.virtual if schedule == "1f1b" else (SCHEDULES[schedule],)
+        out += [(schedule, v) for v in vs]
+    return out
+
+
+def predicted(schedule: str, v: int, p: int, m: int, ordered: list[dict]) -> float | None:
+    """Mean idle fraction the simulator gives this schedule's programs at the pass times measured
+    (means over ranks; None for interleaved 1F1B, whose passes the zero-bubble replay does not run)."""
+    from ..pipeline import zero_bubble
+
+    if schedule == "1f1b" and v > 1:
+        return None
+    mean = {k: statistics.fmean(r[f"{k}_s"] for r in ordered) for k in PASSES}
+    if schedule == "1f1b":  # DeepSpeed's backward is both halves
+        mean["bwd"], mean["wgt"] = mean["bwd"] * 0.5, mean["bwd"] * 0.5
+    sim = zero_bubble.simulate(schedule, p, m, fwd=mean["fwd"], bwd=mean["bwd"], wgt=mean["wgt"])
+    return statistics.fmean(sim["idle"])
+
+
+def theory_of(schedule: str, v: int, p: int, m: int) -> float:
+    """(p-1)/(v m+p-1) for 1F1B; a zero-bubble schedule's replay at unit pass times (the paper's)."""
+    from ..pipeline import zero_bubble
+
+    if schedule == "1f1b":
+        return (p - 1) / (v * m + p - 1)
+    return statistics.fmean(zero_bubble.replay(schedule, p, m)["idle"])
 
 
 def check_args(args) -> str | None:
@@ -96,7 +144,11 @@ def check_args(args) -> str | None:
     interleaved schedule micro-batches a multiple of the stages and whole blocks per chunk."""
     if args.hidden % 4:
         return f"--hidden {args.hidden} is not divisible by the benchmark's 4 heads"
-    for v in (v for v in args.virtual if v > 1):
+    if "zbv" in args.schedules and args.layers_per_stage % 2:
+        return f"--schedules zbv needs --layers-per-stage ({args.layers_per_stage}) even: two chunks per rank"
+    if any(p < 2 for p in args.stages) and set(args.schedules) - {"1f1b"}:
+        return "--schedules zb-h1/zbv schedule pipeline stages: give --stages of 2 or more"
+    for v in (v for v in args.virtual if v > 1 and "1f1b" in args.schedules):
         if args.layers_per_stage % v:
             return f"--virtual {v} needs --layers-per-stage ({args.layers_per_stage}) divisible by it"
         bad = [(p, m) for p in args.stages for m in args.micro_batches if m % p]
@@ -112,13 +164,14 @@ def run(args) -> dict:
     rows, out = [], []
     for p in args.stages:
         for m in args.micro_batches:
-            for v in args.virtual:
-                if v > 1 and (m % p or args.layers_per_stage % v):
+            for schedule, v in runs(args):
+                if schedule == "1f1b" and v > 1 and (m % p or args.layers_per_stage % v):
                     continue  # the interleaved schedule needs m = k p and whole blocks per chunk
-                res = spawn(worker, p, p, m, args.steps, args.hidden, args.layers_per_stage, v, timeout=1800)
+                res = spawn(worker, p, p, m, args.steps, args.hidden, args.layers_per_stage, v, schedule,
+                            timeout=1800)  # fmt: skip
                 ordered = sorted(res, key=lambda r: r["stage"])
                 per_stage = [r["idle"] for r in ordered]
-                theory = (p - 1) / (v * m + p - 1)
+                theory = theory_of(schedule, v, p, m)
                 mean = sum(per_stage) / len(per_stage)
                 # The busiest stage sets the pace; the formula assumes all stages are that busy.
                 critical = max(ordered, key=lambda r: r["busy_s"])["idle"]
@@ -127,14 +180,16 @@ def run(args) -> dict:
                 window = max(r["window_s"] for r in ordered)
                 busy = sum(r["busy_s"] for r in ordered)
                 here = {"step_s": window, "busy_s": busy}
-                base = (
-                    here if v == 1 else next((x for x in out if (x["p"], x["m"], x["v"]) == (p, m, 1)), None)
-                )
+                plain = ("1f1b", p, m, 1)  # DeepSpeed's 1F1B at the same (p, m)
+                base = next((x for x in out if (x["schedule"], x["p"], x["m"], x["v"]) == plain), None)
+                base = here if (schedule, p, m, v) == plain else base
                 row = {
+                    "schedule": schedule,
                     "p": p,
                     "m": m,
                     "v": v,
                     "theory": theory,
+                    "predicted": predicted(schedule, v, p, m, ordered),
                     "measured_mean": mean,
                     "ratio": mean / theory,
                     "busiest_stage": critical,
@@ -142,22 +197,25 @@ def run(args) -> dict:
                     "step_s": window,
                     "busy_s": busy,
                     "speedup": base["step_s"] / window if base else None,
-                    "ideal_speedup": (m + p - 1) / (m + (p - 1) / v),
+                    "ideal_speedup": (m + p - 1) / (m + (p - 1) / v) if schedule == "1f1b" else None,
                     # compute summed over stages, against v = 1: what cutting stages into chunks costs
                     "busy_vs_v1": busy / base["busy_s"] if base else None,
                     "per_stage": " ".join(f"{x:.3f}" for x in per_stage),
                 }
                 rows.append(row)
                 out.append({**row, "per_stage": per_stage})
-    print("pipeline bubble: idle fraction of the fwd/bwd window per stage vs (p-1)/(v m + p - 1)")
+    print("pipeline bubble: idle fraction of the fwd/bwd window per stage vs (p-1)/(v m + p - 1) (1F1B), the")
+    print("replay at unit pass times (zero-bubble), and the simulator at the measured pass times (predicted)")
     print(
         table(
             rows,
             [
+                "schedule",
                 "p",
                 "m",
                 "v",
                 "theory",
+                "predicted",
                 "measured_mean",
                 "ratio",
                 "busiest_stage",
@@ -179,17 +237,20 @@ def markdown(r: dict) -> tuple[list[str], list[list]]:
 
     rows = [
         [
+            x.get("schedule", "1f1b"),
             x["p"],
             x["m"],
             x.get("v", 1),
             _f(x["theory"]),
+            _f(x["predicted"]) if x.get("predicted") is not None else "",
             _f(x["measured_mean"]),
             _f(x["busiest_stage"]),
             _f(x["ratio"]),
             _f(x["speedup"]) if x.get("speedup") else "",
-            _f(x["ideal_speedup"]) if "ideal_speedup" in x else "",
+            _f(x["ideal_speedup"]) if x.get("ideal_speedup") else "",
         ]
         for x in r["rows"]
     ]
-    heads = ["p", "m", "v", "(p-1)/(vm+p-1)", "measured mean idle", "busiest stage idle", "mean/theory"]
+    heads = ["schedule", "p", "m", "v", "theory", "predicted", "measured mean idle", "busiest stage idle",
+             "mean/theory"]  # fmt: skip
     return heads + ["step speedup vs v=1", "ideal (m+p-1)/(m+(p-1)/v)"], rows

@@ -36,8 +36,8 @@ holds the first two).
   At unit pass times they take exactly the orders' makespan; with other pass times or transfers up
   to 0.5 F they stay within 16% of the replay's (whose passes adapt, where the programs are fixed).
 
-``mt3d.ds.interleaved`` runs the ZB-H1 programs (with ``parallel.deferred``'s split backward); not yet
-here: the engine placement that would run ZB-V's (issue 47).
+``mt3d.ds.interleaved`` runs both (with ``parallel.deferred``'s split backward, and ``stages``'s placement
+of chunks in ``mt3d.ds.pipe``); ``chart`` draws a schedule.
 """
 
 from __future__ import annotations
@@ -287,6 +287,25 @@ class _Run:
             "orders": self.order,
             "ends": dict(self.done),
         }
+
+
+def chart(schedule: str, p: int, m: int) -> str:
+    """Each rank's timeline at the paper's unit pass times (``replay``), a row per rank: two characters
+    per slot (a V's pass takes half the slot of a one-stage pass), the pass's kind (F, B or W; lower
+    case for the V's second chunk) and its micro-batch (mod 10), ``..`` idle."""
+    run = replay(schedule, p, m)
+    unit = 1.0 / SCHEDULES[schedule]
+    slots = round(run["makespan"] / unit)
+    rows = [["."] * (2 * slots) for _ in range(p)]
+    place = stages(schedule, p)
+    for r, passes in enumerate(run["orders"]):
+        for x in passes:
+            length = _Timing(1.0, 1.0, 1.0, 0.0).of(schedule, x.kind)
+            kind = x.kind if place[x.stage][1] == 0 else x.kind.lower()
+            first = round((run["ends"][x] - length) / unit)
+            for k in range(first, round(run["ends"][x] / unit)):
+                rows[r][2 * k : 2 * k + 2] = [kind, str(x.mb % 10)]
+    return "\n".join(f"rank {r} |{''.join(row)}|" for r, row in enumerate(rows))
 
 
 def stages(schedule: str, p: int, v: int = 1) -> list[tuple[int, int]]:
