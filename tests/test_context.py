@@ -120,6 +120,7 @@ LAYOUTS = [  # (model, world, parallel keys): each exchange that applies, with t
     ("llama", 4, dict(context=4)),  # auto: all-to-all (8 heads, 4 kv heads)
     ("llama", 4, dict(tensor=2, context=2, sequence_parallel=True, context_exchange="allgather")),
     ("llama", 4, dict(context=2, pipeline=2, virtual_stages=2)),  # interleaved 1F1B
+    ("llama", 4, dict(context=2, pipeline=2, virtual_stages=2, schedule="zbv")),  # ZB-V: the split B and W
     # sequence tiles (train.recompute.tile_len) in the MLP (SP shards of 8 in tiles of 3, 3, 2) and
     # the loss (16 positions in tiles of 6, 5, 5), tied head
     ("gpt", 8, dict(tensor=2, context=2, pipeline=2, sequence_parallel=True, tile_len=6)),

@@ -99,6 +99,9 @@ def lora_runs(hf_dirs, tmp_path_factory):
         "pp2 v2": (2, lora_config(base / "pp2v2", llama, pp=2, virtual_stages=2, packed=True,
                                   train={"recompute": {"granularity": "selective"}})),
         "gpt2 pp2": (2, lora_config(base / "gpt2-pp2", gpt2, pp=2)),  # the tied, frozen embedding
+        # ZB-V: adapters keep their gradients in B, the base's linears have none to defer
+        "pp2 zbv": (2, lora_config(base / "pp2zbv", llama, pp=2, virtual_stages=2, schedule="zbv",
+                                   packed=True)),
         "zero2 dp2": (2, lora_config(base / "zero2", llama, packed=True, zero=2)),  # the regular engine
         "bf16 tp2": (2, lora_config(base / "bf16", llama, tp=2, packed=True, bf16=True)),
     }  # fmt: skip
@@ -109,14 +112,14 @@ def lora_runs(hf_dirs, tmp_path_factory):
 
 def test_lora_training_matches_one_process_at_every_axis(lora_runs):
     """fp32, 5 steps: losses and grad norms within 1e-5 of one process for tp 2 x pp 2 with SP, cp 2
-    (full recompute) and the interleaved schedule (selective recompute) on packed documents, a MoE
+    (full recompute), the interleaved schedule (selective recompute) and ZB-V on packed documents, a MoE
     at ep 2 (attention and shared-expert adapters) and GPT-2 at pp 2 (its tied embedding frozen on
     both stages); a LoRA checkpoint (adapters and their optimizer states only) resumes exactly at
     tp 2 x pp 2 and resharded to one process (DeepSpeed's universal format, the adapters' splits
     declared)."""
     base, rec = lora_runs
     assert len(rec["ref"]) == 5 and rec["ref"][-1]["loss"] < rec["ref"][0]["loss"]
-    for what in ("cp2", "pp2 v2", "tp2 pp2 sp"):
+    for what in ("cp2", "pp2 v2", "tp2 pp2 sp", "pp2 zbv"):
         close(rec[what], rec["ref"], what)
     close(rec["ep2"], rec["moe ref"], "ep2")
     close(rec["gpt2 pp2"], rec["gpt2 ref"], "gpt2 pp2 (tied embedding)")

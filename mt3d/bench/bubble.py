@@ -7,13 +7,16 @@ of the total for uniform chunks. ``--schedules zb-h1,zbv`` adds the zero-bubble 
 "theory" is the schedule replayed at the paper's unit pass times (F = B = W, free transfers), and
 "predicted" every schedule's programs run by the simulator at the pass times measured in the same
 run (each rank's forward, input-gradient and weight-gradient seconds per micro-batch; 1F1B's
-backward is both halves), which is what the measured idle is held against.
+backward is both halves) with free transfers, which is what the measured idle is held against; the
+difference is mostly transfer time (``p2p_wait_s``: the seconds per step mt3d's engine waited inside
+passes for posted transfers; DeepSpeed's 1F1B waits inside its send and receive instructions).
 
 DeepSpeed's pipeline engine runs each step as a list of instructions; the benchmark times every
 instruction on every stage (by wrapping the engine's instruction table on the instance). Per stage,
 busy = forward + backward compute, window = the step minus the optimizer step and gradient
 reductions (which the 1F1B bubble formula does not cover), idle = 1 - busy / window (busy includes
-the W passes of a split backward). The model has
+the W passes of a split backward, and excludes the waits for posted transfers that mt3d's engine
+makes inside a pass, right before it reads what it received). The model has
 equal blocks per stage and a small vocabulary so that stages are balanced, as the formula assumes.
 
 Reported: the mean over stages, and the idle fraction of the busiest stage (which sets the pace;
@@ -40,11 +43,13 @@ def _instrument(engine):
 
     def timed(kind, fn):
         def wrapper(self, _fn=fn, _name=kind.__name__, **kw):
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), getattr(self, "p2p_wait_s", 0.0)
             try:
                 return _fn(self, **kw)
-            finally:
-                totals[_name] += time.perf_counter() - t0
+            finally:  # mt3d's engine waits for posted transfers inside a pass: that is idle, not busy
+                waited = getattr(self, "p2p_wait_s", 0.0) - w0
+                totals[_name] += time.perf_counter() - t0 - waited
+                totals["p2p_wait"] += waited
 
         return wrapper
 
@@ -94,6 +99,7 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
             window_s.append(window)
             for key, kind in PASSES.items():
                 passes[key].append(totals[kind] / micro_batches)
+            passes.setdefault("p2p_wait", []).append(totals["p2p_wait"])
     return {
         "stage": rt.state.pp.rank,
         "idle": statistics.median(idle),
@@ -196,6 +202,9 @@ def run(args) -> dict:
                     "busiest/theory": critical / theory,
                     "step_s": window,
                     "busy_s": busy,
+                    # per rank and step: mt3d's engine's waits inside passes for posted transfers
+                    "p2p_wait_s": statistics.fmean(r["p2p_wait_s"] for r in ordered),
+                    "pass_s": {k: statistics.fmean(r[f"{k}_s"] for r in ordered) for k in PASSES},
                     "speedup": base["step_s"] / window if base else None,
                     "ideal_speedup": (m + p - 1) / (m + (p - 1) / v) if schedule == "1f1b" else None,
                     # compute summed over stages, against v = 1: what cutting stages into chunks costs
@@ -221,6 +230,7 @@ def run(args) -> dict:
                 "busiest_stage",
                 "busiest/theory",
                 "step_s",
+                "p2p_wait_s",
                 "speedup",
                 "ideal_speedup",
                 "busy_vs_v1",

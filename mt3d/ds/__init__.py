@@ -41,6 +41,10 @@ REACHES = (
     Reach("interleaved", "a WeightPass instruction added to PipelineEngine's map, each backward run inside "
           "parallel.deferred: zero-bubble ZB-H1 with W after B, its gradients through DeepSpeed's hooks",
           "test_zero_bubble.py::test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_under_1f1b"),
+    Reach("interleaved", "ZB-V's V: is_first_stage/is_last_stage by the placement (DeepSpeed's start-up "
+          "handshake still sees stages 0 and p-1), _loss_stage_global_rank on rank 0, LocalActivation and "
+          "LocalGrad instructions, _send/_recv_tensor_meta once per peer",
+          "test_zero_bubble.py::test_zbv_trains_as_one_process_with_the_v_placement_and_resumes_under_zb_h1"),
     Reach("engine", "FusedAdam's builder breaks on arch suffixes: torch's AdamW is asked for",
           "test_checkpoint.py::test_deepspeed_fused_adam_builder_still_breaks_on_arch_suffixes"),
     Reach("engine", "fp32 without ZeRO: opt.step, clip_fp32_gradients and _global_grad_norm patched (a "
