@@ -177,6 +177,41 @@ def test_interleaving_divides_the_bubble_and_the_plan_says_so():
     assert note in format_plan(result)
 
 
+def test_a_zero_bubble_schedule_is_planned_pinned_and_written(tmp_path):
+    """``mt3d plan --schedule``: every layout with pipeline >= 2 runs the schedule (zbv at its two
+    chunks), the bubble is ``zero_bubble.bubble_share``'s (at equal degrees ZB-V < ZB-H1 < 1F1B) at
+    1F1B's activation memory, ``--explain`` shows the simulator's replay, and the written config
+    validates with the schedule in it (without overlap.grad_reduce, which these schedules refuse)."""
+    args = ["--model", "llama-1b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h100", "--pipeline",
+            "4", "--global-batch", "32", "--micro-batch", "1", "--zero", "1", "--offload", "none",
+            "--json"]  # fmt: skip
+    rows = {}
+    for schedule in ("1f1b", "zb-h1", "zbv"):
+        out = run_plan(*args, "--schedule", schedule, "--write-config", str(tmp_path / f"{schedule}.json"))
+        assert out.returncode == 0, out.stderr
+        feasible = json.loads(out.stdout)["feasible"]
+        assert {r["schedule"] for r in feasible} == {schedule}
+        if schedule == "zbv":
+            assert {r["virtual_stages"] for r in feasible} == {2}
+        keys = ("tp", "cp", "dp", "recompute", "selective", "sequence_parallel")
+        rows[schedule] = {
+            (*(r[k] for k in keys), r["virtual_stages"] if schedule == "1f1b" else 1): r for r in feasible
+        }
+        run = load(tmp_path / f"{schedule}.json")
+        layout = validate(run, 16, resolve_model(run.mt3d.model))
+        assert layout.schedule == schedule == run.mt3d.parallel.schedule
+        assert schedule == "1f1b" or not run.mt3d.train.overlap.grad_reduce
+    same = set(rows["1f1b"]) & set(rows["zb-h1"]) & set(rows["zbv"])
+    assert same
+    for key in same:
+        plain, h1, v = (rows[s][key] for s in ("1f1b", "zb-h1", "zbv"))
+        assert v["bubble_s"] < h1["bubble_s"] < plain["bubble_s"]
+        assert h1["bubble_s"] == pytest.approx(plain["bubble_s"] / 3)
+        assert v["memory_gb"] == pytest.approx(h1["memory_gb"], rel=0.01)  # p micro-batches of its blocks
+    text = run_plan(*args[:-1], "--schedule", "zbv", "--explain").stdout
+    assert re.search(r"schedule zbv: bubble 0\.031 x compute .*; simulated at equal passes: idle 3\.0%", text)
+
+
 def test_mtnlg_530b_plan():
     result = plan(
         get_preset("mtnlg-530b"), Cluster(2240, 8, get_device("a100-80gb")), global_batch=1920, seq_len=2048

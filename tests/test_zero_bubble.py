@@ -69,6 +69,20 @@ def test_the_chart_draws_the_replay(name):
         assert kinds == {"1f1b": {"F", "B"}, "zb-h1": {"F", "B", "W"}, "zbv": set("FBWfbw")}[name]
 
 
+def test_the_planners_bubble_is_the_replays():
+    """``bubble_share`` (the planner's model): ZB-V's (p - 1) / (6 m) is the replay's exactly; ZB-H1's
+    (p - 1) / (3 m), the paper's, is the replay's at p 2 and under it by at most a third at p 4."""
+    for p, m in ((2, 4), (3, 6), (4, 8), (4, 16), (8, 16)):
+        idle = sum(zb.replay("zbv", p, m)["idle"]) / p
+        share = zb.bubble_share("zbv", p, m)
+        assert idle == pytest.approx(share / (1 + share), abs=1e-12), (p, m)
+    h1 = lambda p, m: sum(zb.replay("zb-h1", p, m)["idle"]) / p  # noqa: E731
+    assert h1(2, 4) == pytest.approx(1 / 13) and zb.bubble_share("zb-h1", 2, 4) == pytest.approx(1 / 12)
+    share = zb.bubble_share("zb-h1", 4, 16)
+    assert share / (1 + share) < h1(4, 16) <= (4 / 3 * share) / (1 + 4 / 3 * share) + 1e-12
+    assert zb.bubble_share("1f1b", 4, 8, v=2) == 3 / 16
+
+
 def test_replay_takes_transfer_and_pass_times():
     """Slower transfers stretch every schedule; B's and W's times are the ones given (the V's
     passes are half a rank's layers)."""

@@ -289,6 +289,17 @@ class _Run:
         }
 
 
+def bubble_share(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """A rank's idle time per second of its compute in one step, at the paper's equal pass times (the
+    planner's model): 1F1B (p - 1) / (v m) (PTD-P; v chunks per rank); ZB-H1 the paper's (p - 1) F of
+    bubble, (p - 1) / (3 m): ``orders`` reach it at p 2 and leave up to a third more at p >= 4 (4 F at
+    p 4, 9 F at p 8, 20 F at p 16); ZB-V (p - 1) F / 2, (p - 1) / (6 m), which ``replay`` gives exactly
+    at p 2 to 16 and m 4 to 64 (tests/test_zero_bubble.py holds both against it)."""
+    if schedule == "1f1b":
+        return (p - 1) / (v * m)
+    return (p - 1) / (3 * m * SCHEDULES[schedule])
+
+
 def chart(schedule: str, p: int, m: int) -> str:
     """Each rank's timeline at the paper's unit pass times (``replay``), a row per rank: two characters
     per slot (a V's pass takes half the slot of a one-stage pass), the pass's kind (F, B or W; lower

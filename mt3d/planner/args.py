@@ -145,6 +145,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
         precision=args.precision,
         efficiency=args.efficiency,
         virtual_stages=args.virtual_stages,
+        schedule=args.schedule,
         context=args.context,
         micro_batches=args.micro_batch,
         zero_stages=args.zero,
@@ -257,6 +258,13 @@ def add_plan_arguments(p) -> None:
         type=positive_ints,
         default=(1, 2, 4),
         help="interleaved-schedule chunks per pipeline rank to try (default 1,2,4)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["1f1b", "zb-h1", "zbv"],
+        help="pipeline schedule of every layout with pipeline >= 2 (mt3d.parallel.schedule; zb-h1 and zbv "
+        "run their own chunks per rank: 1 and 2, and ignore --virtual-stages)",
     )
     p.add_argument(
         "--context",

@@ -96,6 +96,8 @@ class Layout:
     selective: bool = False
     """Selective recompute (``train.recompute.granularity``): the attention core and the MLP's
     activation recomputed in every block (``recompute`` is full recompute of whole blocks)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (``mt3d.parallel.schedule``; "1f1b" at pipeline 1)."""
 
     @property
     def data(self) -> int:

@@ -88,13 +88,19 @@ def posts_p2p(overlap: tuple[str, ...], lay: Layout, mt3d_engine: bool = True) -
     which its non-interleaved 1F1B refuses."""
     from ..config.rules import p2p_conflict
 
+    if lay.schedule != "1f1b":  # the zero-bubble schedules always post them
+        return True
     if "pp" not in overlap or (not mt3d_engine and lay.virtual_stages == 1):
         return False
     return p2p_conflict(True, lay.pp, lay.grad_accum) is None
 
 
-def in_flight_blocks(blocks: int, p: int, m: int, v: int, schedule_engine: bool = False) -> float:
+def in_flight_blocks(blocks: int, p: int, m: int, v: int, schedule_engine: bool = False,
+                     schedule: str = "1f1b") -> float:  # fmt: skip
     """Blocks' worth of activations the first stage holds at its peak.
+
+    Zero-bubble (``schedule`` "zb-h1", "zbv"): 1F1B's, p micro-batches of a rank's blocks (their
+    orders hold no more, counted from a forward to its W: ``pipeline.zero_bubble.memory_limit``).
 
     1F1B (DeepSpeed's TrainSchedule): up to p micro-batches of the stage's blocks. Interleaved
     (PTD-P; mt3d's schedule engine, which also runs v = 1 when ``schedule_engine``: posted transfers):
@@ -102,7 +108,7 @@ def in_flight_blocks(blocks: int, p: int, m: int, v: int, schedule_engine: bool 
     about p + (p - 2)/v stages' worth, a little more than 1F1B once v > 1, 2p - 1 at v = 1.
     tests/test_planner.py walks both schedules to check this.
     """
-    if v == 1 and not schedule_engine:
+    if schedule != "1f1b" or (v == 1 and not schedule_engine):
         return blocks * min(p, m)
     chunks = min(warmup(p, v, m, 0) + 1, m * v)
     return blocks / v * chunks
@@ -176,7 +182,7 @@ def memory_bytes(
     logits = rows * lay.micro_batch * pad_vocab(vocab, t) / t * logit_bytes(t, prec.activation)
     # 1F1B: stage 0 holds up to p micro-batches of activations, the last stage one, plus the logits.
     engine = mt3d_engine and posts_p2p(overlap, lay)
-    in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine)
+    in_flight = in_flight_blocks(blocks, p, lay.grad_accum, lay.virtual_stages, engine, lay.schedule)
     first = in_flight * per_layer + working
     # One stage-boundary tensor (a block's input or output, a 1/t sequence shard with SP). Beside the
     # logits the loss holds two more: the final norm's input and its output, the head's input (its 1/t

@@ -28,6 +28,7 @@ def explain(row: dict) -> str:
         f"ZeRO {row['zero_stage']}, offload {row['offload']}, "
         f"recompute {recompute_mode(row)}, "
         f"SP {'on' if row['sequence_parallel'] else 'off'}",
+        *([schedule_note(row)] if row["pp"] > 1 else []),
         f"step time {row['step_time_s']:.4g} s =",
     ]
     for part in TIME_PARTS:
@@ -39,6 +40,25 @@ def explain(row: dict) -> str:
     off = row["memory"]
     lines.append(f"  (off the GPU: CPU {off['cpu']:.3f} GB, NVMe {off['nvme']:.3f} GB per GPU)")
     return "\n".join(lines)
+
+
+REPLAYED = 256
+"""Largest pipeline x micro-batches whose schedule ``schedule_note`` replays (seconds beyond)."""
+
+
+def schedule_note(row: dict) -> str:
+    """The pipeline schedule of a layout, its modelled bubble, and the simulator's replay of its
+    orders at equal pass times (``pipeline.zero_bubble``; small enough sizes only)."""
+    from ..pipeline import zero_bubble
+
+    schedule, p, m, v = row.get("schedule", "1f1b"), row["pp"], row["grad_accum"], row["virtual_stages"]
+    share = zero_bubble.bubble_share(schedule, p, m, v)
+    name = "interleaved 1F1B" if schedule == "1f1b" and v > 1 else schedule
+    line = f"schedule {name}: bubble {share:.3f} x compute (idle {share / (1 + share):.1%} of the step)"
+    if p * m > REPLAYED or (schedule == "1f1b" and v > 1):
+        return line
+    idle = zero_bubble.replay(schedule, p, m)["idle"]
+    return line + f"; simulated at equal passes: idle {sum(idle) / p:.1%} (mean over ranks)"
 
 
 def compute_model(result: dict) -> str:
@@ -106,6 +126,8 @@ def _described(row: dict) -> str:
 def interleaving_note(feasible: list[dict]) -> str:
     """Whether interleaving (v > 1) wins, against the best v = 1 layout with the same degrees."""
     best = feasible[0]
+    if best.get("schedule", "1f1b") != "1f1b":
+        return f"virtual stages: {best['virtual_stages']}, the {best['schedule']} schedule's own (--schedule)"
     if best["virtual_stages"] == 1:
         return "virtual stages: no interleaved layout beats the best 1F1B one"
     same = lambda r: all(r[k] == best[k] for k in ("tp", "cp", "pp", "dp", "micro_batch", "zero_stage"))  # noqa: E731
@@ -252,6 +274,7 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
                 "context": best["cp"],
                 "pipeline": best["pp"],
                 "virtual_stages": best["virtual_stages"],
+                "schedule": best.get("schedule", "1f1b"),
                 "sequence_parallel": best["sequence_parallel"],
                 "expert": best.get("ep", 1),
             },
@@ -277,9 +300,14 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
         conf["data_types"] = {"grad_accum_dtype": "fp32"}
     # what the plan's step time assumed, where mt3d runs it (tp: always)
     overlap = {}
-    if "dp" in result.get("overlap", ()) and overlap_rule is None:
-        overlap["grad_reduce"] = True
-    if "pp" in result.get("overlap", ()) and p2p_conflict(True, best["pp"], best["grad_accum"]) is None:
+    schedule = best.get("schedule", "1f1b")
+    if "dp" in result.get("overlap", ()) and overlap_rule is None and schedule == "1f1b":
+        overlap["grad_reduce"] = True  # the zero-bubble schedules refuse it (and post transfers anyway)
+    if (
+        "pp" in result.get("overlap", ())
+        and schedule == "1f1b"
+        and p2p_conflict(True, best["pp"], best["grad_accum"]) is None
+    ):
         overlap["p2p"] = True
     if overlap:
         conf["mt3d"]["train"]["overlap"] = overlap

@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..parallel.axes import AXES, NAMES, AxisError, derive_degrees, shown
 from ..parallel.topology import uniform_crossing
+from ..pipeline.zero_bubble import SCHEDULES
 from .choices import RECOMPUTE  # its home imports nothing (the CLI parser reads it)
 from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
 from .hardware import Device
@@ -142,7 +143,11 @@ SCHEDULE_RULES = (
     (
         ("micro_batch", "zero_stage", "virtual_stages"),
         lambda c: virtual_stage_conflict(
-            c["pp"], c["virtual_stages"], micro_batches=c["grad_accum"], layers=c["cfg"].layers
+            c["pp"],
+            c["virtual_stages"],
+            micro_batches=c["grad_accum"],
+            layers=c["cfg"].layers,
+            schedule=c["schedule"],
         ),
     ),
 )
@@ -153,15 +158,19 @@ def _short(reason: str | None) -> str | None:
     return reason.split(" (")[0].split(";")[0] if reason else None
 
 
-def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject, mt3d=True):
+def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject, mt3d=True,
+               schedule="1f1b"):  # fmt: skip
     """Step 2: every (micro-batch, ZeRO stage, virtual stages) of one set of degrees that the batch,
-    ZeRO/pipeline, ZeRO/context and interleaving rules (``SCHEDULE_RULES``) allow."""
+    ZeRO/pipeline, ZeRO/context and interleaving rules (``SCHEDULE_RULES``) allow; a zero-bubble
+    ``schedule`` at pipeline >= 2 runs its own chunks per rank (``zero_bubble.SCHEDULES``)."""
     failed: set = set()
     tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
-    for b, zero, v in product(micro_batches, zero_stages, virtual_stages if pp > 1 else (1,)):
+    schedule = schedule if pp > 1 else "1f1b"
+    vs = (SCHEDULES[schedule],) if schedule != "1f1b" else virtual_stages if pp > 1 else (1,)
+    for b, zero, v in product(micro_batches, zero_stages, vs):
         c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": degrees["ep"], "micro_batch": b,
              "zero_stage": zero, "virtual_stages": v, "grad_accum": global_batch // (b * dp), "cfg": cfg,
-             "global_batch": global_batch, "mt3d": mt3d}  # fmt: skip
+             "global_batch": global_batch, "mt3d": mt3d, "schedule": schedule}  # fmt: skip
         for keys, rule in SCHEDULE_RULES:
             key = (keys, *(c[k] for k in keys))
             if key in failed:  # already reported for these values
@@ -182,13 +191,14 @@ def recompute_mode(row) -> str:
 
 
 def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads,
-                reject, choices=None, recompute=RECOMPUTE, mt3d=True):  # fmt: skip
+                reject, choices=None, recompute=RECOMPUTE, mt3d=True, schedule="1f1b"):  # fmt: skip
     """Every layout that passes the structural and schedule rules, with the bandwidths of its axes;
     the others go to ``reject`` with their reason. Step 3: offload, recompute and SP choices."""
     for degrees, bw in _degrees(cfg, cluster, seq_len, reject, choices):
         tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
+        sched = schedule if pp > 1 else "1f1b"
         schedules = _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject,
-                               mt3d)  # fmt: skip
+                               mt3d, schedule)  # fmt: skip
         sps = [
             sp
             for sp in (False, True)
@@ -198,7 +208,7 @@ def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages,
             allowed = [o for o in offloads if not offload_rule(zero, o)]
             for off, mode, sp in product(allowed, recompute, sps):
                 yield Layout(tp, pp, dp, b, m, zero, mode == "full", sp, v, off, cp, ep=degrees["ep"],
-                             selective=mode == "selective"), bw  # fmt: skip
+                             selective=mode == "selective", schedule=sched), bw  # fmt: skip
 
 
 def _check_inputs(
@@ -306,12 +316,16 @@ def plan(
     context: tuple[int, ...] | None = None,
     pins: dict[str, tuple[int, ...]] | None = None,
     stack: Stack = Stack(),  # noqa: B008 - frozen: one shared default is safe
+    schedule: str = "1f1b",
 ) -> dict:
     """Feasible layouts (fastest first) and rejected ones with reasons; see the module docstring.
     ``context``: the cp degrees to consider (default: every divisor of the GPUs the sequence allows);
     ``pins``: the degrees to consider of other axes by name (tp, pp, dp, ep), e.g. another stack's
-    layout; ``stack``: how that stack runs (``Stack``)."""
+    layout; ``stack``: how that stack runs (``Stack``); ``schedule``: the pipeline schedule of every
+    layout with pipeline >= 2 (``mt3d.parallel.schedule``)."""
     vocab = _check_inputs(cfg, cluster, global_batch, seq_len, vocab, efficiency, precision, stack.fp8)
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     _check_pins(cluster.gpus, pins)
     feasible, rejected = [], []
     rejected_total = 0
@@ -328,7 +342,7 @@ def plan(
     candidates = _candidates(
         cfg, cluster, seq_len, global_batch, micro_batches, zero_stages, virtual_stages, offloads, reject,
         {**(pins or {}), **({"cp": tuple(context)} if context else {})} or None, stack.recompute,
-        stack.mt3d_rules,
+        stack.mt3d_rules, schedule,
     )  # fmt: skip
     attention = attention_speedup(cfg, seq_len)
     for lay, bw in candidates:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from ..model.config import ModelConfig
+from ..pipeline.zero_bubble import bubble_share
 from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
 from .offload import offload_traffic
@@ -162,7 +163,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
         device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
         gemm_fraction=gemm_fraction, fp8=fp8,
     )  # fmt: skip
-    bubble = compute * (lay.pp - 1) / (v * m)  # PTD-P: interleaving divides it by v
+    bubble = compute * bubble_share(lay.schedule, lay.pp, m, v)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
     act = seq_len // lay.cp * lay.micro_batch * cfg.hidden * comm_bytes
     timing = (peak_tflops, efficiency, device, gemm_fraction)
@@ -178,7 +179,9 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     if lay.ep > 1 and ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
         tokens = seq_len // lay.cp * lay.micro_batch
         ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
-    dp = _dp_seconds(lay, grads, prec, compute, bw, "dp" in overlap, mt3d_engine, 2 if fsdp else None)
+    # the zero-bubble schedules refuse overlap.grad_reduce (it would reduce on B, before W)
+    hide_dp = "dp" in overlap and lay.schedule == "1f1b"
+    dp = _dp_seconds(lay, grads, prec, compute, bw, hide_dp, mt3d_engine, 2 if fsdp else None)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
     tflops = flops / gpus / total / 1e12
