@@ -69,6 +69,21 @@ def test_the_chart_draws_the_replay(name):
         assert kinds == {"1f1b": {"F", "B"}, "zb-h1": {"F", "B", "W"}, "zbv": set("FBWfbw")}[name]
 
 
+def test_the_simulator_takes_each_stages_own_pass_times():
+    """``simulate(per_pass=...)`` (the bubble benchmark's prediction): equal times give the plain run's
+    figures; a loss stage twice as slow (the V's rank 0, chunk 1) makes the step longer and the other
+    rank idle more."""
+
+    def times(loss):
+        cells = {(r, c): 0.5 for r in range(2) for c in range(2)}
+        return {k: {**cells, (0, 1): 0.5 * (loss if k != "wgt" else 1)} for k in ("fwd", "bwd", "wgt")}
+
+    plain = zb.simulate("zbv", 2, 4)
+    assert zb.simulate("zbv", 2, 4, per_pass=times(1.0)) == plain
+    slow = zb.simulate("zbv", 2, 4, per_pass=times(2.0))
+    assert slow["makespan"] > plain["makespan"] and slow["idle"][1] > plain["idle"][1]
+
+
 def test_the_planners_bubble_is_the_replays():
     """``bubble_share`` (the planner's model): ZB-V's (p - 1) / (6 m) is the replay's exactly; ZB-H1's
     (p - 1) / (3 m), the paper's, is the replay's at p 2 and under it by at most a third at p 4."""

@@ -6,8 +6,8 @@ of the total for uniform chunks. ``--schedules zb-h1,zbv`` adds the zero-bubble 
 (``mt3d.pipeline.zero_bubble``, run by mt3d's engine with the backward split into B and W): their
 "theory" is the schedule replayed at the paper's unit pass times (F = B = W, free transfers), and
 "predicted" every schedule's programs run by the simulator at the pass times measured in the same
-run (each rank's forward, input-gradient and weight-gradient seconds per micro-batch; 1F1B's
-backward is both halves) with free transfers, which is what the measured idle is held against; the
+run (each rank's and chunk's forward, input-gradient and weight-gradient seconds; 1F1B's backward is
+both halves) with free transfers, which is what the measured idle is held against; the
 difference is mostly transfer time (``p2p_wait_s``: the seconds per step mt3d's engine waited inside
 passes for posted transfers; DeepSpeed's 1F1B waits inside its send and receive instructions).
 
@@ -48,7 +48,9 @@ def _instrument(engine):
                 return _fn(self, **kw)
             finally:  # mt3d's engine waits for posted transfers inside a pass: that is idle, not busy
                 waited = getattr(self, "p2p_wait_s", 0.0) - w0
-                totals[_name] += time.perf_counter() - t0 - waited
+                took = time.perf_counter() - t0 - waited
+                totals[_name] += took
+                totals[f"{_name}@{kw.get('chunk', 0)}"] += took  # DeepSpeed's own passes: chunk 0
                 totals["p2p_wait"] += waited
 
         return wrapper
@@ -77,6 +79,7 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
     totals = _instrument(engine)
     idle, busy_s, window_s = [], [], []
     passes: dict[str, list[float]] = {k: [] for k in PASSES}
+    chunks = {(key, c): [] for key in PASSES for c in range(v)}  # one pass's seconds per chunk
     for step in range(steps + 1):
         totals.clear()
         t0 = time.perf_counter()
@@ -100,6 +103,8 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
             for key, kind in PASSES.items():
                 passes[key].append(totals[kind] / micro_batches)
             passes.setdefault("p2p_wait", []).append(totals["p2p_wait"])
+            for key, c in chunks:
+                chunks[(key, c)].append(totals[f"{PASSES[key]}@{c}"] / micro_batches)
     return {
         "stage": rt.state.pp.rank,
         "idle": statistics.median(idle),
@@ -107,6 +112,7 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
         "window_s": statistics.median(window_s),
         "rank": dist.get_rank(),
         **{f"{key}_s": statistics.median(times) for key, times in passes.items()},
+        "chunk_s": {key: {c: statistics.median(chunks[(key, c)]) for c in range(v)} for key in PASSES},
     }
 
 
@@ -123,17 +129,15 @@ def runs(args) -> list[tuple[str, int]]:
 
 
 def predicted(schedule: str, v: int, p: int, m: int, ordered: list[dict]) -> float | None:
-    """Mean idle fraction the simulator gives this schedule's programs at the pass times measured
-    (means over ranks; None for interleaved 1F1B, whose passes the zero-bubble replay does not run)."""
+    """Mean idle fraction the simulator gives this schedule's programs at the pass times measured,
+    each (rank, chunk)'s own (the stages differ: the embedding, the head and the loss); None for
+    interleaved 1F1B, whose programs the zero-bubble module does not make."""
     from ..pipeline import zero_bubble
 
     if schedule == "1f1b" and v > 1:
         return None
-    mean = {k: statistics.fmean(r[f"{k}_s"] for r in ordered) for k in PASSES}
-    if schedule == "1f1b":  # DeepSpeed's backward is both halves
-        mean["bwd"], mean["wgt"] = mean["bwd"] * 0.5, mean["bwd"] * 0.5
-    sim = zero_bubble.simulate(schedule, p, m, fwd=mean["fwd"], bwd=mean["bwd"], wgt=mean["wgt"])
-    return statistics.fmean(sim["idle"])
+    per_pass = {k: {(r["stage"], c): t for r in ordered for c, t in r["chunk_s"][k].items()} for k in PASSES}
+    return statistics.fmean(zero_bubble.simulate(schedule, p, m, per_pass=per_pass)["idle"])
 
 
 def theory_of(schedule: str, v: int, p: int, m: int) -> float:

@@ -172,12 +172,14 @@ def simulate(p: int, v: int, m: int, train: bool = True, fwd_s: float = 0.0, bwd
     return _Simulation(programs, stages, fwd_s, bwd_s, p2p_s, posted, in_order and posted).run()
 
 
-def simulate_programs(programs: list[list[list[Op]]], stages: list[tuple[int, int]], *, fwd_s: float = 0.0,
-                      bwd_s: float = 0.0, wgt_s: float = 0.0, p2p_s: float = 0.0, posted: bool = True,
-                      in_order: bool = True) -> dict:  # fmt: skip
+def simulate_programs(programs: list[list[list[Op]]], stages: list[tuple[int, int]], *,
+                      fwd_s: float | dict = 0.0, bwd_s: float | dict = 0.0, wgt_s: float | dict = 0.0,
+                      p2p_s: float = 0.0, posted: bool = True, in_order: bool = True) -> dict:  # fmt: skip
     """``simulate`` for any placement: ``programs[r]`` rank r's steps, ``stages[s]`` the (rank, chunk)
     holding stage s (in the order a micro-batch goes through them). ``wgt_s``: one WGT op's seconds
-    (``bwd_s`` is then a BWD's, the input-gradient half). Also checks that a WGT follows its BWD."""
+    (``bwd_s`` is then a BWD's, the input-gradient half). A pass time is one number, or a dict of
+    each (rank, chunk)'s (measured stages differ: the V's rank 0 holds the embedding and the loss).
+    Also checks that a WGT follows its BWD."""
     return _Simulation(programs, stages, fwd_s, bwd_s, p2p_s, posted, in_order and posted, wgt_s).run()
 
 
@@ -268,6 +270,7 @@ class _Simulation:
                     t = max([t] + [b[1] for b in self.batches[r][self.waited[r] : last + 1]])
                     self.waited[r] = max(self.waited[r], last + 1)
                 work = {FWD: self.fwd_s, BWD: self.bwd_s, WGT: self.wgt_s}[o.kind]
+                work = work[(r, o.chunk)] if isinstance(work, dict) else work
                 t += work
                 self.busy[r] += work
         return t

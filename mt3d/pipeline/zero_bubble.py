@@ -403,14 +403,16 @@ def rank_programs(
 
 
 def simulate(schedule: str, p: int, m: int, *, fwd: float = 1.0, bwd: float = 1.0, wgt: float = 1.0,
-             p2p: float = 0.0) -> dict:  # fmt: skip
+             p2p: float = 0.0, per_pass: dict | None = None) -> dict:  # fmt: skip
     """``rank_programs`` run by ``pipeline.schedule``'s simulator as the engine runs them (posted
     transfers, each rank's batches completing in posting order): the checks of ``simulate_programs``
     (every message the one its receiver expects, no deadlock, inputs before passes, W after B) and
     its counts, makespan and idle fractions. Pass times as ``replay``'s (a rank's layers, per
-    micro-batch; "1f1b"'s backward takes ``bwd + wgt``)."""
+    micro-batch; "1f1b"'s backward takes ``bwd + wgt``), or ``per_pass``: {"fwd" | "bwd" | "wgt":
+    {(rank, chunk): seconds of one pass}} as measured ("1f1b"'s "bwd" the whole backward)."""
     chunks = SCHEDULES[schedule]
     full = 0.0 if schedule != "1f1b" else wgt
     programs = rank_programs(schedule, p, m)
-    return simulate_programs(programs, stages(schedule, p), fwd_s=fwd / chunks, bwd_s=(bwd + full) / chunks,
-                             wgt_s=wgt / chunks, p2p_s=p2p)  # fmt: skip
+    times = per_pass or {"fwd": fwd / chunks, "bwd": (bwd + full) / chunks, "wgt": wgt / chunks}
+    return simulate_programs(programs, stages(schedule, p), fwd_s=times["fwd"], bwd_s=times["bwd"],
+                             wgt_s=times.get("wgt", 0.0), p2p_s=p2p)  # fmt: skip
