@@ -294,8 +294,7 @@ def initialize(
         if isinstance(model, InterleavedPipeline):  # v > 1, or overlap.p2p (training.engine.build_model)
             from .interleaved import initialize as initialize_interleaved
 
-            engine = initialize_interleaved(model, param_groups, config)
-            engine.schedule = layout.schedule
+            engine = initialize_interleaved(model, param_groups, config)  # its schedule: the model's
             # the zero-bubble programs are made for posted transfers (``pipeline.zero_bubble``)
             engine.async_p2p = (overlap is not None and overlap.p2p) or layout.schedule != "1f1b"
         else:

@@ -208,11 +208,15 @@ class InterleavedPipelineEngine(PipelineEngine):
         super().reset_activation_shape()
         self._sent_meta, self._recv_spec = set(), {}
 
+    def _slot(self, chunk: int, buffer_id: int) -> int:
+        """The buffer of ``buffer_id``'s micro-batch in ``chunk`` (a buffer is chunk * m + mb)."""
+        return chunk * self._micro + buffer_id % self._micro
+
     def _buffer(self, buffer_id: int, chunk: int, step: int) -> tuple[int, int]:
         """(pipeline rank, buffer) of the same micro-batch on the virtual stage ``step`` away from
         ``chunk`` of this rank."""
         rank, other = self.placement[self._stage_of[(self.stage_id, chunk)] + step]
-        return rank, other * self._micro + buffer_id % self._micro
+        return rank, self._slot(other, buffer_id)
 
     # --- compute ------------------------------------------------------------------------------------
     def _exec_load_micro_batch(self, buffer_id, chunk):
@@ -222,7 +226,7 @@ class InterleavedPipelineEngine(PipelineEngine):
         rank, last = self._ends[-1]
         if self.stage_id == rank and chunk != last:  # the labels go to the last stage's buffer
             labels = self.pipe_buffers["labels"]
-            labels[last * self._micro + buffer_id % self._micro] = labels[buffer_id]
+            labels[self._slot(last, buffer_id)] = labels[buffer_id]
             labels[buffer_id] = None
 
     def _exec_forward_pass(self, buffer_id, chunk):

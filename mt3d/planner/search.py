@@ -162,10 +162,10 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
                schedule="1f1b"):  # fmt: skip
     """Step 2: every (micro-batch, ZeRO stage, virtual stages) of one set of degrees that the batch,
     ZeRO/pipeline, ZeRO/context and interleaving rules (``SCHEDULE_RULES``) allow; a zero-bubble
-    ``schedule`` at pipeline >= 2 runs its own chunks per rank (``zero_bubble.SCHEDULES``)."""
+    ``schedule`` (the degrees' own: "1f1b" at pipeline 1) runs its own chunks per rank
+    (``zero_bubble.SCHEDULES``)."""
     failed: set = set()
     tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
-    schedule = schedule if pp > 1 else "1f1b"
     vs = (SCHEDULES[schedule],) if schedule != "1f1b" else virtual_stages if pp > 1 else (1,)
     for b, zero, v in product(micro_batches, zero_stages, vs):
         c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": degrees["ep"], "micro_batch": b,
@@ -198,7 +198,7 @@ def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages,
         tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
         sched = schedule if pp > 1 else "1f1b"
         schedules = _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_stages, reject,
-                               mt3d, schedule)  # fmt: skip
+                               mt3d, sched)  # fmt: skip
         sps = [
             sp
             for sp in (False, True)
