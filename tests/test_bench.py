@@ -80,11 +80,25 @@ def test_comm_benchmark_measures_each_context_exchange_at_its_volume():
 
 
 def test_comm_benchmark_measures_the_expert_all_to_all_at_its_volume():
-    """One MoE layer at ep 2: the counts, the rows to the experts and back, and the same again in the
-    backward: f (4 T k h + E) elements per rank (planner.traffic.ep_layer_elements), in 5 calls."""
-    rec, _ = bench("comm", "--tp", "", "--ep", "2", "--ep-tokens", "64")
-    (row,) = rec["ep_rows"]
-    assert row["ratio"] == 1.0 and row["calls"] == 5 and row["theory"] == 0.5 * (4 * 64 * 2 * 32 + 8)
+    """One MoE layer at ep 2 with 4 experts, top-2 and top-4: each token sent once per rank holding any
+    of its experts (the counts, the rows and their routing metadata, the combined rows back, and the
+    backward) at f D T (4 h + 4 k) + f ep elements per rank, D the ranks a token reaches; and once per
+    assignment at f (4 T k h + E) (planner.traffic.ep_layer_elements), every k-subset routed in turn."""
+    from mt3d.planner.traffic import ep_ranks_per_token
+
+    rec, _ = bench("comm", "--tp", "", "--ep", "2", "--ep-experts", "4", "--ep-top-k", "2,4", "--ep-tokens", "12")
+    rows = {(r["top_k"], r["dispatch"]): r for r in rec["ep_rows"]}
+    assert sorted(rows) == [(2, "dedup"), (2, "per-assignment"), (4, "dedup"), (4, "per-assignment")]
+    assert all(r["ratio"] == 1.0 for r in rows.values())
+    assert [rows[2, d]["calls"] for d in ("dedup", "per-assignment")] == [7, 5]
+    # a token's 2 of 4 experts share a rank in 2 of the 6 pairs: 5/3 ranks; its 4 of 4 span both
+    assert ep_ranks_per_token(2, 4, 2) == pytest.approx(5 / 3) and ep_ranks_per_token(2, 4, 4) == 2.0
+    for k in (2, 4):
+        d = ep_ranks_per_token(2, 4, k)
+        assert rows[k, "dedup"]["theory"] == pytest.approx(0.5 * 12 * d * (4 * 32 + 4 * k) + 0.5 * 2)
+        assert rows[k, "per-assignment"]["theory"] == 0.5 * (4 * 12 * k * 32 + 4)
+    # top-4 of 4: two rows a token instead of four
+    assert rows[4, "dedup"]["elements_per_layer"] < 0.6 * rows[4, "per-assignment"]["elements_per_layer"]
 
 
 def test_bubble_benchmark_runs_every_schedule():
@@ -116,7 +130,9 @@ def test_bubble_benchmark_runs_every_schedule():
     [
         (["gemm", "--smoke", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
         (["comm", "--tp", "x"], "argument --tp: expected an integer, got 'x'"),
-        (["comm", "--ep", "3"], "--ep 3 does not divide the ep rows' 8 experts"),
+        (["comm", "--ep", "3"], "--ep 3 does not divide --ep-experts 8"),
+        (["comm", "--ep", "2", "--ep-tokens", "100"], "--ep-tokens 100 is not a multiple of the 28 2-subsets"),
+        (["comm", "--ep", "2", "--ep-top-k", "9"], "--ep-top-k 9 is more than --ep-experts 8"),
         (["attention", "--seq-lens", "0"], "argument --seq-lens: must be >= 1"),
         (["overhead", "--reps", "1.5"], "argument --reps: expected an integer"),
         (["overhead", "--global-batch", "10", "--micro", "4"], "--global-batch 10 is not a multiple of"),

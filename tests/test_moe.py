@@ -183,19 +183,29 @@ def _ep_worker(tp, ep):
     me = dist.get_rank()
     tp_groups = [dist.new_group([e * tp + t for t in range(tp)]) for e in range(ep)]
     ep_groups = [dist.new_group([e * tp + t for e in range(ep)]) for t in range(tp)]
+    from mt3d.parallel.commlog import CollectiveLog
+
     t, e = me % tp, me // tp
     block = _ep_block(tp, ep, t, e, (tp_groups[e], ep_groups[t])).double()
-    x = _ep_batch(e).requires_grad_()
-    out = block(x)
-    out.backward(torch.ones_like(out))
-    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+    runs = []
+    for dedup in (True, False):  # each token once per rank, or once per (token, expert)
+        block.zero_grad(set_to_none=True)
+        block.mlp.dedup = dedup
+        x = _ep_batch(e).requires_grad_()
+        with CollectiveLog() as log:
+            out = block(x)
+            out.backward(torch.ones_like(out))
+        moved = sum(c.numel for c in log.calls if c.op == "all_to_all_single")
+        runs.append((out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}, moved))
+    return runs
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
 def test_expert_parallel_dispatch_equals_one_process(tp, ep):
     """Each ep rank routes its own tokens; experts live on one ep rank each (split over tp), reached by
     all-to-all: outputs and input gradients are those of one process, and an expert's weight gradient
-    sums the contributions of the tokens every ep rank sent it."""
+    sums the contributions of the tokens every ep rank sent it; so with each token sent once per rank
+    (the default) and once per assignment, the first moving fewer elements."""
     from mt3d.parallel.layers import shard_of
 
     ref = _ep_block(1, 1).double()
@@ -208,14 +218,17 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep):
         want.append((out.detach(), x.grad))
         grads[e] = {n: p.grad.clone() for n, p in ref.named_parameters()}
     params = dict(ref.named_parameters())
-    for rank, (out, dx, got) in enumerate(spawn(_ep_worker, tp * ep, tp, ep, timeout=300)):
+    for rank, runs in enumerate(spawn(_ep_worker, tp * ep, tp, ep, timeout=300)):
         t, e = rank % tp, rank // tp
-        torch.testing.assert_close(out, want[e][0]), torch.testing.assert_close(dx, want[e][1])
-        experts = sorted({int(n.split(".")[2]) for n in got if ".experts." in n})
-        assert experts == list(range(e * 4 // ep, (e + 1) * 4 // ep)), experts
-        for name, g in got.items():
-            full = sum(grads[i][name] for i in range(ep)) if ".experts." in name else grads[e][name]
-            torch.testing.assert_close(g, shard_of(full, params[name], t, tp), msg=name)
+        for out, dx, got, _ in runs:
+            torch.testing.assert_close(out, want[e][0]), torch.testing.assert_close(dx, want[e][1])
+            experts = sorted({int(n.split(".")[2]) for n in got if ".experts." in n})
+            assert experts == list(range(e * 4 // ep, (e + 1) * 4 // ep)), experts
+            for name, g in got.items():
+                full = sum(grads[i][name] for i in range(ep)) if ".experts." in name else grads[e][name]
+                torch.testing.assert_close(g, shard_of(full, params[name], t, tp), msg=name)
+        # top-2 of 4 experts on 2 ranks: some tokens have both experts on one rank, sent once
+        assert runs[0][3] < runs[1][3], (runs[0][3], runs[1][3])
 
 
 LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)

@@ -16,13 +16,15 @@ volumes): all-to-all 2 f (b s/cp)(2q + 2kv') d, all-gather 4 f b s kv d, halo 8 
 f = (cp-1)/cp; the halo is measured at two sequence lengths (its volume does not grow with s).
 
 Expert parallelism (``--ep``): one MoE layer's forward and backward at ep ranks (the layer alone),
-tokens built so that every expert gets the same number of
-assignments, its all-to-all elements per rank beside ``planner.traffic.ep_layer_elements``:
-f (4 T k h + E), f = (ep-1)/ep.
+tokens built so that every expert gets the same number of assignments, its all-to-all elements per
+rank beside ``planner.traffic.ep_layer_elements``, f = (ep-1)/ep: each token sent once per rank
+holding any of its experts (mt3d's dispatch), f D T (4 h + 4 k) + f ep with D the ranks a token
+reaches (``ep_ranks_per_token``), and once per assignment, f (4 T k h + E), at each ``--ep-top-k``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from ..planner.traffic import cp_layer_elements, ep_layer_elements
@@ -139,13 +141,17 @@ def worker(tp: int, sp: bool, layers: int, hidden: int, seq: int, micro: int, ac
     return {"calls": calls, "other": other, "rank": dist.get_rank()}
 
 
-EP_MODEL = dict(hidden=32, experts=8, top_k=2, expert_ffn=32)
+EP_MODEL = dict(hidden=32, expert_ffn=32)
 
 
-def ep_worker(ep: int, tokens: int) -> dict:
-    """One MoE layer's forward and backward at ep ranks under the recorder; balanced by construction:
-    token i's input points at experts i and i+1 (mod E) through a router that reads one dimension per
-    expert, so each expert gets 2T/E of this rank's assignments."""
+def ep_worker(ep: int, tokens: int, experts: int, top_k: int, dedup: bool) -> dict:
+    """One MoE layer's forward and backward at ep ranks under the recorder, each token sent once per
+    rank holding any of its experts (``dedup``) or once per assignment. Token i chooses the i-th k-subset
+    of the experts (all C(E, k) in turn; ``tokens`` a multiple of their count) through a router that
+    reads one dimension per expert, so every expert gets the same load and the mean number of ranks a
+    token reaches is exactly ``ep_ranks_per_token``'s expectation."""
+    import itertools
+
     import torch
     import torch.distributed as dist
 
@@ -155,20 +161,22 @@ def ep_worker(ep: int, tokens: int) -> dict:
     from ..parallel.commlog import CollectiveLog
     from ..parallel.state import AxisGroup
 
-    h, e, k = EP_MODEL["hidden"], EP_MODEL["experts"], EP_MODEL["top_k"]
+    h, e, k = EP_MODEL["hidden"], experts, top_k
     moe = dict(experts=e, top_k=k, expert_ffn=EP_MODEL["expert_ffn"])
     cfg = ModelConfig.from_dict(dict(hidden=h, layers=1, heads=4, position="rope", norm="rmsnorm",
                                      mlp="swiglu", bias=False, moe=moe))  # fmt: skip
     rank = dist.get_rank()
     group = AxisGroup("ep", tuple(range(ep)), rank, dist.new_group(list(range(ep))))
     layer = SparseMoE(cfg, BuildContext(tp=AxisGroup.alone("tp"), ep=group), 0)
+    layer.dedup = dedup
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[:, :e] = 10 * torch.eye(e)
-    i = torch.arange(tokens)
+    subsets = list(itertools.combinations(range(e), k))
     x = torch.zeros(1, tokens, h)
-    x[0, i, i % e] = 1.0
-    x[0, i, (i + 1) % e] = 0.5
+    for i in range(tokens):
+        for j, expert in enumerate(subsets[i % len(subsets)]):
+            x[0, i, expert] = 1.0 - 0.1 * j
     x.requires_grad_()
     with CollectiveLog() as log:
         y, _ = layer(x)
@@ -178,17 +186,21 @@ def ep_worker(ep: int, tokens: int) -> dict:
 
 
 def ep_rows(args) -> list[dict]:
-    """Per MoE layer and micro-batch: all-to-all elements each ep rank sends (mean over the ranks)."""
+    """Per MoE layer and micro-batch: all-to-all elements each ep rank sends (mean over the ranks), for
+    each ep and top-k, each token sent once per rank (dedup) and once per assignment."""
     from ..parallel.spawn import spawn
 
     rows = []
+    h, e, t = EP_MODEL["hidden"], args.ep_experts, args.ep_tokens
     for ep in args.ep:
-        res = spawn(ep_worker, ep, ep, args.ep_tokens, timeout=600)
-        sent = sum(moved(op, n, ep) for r in res for op, n in r["calls"]) / ep
-        k, h, e = EP_MODEL["top_k"], EP_MODEL["hidden"], EP_MODEL["experts"]
-        theory = ep_layer_elements(ep, args.ep_tokens, k, h, e)
-        rows.append({"ep": ep, "tokens": args.ep_tokens, "calls": len(res[0]["calls"]),
-                     "elements_per_layer": sent, "theory": theory, "ratio": sent / theory})  # fmt: skip
+        for k in args.ep_top_k:
+            for dedup in (True, False):
+                res = spawn(ep_worker, ep, ep, t, e, k, dedup, timeout=600)
+                sent = sum(moved(op, n, ep) for r in res for op, n in r["calls"]) / ep
+                theory = ep_layer_elements(ep, t, k, h, e, dedup=dedup)
+                rows.append({"ep": ep, "experts": e, "top_k": k, "dispatch": "dedup" if dedup else "per-assignment",
+                             "tokens": t, "calls": len(res[0]["calls"]), "elements_per_layer": sent,
+                             "theory": theory, "ratio": sent / theory})  # fmt: skip
     return rows
 
 
@@ -205,8 +217,15 @@ def check_args(args) -> str | None:
             return (f"--cp {cp} needs --cp-seq-len ({args.cp_seq_len}) divisible by {2 * cp} and divides the "
                     f"cp rows' {CP_MODEL['heads']} heads")  # fmt: skip
     for ep in args.ep:
-        if EP_MODEL["experts"] % ep:
-            return f"--ep {ep} does not divide the ep rows' {EP_MODEL['experts']} experts"
+        if args.ep_experts % ep:
+            return f"--ep {ep} does not divide --ep-experts {args.ep_experts}"
+    for k in args.ep_top_k if args.ep else ():
+        if k > args.ep_experts:
+            return f"--ep-top-k {k} is more than --ep-experts {args.ep_experts}"
+        subsets = math.comb(args.ep_experts, k)
+        if args.ep_tokens % subsets:
+            return (f"--ep-tokens {args.ep_tokens} is not a multiple of the {subsets} {k}-subsets of "
+                    f"{args.ep_experts} experts (each token takes one in turn)")  # fmt: skip
     return None
 
 
@@ -238,9 +257,9 @@ def run(args) -> dict:
     ep = []
     if args.ep:
         ep = ep_rows(args)
-        kind = f"{EP_MODEL['experts']} experts, top-{EP_MODEL['top_k']}, h={EP_MODEL['hidden']}"
+        kind = f"{args.ep_experts} experts, h={EP_MODEL['hidden']}"
         print(f"ep all-to-all per MoE layer (forward + backward), elements sent per rank (mean), {kind}")
-        print(table(ep, ["ep", "tokens", "calls", "elements_per_layer", "theory", "ratio"]))
+        print(table(ep, ["ep", "top_k", "dispatch", "tokens", "calls", "elements_per_layer", "theory", "ratio"]))
     rows, out = [], []
     b, s, h, m, L = args.micro, args.seq_len, args.hidden, args.accum, args.layers
     bsh = b * s * h

@@ -162,6 +162,10 @@ class SparseMoE(nn.Module):
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias,
                              correction=spec.correction_bias)  # fmt: skip
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
+        self.dedup = spec.top_k > 1
+        """Under ep, send each token once per rank that holds any of its experts (``_dispatch_once``);
+        False: once per (token, expert) assignment (``_run``): at top-1 the same rows without the
+        routing metadata and its two calls, and the dispatch benchmark's comparison."""
         self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
         if spec.experts % ep:
@@ -267,9 +271,45 @@ class SparseMoE(nn.Module):
             dropped = (~keep).sum()
             order = order[keep]
             counts = torch.bincount(flat[order], minlength=e)
+        if self.ep is not None and self.dedup:
+            return self._dispatch_once(x, flat, order, weights), dropped
         rows = order // k
         ys = self._run(x[rows], counts) * weights.flatten()[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
+
+    def _dispatch_once(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
+        """Expert parallelism with each token sent at most once to each ep rank: the kept assignments
+        (``order`` into ``flat``, the [T k] experts) are grouped by (destination rank, token); one row
+        per pair travels with its k slots' weights and local expert indices (-1: another rank's or
+        dropped) in one [rows, 2k] fp32 tensor; the rank runs every local expert a row names, sums
+        their weighted outputs and sends back one row, which the source adds to its token. The
+        counts exchange is per rank (ep integers). Elements per off-rank row: 4 h + 4 k over the
+        forward and backward (``planner.traffic.ep_layer_elements``)."""
+        ep, local = self.ep.size, len(self.local)
+        t, k = weights.shape
+        tok, slot, expert = order // k, order % k, flat[order]
+        dest = expert // local
+        pairs, which = torch.unique(dest * t + tok, return_inverse=True)  # sorted: by rank, then token
+        src = pairs % t
+        with torch.no_grad():
+            ids = torch.full((pairs.numel(), k), -1.0, device=x.device)
+            ids[which, slot] = (expert - dest * local).float()
+            send = torch.bincount(pairs // t, minlength=ep)
+            recv = all_to_all_counts(send.view(ep, 1), self.ep).view(-1)
+        w = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=x.device)
+        w = w.index_put((which, slot), weights.flatten()[order].float())
+        send, recv = send.tolist(), recv.tolist()
+        xr = all_to_all_rows(x[src], send, recv, self.ep)
+        meta = all_to_all_rows(torch.cat([w, ids], dim=1), send, recv, self.ep)
+        wr, idr = meta[:, :k], meta[:, k:].detach().long()
+        row, slot_r = (idr >= 0).nonzero(as_tuple=True)
+        lexp = idr[row, slot_r]
+        perm = torch.argsort(lexp, stable=True)
+        row, slot_r = row[perm], slot_r[perm]
+        ye = self._run_local(xr[row], torch.bincount(lexp[perm], minlength=local).tolist())
+        ye = (ye * wr[row, slot_r].unsqueeze(-1)).to(x.dtype)
+        yr = torch.zeros_like(xr).index_add(0, row, ye)
+        return torch.zeros_like(x).index_add(0, src, all_to_all_rows(yr, recv, send, self.ep))
 
     def _earlier_in_sequence(self, flat: torch.Tensor, order: torch.Tensor, samples: int) -> torch.Tensor:
         """For each expert-sorted assignment (``flat[order]``), how many assignments to its expert the

@@ -12,7 +12,7 @@ from ..pipeline.zero_bubble import bubble_share
 from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
 from .offload import offload_traffic
-from .traffic import cp_bytes, dp_bytes, ep_layer_elements, pp_bytes, ring_factor, tp_bytes
+from .traffic import cp_bytes, dp_bytes, ep_layer_traffic, pp_bytes, ring_factor, tp_bytes
 
 # DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
 # project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
@@ -31,14 +31,16 @@ ZERO3_OVERLAP = 0.5
 def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: int, blocks: int,
              recompute: bool) -> float:  # fmt: skip
     """Bytes one rank sends per step over its ep group: every sparse layer of the heaviest stage
-    dispatches and combines each micro-batch's ``tokens`` rows (``traffic.ep_layer_elements``; every
+    dispatches and combines each micro-batch's ``tokens`` rows, each token once per rank holding any
+    of its experts, with fp32 routing metadata and int64 counts (``traffic.ep_layer_traffic``; every
     TP rank sends the whole rows, mt3d's experts being split over TP), and recompute repeats the
     forward's half."""
     spec = cfg.moe_spec
     if spec is None or ep <= 1:
         return 0.0
     sparse = blocks * cfg.sparse_layers / cfg.layers
-    per_layer = ep_layer_elements(ep, tokens, spec.top_k, cfg.hidden, spec.experts) * elem
+    rows, meta, counts = ep_layer_traffic(ep, tokens, spec.top_k, cfg.hidden, spec.experts)
+    per_layer = rows * elem + meta * 4 + counts * 8
     return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
 
 

@@ -8,6 +8,8 @@ two hosts for its cross-host estimate (``cross_host_bytes``). A ring collective 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from ..parallel.topology import Placement, TopologyError
@@ -58,15 +60,39 @@ def cp_layer_elements(
     raise ValueError(f"unknown context-parallel exchange {kind!r}")
 
 
-def ep_layer_elements(ep: int, tokens: int, top_k: int, hidden: int, experts: int) -> float:
-    """Elements one rank sends per MoE layer and micro-batch (forward + backward) for expert
-    parallelism, with ``tokens`` tokens routed top-``top_k`` and the experts' load balanced (f =
-    (ep-1)/ep of the assignments go to another rank): the per-expert row counts once (E counts,
-    keeping 1/ep), then the rows to their experts and the outputs back, each again in the backward:
-    f (4 tokens k h + E). ``python -m mt3d.bench comm --ep 2,4`` measures it."""
+def ep_ranks_per_token(ep: int, experts: int, top_k: int) -> float:
+    """The distinct ep ranks a token's top-``top_k`` experts live on, in expectation over routings that
+    choose every k-subset of the ``experts`` alike (E / ep experts per rank): ep (1 - C(E - E/ep, k) /
+    C(E, k)), k at most (every expert on another rank), 1 when ep divides into whole ranks of k."""
     if ep <= 1:
-        return 0.0
-    return (ep - 1) / ep * (4 * tokens * top_k * hidden + experts)
+        return 1.0
+    miss = math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k)
+    return ep * (1.0 - miss)
+
+
+def ep_layer_traffic(ep: int, tokens: int, top_k: int, hidden: int, experts: int,
+                     dedup: bool = True) -> tuple[float, float, float]:  # fmt: skip
+    """Elements one rank sends per MoE layer and micro-batch (forward + backward) under expert
+    parallelism, as (hidden rows, fp32 routing metadata, int64 counts), the experts' load balanced
+    (f = (ep-1)/ep of what a rank sends goes to another rank).
+
+    ``dedup`` (mt3d's dispatch, ``mt3d.model.moe.SparseMoE._dispatch_once``): one row per token and
+    rank holding any of its experts (D = ``ep_ranks_per_token`` rows per token), each with its k
+    weights and k local expert indices; the rows there, one combined row back, and both again in the
+    backward: f D T (4 h) row elements, f D T (4 k) metadata, and ep counts (f ep). Without: one row
+    per assignment, f (4 T k h) and E counts (f E)."""
+    if ep <= 1:
+        return 0.0, 0.0, 0.0
+    f = (ep - 1) / ep
+    if not dedup:
+        return f * 4 * tokens * top_k * hidden, 0.0, f * experts
+    rows = f * tokens * ep_ranks_per_token(ep, experts, top_k)
+    return rows * 4 * hidden, rows * 4 * top_k, f * ep
+
+
+def ep_layer_elements(ep: int, tokens: int, top_k: int, hidden: int, experts: int, dedup: bool = True) -> float:
+    """All the elements of ``ep_layer_traffic``. ``python -m mt3d.bench comm --ep 2,4`` measures it."""
+    return sum(ep_layer_traffic(ep, tokens, top_k, hidden, experts, dedup))
 
 
 def cp_bytes(cfg, seq_len: int, b: int, tp: int, cp: int, micro_batches: int, elem_bytes: int, blocks: float,
