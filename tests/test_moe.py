@@ -157,14 +157,15 @@ def test_router_statistics_carry_a_gradient_only_when_a_router_loss_uses_them(co
     torch.testing.assert_close(stats_f.detach(), want, rtol=1e-5, atol=1e-5)
 
 
-def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None)):
+def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None):
     from mt3d.model.blocks import BuildContext, TransformerBlock
     from mt3d.model.config import ModelConfig
     from mt3d.parallel.state import AxisGroup
 
     cfg = ModelConfig.from_dict(dict(hidden=32, layers=1, heads=4, ffn=64, position="rope", norm="rmsnorm",
                                      mlp="swiglu", bias=False,
-                                     moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=32)))  # fmt: skip
+                                     moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=32,
+                                              capacity_factor=capacity)))  # fmt: skip
     tpg = AxisGroup("tp", tuple(range(tp)), tp_rank, groups[0])
     epg = AxisGroup("ep", tuple(range(ep)), ep_rank, groups[1])
     block = TransformerBlock(cfg, BuildContext(tp=tpg, ep=epg, seed=5), 0)
@@ -177,7 +178,7 @@ def _ep_batch(ep_rank):
     return torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(10 + ep_rank), dtype=torch.float64)
 
 
-def _ep_worker(tp, ep):
+def _ep_worker(tp, ep, capacity):
     import torch.distributed as dist
 
     me = dist.get_rank()
@@ -186,7 +187,7 @@ def _ep_worker(tp, ep):
     from mt3d.parallel.commlog import CollectiveLog
 
     t, e = me % tp, me // tp
-    block = _ep_block(tp, ep, t, e, (tp_groups[e], ep_groups[t])).double()
+    block = _ep_block(tp, ep, t, e, (tp_groups[e], ep_groups[t]), capacity).double()
     runs = []
     for dedup in (True, False):  # each token once per rank, or once per (token, expert)
         block.zero_grad(set_to_none=True)
@@ -200,15 +201,16 @@ def _ep_worker(tp, ep):
     return runs
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
-def test_expert_parallel_dispatch_equals_one_process(tp, ep):
+@pytest.mark.parametrize("tp,ep,capacity", [(1, 2, None), (2, 2, None), (1, 2, 0.5)])
+def test_expert_parallel_dispatch_equals_one_process(tp, ep, capacity):
     """Each ep rank routes its own tokens; experts live on one ep rank each (split over tp), reached by
     all-to-all: outputs and input gradients are those of one process, and an expert's weight gradient
     sums the contributions of the tokens every ep rank sent it; so with each token sent once per rank
-    (the default) and once per assignment, the first moving fewer elements."""
+    (the default) and once per assignment, the first moving fewer elements; and with capacity
+    dropping half the assignments (a token may keep one expert of two on a rank, or none)."""
     from mt3d.parallel.layers import shard_of
 
-    ref = _ep_block(1, 1).double()
+    ref = _ep_block(1, 1, capacity=capacity).double()
     want, grads = [], {}
     for e in range(ep):
         ref.zero_grad()
@@ -218,7 +220,7 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep):
         want.append((out.detach(), x.grad))
         grads[e] = {n: p.grad.clone() for n, p in ref.named_parameters()}
     params = dict(ref.named_parameters())
-    for rank, runs in enumerate(spawn(_ep_worker, tp * ep, tp, ep, timeout=300)):
+    for rank, runs in enumerate(spawn(_ep_worker, tp * ep, tp, ep, capacity, timeout=300)):
         t, e = rank % tp, rank // tp
         for out, dx, got, _ in runs:
             torch.testing.assert_close(out, want[e][0]), torch.testing.assert_close(dx, want[e][1])
