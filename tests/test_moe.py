@@ -233,6 +233,37 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep, capacity):
         assert runs[0][3] < runs[1][3], (runs[0][3], runs[1][3])
 
 
+def _overlap_worker():
+    import torch.distributed as dist
+
+    from mt3d.parallel import mappings
+
+    me = dist.get_rank()
+    block = _ep_block(1, 2, 0, me, (None, dist.new_group([0, 1]))).double()
+    events = []
+    posted = mappings._Posted
+    post, wait = posted.post, posted.wait
+    posted.post = lambda self, *a: (events.append("post"), post(self, *a))[1]
+    posted.wait = lambda self: (events.append("wait"), wait(self))[1]
+    for name, p in block.mlp.shared.named_parameters():
+        p.register_hook(lambda g, name=name: events.append(f"shared {name}"))
+    shared = block.mlp.shared.forward
+    block.mlp.shared.forward = lambda x: (events.append("shared forward"), shared(x))[1]
+    out = block(_ep_batch(me))
+    events.append("backward")
+    out.sum().backward()
+    return events
+
+
+def test_the_shared_expert_runs_while_the_dispatch_travels():
+    """The rows and their metadata are posted, the shared expert computes, then the rows are awaited;
+    in the backward their gradients are posted back before the shared expert's backward and awaited
+    after it (autograd runs the later-created of two ready nodes first)."""
+    for events in spawn(_overlap_worker, 2, timeout=120):
+        assert events == ["post", "post", "shared forward", "wait", "wait", "backward", "post", "post",
+                          "shared down.weight", "shared up.weight", "wait", "wait"], events  # fmt: skip
+
+
 LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)
     ("tiny-mixtral", 2, dict(expert=2)),
     ("tiny-mixtral", 2, dict(expert=2, zero=0)),  # mt3d's fp32 norm without ZeRO (mt3d.ds.engine)

@@ -54,6 +54,7 @@ from ..parallel.mappings import (
     gather_from_sequence,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    start_all_to_all_rows,
 )
 from ..parallel.marks import mark_tp_partial_grad
 from ..parallel.random import recomputing
@@ -194,15 +195,23 @@ class SparseMoE(nn.Module):
             xs, weights = copy_to_tp(x, self.tp), copy_to_tp(weights, self.tp)
         b, s, h = xs.shape
         rows = (xs.reshape(b * s, h), index.reshape(b * s, -1), weights.reshape(b * s, -1))
-        y, dropped = self._experts(*rows, b)
+        y, shared, dropped = self._experts(*rows, b, during=self._shared_expert(x))
         y = y.view(b, s, h)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
-        if self.shared is not None:
-            shared = self.shared(x)
-            y = y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
+        if shared is not None:
+            y = y + shared
         if stats is not None:
             stats = self._stats(stats, logits, probs, index, dropped)
         return y, stats
+
+    def _shared_expert(self, x: torch.Tensor):
+        """The call that computes the (gated) shared expert of ``x``, or None without one: the routed
+        experts' dispatch runs it while their rows travel."""
+        if self.shared is None:
+            return None
+        if self.shared_gate is None:
+            return lambda: self.shared(x)
+        return lambda: torch.sigmoid(self.shared_gate(x)) * self.shared(x)
 
     def _route(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) [..., k] of each token: its top-k experts by score (plus the correction
@@ -247,8 +256,11 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(index.flatten(), minlength=self.spec.experts)
         return stats[0] + local, stats[1] + torch.cat([counts, dropped.view(1)])
 
-    def _experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, samples: int = 1):
-        """Dispatch rows to their experts, run each expert on its rows at once, combine weighted.
+    def _experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, samples: int = 1,
+                 during=None):  # fmt: skip
+        """Dispatch rows to their experts, run each expert on its rows at once, combine weighted;
+        returns (output, what ``during`` returned, assignments dropped): ``during`` is called once, while
+        the dispatch travels where there is one.
 
         x [T, h], index / weights [T, k] (``samples`` sequences of T / samples rows). Assignments are
         sorted by expert (stably: token order within an expert), so the experts run over contiguous
@@ -272,19 +284,23 @@ class SparseMoE(nn.Module):
             order = order[keep]
             counts = torch.bincount(flat[order], minlength=e)
         if self.ep is not None and self.dedup:
-            return self._dispatch_once(x, flat, order, weights), dropped
+            return (*self._dispatch_once(x, flat, order, weights, during), dropped)
         rows = order // k
         ys = self._run(x[rows], counts) * weights.flatten()[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), dropped
+        side = during() if during is not None else None
+        return torch.zeros_like(x).index_add(0, rows, ys.to(x.dtype)), side, dropped
 
-    def _dispatch_once(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
+    def _dispatch_once(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                       during=None):  # fmt: skip
         """Expert parallelism with each token sent at most once to each ep rank: the kept assignments
         (``order`` into ``flat``, the [T k] experts) are grouped by (destination rank, token); one row
         per pair travels with its k slots' weights and local expert indices (-1: another rank's or
         dropped) in one [rows, 2k] fp32 tensor; the rank runs every local expert a row names, sums
         their weighted outputs and sends back one row, which the source adds to its token. The
         counts exchange is per rank (ep integers). Elements per off-rank row: 4 h + 4 k over the
-        forward and backward (``planner.traffic.ep_layer_elements``)."""
+        forward and backward (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert)
+        runs while the rows and metadata travel, and its backward while their gradients travel back
+        (``mappings.start_all_to_all_rows``); returns (output, what ``during`` returned)."""
         ep, local = self.ep.size, len(self.local)
         t, k = weights.shape
         tok, slot, expert = order // k, order % k, flat[order]
@@ -299,8 +315,10 @@ class SparseMoE(nn.Module):
         w = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=x.device)
         w = w.index_put((which, slot), weights.flatten()[order].float())
         send, recv = send.tolist(), recv.tolist()
-        xr = all_to_all_rows(x[src], send, recv, self.ep)
-        meta = all_to_all_rows(torch.cat([w, ids], dim=1), send, recv, self.ep)
+        rows = start_all_to_all_rows(x[src], send, recv, self.ep)
+        meta = start_all_to_all_rows(torch.cat([w, ids], dim=1), send, recv, self.ep)
+        side = during() if during is not None else None  # the shared expert, while the rows travel
+        xr, meta = rows(), meta()
         wr, idr = meta[:, :k], meta[:, k:].detach().long()
         row, slot_r = (idr >= 0).nonzero(as_tuple=True)
         lexp = idr[row, slot_r]
@@ -309,7 +327,7 @@ class SparseMoE(nn.Module):
         ye = self._run_local(xr[row], torch.bincount(lexp[perm], minlength=local).tolist())
         ye = (ye * wr[row, slot_r].unsqueeze(-1)).to(x.dtype)
         yr = torch.zeros_like(xr).index_add(0, row, ye)
-        return torch.zeros_like(x).index_add(0, src, all_to_all_rows(yr, recv, send, self.ep))
+        return torch.zeros_like(x).index_add(0, src, all_to_all_rows(yr, recv, send, self.ep)), side
 
     def _earlier_in_sequence(self, flat: torch.Tensor, order: torch.Tensor, samples: int) -> torch.Tensor:
         """For each expert-sorted assignment (``flat[order]``), how many assignments to its expert the

@@ -260,6 +260,68 @@ def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGr
     return _AllToAllRows.apply(x, list(send), list(recv), g) if g.size > 1 else x
 
 
+class _Posted:
+    """The transfer in flight between ``_StartRows`` and ``_WaitRows``: its work handle and buffer,
+    the forward's and then the backward's."""
+
+    def __init__(self, send: list[int], recv: list[int], g: AxisGroup) -> None:
+        self.send, self.recv, self.g = send, recv, g
+        self.work = self.buffer = None
+
+    def post(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        x = x.contiguous()
+        self.buffer = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.work = dist.all_to_all_single(self.buffer, x, recv, send, group=self.g.group, async_op=True)
+        self.source = x  # kept alive until the transfer ends
+        return self.buffer
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        out, self.work, self.buffer, self.source = self.buffer, None, None, None
+        return out
+
+
+class _StartRows(torch.autograd.Function):
+    """Forward: post the exchange (the result's buffer, not yet filled). Backward: wait for the gradient's
+    exchange that ``_WaitRows``'s backward posted."""
+
+    @staticmethod
+    def forward(ctx, x, posted):
+        ctx.posted = posted
+        return posted.post(x, posted.send, posted.recv)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: the received rows' own gradient, already on its way back
+        return ctx.posted.wait(), None
+
+
+class _WaitRows(torch.autograd.Function):
+    """Forward: wait for the exchange ``_StartRows`` posted. Backward: post the gradient's way back."""
+
+    @staticmethod
+    def forward(ctx, buffer, posted):
+        ctx.posted = posted
+        return posted.wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        posted = ctx.posted
+        posted.post(grad, posted.recv, posted.send)
+        return grad, None  # only its shape matters: _StartRows's backward returns what the transfer brings
+
+
+def start_all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup):
+    """``all_to_all_rows`` posted: returns a call that waits and gives the received rows. Differentiable,
+    and overlapped both ways: what runs between the start and the wait in the forward (work created
+    in between) runs between the gradient's post and its wait in the backward, because autograd runs
+    the later-created of two ready nodes first."""
+    if g.size == 1:
+        return lambda: x
+    posted = _Posted(list(send), list(recv), g)
+    buffer = _StartRows.apply(x, posted)
+    return lambda: _WaitRows.apply(buffer, posted)
+
+
 def all_to_all_counts(counts: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Counts [ranks, n] (row i: what this rank sends rank i) -> [ranks, n] (row i: what rank i sends
     this rank); no gradient."""
