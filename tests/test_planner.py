@@ -871,3 +871,32 @@ def test_layouts_that_ran_on_80_gb_cards_fit():
             "--overlap", "none", "--grad-dtype", "param"]  # fmt: skip
     ran = _planned(mpt, fsdp)["feasible"]
     assert ran and ran[0]["memory_gb"] < 85.52 - 2, ran[:1]
+
+
+def test_the_shared_expert_hides_what_it_overlaps_of_the_dispatch():
+    """The shared expert computes while the routed rows travel (and its backward while their gradients
+    return): the planner takes off the step's expert all-to-all the smaller of the dispatch's half and
+    the shared experts' share of the compute (18 h s_ffn FLOPs a token per sparse layer); a model
+    without a shared expert hides nothing. The per-token rows count each rank a token reaches once."""
+    from mt3d.planner.search import bandwidths
+    from mt3d.planner.traffic import ep_layer_traffic, ep_ranks_per_token
+
+    dev = get_device("h100")
+    kw = dict(peak_tflops=dev.peak_tflops, efficiency=None, device=dev)
+    lay = Layout(2, 8, 64, 1, 128, 1, True, True, ep=64)  # Megatron-Bridge's DeepSeek-V3 layout
+    kw["bw"] = bandwidths(Cluster(1024, 8, dev), 2, 8, ep=64)
+    ds = resolve_model({"preset": "deepseek-v3"})
+    row = step_time(ds, 129280, 4096, 8192, lay, **kw)
+    spec = ds.moe_spec
+    share = 18 * ds.hidden * spec.shared_ffn * ds.sparse_layers / ds.flops_per_token(4096, 129280)
+    exposed = row["ep_comm_s"] + row["ep_hidden_s"]
+    assert row["ep_hidden_s"] > 0
+    assert row["ep_hidden_s"] == pytest.approx(min(0.5 * exposed, share * row["compute_s"]))
+    mixtral = resolve_model({"preset": "mixtral-8x7b"})
+    assert step_time(mixtral, 32000, 4096, 128, Layout(2, 1, 32, 1, 4, 1, False, True, ep=8), **{
+        **kw, "bw": bandwidths(Cluster(64, 8, dev), 2, 1, ep=8)})["ep_hidden_s"] == 0.0  # fmt: skip
+    # DeepSeek-V3's top-8 of 256 experts at ep 64: 7.68 ranks a token, not 8
+    assert ep_ranks_per_token(64, 256, 8) == pytest.approx(7.6758, abs=1e-4)
+    rows, meta, counts = ep_layer_traffic(64, 4096, 8, 7168, 256)
+    assert rows / ep_layer_traffic(64, 4096, 8, 7168, 256, dedup=False)[0] == pytest.approx(7.6758 / 8, abs=1e-4)
+    assert meta == pytest.approx(rows * 8 / 7168) and counts == pytest.approx(63)

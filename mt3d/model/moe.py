@@ -295,7 +295,7 @@ class SparseMoE(nn.Module):
         """Expert parallelism with each token sent at most once to each ep rank: the kept assignments
         (``order`` into ``flat``, the [T k] experts) are grouped by (destination rank, token); one row
         per pair travels with its k slots' weights and local expert indices (-1: another rank's or
-        dropped) in one [rows, 2k] fp32 tensor; the rank runs every local expert a row names, sums
+        dropped) in one [rows, 2k] fp32 tensor (fp32 rows carry it as columns: one transfer each way); the rank runs every local expert a row names, sums
         their weighted outputs and sends back one row, which the source adds to its token. The
         counts exchange is per rank (ep integers). Elements per off-rank row: 4 h + 4 k over the
         forward and backward (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert)
@@ -315,10 +315,16 @@ class SparseMoE(nn.Module):
         w = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=x.device)
         w = w.index_put((which, slot), weights.flatten()[order].float())
         send, recv = send.tolist(), recv.tolist()
-        rows = start_all_to_all_rows(x[src], send, recv, self.ep)
-        meta = start_all_to_all_rows(torch.cat([w, ids], dim=1), send, recv, self.ep)
-        side = during() if during is not None else None  # the shared expert, while the rows travel
-        xr, meta = rows(), meta()
+        meta = torch.cat([w, ids], dim=1)
+        if x.dtype == torch.float32:  # one transfer each way: the metadata rides as 2k more columns
+            both = start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, self.ep)
+            side = during() if during is not None else None  # the shared expert, while the rows travel
+            xr, meta = both().split([x.shape[1], 2 * k], dim=1)
+        else:
+            rows = start_all_to_all_rows(x[src], send, recv, self.ep)
+            meta = start_all_to_all_rows(meta, send, recv, self.ep)
+            side = during() if during is not None else None
+            xr, meta = rows(), meta()
         wr, idr = meta[:, :k], meta[:, k:].detach().long()
         row, slot_r = (idr >= 0).nonzero(as_tuple=True)
         lexp = idr[row, slot_r]

@@ -34,6 +34,8 @@ def explain(row: dict) -> str:
     for part in TIME_PARTS:
         share = row[part] / row["step_time_s"] if row["step_time_s"] else 0.0
         lines.append(f"  {part[:-2].replace('_', ' '):<12} {row[part]:10.4g} s  {share:6.1%}")
+        if part == "ep_comm_s" and row.get("ep_hidden_s"):
+            lines[-1] += f"  (after {row['ep_hidden_s']:.4g} s hidden behind the shared expert)"
     lines.append(f"memory {row['memory_gb']:.2f} GB per GPU =")
     for part in MEMORY_PARTS:
         lines.append(f"  {part.replace('_', ' '):<12} {row['memory'][part]:10.3f} GB")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..model.config import ModelConfig
+from ..model.config import GATED_MLPS, ModelConfig
 from ..pipeline.zero_bubble import bubble_share
 from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
@@ -42,6 +42,21 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     rows, meta, counts = ep_layer_traffic(ep, tokens, spec.top_k, cfg.hidden, spec.experts)
     per_layer = rows * elem + meta * 4 + counts * 8
     return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
+
+
+def shared_expert_hidden(cfg: ModelConfig, compute: float, ep_seconds: float, seq_len: int,
+                         vocab: int | None) -> float:  # fmt: skip
+    """Seconds of a step's expert all-to-all the shared expert hides: it computes while the routed rows
+    travel to their experts and its backward while their gradients travel back
+    (``mt3d.model.moe.SparseMoE._dispatch_once``), so at most the dispatch's half of the traffic (the
+    combine is not overlapped) and at most the shared experts' share of the compute (18 h s_ffn FLOPs
+    a token per sparse layer, forward and backward, over ``flops_per_token``)."""
+    spec = cfg.moe_spec
+    if spec is None or not spec.shared_ffn or ep_seconds <= 0:
+        return 0.0
+    mats = 3 if cfg.mlp in GATED_MLPS else 2
+    shared = 6 * mats * cfg.hidden * spec.shared_ffn * cfg.sparse_layers / cfg.flops_per_token(seq_len, vocab)
+    return min(0.5 * ep_seconds, compute * shared)
 
 
 def etp_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, t: int, elem: int, blocks: int,
@@ -181,6 +196,8 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     if lay.ep > 1 and ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
         tokens = seq_len // lay.cp * lay.micro_batch
         ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
+    ep_hidden = shared_expert_hidden(cfg, compute, ep, seq_len, vocab) if lay.ep > 1 else 0.0
+    ep -= ep_hidden
     # the zero-bubble schedules refuse overlap.grad_reduce (it would reduce on B, before W)
     hide_dp = "dp" in overlap and lay.schedule == "1f1b"
     dp = _dp_seconds(lay, grads, prec, compute, bw, hide_dp, mt3d_engine, 2 if fsdp else None)
@@ -193,6 +210,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
         "tp_comm_s": tp,
         "cp_comm_s": cp,
         "ep_comm_s": ep,
+        "ep_hidden_s": ep_hidden,
         "pp_comm_s": pp,
         "dp_comm_s": dp,
         "offload_s": offload,
