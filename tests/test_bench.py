@@ -86,7 +86,8 @@ def test_comm_benchmark_measures_the_expert_all_to_all_at_its_volume():
     assignment at f (4 T k h + E) (planner.traffic.ep_layer_elements), every k-subset routed in turn."""
     from mt3d.planner.traffic import ep_ranks_per_token
 
-    rec, _ = bench("comm", "--tp", "", "--ep", "2", "--ep-experts", "4", "--ep-top-k", "2,4", "--ep-tokens", "12")
+    args = ("--ep", "2", "--ep-experts", "4", "--ep-top-k", "2,4", "--ep-tokens", "12")
+    rec, _ = bench("comm", "--tp", "", *args)
     rows = {(r["top_k"], r["dispatch"]): r for r in rec["ep_rows"]}
     assert sorted(rows) == [(2, "dedup"), (2, "per-assignment"), (4, "dedup"), (4, "per-assignment")]
     assert all(r["ratio"] == 1.0 for r in rows.values())
@@ -131,7 +132,7 @@ def test_bubble_benchmark_runs_every_schedule():
         (["gemm", "--smoke", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
         (["comm", "--tp", "x"], "argument --tp: expected an integer, got 'x'"),
         (["comm", "--ep", "3"], "--ep 3 does not divide --ep-experts 8"),
-        (["comm", "--ep", "2", "--ep-tokens", "100"], "--ep-tokens 100 is not a multiple of the 28 2-subsets"),
+        (["comm", "--ep", "2", "--ep-tokens", "100"], "--ep-tokens 100 is not a multiple of the 28"),
         (["comm", "--ep", "2", "--ep-top-k", "9"], "--ep-top-k 9 is more than --ep-experts 8"),
         (["attention", "--seq-lens", "0"], "argument --seq-lens: must be >= 1"),
         (["overhead", "--reps", "1.5"], "argument --reps: expected an integer"),

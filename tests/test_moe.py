@@ -6,6 +6,8 @@ import json
 import math
 import re
 import shutil
+from contextlib import nullcontext
+from itertools import product
 from pathlib import Path
 
 import pytest
@@ -552,10 +554,12 @@ def test_deepspeed_still_needs_what_mt3d_ds_experts_does():
 
 def test_grouped_gemm_equals_a_loop_over_experts(monkeypatch):
     """A rank's experts as torch's grouped matmul (used wherever it works, this CPU included) and as
-    one matmul per expert: the same outputs and gradients, an expert without rows among them."""
+    one matmul per expert: the same outputs and gradients, an expert without rows among them; and so
+    with the backward split for a zero-bubble schedule (B leaves every expert's weight gradient to W)."""
     from mt3d.config import resolve_model
     from mt3d.model import moe
     from mt3d.model.blocks import BuildContext
+    from mt3d.parallel.deferred import WeightGrads, deferring, split_backward
     from mt3d.parallel.state import AxisGroup
 
     assert moe.grouped_gemm_works(torch.device("cpu"), torch.float32)
@@ -564,15 +568,26 @@ def test_grouped_gemm_equals_a_loop_over_experts(monkeypatch):
     xs = torch.randn(40, cfg.hidden, requires_grad=True)
     weights = torch.randn(40, cfg.hidden)
     got = {}
-    for grouped in (True, False):
+    for grouped, split in product((True, False), (False, True)):
         monkeypatch.setattr(moe, "grouped_gemm_works", lambda device, dtype, g=grouped: g)
         layer.zero_grad()
         xs.grad = None
-        y = layer._run_local(xs, [10, 0, 25, 5])
-        (y * weights).sum().backward()
-        got[grouped] = [y.detach(), xs.grad.clone(), *(p.grad.clone() for p in layer.experts.parameters())]
-    for a, b in zip(got[True], got[False], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        split_backward(split)
+        try:
+            y = layer._run_local(xs, [10, 0, 25, 5])
+        finally:
+            split_backward(False)
+        queue = WeightGrads()
+        with deferring(queue) if split else nullcontext():
+            (y * weights).sum().backward()
+        experts = list(layer.experts.parameters())
+        if split:  # B: the input gradient only; W: every expert's weight gradients (an empty expert's 0)
+            assert all(p.grad is None for p in experts) and len(queue) == (2 if grouped else 2 * 4)
+            queue.run()
+        got[grouped, split] = [y.detach(), xs.grad.clone(), *(p.grad.clone() for p in experts)]
+    for key in ((True, True), (False, False), (False, True)):
+        for a, b in zip(got[True, False], got[key], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _balancing_model(rate):

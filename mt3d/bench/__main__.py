@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ep", type=optional_positive_ints, default=(),
                    help="expert-parallel degrees to measure the MoE all-to-all at: 2,4")  # fmt: skip
     c.add_argument("--ep-tokens", type=positive_int, default=280,
-                   help="tokens per rank of the ep rows (a multiple of C(experts, k) for each k)")  # fmt: skip
+                   help="tokens per rank of the ep rows (a multiple of C(experts, k) per k)")  # fmt: skip
     c.add_argument("--ep-experts", type=positive_int, default=8, help="routed experts of the ep rows")
-    c.add_argument("--ep-top-k", type=positive_ints, default=(2, 4), help="experts per token of the ep rows: 2,4")
+    c.add_argument("--ep-top-k", type=positive_ints, default=(2, 4),
+                   help="experts per token of the ep rows: 2,4")  # fmt: skip
     c.add_argument("--layers", type=positive_int, default=2)
     c.add_argument("--hidden", type=positive_int, default=64)
     c.add_argument("--seq-len", type=positive_int, default=32)

@@ -198,9 +198,10 @@ def ep_rows(args) -> list[dict]:
                 res = spawn(ep_worker, ep, ep, t, e, k, dedup, timeout=600)
                 sent = sum(moved(op, n, ep) for r in res for op, n in r["calls"]) / ep
                 theory = ep_layer_elements(ep, t, k, h, e, dedup=dedup)
-                rows.append({"ep": ep, "experts": e, "top_k": k, "dispatch": "dedup" if dedup else "per-assignment",
-                             "tokens": t, "calls": len(res[0]["calls"]), "elements_per_layer": sent,
-                             "theory": theory, "ratio": sent / theory})  # fmt: skip
+                dispatch = "dedup" if dedup else "per-assignment"
+                rows.append({"ep": ep, "experts": e, "top_k": k, "dispatch": dispatch, "tokens": t,
+                             "calls": len(res[0]["calls"]), "elements_per_layer": sent, "theory": theory,
+                             "ratio": sent / theory})  # fmt: skip
     return rows
 
 
@@ -259,7 +260,8 @@ def run(args) -> dict:
         ep = ep_rows(args)
         kind = f"{args.ep_experts} experts, h={EP_MODEL['hidden']}"
         print(f"ep all-to-all per MoE layer (forward + backward), elements sent per rank (mean), {kind}")
-        print(table(ep, ["ep", "top_k", "dispatch", "tokens", "calls", "elements_per_layer", "theory", "ratio"]))
+        cols = ["ep", "top_k", "dispatch", "tokens", "calls", "elements_per_layer", "theory", "ratio"]
+        print(table(ep, cols))
     rows, out = [], []
     b, s, h, m, L = args.micro, args.seq_len, args.hidden, args.accum, args.layers
     bsh = b * s * h

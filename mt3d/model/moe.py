@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from ..parallel.deferred import is_split, weight_grad
+from ..parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, local_linear
 from ..parallel.mappings import (
     all_to_all_counts,
     all_to_all_rows,
@@ -134,8 +135,9 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, glu) -> torch.Tensor:
         """[n, h] rows (already inside the TP region) -> this rank's partial [n, h] output; ``glu`` maps
-        the fused [gate | up] to the gated activation."""
-        y = F.linear(glu(F.linear(x, self.up.weight, self.up.bias)), self.down.weight)
+        the fused [gate | up] to the gated activation. ``local_linear``: ``F.linear``, or under a split
+        backward a linear whose weight gradient waits for W."""
+        y = local_linear(glu(local_linear(x, self.up.weight, self.up.bias)), self.down.weight)
         return y if self.down.bias is None else y + self.down.bias * self.bias_share
 
 
@@ -295,10 +297,11 @@ class SparseMoE(nn.Module):
         """Expert parallelism with each token sent at most once to each ep rank: the kept assignments
         (``order`` into ``flat``, the [T k] experts) are grouped by (destination rank, token); one row
         per pair travels with its k slots' weights and local expert indices (-1: another rank's or
-        dropped) in one [rows, 2k] fp32 tensor (fp32 rows carry it as columns: one transfer each way); the rank runs every local expert a row names, sums
-        their weighted outputs and sends back one row, which the source adds to its token. The
-        counts exchange is per rank (ep integers). Elements per off-rank row: 4 h + 4 k over the
-        forward and backward (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert)
+        dropped) in one [rows, 2k] fp32 tensor (fp32 rows carry it as columns: one transfer each way);
+        the rank runs every local expert a row names, sums their weighted outputs and sends back one
+        row, which the source adds to its token. The counts exchange is per rank (ep integers).
+        Elements per off-rank row: 4 h + 4 k over the forward and backward
+        (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert)
         runs while the rows and metadata travel, and its backward while their gradients travel back
         (``mappings.start_all_to_all_rows``); returns (output, what ``during`` returned)."""
         ep, local = self.ep.size, len(self.local)
@@ -376,12 +379,12 @@ class SparseMoE(nn.Module):
             # the gradients back to each expert's parameters)
             up = torch.stack([e.up.weight for e in experts]).transpose(1, 2)
             down = torch.stack([e.down.weight for e in experts]).transpose(1, 2)
-            y = _grouped_mm(xs, up, offs)
+            y = grouped_linear(xs, up, offs)
             if experts[0].up.bias is not None:  # each row's expert's biases
                 which = torch.repeat_interleave(torch.arange(len(experts), device=xs.device), n,
                                                 output_size=xs.shape[0])  # fmt: skip
                 y = y + torch.stack([e.up.bias for e in experts])[which]
-            y = _grouped_mm(self.glu(y), down, offs)
+            y = grouped_linear(self.glu(y), down, offs)
             if experts[0].down.bias is not None:
                 y = y + torch.stack([e.down.bias for e in experts])[which] * experts[0].bias_share
             return y
@@ -445,6 +448,34 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     if y.requires_grad:
         y.register_hook(lambda g: g.contiguous())
     return y
+
+
+class _SplitGroupedMM(torch.autograd.Function):
+    """Rows ``x`` (grouped by ``offs``) times ``w[g]`` [in, out], its weight gradient left to W under a
+    split backward (``parallel.deferred``): B computes the input gradient only, W each group's
+    x_g^T dy_g (one grouped matmul of two 2-D operands, the groups along the rows) and hands it to
+    autograd on ``w``, the stacked view of the experts' weights, which passes each expert its slice."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        dy = grad.contiguous()
+        dx = torch._grouped_mm(dy, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = weight_grad(w, lambda: torch._grouped_mm(x.t(), dy, offs=offs))
+        return dx, dw, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The experts' grouped GEMM: torch's own (and its autograd) unless the backward is split for a
+    zero-bubble schedule (``_SplitGroupedMM``)."""
+    return _SplitGroupedMM.apply(x, w, offs) if is_split() else _grouped_mm(x, w, offs)
 
 
 @functools.cache

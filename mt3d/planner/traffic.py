@@ -9,7 +9,6 @@ two hosts for its cross-host estimate (``cross_host_bytes``). A ring collective 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from ..parallel.topology import Placement, TopologyError
@@ -90,7 +89,8 @@ def ep_layer_traffic(ep: int, tokens: int, top_k: int, hidden: int, experts: int
     return rows * 4 * hidden, rows * 4 * top_k, f * ep
 
 
-def ep_layer_elements(ep: int, tokens: int, top_k: int, hidden: int, experts: int, dedup: bool = True) -> float:
+def ep_layer_elements(ep: int, tokens: int, top_k: int, hidden: int, experts: int,
+                      dedup: bool = True) -> float:  # fmt: skip
     """All the elements of ``ep_layer_traffic``. ``python -m mt3d.bench comm --ep 2,4`` measures it."""
     return sum(ep_layer_traffic(ep, tokens, top_k, hidden, experts, dedup))
 
