@@ -108,7 +108,7 @@ def test_bubble_benchmark_runs_every_schedule():
     from mt3d.pipeline import zero_bubble
 
     rec, text = bench("bubble", "--stages", "2", "--micro-batches", "4", "--virtual", "1,2", "--steps", "2",
-                      "--hidden", "64", "--schedules", "1f1b,zb-h1,zbv")  # fmt: skip
+                      "--hidden", "64", "--schedules", "1f1b,zb-h1,zbv", "--memory")  # fmt: skip
     rows = rec["rows"]
     assert [(r["schedule"], r["p"], r["m"], r["v"]) for r in rows] == [
         ("1f1b", 2, 4, 1), ("1f1b", 2, 4, 2), ("zb-h1", 2, 4, 1), ("zbv", 2, 4, 2)
@@ -124,6 +124,30 @@ def test_bubble_benchmark_runs_every_schedule():
         assert r["theory"] == sum(idle) / 2 and r["theory"] < rows[0]["theory"] / 2
     assert rows[1]["predicted"] is None and all(0 < rows[k]["predicted"] < 1 for k in (0, 2, 3))
     assert "| zbv | 2 | 4 | 2 |" in render([rec])
+    # --memory: each rank's activation peak (MB), the largest against 1F1B's
+    for r in rows:
+        assert len(r["act_peak_mb"]) == 2 and all(x > 0 for x in r["act_peak_mb"])
+        assert r["act_peak_vs_1f1b"] == pytest.approx(max(r["act_peak_mb"]) / max(rows[0]["act_peak_mb"]))
+
+
+def test_activation_peak_counts_every_allocation_up_to_the_optimizer_step():
+    """The bubble benchmark's activation peak: allocations and frees summed in time order until the
+    optimizer step (a profiled region named as the instrumented engine names it), whose own buffers
+    are left out."""
+    from torch.profiler import record_function
+
+    from mt3d.bench.bubble import activation_peak
+
+    def step():
+        a = torch.empty(1_000_000)  # 4 MB
+        b = torch.empty(2_000_000)  # 8 MB: 12 MB held
+        del a
+        c = torch.empty(500_000)  # 10 MB held
+        with record_function("OptimizerStep"):
+            d = torch.empty(10_000_000)  # 40 MB more, after the passes
+        del b, c, d
+
+    assert activation_peak(step) == 12_000_000
 
 
 @pytest.mark.parametrize(

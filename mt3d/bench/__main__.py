@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=("1f1b",),
         help="pipeline schedules to compare (1f1b at each --virtual; zb-h1 and zbv at their own chunks)",
     )
+    b.add_argument("--memory", action="store_true",
+                   help="a profiled step more per run: each rank's activation peak")  # fmt: skip
     pr = sub.add_parser("preprocess", help=BENCHES["preprocess"])
     pr.add_argument("--mb", type=positive_float, default=50.0, help="size of the generated jsonl input")
     c = sub.add_parser("comm", help=BENCHES["comm"])

@@ -37,6 +37,8 @@ EXCLUDED = ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
 
 
 def _instrument(engine):
+    from torch.profiler import record_function
+
     from ..ds.instructions import wrap_instructions
 
     totals: dict[str, float] = defaultdict(float)
@@ -45,7 +47,8 @@ def _instrument(engine):
         def wrapper(self, _fn=fn, _name=kind.__name__, **kw):
             t0, w0 = time.perf_counter(), getattr(self, "p2p_wait_s", 0.0)
             try:
-                return _fn(self, **kw)
+                with record_function(_name):  # named in a profile (``activation_peak``); cheap without
+                    return _fn(self, **kw)
             finally:  # mt3d's engine waits for posted transfers inside a pass: that is idle, not busy
                 waited = getattr(self, "p2p_wait_s", 0.0) - w0
                 took = time.perf_counter() - t0 - waited
@@ -62,10 +65,32 @@ def _instrument(engine):
 PASSES = {"fwd": "ForwardPass", "bwd": "BackwardPass", "wgt": "WeightPass"}
 
 
+def activation_peak(train_step) -> int:
+    """Bytes allocated at the peak of one step's forward and backward passes above what was held when
+    it started: ``train_step()`` runs under torch's profiler with its memory events (every CPU tensor
+    allocation and free, whoever makes it) summed in time order up to the optimizer step (named by
+    ``_instrument``), so the optimizer's own buffers are left out. What the passes keep for their
+    backward (and a split backward for W), the received activations and gradients, and the
+    temporaries of the largest pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step()
+    events = prof.events()
+    stop = min((e.time_range.start for e in events if e.name in EXCLUDED), default=float("inf"))
+    held = peak = 0
+    for _, used in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events
+                          if e.self_cpu_memory_usage and e.time_range.start < stop):  # fmt: skip
+        held += used
+        peak = max(peak, held)
+    return peak
+
+
 def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_stage: int, v: int = 1,
-           schedule: str = "1f1b") -> dict:  # fmt: skip
+           schedule: str = "1f1b", memory: bool = False) -> dict:  # fmt: skip
     """One rank: train ``steps`` steps and report this stage's busy/window times and its seconds of
-    forward, backward (B) and weight-gradient (W) passes per micro-batch."""
+    forward, backward (B) and weight-gradient (W) passes per micro-batch; with ``memory`` one step
+    more under the profiler for its activation peak (``activation_peak``; not timed)."""
     import torch.distributed as dist
 
     from ..data.loader import StepBatches
@@ -80,19 +105,15 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
     idle, busy_s, window_s = [], [], []
     passes: dict[str, list[float]] = {k: [] for k in PASSES}
     chunks = {(key, c): [] for key in PASSES for c in range(v)}  # one pass's seconds per chunk
+    def train(step):
+        batches = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=1,
+                              grad_accum=layout.grad_accum, dp_rank=0, start_step=step)  # fmt: skip
+        engine.train_batch(data_iter=batches)
+
     for step in range(steps + 1):
         totals.clear()
         t0 = time.perf_counter()
-        engine.train_batch(
-            data_iter=StepBatches(
-                data.train,
-                global_batch=layout.global_batch,
-                micro_batch=1,
-                grad_accum=layout.grad_accum,
-                dp_rank=0,
-                start_step=step,
-            )
-        )
+        train(step)
         total = time.perf_counter() - t0
         window = total - sum(totals[k] for k in EXCLUDED)
         busy = sum(totals[k] for k in PASSES.values())
@@ -105,8 +126,10 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
             passes.setdefault("p2p_wait", []).append(totals["p2p_wait"])
             for key, c in chunks:
                 chunks[(key, c)].append(totals[f"{PASSES[key]}@{c}"] / micro_batches)
+    peak = activation_peak(lambda: train(steps + 1)) if memory else None
     return {
         "stage": rt.state.pp.rank,
+        "activation_peak": peak,
         "idle": statistics.median(idle),
         "busy_s": statistics.median(busy_s),
         "window_s": statistics.median(window_s),
@@ -178,7 +201,7 @@ def run(args) -> dict:
                 if schedule == "1f1b" and v > 1 and (m % p or args.layers_per_stage % v):
                     continue  # the interleaved schedule needs m = k p and whole blocks per chunk
                 res = spawn(worker, p, p, m, args.steps, args.hidden, args.layers_per_stage, v, schedule,
-                            timeout=1800)  # fmt: skip
+                            args.memory, timeout=1800)  # fmt: skip
                 ordered = sorted(res, key=lambda r: r["stage"])
                 per_stage = [r["idle"] for r in ordered]
                 theory = theory_of(schedule, v, p, m)
@@ -215,8 +238,14 @@ def run(args) -> dict:
                     "busy_vs_v1": busy / base["busy_s"] if base else None,
                     "per_stage": " ".join(f"{x:.3f}" for x in per_stage),
                 }
+                if args.memory:  # MB per rank at the peak of the passes, and the largest against 1F1B's
+                    peaks = [r["activation_peak"] / 1e6 for r in ordered]
+                    here["act_peak_max_mb"] = row["act_peak_max_mb"] = max(peaks)
+                    row["act_peak_mb"] = " ".join(f"{x:.1f}" for x in peaks)
+                    row["act_peak_vs_1f1b"] = max(peaks) / base["act_peak_max_mb"] if base else None
                 rows.append(row)
-                out.append({**row, "per_stage": per_stage})
+                out.append({**row, "per_stage": per_stage,
+                            **({"act_peak_mb": peaks} if args.memory else {})})  # fmt: skip
     print("pipeline bubble: idle fraction of the fwd/bwd window per stage vs (p-1)/(v m + p - 1) (1F1B), the")
     print("replay at unit pass times (zero-bubble), and the simulator at the measured pass times (predicted)")
     print(
@@ -239,6 +268,7 @@ def run(args) -> dict:
                 "ideal_speedup",
                 "busy_vs_v1",
                 "per_stage",
+                *(["act_peak_mb", "act_peak_vs_1f1b"] if args.memory else []),
             ],
         )
     )
