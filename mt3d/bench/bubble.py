@@ -105,6 +105,7 @@ def worker(stages: int, micro_batches: int, steps: int, hidden: int, layers_per_
     idle, busy_s, window_s = [], [], []
     passes: dict[str, list[float]] = {k: [] for k in PASSES}
     chunks = {(key, c): [] for key in PASSES for c in range(v)}  # one pass's seconds per chunk
+
     def train(step):
         batches = StepBatches(data.train, global_batch=layout.global_batch, micro_batch=1,
                               grad_accum=layout.grad_accum, dp_rank=0, start_step=step)  # fmt: skip
