@@ -191,6 +191,12 @@ def check_args(args) -> str | None:
     return None
 
 
+COLUMNS = ("schedule", "p", "m", "v", "theory", "predicted", "measured_mean", "ratio", "busiest_stage",
+           "busiest/theory", "step_s", "p2p_wait_s", "speedup", "ideal_speedup", "busy_vs_v1",
+           "per_stage")  # fmt: skip
+"""The printed table's columns (``--memory`` adds each rank's activation peak and its ratio)."""
+
+
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench bubble``."""
     from ..parallel.spawn import spawn
@@ -249,30 +255,7 @@ def run(args) -> dict:
                             **({"act_peak_mb": peaks} if args.memory else {})})  # fmt: skip
     print("pipeline bubble: idle fraction of the fwd/bwd window per stage vs (p-1)/(v m + p - 1) (1F1B), the")
     print("replay at unit pass times (zero-bubble), and the simulator at the measured pass times (predicted)")
-    print(
-        table(
-            rows,
-            [
-                "schedule",
-                "p",
-                "m",
-                "v",
-                "theory",
-                "predicted",
-                "measured_mean",
-                "ratio",
-                "busiest_stage",
-                "busiest/theory",
-                "step_s",
-                "p2p_wait_s",
-                "speedup",
-                "ideal_speedup",
-                "busy_vs_v1",
-                "per_stage",
-                *(["act_peak_mb", "act_peak_vs_1f1b"] if args.memory else []),
-            ],
-        )
-    )
+    print(table(rows, [*COLUMNS, *(["act_peak_mb", "act_peak_vs_1f1b"] if args.memory else [])]))
     return emit("bubble", {"rows": out, "steps": args.steps, "hidden": args.hidden})
 
 

@@ -44,6 +44,22 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
 
 
+def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, comm_bytes: int, blocks: int,
+                bw: dict[str, float], ep_dispatch: str, compute: float) -> tuple[float, float]:  # fmt: skip
+    """(exposed, hidden) seconds of a step's expert all-to-all (``ep_bytes``; with Megatron-Core's
+    "sequence-shard" dispatch each TP rank's shard and the expert-TP gather of the routed rows), the
+    hidden part what the shared expert covers (``shared_expert_hidden``)."""
+    if lay.ep <= 1:
+        return 0.0, 0.0
+    t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
+    ep = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute)
+    ep = ep / (t if ep_dispatch == "sequence-shard" else 1) / (bw["ep"] * 1e9)
+    if ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
+        ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
+    hidden = shared_expert_hidden(cfg, compute, ep, seq_len, vocab)
+    return ep - hidden, hidden
+
+
 def shared_expert_hidden(cfg: ModelConfig, compute: float, ep_seconds: float, seq_len: int,
                          vocab: int | None) -> float:  # fmt: skip
     """Seconds of a step's expert all-to-all the shared expert hides: it computes while the routed rows
@@ -191,13 +207,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     posted = posts_p2p(overlap, lay, mt3d_engine)
     split = pp_scatter_gather or mt3d_engine or (lay.sequence_parallel and t > 1)
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
-    ep = ep_bytes(cfg, seq_len // lay.cp * lay.micro_batch, m, lay.ep, comm_bytes, blocks, lay.recompute)
-    ep = ep / (t if ep_dispatch == "sequence-shard" else 1) / (bw["ep"] * 1e9) if lay.ep > 1 else 0.0
-    if lay.ep > 1 and ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
-        tokens = seq_len // lay.cp * lay.micro_batch
-        ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
-    ep_hidden = shared_expert_hidden(cfg, compute, ep, seq_len, vocab) if lay.ep > 1 else 0.0
-    ep -= ep_hidden
+    ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute)
     # the zero-bubble schedules refuse overlap.grad_reduce (it would reduce on B, before W)
     hide_dp = "dp" in overlap and lay.schedule == "1f1b"
     dp = _dp_seconds(lay, grads, prec, compute, bw, hide_dp, mt3d_engine, 2 if fsdp else None)
