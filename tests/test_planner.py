@@ -901,3 +901,13 @@ def test_the_shared_expert_hides_what_it_overlaps_of_the_dispatch():
     whole = ep_layer_traffic(64, 4096, 8, 7168, 256, dedup=False)[0]
     assert rows / whole == pytest.approx(7.6758 / 8, abs=1e-4)
     assert meta == pytest.approx(rows * 8 / 7168) and counts == pytest.approx(63)
+    # at top-1 the model sends once per assignment (MoESpec.dispatch_once): no metadata, E counts
+    from mt3d.model.config import ModelConfig
+    from mt3d.planner.timing import ep_bytes
+
+    d = get_preset("mixtral-8x7b").to_dict()
+    d["moe"] = {**d["moe"], "top_k": 1}
+    top1 = ModelConfig.from_dict(d)
+    assert not top1.moe_spec.dispatch_once and mixtral.moe_spec.dispatch_once
+    per_layer = 7 / 8 * (4 * 4096 * 1 * top1.hidden * 2 + 8 * 8)  # f (4 T k h) bf16 + f E int64 counts
+    assert ep_bytes(top1, 4096, 1, 8, 2, top1.layers, False) == pytest.approx(top1.layers * per_layer)

@@ -165,10 +165,10 @@ class SparseMoE(nn.Module):
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias,
                              correction=spec.correction_bias)  # fmt: skip
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
-        self.dedup = spec.top_k > 1
+        self.dedup = spec.dispatch_once
         """Under ep, send each token once per rank that holds any of its experts (``_dispatch_once``);
-        False: once per (token, expert) assignment (``_run``): at top-1 the same rows without the
-        routing metadata and its two calls, and the dispatch benchmark's comparison."""
+        False: once per (token, expert) assignment (``_run``; ``MoESpec.dispatch_once``), and the
+        dispatch benchmark's comparison."""
         self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
         if spec.experts % ep:
@@ -320,14 +320,12 @@ class SparseMoE(nn.Module):
         send, recv = send.tolist(), recv.tolist()
         meta = torch.cat([w, ids], dim=1)
         if x.dtype == torch.float32:  # one transfer each way: the metadata rides as 2k more columns
-            both = start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, self.ep)
-            side = during() if during is not None else None  # the shared expert, while the rows travel
-            xr, meta = both().split([x.shape[1], 2 * k], dim=1)
+            posted = [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, self.ep)]
         else:
-            rows = start_all_to_all_rows(x[src], send, recv, self.ep)
-            meta = start_all_to_all_rows(meta, send, recv, self.ep)
-            side = during() if during is not None else None
-            xr, meta = rows(), meta()
+            posted = [start_all_to_all_rows(part, send, recv, self.ep) for part in (x[src], meta)]
+        side = during() if during is not None else None  # the shared expert, while the rows travel
+        got = [wait() for wait in posted]
+        xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
         wr, idr = meta[:, :k], meta[:, k:].detach().long()
         row, slot_r = (idr >= 0).nonzero(as_tuple=True)
         lexp = idr[row, slot_r]

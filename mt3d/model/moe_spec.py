@@ -153,6 +153,14 @@ class MoESpec:
         """Whether block ``layer`` routes over experts."""
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
+    @property
+    def dispatch_once(self) -> bool:
+        """Whether expert parallelism sends each token once per rank holding any of its experts (with
+        its routing metadata) rather than once per assignment: at top-1 the two send the same rows, and
+        the per-assignment dispatch needs no metadata (``moe.SparseMoE._dispatch_once``; the planner's
+        ``timing.ep_bytes`` counts what runs)."""
+        return self.top_k > 1
+
     def capacity(self, tokens: int) -> int | None:
         """Assignments one expert takes from ``tokens`` tokens (None: dropless)."""
         if self.capacity_factor is None:

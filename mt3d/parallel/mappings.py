@@ -266,7 +266,7 @@ class _Posted:
 
     def __init__(self, send: list[int], recv: list[int], g: AxisGroup) -> None:
         self.send, self.recv, self.g = send, recv, g
-        self.work = self.buffer = None
+        self.work = self.buffer = self.source = None
 
     def post(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         x = x.contiguous()

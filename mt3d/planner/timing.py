@@ -32,14 +32,16 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
              recompute: bool) -> float:  # fmt: skip
     """Bytes one rank sends per step over its ep group: every sparse layer of the heaviest stage
     dispatches and combines each micro-batch's ``tokens`` rows, each token once per rank holding any
-    of its experts, with fp32 routing metadata and int64 counts (``traffic.ep_layer_traffic``; every
+    of its experts, with fp32 routing metadata, or at top-1 once per assignment
+    (``MoESpec.dispatch_once``), and int64 counts (``traffic.ep_layer_traffic``; every
     TP rank sends the whole rows, mt3d's experts being split over TP), and recompute repeats the
     forward's half."""
     spec = cfg.moe_spec
     if spec is None or ep <= 1:
         return 0.0
     sparse = blocks * cfg.sparse_layers / cfg.layers
-    rows, meta, counts = ep_layer_traffic(ep, tokens, spec.top_k, cfg.hidden, spec.experts)
+    once = spec.dispatch_once
+    rows, meta, counts = ep_layer_traffic(ep, tokens, spec.top_k, cfg.hidden, spec.experts, dedup=once)
     per_layer = rows * elem + meta * 4 + counts * 8
     return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
 
