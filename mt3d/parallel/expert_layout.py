@@ -1,0 +1,128 @@
+"""The expert layout of a pipeline stage: expert tensor (etp) x expert (ep) x expert data (edp)
+parallelism over the same ranks as the attention layout (tp x cp x dp), as Megatron-Core's "parallel
+folding" lays them out.
+
+Work in progress (branch ``expert-layouts``, issue 46): pure, not yet read by the rank mapper, the
+process groups, the model or the checkpoints.
+
+The ranks of a stage are listed innermost first in the attention grid's own nesting with the ep part
+of dp moved next to tp: tp, then ``g`` ranks of dp (the grid's 'ep' dimension: the ep ranks the
+mapper places within dp, as it always has), then cp, then the rest of dp. Position ``i`` in that list
+is decomposed innermost first: expert-TP rank ``i mod etp``, expert rank ``(i / etp) mod ep``,
+expert-data rank ``i / (etp ep)``. So:
+
+* ``etp`` = tp and ep dividing dp (``g`` = ep): the layout of every mt3d run before folding, the ep
+  ranks those of the grid's 'ep' dimension, the edp ranks cp x dp / ep;
+* ``etp`` = 1 (whole experts, Megatron-Core's recommendation): ep folds over the tp ranks first (inside
+  an NVLink island), then over dp's ``g``, then cp, then the rest of dp.
+
+``g`` is the part of ep beyond tp / etp that dp can hold: gcd(dp, ep etp / gcd(ep etp, tp)).
+
+DeepSpeed's pipeline grid wants ranks holding the same weights in its 'data' axis: a rank's weights
+are its tp shard of the dense layers and its (ep, etp) share of the experts, both functions of
+``i mod L``, L = lcm(tp, etp ep); so the grid's 'model' axis is ``i mod L`` and 'data' ``i / L``. For the
+layouts before folding this is exactly the grid mt3d always gave DeepSpeed (model = ep rank x tp + tp
+rank, data = dp / ep rank x cp + cp rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UserError
+
+
+class ExpertLayoutError(UserError):
+    """Expert degrees that cannot be laid over the stage's ranks; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The expert degrees of a run and where the expert ranks sit in its attention grid."""
+
+    tp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+
+    @classmethod
+    def resolve(cls, tp: int, cp: int, dp: int, ep: int, etp: int | None = None, *,
+                experts: int | None = None, expert_ffn: int | None = None) -> ExpertLayout:  # fmt: skip
+        """The layout of these degrees (``etp`` None: tp, the layout before folding), or one line on
+        why they cannot form one: etp must divide tp, etp x ep the stage's tp x cp x dp ranks, ep the
+        routed ``experts`` and etp the expert inner size ``expert_ffn`` (when given)."""
+        etp = tp if etp is None else etp
+        for name, value in (("expert", ep), ("expert_tensor", etp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ExpertLayoutError(f"mt3d.parallel.{name} must be a positive integer, got {value!r}")
+        if tp % etp:
+            raise ExpertLayoutError(
+                f"mt3d.parallel.expert_tensor = {etp} must divide tensor = {tp} (experts split within "
+                f"a tensor-parallel group); use 1 (whole experts) or a divisor of {tp}"
+            )
+        stage = tp * cp * dp
+        if stage % (etp * ep):
+            raise ExpertLayoutError(
+                f"expert_tensor x expert = {etp} x {ep} must divide tensor x context x data = "
+                f"{tp} x {cp} x {dp} = {stage} (a pipeline stage's ranks); change expert or expert_tensor"
+            )
+        if experts is not None and experts % ep:
+            raise ExpertLayoutError(f"model.moe.experts ({experts}) is not divisible by expert = {ep}")
+        if expert_ffn is not None and expert_ffn % etp:
+            raise ExpertLayoutError(
+                f"the experts' inner size ({expert_ffn}) is not divisible by expert_tensor = {etp}"
+            )
+        return cls(tp, cp, dp, ep, etp)
+
+    @property
+    def folded(self) -> bool:
+        """Whether the layout differs from the one before folding (etp = tp, ep within dp)."""
+        return self.etp != self.tp or self.dp % self.ep != 0
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (their gradients reduce, their ZeRO states partition, over them)."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    @property
+    def grid_ep(self) -> int:
+        """``g``: the ep ranks within dp, the size of the placement grid's 'ep' dimension."""
+        beyond = self.etp * self.ep // math.gcd(self.etp * self.ep, self.tp)
+        return math.gcd(self.dp, beyond)
+
+    @property
+    def model_ranks(self) -> int:
+        """L = lcm(tp, etp ep): the distinct sets of weights in a stage (DeepSpeed's 'model' axis)."""
+        return math.lcm(self.tp, self.etp * self.ep)
+
+    def stage_order(self, grid: np.ndarray) -> np.ndarray:
+        """[pp, stage ranks]: each stage's ranks in the expert layout's list order, from a placement
+        grid [pp, dp / g, g, cp, tp] (``axes.GRID`` with ``g`` = ``grid_ep``)."""
+        pp, dpe, g, cp, tp = grid.shape
+        if (g, cp, tp, dpe * g) != (self.grid_ep, self.cp, self.tp, self.dp):
+            raise ValueError(f"grid {grid.shape} is not this layout's ({self})")
+        return grid.transpose(0, 1, 3, 2, 4).reshape(pp, -1)  # innermost: tp, g, cp, dp / g
+
+    def expert_grid(self, grid: np.ndarray) -> np.ndarray:
+        """[pp, edp, ep, etp]: the global rank at each expert coordinate."""
+        return self.stage_order(grid).reshape(grid.shape[0], self.edp, self.ep, self.etp)
+
+    def groups(self, grid: np.ndarray, name: str) -> list[list[int]]:
+        """Every group of ``name`` ('etp', 'ep' or 'edp') over the placement grid."""
+        eg = self.expert_grid(grid)
+        axis = {"edp": 1, "ep": 2, "etp": 3}[name]
+        moved = np.moveaxis(eg, axis, -1)
+        return moved.reshape(-1, eg.shape[axis]).tolist()
+
+    def deepspeed_grid(self, grid: np.ndarray) -> np.ndarray:
+        """[pipe, data, model] for DeepSpeed's ProcessTopology: 'model' the weights a rank holds
+        (position mod L), 'data' the ranks holding the same ones."""
+        flat = self.stage_order(grid)
+        return flat.reshape(grid.shape[0], -1, self.model_ranks)
+
+
+__all__ = ["ExpertLayout", "ExpertLayoutError"]
