@@ -88,3 +88,87 @@ def test_bad_expert_layouts_are_one_line(args, match):
         ExpertLayout.resolve(2, 1, 2, 4, 1, experts=6)
     with pytest.raises(ExpertLayoutError, match=r"inner size \(30\) is not divisible by expert_tensor = 4"):
         ExpertLayout.resolve(4, 1, 1, 1, 4, expert_ffn=30)
+
+
+def _folded_block(tp_group, ep_group, tpo_group, sp, tp_rank=0, ep_rank=0):
+    import torch
+
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.model.config import ModelConfig
+    from mt3d.parallel.state import AxisGroup
+
+    cfg = ModelConfig.from_dict(dict(hidden=32, layers=1, heads=4, ffn=64, position="rope", norm="rmsnorm",
+                                     mlp="swiglu", bias=False,
+                                     moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=32)))  # fmt: skip
+    ctx = BuildContext(tp=tp_group, ep=ep_group, etp=AxisGroup.alone("etp", tp_rank) if tpo_group else None,
+                       tpo=tpo_group, sequence_parallel=sp, seed=5)  # fmt: skip
+    block = TransformerBlock(cfg, ctx, 0)
+    with torch.no_grad():
+        block.mlp.router.weight.mul_(30)
+    return block.double()
+
+
+def _folded_batch(d):
+    import torch
+
+    return torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(10 + d), dtype=torch.float64)
+
+
+def _folded_worker(sp):
+    """tp 2 x dp 2, ep 4 over all of them, whole experts (etp 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from mt3d.parallel.state import AxisGroup
+
+    me = dist.get_rank()
+    t, d = me % 2, me // 2
+    tps = [dist.new_group([2 * i, 2 * i + 1]) for i in range(2)]
+    everyone = dist.new_group([0, 1, 2, 3])
+    tpg = AxisGroup("tp", (2 * d, 2 * d + 1), t, tps[d])
+    block = _folded_block(tpg, AxisGroup("ep", (0, 1, 2, 3), me, everyone), tpg, sp, t, me)
+    x = _folded_batch(d)
+    if sp:
+        x = x.chunk(2, dim=1)[t]
+    x = x.clone().requires_grad_()
+    out = block(x)
+    out.backward(torch.ones_like(out))
+    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_whole_experts_folded_over_tp_and_dp_equal_one_process(sp):
+    """tp 2 x dp 2 with ep 4 and etp 1: each rank holds one whole expert and routes its own tokens (its
+    sequence shard with SP, else half of the tokens its TP pair shares), sent once per rank to the
+    expert's rank among all four; outputs and input gradients equal one process on each dp rank's
+    batch, an expert's gradient the sum over both batches, the router's (without SP) the batch's."""
+    import torch
+
+    from mt3d.parallel.layers import shard_of
+    from mt3d.parallel.spawn import spawn
+    from mt3d.parallel.state import AxisGroup
+
+    ref = _folded_block(AxisGroup.alone("tp"), None, None, False)
+    want, grads = [], []
+    for d in range(2):
+        ref.zero_grad()
+        x = _folded_batch(d).requires_grad_()
+        out = ref(x)
+        out.backward(torch.ones_like(out))
+        want.append((out.detach(), x.grad))
+        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    params = dict(ref.named_parameters())
+    for rank, (out, dx, got) in enumerate(spawn(_folded_worker, 4, sp, timeout=300)):
+        t, d = rank % 2, rank // 2
+        w_out, w_dx = want[d]
+        if sp:
+            w_out, w_dx = w_out.chunk(2, dim=1)[t], w_dx.chunk(2, dim=1)[t]
+        torch.testing.assert_close(out, w_out)
+        torch.testing.assert_close(dx, w_dx)
+        experts = sorted({int(n.split(".")[2]) for n in got if ".experts." in n})
+        assert experts == [rank], experts
+        for name, g in got.items():
+            if ".experts." in name:  # whole: every batch's tokens reach it
+                torch.testing.assert_close(g, grads[0][name] + grads[1][name], msg=name)
+            elif not sp:  # with SP, replicated weights hold partial gradients (summed by the engine)
+                torch.testing.assert_close(g, shard_of(grads[d][name], params[name], t, 2), msg=name)

@@ -37,6 +37,10 @@ class BuildContext:
             (``train.recompute.tile_len``; 0: whole sequences). The LM head then returns its
             (gathered) input and weight instead of logits, and ``LossFn`` projects tile by tile.
         ep: the expert-parallel group (None or one rank: every rank holds every expert).
+        etp: the expert-tensor-parallel group, the ranks splitting one expert's inner dimension
+            (``parallel.expert_layout``; None: tp, every expert split over the whole TP group).
+        tpo: with etp smaller than tp, the ranks of a TP group with the same expert-TP rank: without
+            sequence parallelism they hold the same tokens, and each routes 1/tpo of them (None: one).
         keep_gathered: with sequence parallelism, column-parallel linears keep their all-gathered
             input for the backward instead of the 1/tp shard (``train.recompute.gathered_sp_inputs``).
         selective: recompute the attention core and the MLP's activation in the backward
@@ -58,6 +62,8 @@ class BuildContext:
     cp_exchange: str = "auto"
     tile_len: int = 0
     ep: AxisGroup | None = None
+    etp: AxisGroup | None = None
+    tpo: AxisGroup | None = None
     keep_gathered: bool = False
     selective: bool = False
     fp8: str | None = None

@@ -37,6 +37,7 @@ reason.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -48,12 +49,14 @@ from torch import nn
 
 from ..parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, local_linear
 from ..parallel.mappings import (
+    all_reduce,
     all_to_all_counts,
     all_to_all_rows,
     copy_to_tp,
     gather_from_sequence,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    scatter_to_sequence,
     start_all_to_all_rows,
 )
 from ..parallel.marks import mark_tp_partial_grad
@@ -160,6 +163,14 @@ class SparseMoE(nn.Module):
 
         spec = cfg.moe_spec
         self.spec, self.tp, self.sp = spec, ctx.tp, ctx.sp
+        self.etp = ctx.etp if ctx.etp is not None else ctx.tp
+        """The ranks that split each expert's inner dimension (the TP group unless folded)."""
+        self.tpo = ctx.tpo if ctx.tpo is not None and ctx.tpo.size > 1 else None
+        """Without SP and with etp below tp: the TP ranks holding the same tokens that share them out."""
+        if self.etp.size < self.tp.size and spec.capacity_factor is not None:
+            raise MoEConfigError("model.moe.capacity_factor with expert_tensor below tensor is not supported "
+                                 "yet (each rank's capacity would count a share of the sequence); drop it "
+                                 "or set expert_tensor = tensor")  # fmt: skip
         act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
         self.glu = functools.partial(gated, act=act, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias,
@@ -176,7 +187,8 @@ class SparseMoE(nn.Module):
         self.local = range(r * spec.experts // ep, (r + 1) * spec.experts // ep)
         """The experts this rank holds (all of them without expert parallelism)."""
         self.experts = nn.ModuleDict(
-            {str(j): Expert(cfg, ctx, layer, j, spec.expert_ffn) for j in self.local}
+            {str(j): Expert(cfg, dataclasses.replace(ctx, tp=self.etp), layer, j, spec.expert_ffn)
+             for j in self.local}  # fmt: skip
         )
         self.shared = self.shared_gate = None
         if spec.shared_ffn:
@@ -189,21 +201,32 @@ class SparseMoE(nn.Module):
         logits = self.router(x)
         probs = logits.float().softmax(dim=-1)
         weights, index = self._route(logits, probs)
-        if self.sp:  # enter the TP region with the whole sequence (each rank: its slice of every expert)
-            xs, weights = gather_from_sequence(x, self.tp), gather_from_sequence(weights, self.tp)
+        etp, routed = self.etp, index
+        if self.sp:  # enter the expert-TP region with the etp group's sequence shards
+            xs, weights = gather_from_sequence(x, etp), gather_from_sequence(weights, etp)
             with torch.no_grad():
-                index = gather_from_sequence(index, self.tp)
+                index = gather_from_sequence(index, etp)
         else:
-            xs, weights = copy_to_tp(x, self.tp), copy_to_tp(weights, self.tp)
+            xs = x
+            if self.tpo is not None:  # the same tokens on every TP rank: each routes its share
+                xs, weights = scatter_to_sequence(x, self.tpo), scatter_to_sequence(weights, self.tpo)
+                index = index.chunk(self.tpo.size, dim=1)[self.tpo.rank]
+            xs, weights = copy_to_tp(xs, etp), copy_to_tp(weights, etp)
         b, s, h = xs.shape
         rows = (xs.reshape(b * s, h), index.reshape(b * s, -1), weights.reshape(b * s, -1))
         y, shared, dropped = self._experts(*rows, b, during=self._shared_expert(x))
         y = y.view(b, s, h)
-        y = reduce_scatter_to_sequence(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
+        y = reduce_scatter_to_sequence(y, etp) if self.sp else reduce_from_tp(y, etp)
+        if self.tpo is not None and not self.sp:
+            y = gather_from_sequence(y, self.tpo, grad_is_partial=False)
         if shared is not None:
             y = y + shared
         if stats is not None:
-            stats = self._stats(stats, logits, probs, index, dropped)
+            if self.sp and etp.size < self.tp.size:  # each TP rank routed its own shard: sum the counts
+                counts = all_reduce(torch.bincount(routed.flatten(), minlength=self.spec.experts), self.tp)
+            else:  # every token's experts are here (without SP, or gathered over the whole TP group)
+                counts = torch.bincount((index if self.sp else routed).flatten(), minlength=self.spec.experts)
+            stats = self._stats(stats, logits, probs, counts, dropped)
         return y, stats
 
     def _shared_expert(self, x: torch.Tensor):
@@ -244,7 +267,7 @@ class SparseMoE(nn.Module):
             self.router.load = counts if self.router.load is None else self.router.load + counts
         return (weights * spec.routed_scaling if spec.routed_scaling != 1.0 else weights), index
 
-    def _stats(self, stats, logits, probs, index, dropped):
+    def _stats(self, stats, logits, probs, counts, dropped):
         """Add this layer's probability sums, z^2 sum, assignment counts and drops to ``stats``. Without
         gradient when neither router loss uses them (both coefficients 0: metrics only); ``stats``'s
         own graph stays, so a pipeline stage still returns a differentiable ``stats_f``."""
@@ -255,7 +278,6 @@ class SparseMoE(nn.Module):
             local = torch.cat([probs.sum(dim=(0, 1)), z[None]])
             if self.sp:  # each TP rank scored its own sequence shard
                 local = reduce_from_tp(local, self.tp)
-        counts = torch.bincount(index.flatten(), minlength=self.spec.experts)
         return stats[0] + local, stats[1] + torch.cat([counts, dropped.view(1)])
 
     def _experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, samples: int = 1,
