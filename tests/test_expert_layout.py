@@ -26,7 +26,11 @@ def test_the_layout_before_folding_is_the_grid_mt3d_always_used(world, tp, pp, c
     assert sorted(map(sorted, lay.groups(pl.grid, "ep"))) == sorted(map(sorted, pl.groups("ep")))
     assert sorted(map(sorted, lay.groups(pl.grid, "edp"))) == sorted(map(sorted, pl.groups("edp")))
     assert sorted(map(sorted, lay.groups(pl.grid, "etp"))) == sorted(map(sorted, pl.groups("tp")))
-    np.testing.assert_array_equal(lay.deepspeed_grid(pl.grid), pl.deepspeed_grid())
+    # the grid DeepSpeed was given before folding: [pipe, (dp / ep, cp), (ep, tp)], grid order
+    pp_, dpe, g, cp_, tp_ = pl.grid.shape
+    before = pl.grid.transpose(0, 1, 3, 2, 4).reshape(pp_, dpe * cp_, g * tp_)
+    np.testing.assert_array_equal(lay.deepspeed_grid(pl.grid), before)
+    np.testing.assert_array_equal(pl.deepspeed_grid(), before)
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,8 @@ def build_model(
     skip_init: bool = False,
 ) -> nn.Module:
     """An inference/fine-tuning model for this rank: StackedModel at pp = 1, else a pipeline stage."""
-    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init, cp=state.cp, ep=state.ep)
+    ctx = BuildContext(tp=state.tp, seed=seed, skip_init=skip_init, cp=state.cp, ep=state.ep, etp=state.etp,
+                       tpo=state.tpo)  # fmt: skip
     specs = layer_specs(cfg, ctx, vocab)
     loss = LossFn.of(cfg, state.tp, vocab)
     if state.pp.size == 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
+from .expert_layout import ExpertLayout, ExpertLayoutError
 
 
 class AxisError(UserError):
@@ -121,13 +122,20 @@ def shown(degrees: dict[str, int]) -> tuple[str, ...]:
 
 
 def derive_degrees(
-    world: int, given: dict[str, int], *, by_key: bool = False, fix: str = "change the degrees"
+    world: int,
+    given: dict[str, int],
+    *,
+    by_key: bool = False,
+    fix: str = "change the degrees",
+    expert_tensor: int | None = None,
 ) -> dict[str, int]:
     """Every axis's degree: ``given`` for the configured axes (missing ones 1), dp what remains.
 
-    The one home of the rules that the world is divisible by the model-parallel product and that an
-    axis ``within`` another divides it (ep divides dp). Messages name the axes by their config keys
-    when ``by_key`` (``tensor*pipeline``), else by name (``tp*pp``), and end with ``fix``.
+    The one home of the rule that the world is divisible by the model-parallel product; the expert
+    degrees are checked by the expert layout (``expert_layout.ExpertLayout.resolve``: etp divides tp,
+    etp x ep divides tp x cp x dp). ``expert_tensor`` (etp; None: tp) is kept in the result as
+    ``etp`` only when it differs from tp (a folded layout). Messages name the axes by their config
+    keys when ``by_key`` (``tensor*pipeline``), else by name (``tp*pp``), and end with ``fix``.
     """
     for name, value in given.items():
         if name not in BY_NAME or BY_NAME[name].key is None:
@@ -151,32 +159,38 @@ def derive_degrees(
             f"launch a multiple of {product} processes or {fix}"
         )
     degrees["dp"] = world // product
-    for a in AXES:
-        if a.within and degrees[a.within] % degrees[a.name]:
-            label = a.key if by_key else a.name
-            raise AxisError(
-                f"{label} = {degrees[a.name]} must divide {a.within} = {degrees[a.within]} "
-                f"({a.name} groups are subsets of {a.within} groups); {fix}"
-            )
+    etp = expert_tensor if expert_tensor is not None else degrees["tp"]
+    if degrees["ep"] > 1 or etp != degrees["tp"]:
+        try:
+            ExpertLayout.resolve(degrees["tp"], degrees["cp"], degrees["dp"], degrees["ep"], etp)
+        except ExpertLayoutError as e:
+            raise AxisError(f"{e}; {fix}" if fix not in str(e) else str(e)) from None
+    if etp != degrees["tp"]:
+        degrees["etp"] = etp
     return degrees
 
 
+def expert_layout(degrees: dict[str, int]) -> ExpertLayout:
+    """The expert layout of derived degrees (``derive_degrees``)."""
+    return ExpertLayout(degrees["tp"], degrees.get("cp", 1), degrees["dp"], degrees.get("ep", 1),
+                        degrees.get("etp", degrees["tp"]))  # fmt: skip
+
+
 def deepspeed_sizes(degrees: dict[str, int]) -> dict[str, int]:
-    """The sizes of DeepSpeed's three axes (``Axis.ds_axis``) for these degrees: an axis within another
-    takes its share of it (ep ranks leave dp / ep in 'data')."""
-    sizes = dict(zip(GRID, grid_shape(degrees)))
-    out = {"pipe": 1, "data": 1, "model": 1}
-    for a in AXES:
-        out[a.ds_axis] *= sizes[a.name]
-    return out
+    """The sizes of DeepSpeed's three axes for these degrees: 'model' the distinct sets of weights of a
+    stage (lcm(tp, etp x ep): tp x ep before folding), 'data' the ranks holding each
+    (``ExpertLayout.deepspeed_grid``; cp's ranks count in 'data', ep's in 'model')."""
+    model = expert_layout(degrees).model_ranks
+    stage = degrees["tp"] * degrees.get("cp", 1) * degrees["dp"]
+    return {"pipe": degrees["pp"], "data": stage // model, "model": model}
 
 
 def grid_shape(degrees: dict[str, int]) -> tuple[int, ...]:
-    """The placement grid's shape (``GRID`` order): an axis within another takes its share of it."""
+    """The placement grid's shape (``GRID`` order): the grid's 'ep' dimension is the part of ep the
+    data-parallel ranks hold (``ExpertLayout.grid_ep``; all of it before folding), and 'dp' the rest."""
     sizes = dict(degrees)
-    for a in AXES:
-        if a.within:
-            sizes[a.within] = degrees[a.within] // degrees[a.name]
+    g = expert_layout(degrees).grid_ep
+    sizes["ep"], sizes["dp"] = g, degrees["dp"] // g
     return tuple(sizes[name] for name in GRID)
 
 
@@ -219,6 +233,7 @@ __all__ = [
     "deepspeed_sizes",
     "degree_keys",
     "derive_degrees",
+    "expert_layout",
     "grid_shape",
     "order_label",
     "parse_order",

@@ -2,8 +2,9 @@
 parallelism over the same ranks as the attention layout (tp x cp x dp), as Megatron-Core's "parallel
 folding" lays them out.
 
-Work in progress (branch ``expert-layouts``, issue 46): pure, not yet read by the rank mapper, the
-process groups, the model or the checkpoints.
+Work in progress (branch ``expert-layouts``, issue 46): read by the rank mapper's ``Placement`` (its
+'ep', 'edp', 'etp' and 'tpo' groups, coordinates and DeepSpeed grid) and the model (``SparseMoE``);
+not yet by ``mt3d.ds.experts``, the config, the checkpoints or the planner.
 
 The ranks of a stage are listed innermost first in the attention grid's own nesting with the ep part
 of dp moved next to tp: tp, then ``g`` ranks of dp (the grid's 'ep' dimension: the ep ranks the
@@ -111,12 +112,20 @@ class ExpertLayout:
         """[pp, edp, ep, etp]: the global rank at each expert coordinate."""
         return self.stage_order(grid).reshape(grid.shape[0], self.edp, self.ep, self.etp)
 
-    def groups(self, grid: np.ndarray, name: str) -> list[list[int]]:
-        """Every group of ``name`` ('etp', 'ep' or 'edp') over the placement grid."""
+    def rows(self, grid: np.ndarray, name: str) -> np.ndarray:
+        """[groups, size]: every group of ``name`` over the placement grid: 'etp', 'ep', 'edp', or
+        'tpo' (the ranks of a TP group with the same expert-TP rank: tp / etp of them)."""
+        if name == "tpo":
+            flat = self.stage_order(grid)
+            tpo = flat.reshape(grid.shape[0], -1, self.tp // self.etp, self.etp)
+            return np.moveaxis(tpo, 2, -1).reshape(-1, self.tp // self.etp)
         eg = self.expert_grid(grid)
         axis = {"edp": 1, "ep": 2, "etp": 3}[name]
-        moved = np.moveaxis(eg, axis, -1)
-        return moved.reshape(-1, eg.shape[axis]).tolist()
+        return np.moveaxis(eg, axis, -1).reshape(-1, eg.shape[axis])
+
+    def groups(self, grid: np.ndarray, name: str) -> list[list[int]]:
+        """``rows`` as lists."""
+        return self.rows(grid, name).tolist()
 
     def deepspeed_grid(self, grid: np.ndarray) -> np.ndarray:
         """[pipe, data, model] for DeepSpeed's ProcessTopology: 'model' the weights a rank holds

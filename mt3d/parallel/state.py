@@ -59,7 +59,10 @@ class AxisGroup:
         return cls(name=name, ranks=(global_rank,), rank=0, group=None)
 
 
-GROUPS = (*(a.name for a in AXES), *COMBINED)
+GROUPS = (*(a.name for a in AXES), *COMBINED, "etp", "tpo")
+"""Every group a rank has: the axes', the combined ones, and the expert layout's expert-TP group and
+the TP ranks sharing an expert-TP rank (``topology.EXPERT_GROUPS``; the tp group and one rank before
+folding)."""
 
 
 class ParallelState:
@@ -232,10 +235,12 @@ class ParallelState:
 
 def _my_group(placement, name: str, me: int, made: dict[str, AxisGroup]) -> AxisGroup:
     """This rank's group ``name``, creating every group of that kind (collectively) if needed."""
-    if name in REUSE:
+    if name in REUSE and not placement.expert.folded:
         axis, same = REUSE[name]
         if placement.degrees[axis] == 1:
             return AxisGroup(name, made[same].ranks, made[same].rank, made[same].group)
+    if name == "etp" and not placement.expert.folded:  # the TP group itself
+        return AxisGroup(name, made["tp"].ranks, made["tp"].rank, made["tp"].group)
     lists = [sorted(g) for g in placement.groups(name)] if name == "model" else list(placement.groups(name))
     if len(lists[0]) == 1 and name not in ALWAYS:
         return AxisGroup.alone(name, me)

@@ -24,9 +24,20 @@ import warnings
 import numpy as np
 
 from ..inputs import MAX_WORLD
-from .axes import AXES, BY_NAME, DEFAULT_ORDER, GRID, AxisError, derive_degrees, grid_shape, order_label
+from .axes import (
+    AXES,
+    BY_NAME,
+    DEFAULT_ORDER,
+    GRID,
+    AxisError,
+    derive_degrees,
+    expert_layout,
+    grid_shape,
+    order_label,
+)
 from .axes import parse_order as _parse_axes_order
 from .axes import shown as shown_axes
+from .expert_layout import ExpertLayout
 from .hosts import Host, TopologyError, uniform_hosts
 
 DS_AXES = ("pipe", "data", "model")
@@ -47,6 +58,10 @@ def grid_dims(axis: str) -> tuple[str, ...]:
     own = {axis} | {a.name for a in AXES if a.within == axis}
     return tuple(d for d in GRID if d in own)
 
+
+EXPERT_GROUPS = ("ep", "edp", "etp", "tpo")
+"""Groups of the expert layout (``expert_layout.ExpertLayout``): expert parallelism, the ranks holding
+the same experts, those splitting one expert, and a TP group's ranks with the same expert-TP rank."""
 
 COMBINED = {
     "model": ("pp", "tp"),
@@ -69,11 +84,26 @@ class Placement:
     """
 
     def __init__(
-        self, *, grid: np.ndarray, order: tuple[str, ...], hosts: tuple[Host, ...], islands, notes=()
+        self,
+        *,
+        grid: np.ndarray,
+        order: tuple[str, ...],
+        hosts: tuple[Host, ...],
+        islands,
+        notes=(),
+        expert: ExpertLayout | None = None,
     ) -> None:
         self.grid = grid
         sizes = dict(zip(GRID, grid.shape))
         self.degrees = {a.name: int(np.prod([sizes[d] for d in grid_dims(a.name)])) for a in AXES}
+        d = self.degrees
+        self.expert = expert or ExpertLayout(d["tp"], d["cp"], d["dp"], d["ep"], d["tp"])
+        """The expert layout over these ranks; the grid's 'ep' dimension holds its ``grid_ep``."""
+        if self.expert.grid_ep != d["ep"]:
+            raise ValueError(f"grid {grid.shape} does not hold {self.expert}")
+        d["ep"] = self.expert.ep
+        if self.expert.etp != d["tp"]:
+            d["etp"] = self.expert.etp
         self.axis_order = tuple(order)
         self.hosts, self.islands, self.notes = hosts, islands, tuple(notes)
         slots = np.array([h.slots for h in hosts], dtype=np.int64)
@@ -114,11 +144,21 @@ class Placement:
         at = dict(zip(GRID, np.unravel_index(int(self._coords[rank]), self.grid.shape)))
         out = {}
         for ax in self.axes:
+            if ax == "ep":  # the expert coordinate (the grid's 'ep' dimension is only its part in dp)
+                out[ax] = self._expert_coord(rank)
+                continue
             index = 0
             for d in grid_dims(ax):
                 index = index * self.grid.shape[GRID.index(d)] + int(at[d])
             out[ax] = index
         return out
+
+    def _expert_coord(self, rank: int) -> int:
+        if getattr(self, "_ep_of", None) is None:
+            eg = self.expert.expert_grid(self.grid)
+            self._ep_of = np.empty(self.world, dtype=np.int64)
+            self._ep_of[eg.ravel()] = np.indices(eg.shape)[2].ravel()
+        return int(self._ep_of[rank])
 
     def rank_of(self, **coord: int) -> int:
         """Global rank at a coordinate (axes left out are at 0)."""
@@ -153,18 +193,24 @@ class Placement:
             raise ValueError(f"axis must be one of {tuple(BY_NAME)} or {tuple(COMBINED)}, got {axis!r}")
         return grid_dims(axis)
 
+    def _group_rows(self, axis: str) -> np.ndarray:
+        """[groups, size] of ``axis``: an expert group from the expert layout, else from the grid."""
+        if axis in EXPERT_GROUPS:
+            return self.expert.rows(self.grid, axis)
+        return self._rows(self._dims_of(axis))
+
     def groups(self, axis: str):
-        """Every group along ``axis`` (or a ``COMBINED`` group), in DeepSpeed's
+        """Every group along ``axis`` (or a ``COMBINED`` or ``EXPERT_GROUPS`` group), in DeepSpeed's
         ``get_axis_comm_lists`` order, each listed by its coordinate (a generator)."""
-        for row in self._rows(self._dims_of(axis)):
+        for row in self._group_rows(axis):
             yield row.tolist()
 
     def group_count(self, axis: str) -> int:
         """How many groups there are along ``axis``."""
-        return self.world // self._rows(self._dims_of(axis)).shape[1]
+        return self.world // self._group_rows(axis).shape[1]
 
     def _hosts_along(self, axis: str) -> np.ndarray:
-        return self.host_of[self._rows(self._dims_of(axis))]
+        return self.host_of[self._group_rows(axis)]
 
     def crossing(self, axis: str) -> int:
         """How many groups along ``axis`` span more than one host."""
@@ -195,11 +241,9 @@ class Placement:
         return int((key.min(axis=1) != key.max(axis=1)).sum())
 
     def deepspeed_grid(self) -> np.ndarray:
-        """The grid as DeepSpeed's ``[pipe, data, model]`` (each axis in its ``ds_axis``, grid order)."""
-        dims = {ds: [d for d in GRID if BY_NAME[d].ds_axis == ds] for ds in DS_AXES}
-        order = [GRID.index(d) for ds in DS_AXES for d in dims[ds]]
-        shape = [int(np.prod([self.grid.shape[GRID.index(d)] for d in dims[ds]])) for ds in DS_AXES]
-        return self.grid.transpose(order).reshape(shape)
+        """The grid as DeepSpeed's ``[pipe, data, model]``: 'model' the distinct weights of a stage,
+        'data' the ranks holding the same ones (``ExpertLayout.deepspeed_grid``)."""
+        return self.expert.deepspeed_grid(self.grid)
 
 
 def _natural_grid(shape: tuple[int, ...], order: tuple[str, ...]) -> np.ndarray:
@@ -353,6 +397,7 @@ def place(
     islands: tuple[tuple[int, ...], ...] | list[list[int]] | None = None,
     allow_crossing: bool = False,
     warn: bool = True,
+    expert_tensor: int | None = None,
     **degrees: int,
 ) -> Placement:
     """The placement of ``world_size`` ranks with tensor ``tp`` x pipeline ``pp`` and any other
@@ -371,9 +416,11 @@ def place(
         allow_crossing: when a TP group cannot stay inside one host, warn and minimise crossings
             instead of raising.
         warn: emit the placement's notes as warnings.
+        expert_tensor: ranks splitting each expert (etp; None: tp): the expert layout
+            (``expert_layout``) folds ep over tp x cp x dp when etp is below tp or ep does not divide dp.
     """
     try:
-        deg = derive_degrees(world_size, {"tp": tp, "pp": pp, **degrees})
+        deg = derive_degrees(world_size, {"tp": tp, "pp": pp, **degrees}, expert_tensor=expert_tensor)
     except AxisError as e:
         raise TopologyError(str(e)) from None
     axes = parse_order(order)
@@ -386,7 +433,7 @@ def place(
         grid = _natural_grid(shape, axes)
         if isl:
             notes.append(f"islands are only used when tp is innermost; order {order} ignores them")
-    pl = Placement(grid=grid, order=axes, hosts=hosts, islands=isl)
+    pl = Placement(grid=grid, order=axes, hosts=hosts, islands=isl, expert=expert_layout(deg))
     crossing = pl.crossing("tp")
     if crossing and axes[0] != "tp":
         msg = f"order {order} puts {crossing} TP group(s) across hosts"
@@ -436,6 +483,7 @@ def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int, **degrees
 
 __all__ = [
     "COMBINED",
+    "EXPERT_GROUPS",
     "DEFAULT_ORDER",
     "MAX_WORLD",
     "Placement",

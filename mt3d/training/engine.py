@@ -67,6 +67,8 @@ def build_model(
         cp_exchange=cp_exchange,
         tile_len=rec.tile_len,
         ep=rt.state.ep,
+        etp=rt.state.etp,
+        tpo=rt.state.tpo,
         keep_gathered=rec.gathered_sp_inputs,
         selective=rec.granularity == "selective",
         **fp8_context(train.fp8, cfg.layers),
