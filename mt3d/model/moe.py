@@ -187,8 +187,10 @@ class SparseMoE(nn.Module):
         self.local = range(r * spec.experts // ep, (r + 1) * spec.experts // ep)
         """The experts this rank holds (all of them without expert parallelism)."""
         self.experts = nn.ModuleDict(
-            {str(j): Expert(cfg, dataclasses.replace(ctx, tp=self.etp), layer, j, spec.expert_ffn)
-             for j in self.local}  # fmt: skip
+            {
+                str(j): Expert(cfg, dataclasses.replace(ctx, tp=self.etp), layer, j, spec.expert_ffn)
+                for j in self.local
+            }  # fmt: skip
         )
         self.shared = self.shared_gate = None
         if spec.shared_ffn:
