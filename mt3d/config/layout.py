@@ -109,7 +109,8 @@ def _check_mapping(par: ParallelConfig, world: int) -> None:
         islands = parse_islands(par.islands) if par.islands else None
         if par.hostfile:
             place(world, hosts=read_hostfile(par.hostfile), order=par.order, islands=islands,
-                  allow_crossing=par.allow_crossing, warn=False, **par.degrees())  # fmt: skip
+                  allow_crossing=par.allow_crossing, warn=False, expert_tensor=par.expert_tensor,
+                  **par.degrees())  # fmt: skip
     except TopologyError as e:
         raise ConfigError(f"mt3d.parallel: {e}") from None
 
@@ -210,7 +211,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     if model is not None:
         _check_model(model, par, degrees, data.seq_len)
     if model is not None:
-        why = rules.context_conflict(par, degrees, data.seq_len, stage, model)
+        why = rules.context_conflict(par, degrees, data.seq_len, stage, model) or rules.folding_conflict(
+            model.moe_spec, degrees, stage, train.overlap.grad_reduce
+        )
         if why is None and model.moe is not None:
             why = rules.moe_conflict(stage, degrees["ep"]) or rules.overlap_moe_conflict(
                 train.overlap.grad_reduce, degrees["pp"]

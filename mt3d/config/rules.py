@@ -25,7 +25,8 @@ def degrees_for(par: ParallelConfig, world: int) -> dict[str, int]:
         if value <= 0:
             raise ConfigError(f"mt3d.parallel.{key} must be positive, got {value}")
     try:
-        return derive_degrees(world, par.degrees(), by_key=True, fix="change mt3d.parallel")
+        return derive_degrees(world, par.degrees(), by_key=True, fix="change mt3d.parallel",
+                              expert_tensor=par.expert_tensor)  # fmt: skip
     except AxisError as e:
         raise ConfigError(str(e)) from None
 
@@ -412,6 +413,32 @@ def expert_conflict(spec, ep: int) -> str | None:
         return f"a model without experts cannot use expert parallelism: set parallel.expert {ep} to 1"
     if spec.experts % ep:
         return f"model.moe.experts = {spec.experts} is not divisible by parallel.expert {ep}"
+    return None
+
+
+def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce: bool) -> str | None:
+    """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
+    dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 on
+    the pipeline engine, dropless routing."""
+    from ..parallel.axes import expert_layout
+
+    if not expert_layout(degrees).folded:
+        return None
+    etp = degrees.get("etp", degrees["tp"])
+    if spec is None:
+        return f"parallel.expert_tensor {etp} needs a model with experts: leave it unset"
+    if spec.expert_ffn % etp:
+        return f"the experts' inner size ({spec.expert_ffn}) is not divisible by parallel.expert_tensor {etp}"
+    if zero_stage != 1:
+        return (f"a folded expert layout (expert_tensor {etp}, expert {degrees['ep']} over tensor x "
+                f"context x data) trains at ZeRO stage 1 so far, got {zero_stage}: set "
+                "zero_optimization.stage 1")  # fmt: skip
+    if spec.capacity_factor is not None and etp < degrees["tp"]:
+        return ("model.moe.capacity_factor with expert_tensor below tensor is not supported yet (a "
+                "rank's capacity would count its share of the sequence): drop it or set expert_tensor = "
+                "tensor")  # fmt: skip
+    if grad_reduce:
+        return "mt3d.train.overlap.grad_reduce is not supported with a folded expert layout yet: turn it off"
     return None
 
 

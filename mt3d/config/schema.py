@@ -95,7 +95,13 @@ class ParallelConfig:
     and values), or 'auto' (all-to-all when the heads divide, else all-gather). Local layers whose
     W*d - 1 keys fit in one chunk receive only that halo from the neighbouring rank, whatever this says."""
     expert: int = 1
-    """Expert-parallel degree ep (experts of MoE layers split over ep ranks; ep divides dp)."""
+    """Expert-parallel degree ep (experts of MoE layers split over ep ranks). With expert_tensor = tensor
+    and ep dividing dp, the ep ranks are data-parallel ranks (the layout of every run before folding);
+    otherwise ep folds over the tensor, context and data ranks of a pipeline stage
+    (``mt3d.parallel.expert_layout``): expert_tensor x expert must divide tensor x context x data."""
+    expert_tensor: int | None = None
+    """Ranks that split one expert's inner dimension (etp; null: tensor). 1 keeps experts whole (one
+    per rank and no expert-TP collectives: Megatron-Core's recommendation); it must divide tensor."""
     pipeline: int = 1
     """Pipeline stages pp (DeepSpeed's 1F1B pipeline engine)."""
     order: str = "tp-cp-ep-dp-pp"

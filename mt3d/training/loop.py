@@ -86,10 +86,17 @@ class Trainer:
             cp=self.rt.state.cp,
         )
 
+    @property
+    def _loss_group(self):
+        """Where the pipeline engine's loss is averaged again: DeepSpeed averages it over its 'data'
+        axis only, the ranks holding the same weights (dp / ep x cp before folding: the ep ranks count
+        in its 'model' axis, mt3d.ds.experts), so over ep; with a folded expert layout over dp x cp,
+        whose ranks DeepSpeed's 'data' groups partition evenly."""
+        state = self.rt.state
+        return state.dense if state.placement.expert.folded else state.ep
+
     def _mean_over(self, value: torch.Tensor, group) -> float:
-        """``value`` averaged over ``group`` (an ``AxisGroup``). The pipeline engine's loss is averaged
-        over DeepSpeed's 'data' axis (dp / ep x cp ranks) only: it is averaged over ep here too, the
-        ep ranks counting in DeepSpeed's 'model' axis (mt3d.ds.experts)."""
+        """``value`` averaged over ``group`` (an ``AxisGroup``)."""
         if group.size == 1:
             return float(value)
         value = value.detach().float().clone().to(self.rt.device)
@@ -114,7 +121,7 @@ class Trainer:
         self._weigh(self.data.train, self.step)
         it = self.batches(self.data.train, self.step)
         if self.pipe:
-            return self._mean_over(self.engine.train_batch(data_iter=it), self.rt.state.ep)
+            return self._mean_over(self.engine.train_batch(data_iter=it), self._loss_group)
         total = torch.zeros((), device=self.rt.device)
         for _ in range(self.layout.grad_accum):
             x, y = next(it)
@@ -133,7 +140,7 @@ class Trainer:
             self._weigh(self.data.valid, i)
             it = self.batches(self.data.valid, i)
             if self.pipe:
-                losses.append(self._mean_over(self.engine.eval_batch(data_iter=it), self.rt.state.ep))
+                losses.append(self._mean_over(self.engine.eval_batch(data_iter=it), self._loss_group))
                 continue
             self.engine.module.eval()
             total = torch.zeros((), device=self.rt.device)

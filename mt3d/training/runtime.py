@@ -107,6 +107,7 @@ def setup(par: ParallelConfig, seed: int) -> Runtime:
         order=par.order,
         islands=parse_islands(par.islands) if par.islands else None,
         allow_crossing=par.allow_crossing,
+        expert_tensor=par.expert_tensor,
         **par.degrees(),
     )
     state = ParallelState.build(topo)
