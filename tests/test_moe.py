@@ -289,6 +289,15 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     # ZB-V: the stream tuple handed over at the V's turn, the loss and router log on rank 0
     ("tiny-mixtral", 4, dict(pipeline=2, expert=2, virtual_stages=2, schedule="zbv")),
     ("tiny-qwen2-moe", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
+    # folded expert layouts (parallel.expert_layout): whole experts, ep over tp x dp, tp, cp
+    ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1)),
+    (
+        "tiny-mixtral",
+        4,
+        dict(tensor=2, pipeline=2, expert=2, expert_tensor=1, sequence_parallel=True, recompute=1),
+    ),  # fmt: skip
+    ("tiny-mixtral", 2, dict(context=2, expert=2, expert_tensor=1)),
+    ("tiny-qwen2-moe", 4, dict(tensor=2, expert=2, expert_tensor=1)),  # the shared expert under folding
 ]
 
 
