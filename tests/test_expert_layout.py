@@ -1,5 +1,5 @@
 """The expert layout (mt3d.parallel.expert_layout): folded over tp x cp x dp, and the layout before
-folding reproduced exactly (branch expert-layouts, issue 46; pure, no processes)."""
+folding reproduced exactly (issue 46; pure, no processes except the block-level equality)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,35 @@ def test_bad_expert_layouts_are_one_line(args, match):
         ExpertLayout.resolve(2, 1, 2, 4, 1, experts=6)
     with pytest.raises(ExpertLayoutError, match=r"inner size \(30\) is not divisible by expert_tensor = 4"):
         ExpertLayout.resolve(4, 1, 1, 1, 4, expert_ffn=30)
+
+
+def test_checkpoints_place_experts_by_the_layout_and_refuse_folded_reshards():
+    """DeepSpeed's 'model' coordinate of expert rank e, expert-TP rank r is e x etp + r (e x tp + r
+    before folding) and maps back; a resume at another layout is refused when either is folded, and a
+    layout differing only in etp counts as changed."""
+    from types import SimpleNamespace
+
+    from mt3d.checkpoint.reshard import folded_reshard_conflict
+    from mt3d.checkpoint.resume import ResumePlan
+
+    before, whole = ExpertLayout(2, 1, 4, 2, 2), ExpertLayout(2, 1, 2, 4, 1)
+    assert [before.model_rank(e, r) for e in range(2) for r in range(2)] == [0, 1, 2, 3]
+    assert [whole.model_rank(e, 0) for e in range(4)] == [0, 1, 2, 3]
+    for lay in (before, whole, ExpertLayout(4, 1, 2, 4, 2)):
+        for e, r in itertools.product(range(lay.ep), range(lay.etp)):
+            assert lay.expert_coordinates(lay.model_rank(e, r)) == (e, r)
+    folded = {"tp": 2, "pp": 1, "dp": 2, "ep": 4, "etp": 1, "zero_stage": 1}
+    plain = {"tp": 2, "pp": 1, "dp": 2, "ep": 2, "zero_stage": 1}
+    assert folded_reshard_conflict(plain, {**plain, "dp": 4}) is None
+    for saved, target in ((folded, plain), (plain, folded), (folded, {**folded, "dp": 4})):
+        assert "not supported yet" in folded_reshard_conflict(saved, target)
+    assert "saved layout (tp 2, dp 2, ep 4, etp 1" in folded_reshard_conflict(folded, plain)
+    layout = SimpleNamespace(saved=lambda: {**plain, "ep": 4, "virtual_stages": 1, "stage_blocks": None,
+                                            "offload": "none"})  # fmt: skip
+    plan = ResumePlan(path=None, meta={"layout": {**folded, "virtual_stages": 1}}, manifest={})
+    assert plan.layout_changed(layout)  # the same degrees, experts split differently
+    plan = ResumePlan(path=None, meta={"layout": {**plain, "ep": 4, "etp": 2, "virtual_stages": 1}}, manifest={})
+    assert not plan.layout_changed(layout)  # etp recorded as tp is the layout before folding
 
 
 def _folded_block(tp_group, ep_group, tpo_group, sp, tp_rank=0, ep_rank=0):

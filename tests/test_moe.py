@@ -376,6 +376,42 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
     _damaged_expert_files_are_refused_by_name(tmp_path, Path(step3))
 
 
+def test_folded_checkpoints_resume_exactly_read_back_and_refuse_a_reshard(tmp_path):
+    """tp 2 x ep 4 with whole experts (expert_tensor 1, ep over tp x dp) records etp in its manifest,
+    resumes bit for bit, and mt3d's reader finds every weight (each expert in the file of its ep rank,
+    DeepSpeed's 'model' coordinate e x etp + r) equal to the one-process run's; resuming it at another
+    layout is refused up front with the way out (exit 2)."""
+    from mt3d.checkpoint.reader import CheckpointReader
+    from mt3d.model.sharding import global_names
+
+    from helpers import run_grouped, tiny_config, train_rc_worker
+
+    def config(name, resume=None, **parallel):
+        raw = tiny_config(tmp_path / name, model={"preset": "tiny-mixtral"}, steps=6, save_interval=3,
+                          **({"resume": resume} if resume else {}))  # fmt: skip
+        raw["mt3d"]["parallel"].update(parallel)
+        return raw
+
+    folded = dict(tensor=2, expert=4, expert_tensor=1)
+    step3 = tmp_path / "folded" / "checkpoints" / "step_00000003"
+    runs = run_grouped(
+        [(1, config("one")), (4, config("folded", **folded)), (4, config("again", str(step3), **folded))],
+        timeout=600,
+    )
+    one, got, again = [[(r["step"], r["loss"], r["grad_norm"]) for r in rs] for rs in runs]
+    assert again == got[3:]  # bit for bit
+    for a, b in zip(got, one, strict=True):
+        assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
+    reader, ref = CheckpointReader(step3), CheckpointReader(tmp_path / "one" / "checkpoints" / "step_00000003")
+    assert reader.meta["layout"]["etp"] == 1 and reader.meta["layout"]["ep"] == 4
+    names = global_names(ref.cfg, ref.vocab)
+    assert any(".experts.3." in n for n in names)
+    for name in names:
+        torch.testing.assert_close(reader.full(name), ref.full(name), rtol=1e-4, atol=1e-5, msg=name)
+    rc, _ = spawn(train_rc_worker, 2, config("to-ep2", str(step3), expert=2))[0]
+    assert rc == 2  # refused: the saved layout is folded
+
+
 def _damaged(src: Path, dest: Path, how: str) -> Path:
     """A copy of checkpoint ``src`` with one expert file damaged (``how``), its manifest re-hashed (so
     only the content checks can tell)."""

@@ -22,6 +22,7 @@ from ..ds.safe import safe_torch_load
 from ..model.config import ModelConfig
 from ..model.moe import expert_index
 from ..model.sharding import from_shards, layout_of, split_name, to_shard
+from ..parallel.axes import expert_layout
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
 
 
@@ -43,6 +44,7 @@ class CheckpointReader:
             self.tp = int(meta["layout"]["tp"])
             self.dp = int(meta["layout"]["dp"])
             self.ep = int(meta["layout"].get("ep", 1))
+            self.experts = expert_layout(meta["layout"])
             self.zero3 = int(meta["layout"].get("zero_stage", 0)) == 3
             self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                 meta.get("precision"), torch.float32
@@ -70,14 +72,19 @@ class CheckpointReader:
         return self._load(name, f" (checkpoint written with tp={self.tp}, ep={self.ep}?)")
 
     def _model_rank(self, local: str, tp_rank: int) -> int:
-        """The 'model' coordinate whose files hold ``local`` (a layer's parameter) for ``tp_rank``: ep
-        ranks count in DeepSpeed's 'model' axis (``mt3d.ds.experts``), e * tp + tp_rank, and each
-        holds experts / ep of every sparse layer (dense weights: every ep rank, read from the first);
-        the regular engine's module files (ZeRO-2) are numbered alike."""
-        j = expert_index(local) if self.ep > 1 else None
+        """The 'model' coordinate whose files hold ``local`` (a layer's parameter) for ``tp_rank`` (of tp,
+        or of etp for a routed expert's): ep ranks count in DeepSpeed's 'model' axis
+        (``mt3d.ds.experts``), each holding experts / ep of every sparse layer at
+        ``ExpertLayout.model_rank`` (e x tp + tp_rank before folding); dense weights are held by every
+        ep rank, read from the first. The regular engine's module files (ZeRO-2) are numbered alike."""
+        j = expert_index(local)
         if j is None:
             return tp_rank
-        return j // (self.cfg.moe_spec.experts // self.ep) * self.tp + tp_rank
+        return self.experts.model_rank(j // (self.cfg.moe_spec.experts // self.ep), tp_rank)
+
+    def _shards(self, name: str) -> int:
+        """How many ranks split parameter ``name``: etp for a routed expert's, else tp."""
+        return self.experts.etp if expert_index(split_name(name)[1]) is not None else self.tp
 
     def _load(self, name: str, hint: str = "") -> dict:
         """One file of the checkpoint, which must be listed in its manifest."""
@@ -136,7 +143,7 @@ class CheckpointReader:
     def full(self, name: str) -> torch.Tensor:
         """The unsharded tensor of global parameter ``name`` (vocabulary padding removed)."""
         layout = layout_of(self.cfg, self.vocab, name)
-        return from_shards([self._local(name, r) for r in range(self.tp)], layout)
+        return from_shards([self._local(name, r) for r in range(self._shards(name))], layout)
 
     def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
         """TP rank ``rank`` of ``world``'s shard of ``name`` (any world size: resharded on the fly)."""

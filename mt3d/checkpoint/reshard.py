@@ -74,6 +74,25 @@ def _usable_cache(out: Path, source: Path, full: bool) -> bool:
     return True
 
 
+def folded_reshard_conflict(saved: dict, target: dict) -> str | None:
+    """Why a checkpoint cannot move between these layouts because either has a folded expert layout
+    (``parallel.expert_layout``: DeepSpeed's 'model' files are then numbered by position mod
+    lcm(tp, etp x ep) and experts split over etp, which the universal conversion does not read yet);
+    None when neither is folded."""
+    from ..parallel.axes import expert_layout
+
+    folded = [name for name, d in (("saved", saved), ("this run's", target)) if expert_layout(d).folded]
+    if not folded:
+        return None
+    shown = ", ".join(f"{k} {saved[k]}" for k in ("tp", "cp", "dp", "ep", "etp") if k in saved)
+    return (
+        f"the {' and '.join(folded)} layout folds the experts over tensor x context x data, and resharding "
+        f"to or from a folded expert layout is not supported yet: resume at the saved layout ({shown}, "
+        "expert_tensor = etp, tp when absent), or export it with `mt3d export-hf` and fine-tune from that "
+        "directory with model.from_hf (weights kept, optimizer state restarted)"
+    )
+
+
 def _convert_on_rank0(plan, out: Path) -> None:
     if _usable_cache(out, plan.path, full=True):
         return
@@ -93,7 +112,9 @@ def prepare(plan, layout, save_dir: str | Path, rank: int) -> tuple[Path, str]:
     Collective: a failure on rank 0 is raised on every rank (no rank is left waiting for it).
     """
     target = {**layout.shown_degrees(), "zero_stage": layout.zero_stage}
-    why = universal.unsupported_reshard(plan.meta["layout"], target)
+    why = folded_reshard_conflict(plan.meta["layout"], target) or universal.unsupported_reshard(
+        plan.meta["layout"], target
+    )
     if why:
         raise CheckpointError(f"cannot resume {plan.path} in this layout: {why}")
     out = derived_dir(plan, save_dir, "universal")

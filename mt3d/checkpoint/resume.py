@@ -85,6 +85,8 @@ class ResumePlan:
         for axis in NAMES:  # an optional axis of size 1 is left out of either record
             saved.setdefault(axis, 1)
             now.setdefault(axis, 1)
+        for record in (saved, now):  # ... and the expert-tensor degree when it is tp's
+            record.setdefault("etp", record["tp"])
         if saved["ep"] > 1 and saved["zero_stage"] > 0:  # from before these were recorded
             saved.setdefault("dense_partition", "dp / ep x cp")
             saved.setdefault("param_groups", PARAM_GROUPS[False])
@@ -272,8 +274,11 @@ def check_layer_files(path: Path, manifest: dict, model: ModelConfig) -> None:
     from ..model.moe import expert_index
     from ..model.sharding import shard_shape, sharding_table, split_name
 
+    from ..parallel.axes import expert_layout
+
     layout = manifest["meta"].get("layout") or {}
     tp, ep = int(layout.get("tp", 1)), int(layout.get("ep", 1))
+    experts = expert_layout({"tp": tp, "dp": int(layout.get("dp", 1)), **layout})
     vocab = int(manifest["meta"].get("vocab_size") or model.vocab_size or 1)
     specs = {split_name(n): spec for n, spec in sharding_table(model, vocab).items()}
     per_rank = model.moe_spec.experts // ep if model.moe_spec is not None else 0
@@ -282,7 +287,7 @@ def check_layer_files(path: Path, manifest: dict, model: ModelConfig) -> None:
     problem = None
     for name in names[rank::world]:
         layer, model_rank = (int(g) for g in LAYER_FILE.match(name).groups())
-        e = model_rank // tp
+        e = experts.expert_coordinates(model_rank)[0]
         for key, tensor in safe_torch_load(path / name, mmap=True).items():
             j = expert_index(key)
             if j is not None and ep > 1 and not e * per_rank <= j < (e + 1) * per_rank:
@@ -291,10 +296,11 @@ def check_layer_files(path: Path, manifest: dict, model: ModelConfig) -> None:
                            "(files swapped between ep ranks?)")  # fmt: skip
                 break
             spec = specs.get((layer, key))
-            want = shard_shape(spec.shape, spec.layout, tp) if spec is not None else None
+            split = tp if j is None else experts.etp
+            want = shard_shape(spec.shape, spec.layout, split) if spec is not None else None
             if spec is not None and tuple(tensor.shape) != want:
                 problem = (f"{path / name}: {key} has shape {tuple(tensor.shape)}, the saved layout "
-                           f"(tp {tp}) needs {want}")  # fmt: skip
+                           f"({'tp' if j is None else 'expert_tensor'} {split}) needs {want}")  # fmt: skip
                 break
         if problem:
             break
@@ -330,7 +336,7 @@ def check_engine_state(path: Path, meta: dict) -> None:
     # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes); the
     # regular engine (ZeRO-2/3) sees dp x cp and tp (mt3d's ParallelState is its mpu), and writes module
     # files for tp x ep model ranks (mt3d.ds.experts.zero_checkpoint_names)
-    degrees = {a: int(layout.get(a, 1)) for a in NAMES}
+    degrees = {a: int(layout.get(a, 1)) for a in NAMES} | ({"etp": int(layout["etp"])} if "etp" in layout else {})
     ds = deepspeed_sizes(degrees)
     if not uses_pipeline_engine(SimpleNamespace(zero_stage=int(layout.get("zero_stage", 1)))):
         ds = {

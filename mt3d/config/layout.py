@@ -45,10 +45,12 @@ class Layout:
         raise AttributeError(name)
 
     def shown_degrees(self) -> dict[str, int]:
-        """The degrees of the axes reports name (optional axes only when above 1)."""
+        """The degrees of the axes reports name (optional axes only when above 1), and the expert-tensor
+        degree ``etp`` when it differs from tp (``parallel.expert_layout``)."""
         from ..parallel.axes import shown
 
-        return {a: self.degrees[a] for a in shown(self.degrees)}
+        etp = {"etp": self.degrees["etp"]} if "etp" in self.degrees else {}
+        return {a: self.degrees[a] for a in shown(self.degrees)} | etp
 
     def saved(self) -> dict:
         """The layout as checkpoints record it (what a resume compares); under expert parallelism with

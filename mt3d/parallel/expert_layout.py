@@ -137,6 +137,16 @@ class ExpertLayout:
         """``rows`` as lists."""
         return self.rows(grid, name).tolist()
 
+    def model_rank(self, expert_rank: int, etp_rank: int) -> int:
+        """The first DeepSpeed 'model' coordinate (position mod L) holding expert rank ``expert_rank``'s
+        experts split ``etp_rank`` of etp: ``expert_rank x etp + etp_rank`` (e x tp + t before folding).
+        A rank's dense weights are its TP shard ``position mod tp``: model coordinate t holds shard t."""
+        return expert_rank * self.etp + etp_rank
+
+    def expert_coordinates(self, model_rank: int) -> tuple[int, int]:
+        """(expert rank, expert-TP rank) of the experts held at DeepSpeed 'model' coordinate ``model_rank``."""
+        return (model_rank // self.etp) % self.ep, model_rank % self.etp
+
     def deepspeed_grid(self, grid: np.ndarray) -> np.ndarray:
         """[pipe, data, model] for DeepSpeed's ProcessTopology: 'model' the weights a rank holds
         (position mod L), 'data' the ranks holding the same ones."""
