@@ -26,10 +26,10 @@ def test_degrees_and_orders():
     assert derive_degrees(64, {"tp": 2, "cp": 2, "ep": 4, "pp": 2}) == want
     with pytest.raises(AxisError, match="world size 12 is not divisible by tp\\*cp\\*pp = 2\\*2\\*2"):
         derive_degrees(12, {"tp": 2, "cp": 2, "pp": 2})
-    with pytest.raises(AxisError, match="ep = 4 must divide dp = 2"):
-        derive_degrees(8, {"tp": 2, "ep": 4, "pp": 2})
-    with pytest.raises(AxisError, match="expert = 4 must divide dp = 2"):
-        derive_degrees(8, {"tp": 2, "ep": 4, "pp": 2}, by_key=True)
+    # ep need not divide dp (it folds over tp x cp x dp), but etp x ep must divide a stage's ranks
+    assert derive_degrees(8, {"tp": 2, "ep": 4, "pp": 2}, expert_tensor=1)["dp"] == 2
+    with pytest.raises(AxisError, match=r"expert_tensor x expert = 2 x 4 must divide .* = 4 .*; change it"):
+        derive_degrees(8, {"tp": 2, "ep": 4, "pp": 2}, fix="change it")
     assert parse_order("tp-dp-pp") == ("tp", "cp", "ep", "dp", "pp")  # left-out axes at their default place
     assert parse_order("dp-tp-pp") == ("dp", "tp", "cp", "ep", "pp")
     assert parse_order("tp-ep-cp-dp-pp") == ("tp", "ep", "cp", "dp", "pp")
@@ -171,8 +171,17 @@ def test_topo_command_shows_cp_and_ep(capsys):
     assert main(["topo", "--world-size", "32", "--tp", "2", "--cp", "2", "--ep", "2", "--pp", "2"]) == 0
     text = capsys.readouterr().out
     assert "world 32 = tp 2 x cp 2 x ep 2 x dp 4 x pp 2" in text and "cp groups (16 of size 2)" in text
-    with pytest.raises(TopologyError, match="ep = 4 must divide dp = 2"):
+    with pytest.raises(TopologyError, match="expert_tensor x expert = 2 x 4 must divide"):
         place(8, 2, 2, ep=4)
+    # whole experts folded over tp x dp inside a host: the ep groups stay there, edp's cross
+    assert main(["topo", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2", "--ep", "8", "--etp", "1",
+                 "--json"]) == 0  # fmt: skip
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["expert_layout"] == {"etp": 1, "ep": 8, "edp": 2}
+    assert rep["groups"]["ep"] == [list(range(8)), list(range(8, 16))] and len(rep["groups"]["edp"]) == 8
+    assert (rep["crossing"]["ep"], rep["crossing"]["edp"], rep["crossing"]["tp"]) == (0, 8, 0)
+    assert main(["topo", "--world-size", "16", "--tp", "2", "--ep", "8", "--etp", "1"]) == 0
+    assert "expert layout: etp 1 x ep 8 x edp 2" in capsys.readouterr().out
 
 
 def _state_worker(degrees):

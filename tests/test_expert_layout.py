@@ -119,7 +119,8 @@ def test_checkpoints_place_experts_by_the_layout_and_refuse_folded_reshards():
                                             "offload": "none"})  # fmt: skip
     plan = ResumePlan(path=None, meta={"layout": {**folded, "virtual_stages": 1}}, manifest={})
     assert plan.layout_changed(layout)  # the same degrees, experts split differently
-    plan = ResumePlan(path=None, meta={"layout": {**plain, "ep": 4, "etp": 2, "virtual_stages": 1}}, manifest={})
+    same = {**plain, "ep": 4, "etp": 2, "virtual_stages": 1}
+    plan = ResumePlan(path=None, meta={"layout": same}, manifest={})
     assert not plan.layout_changed(layout)  # etp recorded as tp is the layout before folding
 
 

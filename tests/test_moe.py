@@ -402,7 +402,8 @@ def test_folded_checkpoints_resume_exactly_read_back_and_refuse_a_reshard(tmp_pa
     assert again == got[3:]  # bit for bit
     for a, b in zip(got, one, strict=True):
         assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
-    reader, ref = CheckpointReader(step3), CheckpointReader(tmp_path / "one" / "checkpoints" / "step_00000003")
+    reader = CheckpointReader(step3)
+    ref = CheckpointReader(tmp_path / "one" / "checkpoints" / "step_00000003")
     assert reader.meta["layout"]["etp"] == 1 and reader.meta["layout"]["ep"] == 4
     names = global_names(ref.cfg, ref.vocab)
     assert any(".experts.3." in n for n in names)
@@ -509,8 +510,11 @@ def test_one_window_families_refuse_mixed_local_and_global_layers():
     "parallel,zero,world,match",
     [
         ({}, 3, 2, "not supported with ZeRO-3 yet"),
-        (dict(expert=2), 1, 3, "expert = 2 must divide dp = 3"),
+        (dict(expert=2), 1, 3, "expert_tensor x expert = 1 x 2 must divide tensor x context x data = 1 x 1"),
         (dict(expert=3), 1, 3, "model.moe.experts = 4 is not divisible by parallel.expert 3"),
+        (dict(tensor=2, expert=2, expert_tensor=3), 1, 4, "expert_tensor = 3 must divide tensor = 2"),
+        (dict(tensor=2, expert=2, expert_tensor=1), 2, 4, "ZeRO stage 2 with a folded expert layout"),
+        (dict(tensor=2, expert=4, expert_tensor=1, pipeline=2), 1, 4, "must divide tensor x context x data"),
     ],
 )
 def test_bad_moe_layouts_are_one_line_before_process_groups(tmp_path, parallel, zero, world, match):

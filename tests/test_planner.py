@@ -911,3 +911,47 @@ def test_the_shared_expert_hides_what_it_overlaps_of_the_dispatch():
     assert not top1.moe_spec.dispatch_once and mixtral.moe_spec.dispatch_once
     per_layer = 7 / 8 * (4 * 4096 * 1 * top1.hidden * 2 + 8 * 8)  # f (4 T k h) bf16 + f E int64 counts
     assert ep_bytes(top1, 4096, 1, 8, 2, top1.layers, False) == pytest.approx(top1.layers * per_layer)
+
+
+def test_the_planner_folds_whole_experts_over_tensor_and_data():
+    """Expert-tensor degree etp (mt3d.parallel.expert_tensor): the experts' states split over etp and
+    partitioned over edp = tp x cp x dp / (etp x ep); the routed GEMMs run as grouped GEMMs of the
+    same FLOPs, each rank dispatching 1/(tp / etp) of its tokens. At the layout Megatron-Bridge trains
+    DeepSeek-V3 with (1,024 H100s, tp 2, pp 8, ep 64) whole experts (etp 1) beat experts split over tp,
+    the search tries both, and --expert-tensor pins it (into the written config too)."""
+    from mt3d.planner.compute import block_gemms, expert_gemms
+    from mt3d.planner.layout import stage_expert_params
+    from mt3d.planner.search import bandwidths
+
+    ds = resolve_model({"preset": "deepseek-v3"})
+    folded, split = (Layout(2, 8, 64, 1, 128, 1, True, True, ep=64, etp=e) for e in (1, None))
+    assert (folded.data, split.data, folded.expert_tp, split.expert_tp) == (2, 1, 1, 2)
+    experts = stage_expert_params(ds, 1, 8, 64)
+    moved = stage_params(ds, 129280, 2, 8, 64, 1) - stage_params(ds, 129280, 2, 8, 64)
+    assert moved == pytest.approx(experts / 2)
+    mlp = sum(g.flops for g in block_gemms(ds, 4096, 2)[2:])
+    for etp in (1, 2):
+        assert sum(w * g.flops for g, w in expert_gemms(ds, 4096, 2, 64, etp)) == pytest.approx(mlp, rel=1e-9)
+    dev = get_device("h100")
+    kw = dict(peak_tflops=dev.peak_tflops, efficiency=None, device=dev)
+    rows = [step_time(ds, 129280, 4096, 8192, lay, **kw, bw=bandwidths(Cluster(1024, 8, dev), 2, 8, ep=64,
+                      expert_tensor=lay.etp)) for lay in (folded, split)]  # fmt: skip
+    # half the rows dispatched per rank; the hidden share is the shared expert's in both
+    sent = [r["ep_comm_s"] + r["ep_hidden_s"] for r in rows]
+    assert sent[0] == pytest.approx(sent[1] / 2)
+    assert rows[0]["tflops_per_gpu"] > 1.4 * rows[1]["tflops_per_gpu"]
+
+    def planned(zero_stages=(1,), **pins):
+        return plan(ds, Cluster(1024, 8, dev), global_batch=8192, seq_len=4096, vocab=129280,
+                    micro_batches=(1,), zero_stages=zero_stages, virtual_stages=(1,), offloads=("none",),
+                    context=(1,),
+                    pins={"tp": (2,), "pp": (8,), "ep": (64,), **pins})  # fmt: skip
+
+    result = planned((1, 2))
+    best = result["feasible"][0]
+    assert best["etp"] == 1 and best["zero_stage"] == 1
+    assert any(r["etp"] is None for r in result["feasible"])  # etp = tp tried too
+    folded_zero2 = "ZeRO stage 2 with a folded expert layout"
+    at_pp1 = planned((2,), pp=(1,))["rejected"]
+    assert any(r.get("etp") == 1 and r["reason"].startswith(folded_zero2) for r in at_pp1)
+    assert {r["etp"] for r in planned(etp=(2,))["feasible"]} == {None}

@@ -273,7 +273,6 @@ def check_layer_files(path: Path, manifest: dict, model: ModelConfig) -> None:
     from ..ds.safe import safe_torch_load
     from ..model.moe import expert_index
     from ..model.sharding import shard_shape, sharding_table, split_name
-
     from ..parallel.axes import expert_layout
 
     layout = manifest["meta"].get("layout") or {}
@@ -336,7 +335,9 @@ def check_engine_state(path: Path, meta: dict) -> None:
     # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes); the
     # regular engine (ZeRO-2/3) sees dp x cp and tp (mt3d's ParallelState is its mpu), and writes module
     # files for tp x ep model ranks (mt3d.ds.experts.zero_checkpoint_names)
-    degrees = {a: int(layout.get(a, 1)) for a in NAMES} | ({"etp": int(layout["etp"])} if "etp" in layout else {})
+    degrees = {a: int(layout.get(a, 1)) for a in NAMES}
+    if "etp" in layout:  # a folded expert layout (parallel.expert_layout)
+        degrees["etp"] = int(layout["etp"])
     ds = deepspeed_sizes(degrees)
     if not uses_pipeline_engine(SimpleNamespace(zero_stage=int(layout.get("zero_stage", 1)))):
         ds = {

@@ -19,6 +19,7 @@ TOPO_EXAMPLES = """examples:
   mt3d topo --hostfile launch/hostfile.example --tp 2 --pp 2
   mt3d topo --world-size 8 --tp 2 --islands '0,2;1,3;4,6;5,7'
   mt3d topo --world-size 64 --gpus-per-node 8 --tp 2 --cp 2 --ep 2 --pp 2
+  mt3d topo --world-size 16 --gpus-per-node 8 --tp 2 --ep 8 --etp 1
   nvidia-smi topo -m > topo.txt; mt3d topo --world-size 8 --tp 2 --nvidia-smi-topo topo.txt
 """
 
@@ -43,6 +44,11 @@ def _add_topo(sub) -> None:
         if axis.key:  # one flag per configured axis: --tp, --cp, --ep, --pp
             p.add_argument(f"--{axis.name}", type=positive_int, default=1,
                            help=f"{axis.key} degree: splits {axis.splits} (default 1)")  # fmt: skip
+    p.add_argument(
+        "--etp", type=positive_int, default=None,
+        help="expert-tensor degree (mt3d.parallel.expert_tensor): ranks splitting one expert (default: "
+        "--tp); below --tp, or with --ep not dividing dp, ep folds over tp x cp x dp",
+    )  # fmt: skip
     p.add_argument(
         "--order", default=DEFAULT_ORDER, help=f"axis nesting, innermost first (default {DEFAULT_ORDER})"
     )
@@ -109,6 +115,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         order=args.order,
         islands=islands,
         allow_crossing=args.allow_crossing,
+        expert_tensor=args.etp,
         **{name: getattr(args, name) for name in degree_keys().values()},
     )
     traffic = None

@@ -430,9 +430,9 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
     if spec.expert_ffn % etp:
         return f"the experts' inner size ({spec.expert_ffn}) is not divisible by parallel.expert_tensor {etp}"
     if zero_stage != 1:
-        return (f"a folded expert layout (expert_tensor {etp}, expert {degrees['ep']} over tensor x "
-                f"context x data) trains at ZeRO stage 1 so far, got {zero_stage}: set "
-                "zero_optimization.stage 1")  # fmt: skip
+        return (f"ZeRO stage {zero_stage} with a folded expert layout is not supported yet (expert_tensor "
+                f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stage 1 so far): "
+                "set zero_optimization.stage 1")  # fmt: skip
     if spec.capacity_factor is not None and etp < degrees["tp"]:
         return ("model.moe.capacity_factor with expert_tensor below tensor is not supported yet (a "
                 "rank's capacity would count its share of the sequence): drop it or set expert_tensor = "

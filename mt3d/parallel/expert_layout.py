@@ -144,7 +144,7 @@ class ExpertLayout:
         return expert_rank * self.etp + etp_rank
 
     def expert_coordinates(self, model_rank: int) -> tuple[int, int]:
-        """(expert rank, expert-TP rank) of the experts held at DeepSpeed 'model' coordinate ``model_rank``."""
+        """(expert rank, expert-TP rank) of the experts at DeepSpeed 'model' coordinate ``model_rank``."""
         return (model_rank // self.etp) % self.ep, model_rank % self.etp
 
     def deepspeed_grid(self, grid: np.ndarray) -> np.ndarray:

@@ -131,9 +131,15 @@ class Placement:
         """The axes reports and coordinates name (optional axes only when larger than 1)."""
         return shown_axes(self.degrees)
 
+    @property
+    def report_groups(self) -> tuple[str, ...]:
+        """The groups reports list: those of the shown axes, and with a folded expert layout its
+        expert-TP and expert-data groups (``EXPERT_GROUPS``; the ep groups are among the axes')."""
+        return self.axes + (("etp", "edp") if self.expert.folded else ())
+
     def size(self, axis: str) -> int:
-        """Ranks in one group along ``axis``."""
-        return self.degrees[axis]
+        """Ranks in one group along ``axis`` (an axis, or a ``COMBINED`` or ``EXPERT_GROUPS`` group)."""
+        return self.degrees[axis] if axis in self.degrees else int(self._group_rows(axis).shape[1])
 
     def coord(self, rank: int) -> dict[str, int]:
         """The coordinate of a global rank on every shown axis."""
@@ -481,15 +487,5 @@ def uniform_crossing(world: int, gpus_per_node: int, tp: int, pp: int, **degrees
     return {ax: cross[ax] for ax in shown_axes(deg)}
 
 
-__all__ = [
-    "COMBINED",
-    "EXPERT_GROUPS",
-    "DEFAULT_ORDER",
-    "MAX_WORLD",
-    "Placement",
-    "TopologyError",
-    "grid_dims",
-    "parse_order",
-    "place",
-    "uniform_crossing",
-]
+__all__ = ["COMBINED", "EXPERT_GROUPS", "DEFAULT_ORDER", "MAX_WORLD", "Placement", "TopologyError",
+           "grid_dims", "parse_order", "place", "uniform_crossing"]  # fmt: skip

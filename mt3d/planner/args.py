@@ -56,6 +56,11 @@ def add_plan_stack(p) -> None:
     p.add_argument(
         "--expert", type=positive_ints, default=None, help="expert-parallel degrees to try (MoE models)"
     )
+    p.add_argument(
+        "--expert-tensor", type=positive_ints, default=None,
+        help="expert-tensor degrees to try (mt3d.parallel.expert_tensor: ranks splitting one expert; 1: "
+        "whole experts, ep folded over tp x cp x dp; default: every divisor of tp)",
+    )  # fmt: skip
     p.add_argument("--micro-batch", type=positive_ints, default=(1, 2, 4, 8, 16), help="micro-batches to try")
     p.add_argument("--zero", type=choices_list((0, 1, 2, 3), "--zero"), default=(0, 1, 2, 3),
                    help="ZeRO stages to try (0-3)")  # fmt: skip
@@ -188,7 +193,7 @@ def planned_overlap(given: tuple[str, ...], other_stack: bool) -> tuple[str, ...
     return chosen if other_stack or "tp" in chosen else ("tp", *chosen)
 
 
-PLAN_PINS = {"tp": "tensor", "pp": "pipeline", "dp": "data", "ep": "expert"}
+PLAN_PINS = {"tp": "tensor", "pp": "pipeline", "dp": "data", "ep": "expert", "etp": "expert_tensor"}
 """Axis -> the ``mt3d plan`` flag (attribute) that pins its degrees."""
 
 

@@ -102,6 +102,27 @@ def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     ]
 
 
+def expert_gemms(cfg: ModelConfig, tokens: int, tp: int, ep: int, etp: int) -> list[tuple[Gemm, float]]:
+    """The MLP GEMMs of one block on one rank of a mixture of experts as they run, each with the share
+    of blocks that runs it: a dense block's MLP (1 - s of them), a sparse block's shared expert and its
+    routed experts (s) as one grouped GEMM per projection: experts / ep of them on the rank, each over
+    the rows routed to it (every rank dispatches its ``tokens`` / (tp / etp): ``tp / etp`` TP ranks
+    share a token's dispatch; k assignments a token, balanced over the experts) and 1/etp of its inner
+    size. The FLOPs equal ``block_gemms``' MLP part; the shapes are what whole experts (etp 1) change."""
+    spec, h = cfg.moe_spec, cfg.hidden
+    ins = 2 if cfg.mlp in GATED_MLPS else 1
+    share = sum(spec.sparse(i) for i in range(cfg.layers)) / cfg.layers
+
+    def mlp(width: float, rows: float, split: int, batch: float = 1.0) -> list[Gemm]:
+        return [Gemm(rows, ins * width / split, h, batch), Gemm(rows, h, width / split, batch)]
+
+    out = [(g, 1 - share) for g in mlp(cfg.ffn, tokens, tp)] if share < 1 else []
+    if spec.shared_ffn:
+        out += [(g, share) for g in mlp(spec.shared_ffn, tokens, tp)]
+    rows = tokens / (tp // etp) * spec.top_k * ep / spec.experts
+    return out + [(g, share) for g in mlp(spec.expert_ffn, rows, etp, spec.experts // ep)]
+
+
 COLUMN_GEMMS = (0, 2)
 """The column-parallel linears among ``block_gemms`` (QKV and the MLP's input): the ones whose
 backward transfers overlap their GEMMs (``costs.tp_hidden``)."""
@@ -175,6 +196,7 @@ def micro_batch_seconds(
     elem: int = 2,
     fraction: float = GEMM_FRACTION,
     fp8: str | None = None,
+    experts: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
     GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer.
@@ -182,7 +204,8 @@ def micro_batch_seconds(
     the attention core's forward and the elementwise work once more (an upper bound for the latter:
     only the MLP's activation is recomputed), no GEMM. ``fp8`` (a ``train.fp8`` recipe): the blocks'
     linears at the device's FP8 GEMM ceiling with one-byte operands, plus their casts
-    (``fp8_cast_seconds``, counted as elementwise work); the output layer stays 16-bit."""
+    (``fp8_cast_seconds``, counted as elementwise work); the output layer stays 16-bit. ``experts``
+    (ep, etp): a mixture of experts' MLP GEMMs as its experts run them (``expert_gemms``)."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     tokens = seq_len * micro_batch
@@ -191,9 +214,12 @@ def micro_batch_seconds(
     again = 1 if selective and not recompute else 0  # the selectively recomputed parts' forward
     gemm = 0.0
     linear = (1, fraction, dev.gemm_tflops_fp8) if fp8 else (elem, fraction, None)
-    for g in block_gemms(cfg, tokens, tp):
+    gemms = [(g, 1.0) for g in block_gemms(cfg, tokens, tp)]
+    if experts is not None and cfg.moe_spec is not None:
+        gemms = gemms[:2] + expert_gemms(cfg, tokens, tp, *experts)
+    for g, weight in gemms:
         dgrad, wgrad = g.backward()
-        gemm += (
+        gemm += weight * (
             fwd_passes * gemm_seconds(g, dev, *linear)
             + gemm_seconds(dgrad, dev, *linear)
             + gemm_seconds(wgrad, dev, *linear)

@@ -90,7 +90,10 @@ class Layout:
     tile_len: int = 0
     """Sequence tiles of the MLP and the loss (``train.recompute.tile_len``; 0: none)."""
     ep: int = 1
-    """Expert-parallel degree (a split of dp): each rank holds experts / ep of every sparse layer."""
+    """Expert-parallel degree: each rank holds experts / ep of every sparse layer."""
+    etp: int | None = None
+    """Expert-tensor degree (``mt3d.parallel.expert_tensor``; None: tp): the ranks splitting each expert.
+    Below tp, or with ep not dividing dp, ep folds over tp x cp x dp (``mt3d.parallel.expert_layout``)."""
     sp_gathered: bool = False
     """With SP, column-parallel linears keep their all-gathered inputs (``gathered_sp_inputs``)."""
     selective: bool = False
@@ -100,11 +103,16 @@ class Layout:
     """The pipeline schedule (``mt3d.parallel.schedule``; "1f1b" at pipeline 1)."""
 
     @property
+    def expert_tp(self) -> int:
+        """The ranks splitting each expert's inner dimension (etp; tp unless folded)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def data(self) -> int:
-        """Ranks holding the same experts, which ZeRO partitions expert states over: DeepSpeed's data
-        axis, dp / ep x cp (ep ranks count in its model axis: ``mt3d.ds.experts``); without experts
-        split over ep, everything's."""
-        return self.dp // self.ep * self.cp
+        """Ranks holding the same experts, which ZeRO partitions expert states over (edp): tp x cp x dp
+        / (etp x ep), dp / ep x cp before folding (DeepSpeed's data axis; ``mt3d.ds.experts``); without
+        experts split over ep, everything's."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     def partitioned(self, params: float, experts: float = 0.0) -> float:
         """Parameters of ``params`` (``experts`` of them routed experts' weights) whose optimizer states
@@ -139,7 +147,8 @@ def lora_stage_params(cfg: ModelConfig, r: int, tp: int, pp: int) -> float:
 
 
 def stage_expert_params(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> float:
-    """The routed experts' part of ``stage_params``: experts / ep of each sparse block of the stage."""
+    """The routed experts' part of ``stage_params``: experts / ep of each sparse block of the stage, each
+    split over ``tp`` ranks (the expert-tensor degree etp)."""
     spec = cfg.moe_spec
     if spec is None:
         return 0.0
@@ -148,8 +157,13 @@ def stage_expert_params(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> floa
     return math.ceil(cfg.layers / pp) * sparse * per_block
 
 
-def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int, ep: int = 1) -> float:
-    """Parameters held by one GPU of the heaviest pipeline stage (experts / ep of each sparse layer)."""
+def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int, ep: int = 1,
+                 etp: int | None = None) -> float:  # fmt: skip
+    """Parameters held by one GPU of the heaviest pipeline stage (experts / ep of each sparse layer, split
+    over ``etp`` ranks: tp when None)."""
+    if etp is not None and etp != tp:  # the experts split over etp instead of tp
+        moved = stage_expert_params(cfg, etp, pp, ep) - stage_expert_params(cfg, tp, pp, ep)
+        return stage_params(cfg, vocab, tp, pp, ep) + moved
     blocks = math.ceil(cfg.layers / pp)
     per_block = cfg.block_params(ep=ep) / tp  # norms are replicated: a negligible overcount
     padded = pad_vocab(vocab, tp)

@@ -166,8 +166,8 @@ def memory_bytes(
     linear of the blocks (``lora_stage_params``): gradients, master weights and moments of the adapters
     only, the frozen base's weights beside them."""
     t, p = lay.tp, lay.pp
-    params = stage_params(cfg, vocab, t, p, lay.ep)
-    experts = stage_expert_params(cfg, t, p, lay.ep)
+    params = stage_params(cfg, vocab, t, p, lay.ep, lay.etp)
+    experts = stage_expert_params(cfg, lay.expert_tp, p, lay.ep)
     live = 2 * params / math.ceil(cfg.layers / p) * 2 if fsdp and lay.zero_stage == 3 else None
     frozen = 0.0
     if lora_rank:  # routed experts have no adapters

@@ -22,7 +22,8 @@ def explain(row: dict) -> str:
     """The time and memory components of one planned layout (``mt3d plan --explain``): what the step
     time and the memory per GPU are the sums of."""
     axes = ("tp", "cp", "ep", "pp", "dp")
-    degrees = " ".join(f"{k} {row[k]}" for k in axes) + f" v {row['virtual_stages']}"
+    etp = f" etp {row['etp']}" if row.get("etp") is not None else ""
+    degrees = " ".join(f"{k} {row[k]}" for k in axes) + etp + f" v {row['virtual_stages']}"
     lines = [
         f"layout: {degrees}, micro-batch {row['micro_batch']} x {row['grad_accum']}, "
         f"ZeRO {row['zero_stage']}, offload {row['offload']}, "
@@ -279,6 +280,7 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
                 "schedule": best.get("schedule", "1f1b"),
                 "sequence_parallel": best["sequence_parallel"],
                 "expert": best.get("ep", 1),
+                **({"expert_tensor": best["etp"]} if best.get("etp") is not None else {}),
             },
             "data": {**(data or {"corpus": "builtin"}), "seq_len": result["seq_len"]},
             "train": {

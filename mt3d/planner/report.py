@@ -24,10 +24,12 @@ def summary(topo, traffic: TrafficModel | None = None) -> dict:
         **{ax: pl.size(ax) for ax in pl.axes},
         "order": pl.order,
         "hosts": [{"name": h.name, "slots": h.slots} for h in pl.hosts],
-        "crossing": {ax: pl.crossing(ax) for ax in pl.axes},
+        "crossing": {ax: pl.crossing(ax) for ax in pl.report_groups},
         "island_crossing": {"tp": pl.island_crossing_tp()},
         "notes": list(pl.notes),
     }
+    if pl.expert.folded:
+        report["expert_layout"] = {"etp": pl.expert.etp, "ep": pl.expert.ep, "edp": pl.expert.edp}
     if traffic is not None:
         report["cross_host_bytes_per_step"] = cross_host_bytes(pl, traffic)
     return report
@@ -45,7 +47,7 @@ def describe(topo, traffic: TrafficModel | None = None) -> dict:
     pl = _placement(topo)
     report = summary(pl, traffic)
     report["ranks"] = list(rank_rows(pl))
-    report["groups"] = {ax: list(pl.groups(ax)) for ax in pl.axes}
+    report["groups"] = {ax: list(pl.groups(ax)) for ax in pl.report_groups}
     return report
 
 
@@ -57,7 +59,7 @@ def write_report_json(topo, traffic: TrafficModel | None, out) -> None:
     for i, row in enumerate(rank_rows(pl)):
         out.write((", " if i else "") + json.dumps(row))
     out.write('], "groups": {')
-    for a, ax in enumerate(pl.axes):
+    for a, ax in enumerate(pl.report_groups):
         out.write((", " if a else "") + f'"{ax}": [')
         for i, g in enumerate(pl.groups(ax)):
             out.write((", " if i else "") + json.dumps(g))
@@ -99,8 +101,12 @@ def format_report(topo, traffic: TrafficModel | None = None, max_rows: int = 64)
         )
     if pl.world > max_rows:
         lines.append(f"   ... {pl.world - max_rows} more ranks (use --json for all)")
+    if pl.expert.folded:
+        e = pl.expert
+        lines.append(f"expert layout: etp {e.etp} x ep {e.ep} x edp {e.edp} folded over tp x cp x dp "
+                     f"(experts split over etp, held by ep, replicated over edp)")  # fmt: skip
     lines.append("")
-    for ax in axes:
+    for ax in pl.report_groups:
         count = pl.group_count(ax)
         first = [g for _, g in zip(range(8), pl.groups(ax))]
         shown = "  ".join(_short(g) for g in first) + ("  ..." if count > 8 else "")
@@ -108,7 +114,8 @@ def format_report(topo, traffic: TrafficModel | None = None, max_rows: int = 64)
     lines.append("")
     cross = report["crossing"]
     lines.append(
-        "groups crossing hosts: " + ", ".join(f"{ax} {cross[ax]}/{pl.group_count(ax)}" for ax in axes)
+        "groups crossing hosts: "
+        + ", ".join(f"{ax} {cross[ax]}/{pl.group_count(ax)}" for ax in pl.report_groups)
     )
     if report["island_crossing"]["tp"]:
         lines.append(f"TP groups spanning several NVLink islands: {report['island_crossing']['tp']}")

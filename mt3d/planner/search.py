@@ -18,6 +18,7 @@ from ..config import (
     context_sequence_conflict,
     context_zero_conflict,
     expert_conflict,
+    folding_conflict,
     grad_accum_conflict,
     moe_conflict,
     optimizer_states_conflict,
@@ -26,8 +27,8 @@ from ..config import (
 )
 from ..errors import UserError
 from ..model.config import ModelConfig
-from ..parallel.axes import AXES, NAMES, AxisError, derive_degrees, shown
-from ..parallel.topology import uniform_crossing
+from ..parallel.axes import AXES, NAMES, AxisError, derive_degrees, expert_layout, shown
+from ..parallel.topology import place, uniform_crossing
 from ..pipeline.zero_bubble import SCHEDULES
 from .choices import RECOMPUTE  # its home imports nothing (the CLI parser reads it)
 from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
@@ -52,11 +53,18 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def bandwidths(cluster: Cluster, tp: int, pp: int, **degrees: int) -> dict[str, float]:
+def bandwidths(cluster: Cluster, tp: int, pp: int, expert_tensor: int | None = None,
+               **degrees: int) -> dict[str, float]:  # fmt: skip
     """GB/s of each axis (NVLink when the mapper keeps its groups inside nodes, else the network),
-    of each GPU's PCIe link and share of the node's NVMe, and the CPU optimizer's elements/s per GPU."""
+    of each GPU's PCIe link and share of the node's NVMe, and the CPU optimizer's elements/s per GPU.
+    With a folded expert layout (``expert_tensor``) the ep groups' from the mapper's placement."""
     dev = cluster.device
-    cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp, **degrees)
+    if expert_tensor is None:
+        cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp, **degrees)
+    else:
+        pl = place(cluster.gpus, tp, pp, gpus_per_node=cluster.gpus_per_node, expert_tensor=expert_tensor,
+                   warn=False, **degrees)  # fmt: skip
+        cross = {ax: pl.crossing(ax) > 0 for ax in pl.axes}
     bw = {ax: dev.inter_gbps if crosses else dev.intra_gbps for ax, crosses in cross.items()}
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     return {**bw, "pcie": dev.pcie_gbps, "nvme": dev.nvme_gbps / per_node,
@@ -79,8 +87,8 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, cp: 
     if cfg.ffn % tp:
         return f"ffn {cfg.ffn} not divisible by tp {tp}"
     spec = cfg.moe_spec
-    if spec is not None and (spec.expert_ffn % tp or spec.shared_ffn % tp):
-        return f"expert ffn {spec.expert_ffn} (shared {spec.shared_ffn}) not divisible by tp {tp}"
+    if spec is not None and spec.shared_ffn % tp:
+        return f"shared expert ffn {spec.shared_ffn} not divisible by tp {tp}"
     if pp > cfg.layers:
         return f"{cfg.layers} layers cannot fill {pp} stages"
     if seq_len is not None:
@@ -97,20 +105,45 @@ def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
     configured = [a.name for a in AXES if a.key]
     options = [choices.get(ax) or divisors(cluster.gpus) for ax in configured]
     for combo in product(*options):
-        try:
-            degrees = derive_degrees(cluster.gpus, dict(zip(configured, combo)))
-        except AxisError:
-            continue
-        if "dp" in choices and degrees["dp"] not in choices["dp"]:
-            continue  # --data pins dp, which the others leave as what remains
-        tp, pp = degrees["tp"], degrees["pp"]
-        why = structural_reason(cfg, cluster, tp, pp, degrees["cp"], seq_len) or _short(
-            expert_conflict(cfg.moe_spec, degrees["ep"])
-        )
-        if why:
-            reject({ax: degrees[ax] for ax in shown(degrees)}, why)
-        else:
-            yield degrees, bandwidths(cluster, tp, pp, **{ax: degrees[ax] for ax in ("cp", "ep")})
+        given = dict(zip(configured, combo))
+        for etp in _expert_tensors(given, choices.get("etp")):
+            try:
+                degrees = derive_degrees(cluster.gpus, given, expert_tensor=etp)
+            except AxisError:
+                continue
+            if "dp" in choices and degrees["dp"] not in choices["dp"]:
+                continue  # --data pins dp, which the others leave as what remains
+            tp, pp = degrees["tp"], degrees["pp"]
+            why = structural_reason(cfg, cluster, tp, pp, degrees["cp"], seq_len)
+            why = why or _expert_reason(cfg, degrees)
+            if why:
+                reject({ax: degrees[ax] for ax in shown(degrees)} | _etp_of(degrees), why)
+                continue
+            etp = degrees.get("etp", tp) if expert_layout(degrees).folded else None
+            yield degrees, bandwidths(cluster, tp, pp, expert_tensor=etp, cp=degrees["cp"], ep=degrees["ep"])
+
+
+def _expert_tensors(given: dict[str, int], pinned: tuple[int, ...] | None):
+    """The expert-tensor degrees to try with these degrees: the pinned ones (``--expert-tensor``), else
+    every divisor of tp under expert parallelism (None: tp, the layout before folding)."""
+    tp = given["tp"]
+    if pinned:
+        return [None if e == tp else e for e in pinned]
+    return [None] + [e for e in divisors(tp) if e != tp] if given.get("ep", 1) > 1 else [None]
+
+
+def _etp_of(degrees: dict[str, int]) -> dict[str, int]:
+    """``{"etp": etp}`` of derived degrees when it differs from tp (a folded layout's), else nothing."""
+    return {"etp": degrees["etp"]} if "etp" in degrees else {}
+
+
+def _expert_reason(cfg: ModelConfig, degrees: dict[str, int]) -> str | None:
+    """Why the experts cannot be laid out at these degrees (``expert_conflict``; the expert inner size
+    divides etp)."""
+    spec, etp = cfg.moe_spec, degrees.get("etp", degrees["tp"])
+    if spec is not None and spec.expert_ffn % etp:
+        return f"expert ffn {spec.expert_ffn} not divisible by expert_tensor {etp}"
+    return _short(expert_conflict(spec, degrees["ep"]))
 
 
 # Step 2's rules, in order: the keys each depends on (a failure is reported once per distinct key)
@@ -141,6 +174,14 @@ SCHEDULE_RULES = (
         ),
     ),
     (
+        ("micro_batch", "zero_stage"),
+        lambda c: (
+            _short(folding_conflict(c["cfg"].moe_spec, c["degrees"], c["zero_stage"], False))
+            if c["mt3d"] and c["cfg"].moe is not None
+            else None
+        ),
+    ),
+    (
         ("micro_batch", "zero_stage", "virtual_stages"),
         lambda c: virtual_stage_conflict(
             c["pp"],
@@ -168,9 +209,10 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
     tp, pp, dp, cp = degrees["tp"], degrees["pp"], degrees["dp"], degrees["cp"]
     vs = (SCHEDULES[schedule],) if schedule != "1f1b" else virtual_stages if pp > 1 else (1,)
     for b, zero, v in product(micro_batches, zero_stages, vs):
-        c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": degrees["ep"], "micro_batch": b,
-             "zero_stage": zero, "virtual_stages": v, "grad_accum": global_batch // (b * dp), "cfg": cfg,
-             "global_batch": global_batch, "mt3d": mt3d, "schedule": schedule}  # fmt: skip
+        c = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": degrees["ep"], "degrees": degrees,
+             "micro_batch": b, "zero_stage": zero, "virtual_stages": v,
+             "grad_accum": global_batch // (b * dp), "cfg": cfg, "global_batch": global_batch, "mt3d": mt3d,
+             "schedule": schedule}  # fmt: skip
         for keys, rule in SCHEDULE_RULES:
             key = (keys, *(c[k] for k in keys))
             if key in failed:  # already reported for these values
@@ -178,7 +220,8 @@ def _schedules(cfg, degrees, global_batch, micro_batches, zero_stages, virtual_s
             why = rule(c)
             if why:
                 failed.add(key)
-                reject({**{ax: degrees[ax] for ax in shown(degrees)}, **{k: c[k] for k in keys}}, why)
+                shown_degrees = {ax: degrees[ax] for ax in shown(degrees)} | _etp_of(degrees)
+                reject(shown_degrees | {k: c[k] for k in keys}, why)
                 break
         else:
             yield b, c["grad_accum"], zero, v
@@ -208,6 +251,7 @@ def _candidates(cfg, cluster, seq_len, global_batch, micro_batches, zero_stages,
             allowed = [o for o in offloads if not offload_rule(zero, o)]
             for off, mode, sp in product(allowed, recompute, sps):
                 yield Layout(tp, pp, dp, b, m, zero, mode == "full", sp, v, off, cp, ep=degrees["ep"],
+                             etp=degrees.get("etp"),
                              selective=mode == "selective", schedule=sched), bw  # fmt: skip
 
 
@@ -250,7 +294,14 @@ def _check_inputs(
     return vocab
 
 
-FLAG_OF = {"tp": "--tensor", "pp": "--pipeline", "dp": "--data", "ep": "--expert", "cp": "--context"}
+FLAG_OF = {
+    "tp": "--tensor",
+    "pp": "--pipeline",
+    "dp": "--data",
+    "ep": "--expert",
+    "cp": "--context",
+    "etp": "--expert-tensor",
+}
 """The ``mt3d plan`` flag that pins each axis's degrees."""
 
 

@@ -55,7 +55,8 @@ def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, 
         return 0.0, 0.0
     t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
     ep = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute)
-    ep = ep / (t if ep_dispatch == "sequence-shard" else 1) / (bw["ep"] * 1e9)
+    # mt3d's TP ranks each send whole rows, or 1/(tp / etp) of them when experts split over fewer ranks
+    ep = ep / (t if ep_dispatch == "sequence-shard" else t // lay.expert_tp) / (bw["ep"] * 1e9)
     if ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
         ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
     hidden = shared_expert_hidden(cfg, compute, ep, seq_len, vocab)
@@ -192,7 +193,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     v, m, t = lay.virtual_stages, lay.grad_accum, lay.tp
     blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grad_dtype)
-    grads = stage_params(cfg, vocab, t, lay.pp, lay.ep)
+    grads = stage_params(cfg, vocab, t, lay.pp, lay.ep, lay.etp)
     compute, optimizer = _compute_seconds(
         cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
         device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
@@ -338,10 +339,11 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
             keys=seq_len * attention_fraction,
             fraction=fraction,
             fp8=fp8,
+            experts=(lay.ep, lay.expert_tp),
         )["total_s"]  # fmt: skip
         optimizer = 0.0
         if lay.offload == "none":
-            experts = stage_expert_params(cfg, lay.tp, lay.pp, lay.ep)
+            experts = stage_expert_params(cfg, lay.expert_tp, lay.pp, lay.ep)
             optimizer = optimizer_seconds(lay.partitioned(grads, experts), device)
         return lay.grad_accum * per_micro, optimizer
     work = cfg.flops_per_token(seq_len, vocab, attended=seq_len * attention_fraction) * tokens
