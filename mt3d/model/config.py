@@ -230,7 +230,7 @@ class ModelConfig:
     def sparse_layers(self) -> int:
         """How many blocks have a mixture-of-experts MLP."""
         spec = self.moe_spec
-        return 0 if spec is None else sum(spec.sparse(i) for i in range(self.layers))
+        return 0 if spec is None else sum(spec.sparse_blocks(self.layers))
 
     @property
     def patterns(self) -> list:
@@ -291,7 +291,7 @@ class ModelConfig:
         one of ep expert-parallel ranks holds (experts / ep of the routed experts)."""
         if layer is None:  # sparse blocks are alike, and so are dense ones: one of each, counted
             spec = self.moe_spec
-            sparse = [spec is not None and spec.sparse(i) for i in range(self.layers)]
+            sparse = list(spec.sparse_blocks(self.layers)) if spec is not None else [False] * self.layers
             n = sum(sparse)
             total = n * self.block_params(sparse.index(True), active, ep) if n else 0
             if n < self.layers:
@@ -351,7 +351,8 @@ class ModelConfig:
         if spec is None:
             return float(self.ffn)
         sparse = spec.top_k * spec.expert_ffn + spec.shared_ffn
-        return sum(sparse if spec.sparse(i) else self.ffn for i in range(self.layers)) / self.layers
+        n = self.sparse_layers
+        return (n * sparse + (self.layers - n) * self.ffn) / self.layers
 
     def embedding_params(self, vocab: int | None = None) -> int:
         """Token (and learned position) embedding parameters."""
@@ -402,13 +403,11 @@ class ModelConfig:
             core = self.heads * (self.head_dim + self.mla_spec.v_head_dim) / 2
         mats = 3 if self.mlp in GATED_MLPS else 2
         spec = self.moe_spec
-        mlp = 0.0
-        for i in range(self.layers):  # MoE layers: the router, the k experts a token visits, the shared one
-            if spec is not None and spec.sparse(i):
-                mlp += 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn))
-                mlp += 2 * h * bool(spec.shared_ffn and spec.shared_gate)
-            else:
-                mlp += 2 * mats * h * self.ffn
+        n = self.sparse_layers  # MoE layers: the router, the k experts a token visits, the shared one
+        mlp = (self.layers - n) * 2 * mats * h * self.ffn
+        if n:
+            mlp += n * 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn))
+            mlp += n * 2 * h * bool(spec.shared_ffn and spec.shared_gate)
         attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * core
         logits = 2 * h * v
         if adapters is not None:

@@ -3,6 +3,7 @@ importing the layers that build it (``mt3d.model.moe``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,11 @@ from .options import ModelConfigError, option_fields
 
 class MoEConfigError(ModelConfigError):
     """A ``model.moe`` option that cannot be built."""
+
+
+@functools.lru_cache(maxsize=64)
+def _sparse_blocks(step: int, dense: tuple[int, ...], layers: int) -> tuple[bool, ...]:
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,11 @@ class MoESpec:
     def sparse(self, layer: int) -> bool:
         """Whether block ``layer`` routes over experts."""
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    def sparse_blocks(self, layers: int) -> tuple[bool, ...]:
+        """``sparse`` of each of ``layers`` blocks, computed once per count (the planner asks for every
+        layout it weighs)."""
+        return _sparse_blocks(self.sparse_step, self.dense_layers, layers)
 
     @property
     def dispatch_once(self) -> bool:

@@ -2,19 +2,14 @@
 parallelism over the same ranks as the attention layout (tp x cp x dp), as Megatron-Core's "parallel
 folding" lays them out.
 
-Work in progress (branch ``expert-layouts``, issue 46). Read by ``mt3d.parallel.axes``
-(``derive_degrees``, ``grid_shape``, ``deepspeed_sizes``), the rank mapper's ``Placement`` (its 'ep',
-'edp', 'etp' and 'tpo' groups, the ep coordinate, DeepSpeed's grid), ``ParallelState``, the model
-(``SparseMoE``: experts over etp, tokens shared out over tpo), the config
-(``mt3d.parallel.expert_tensor``, ``rules.folding_conflict``) and the training loop's loss mean.
-Folded layouts train equal to one process at ZeRO-1 (tests/test_moe.py). Left before main:
-checkpoints (the manifest must record etp; DeepSpeed's 'model' index is position mod L, not the old
-ep x tp + tp, so resharding, the universal format and HF export must read it or refuse folded
-checkpoints in one line; exact resume at the same layout to test), ZeRO-0 (``reduce_over_experts``
-sums dense gradients over ep, which is not the dense/data quotient when folded) and ZeRO-2 (the
-regular engine's file names), capacity at etp < tp, the planner (``--expert-tensor``, dispatch per
-TP shard), ``mt3d topo`` printing both layouts, the mapper placing the ep groups folded over cp,
-the docs.
+Read by ``mt3d.parallel.axes`` (``derive_degrees``, ``grid_shape``, ``deepspeed_sizes``), the rank
+mapper's ``Placement`` (its 'ep', 'edp', 'etp' and 'tpo' groups, the ep coordinate, DeepSpeed's grid),
+``ParallelState``, the model (``SparseMoE``: experts over etp, tokens shared out over tpo), the config
+(``mt3d.parallel.expert_tensor``, ``rules.folding_conflict``), the training loop's loss mean, the
+checkpoints (``model_rank``: where an expert's files are) and the planner. Folded layouts train equal
+to one process at ZeRO-1 and resume exactly (tests/test_moe.py). Not yet: ZeRO-0 and ZeRO-2 when
+folded, capacity at etp below tp, and resharding to or from a folded layout (refused in one line:
+``mt3d.checkpoint.reshard.folded_reshard_conflict``; export-hf reads them).
 
 The ranks of a stage are listed innermost first in the attention grid's own nesting with the ep part
 of dp moved next to tp: tp, then ``g`` ranks of dp (the grid's 'ep' dimension: the ep ranks the

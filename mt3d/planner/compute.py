@@ -111,7 +111,7 @@ def expert_gemms(cfg: ModelConfig, tokens: int, tp: int, ep: int, etp: int) -> l
     size. The FLOPs equal ``block_gemms``' MLP part; the shapes are what whole experts (etp 1) change."""
     spec, h = cfg.moe_spec, cfg.hidden
     ins = 2 if cfg.mlp in GATED_MLPS else 1
-    share = sum(spec.sparse(i) for i in range(cfg.layers)) / cfg.layers
+    share = cfg.sparse_layers / cfg.layers
 
     def mlp(width: float, rows: float, split: int, batch: float = 1.0) -> list[Gemm]:
         return [Gemm(rows, ins * width / split, h, batch), Gemm(rows, h, width / split, batch)]

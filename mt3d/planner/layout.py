@@ -152,7 +152,7 @@ def stage_expert_params(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> floa
     spec = cfg.moe_spec
     if spec is None:
         return 0.0
-    sparse = sum(spec.sparse(i) for i in range(cfg.layers)) / cfg.layers
+    sparse = cfg.sparse_layers / cfg.layers
     per_block = (spec.experts // ep) * cfg.mlp_params(spec.expert_ffn, spec.expert_bias) / tp
     return math.ceil(cfg.layers / pp) * sparse * per_block
 

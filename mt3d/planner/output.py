@@ -22,7 +22,7 @@ def explain(row: dict) -> str:
     """The time and memory components of one planned layout (``mt3d plan --explain``): what the step
     time and the memory per GPU are the sums of."""
     axes = ("tp", "cp", "ep", "pp", "dp")
-    etp = f" etp {row['etp']}" if row.get("etp") is not None else ""
+    etp = f" etp {_etp(row)}" if _etp(row) != "-" else ""
     degrees = " ".join(f"{k} {row[k]}" for k in axes) + etp + f" v {row['virtual_stages']}"
     lines = [
         f"layout: {degrees}, micro-batch {row['micro_batch']} x {row['grad_accum']}, "
@@ -168,6 +168,13 @@ def offload_note(feasible: list[dict], smallest_on_gpus: float | None) -> str:
     )
 
 
+def _etp(row: dict) -> str:
+    """A planned layout's expert-tensor degree (tp unless folded; "-" without expert parallelism)."""
+    if row.get("etp") is None:
+        return str(row["tp"]) if row.get("ep", 1) > 1 else "-"
+    return str(row["etp"])
+
+
 def format_plan(result: dict, top: int = 10) -> str:
     """Human-readable table of the best layouts and a summary of the rejections."""
     lines = [
@@ -175,8 +182,8 @@ def format_plan(result: dict, top: int = 10) -> str:
         f"({result['gpus_per_node']}/node), global batch {result['global_batch']} x {result['seq_len']} "
         f"tokens, {result['precision']}, " + compute_model(result),
         "",
-        f"{'tp':>3} {'cp':>3} {'ep':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} {'zero':>4} "
-        f"{'offload':>8} {'rc':>3} "
+        f"{'tp':>3} {'cp':>3} {'ep':>3} {'etp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'mb':>3} {'acc':>5} "
+        f"{'zero':>4} {'offload':>8} {'rc':>3} "
         f"{'sp':>3} {'GPU GB':>8} {'CPU GB/n':>9} {'NVMe GB/n':>10} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6}  "
         "bubble/tp/cp/ep/pp/dp/offload share",
     ]
@@ -192,7 +199,8 @@ def format_plan(result: dict, top: int = 10) -> str:
         shares = ("bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s", "offload_s")
         parts = [r[k] / r["step_time_s"] for k in shares]
         lines.append(
-            f"{r['tp']:>3} {r['cp']:>3} {r['ep']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>5} "
+            f"{r['tp']:>3} {r['cp']:>3} {r['ep']:>3} {_etp(r):>3} {r['pp']:>3} {r['virtual_stages']:>2} "
+            f"{r['dp']:>5} "
             f"{r['micro_batch']:>3} "
             f"{r['grad_accum']:>5} {r['zero_stage']:>4} {r['offload']:>8} "
             f"{recompute_mode(r)[0]:>3} {'yn'[not r['sequence_parallel']]:>3} "
