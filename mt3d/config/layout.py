@@ -85,8 +85,9 @@ class Layout:
     def headline(self) -> str:
         """``world 8 = tp 2 x pp 2 x dp 2``: the configured axes shown, then dp (what remains)."""
         shown = self.shown_degrees()
-        order = [a for a in shown if a != "dp"] + ["dp"]
-        return f"world {self.world} = " + " x ".join(f"{a} {shown[a]}" for a in order)
+        order = [a for a in shown if a not in ("dp", "etp")] + ["dp"]
+        folded = f" (experts: ep {shown['ep']} x etp {shown['etp']} folded)" if "etp" in shown else ""
+        return f"world {self.world} = " + " x ".join(f"{a} {shown[a]}" for a in order) + folded
 
 
 PARAM_GROUPS = {False: "by weight decay", True: "one dense, one expert"}
