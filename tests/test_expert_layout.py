@@ -92,6 +92,15 @@ def test_bad_expert_layouts_are_one_line(args, match):
         ExpertLayout.resolve(2, 1, 2, 4, 1, experts=6)
     with pytest.raises(ExpertLayoutError, match=r"inner size \(30\) is not divisible by expert_tensor = 4"):
         ExpertLayout.resolve(4, 1, 1, 1, 4, expert_ffn=30)
+    from mt3d.config import resolve_model
+    from mt3d.config.rules import folding_conflict
+
+    spec = resolve_model({"preset": "tiny-mixtral"}).moe_spec
+    degrees = {"tp": 2, "cp": 1, "dp": 2, "ep": 4, "etp": 1}
+    why = folding_conflict(spec, degrees, 1, False, seq_len=33)
+    assert "seq_len / context = 33 tokens are not divisible by tensor / expert_tensor = 2" in why
+    assert folding_conflict(spec, degrees, 1, False, seq_len=33, sp=True) is None  # SP checks seq_len itself
+    assert folding_conflict(spec, degrees, 1, False, seq_len=32) is None
 
 
 def test_checkpoints_place_experts_by_the_layout_and_refuse_folded_reshards():
@@ -114,7 +123,9 @@ def test_checkpoints_place_experts_by_the_layout_and_refuse_folded_reshards():
     assert folded_reshard_conflict(plain, {**plain, "dp": 4}) is None
     for saved, target in ((folded, plain), (plain, folded), (folded, {**folded, "dp": 4})):
         assert "not supported yet" in folded_reshard_conflict(saved, target)
-    assert "saved layout (tp 2, dp 2, ep 4, etp 1" in folded_reshard_conflict(folded, plain)
+    assert "saved layout (tensor 2, pipeline 1, dp 2, expert 4, expert_tensor 1)" in folded_reshard_conflict(
+        folded, plain
+    )
     layout = SimpleNamespace(saved=lambda: {**plain, "ep": 4, "virtual_stages": 1, "stage_blocks": None,
                                             "offload": "none"})  # fmt: skip
     plan = ResumePlan(path=None, meta={"layout": {**folded, "virtual_stages": 1}}, manifest={})

@@ -349,13 +349,16 @@ def loads_without_warnings(path, caplog):
 @pytest.fixture(scope="module")
 def round_trip_runs(hf_dirs, tmp_path_factory):
     """Every family's HF directory saved as an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts:
-    tp 2 x ep 2, each ep rank's experts in its own files), all in one spawn: {name: run dir}."""
+    tp 2 x ep 2, each ep rank's experts in its own files; Mixtral with whole experts folded over
+    tp x dp, tp 2 x ep 4 x expert_tensor 1, its experts loaded whole), all in one spawn."""
     base = tmp_path_factory.mktemp("round-trip")
     runs = []
     for name in FAMILIES:
         raw = fine_tune_config(base / name, hf_dirs[name], steps=0, save_at_end=True)
         if name in MOE:
             raw["mt3d"]["parallel"].update(pipeline=1, expert=2)
+        if name == "mixtral":  # parallel.expert_layout: model.from_hf and export-hf at a folded layout
+            raw["mt3d"]["parallel"].update(expert=4, expert_tensor=1)
         runs.append((4, raw))
     run_grouped(runs, timeout=900)
     return {name: base / name for name in FAMILIES}
@@ -363,8 +366,8 @@ def round_trip_runs(hf_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_round_trip_is_bit_identical(hf_dirs, round_trip_runs, tmp_path, name, caplog):
-    """HF -> an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts: tp 2 x ep 2) -> export-hf -> the
-    same tensors, loadable silently."""
+    """HF -> an mt3d checkpoint at tp 2 x pp 2 (mixtures of experts: tp 2 x ep 2, Mixtral folded) ->
+    export-hf -> the same tensors, loadable silently."""
     run = round_trip_runs[name]
     out = run_export(run, tmp_path / "export")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -955,3 +955,10 @@ def test_the_planner_folds_whole_experts_over_tensor_and_data():
     at_pp1 = planned((2,), pp=(1,))["rejected"]
     assert any(r.get("etp") == 1 and r["reason"].startswith(folded_zero2) for r in at_pp1)
     assert {r["etp"] for r in planned(etp=(2,))["feasible"]} == {None}
+    at_ep1 = planned(ep=(1,), etp=(1,))
+    assert at_ep1["rejected"] and all(r.get("etp") is None for r in at_ep1["rejected"] + at_ep1["feasible"])
+    # mt3d does not overlap the gradient reduction with a folded layout yet: not credited there
+    bw = bandwidths(Cluster(1024, 8, dev), 2, 8, ep=64, expert_tensor=1)
+    dp = [step_time(ds, 129280, 4096, 8192, folded, **kw, bw=bw, overlap=o)["dp_comm_s"]
+          for o in ((), ("dp",))]  # fmt: skip
+    assert dp[0] == dp[1] > 0

@@ -119,12 +119,15 @@ def _open(path: str | Path, verify: bool) -> WeightSource:
     return WeightSource("checkpoint", p, reader.cfg, reader.vocab, tok, reader)
 
 
-def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup) -> None:
-    """Copy this rank's shard of every parameter of ``module`` from ``source`` (shapes checked)."""
+def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup,
+                 etp: AxisGroup | None = None) -> None:  # fmt: skip
+    """Copy this rank's shard of every parameter of ``module`` from ``source`` (shapes checked): the
+    routed experts' over ``etp`` (``parallel.expert_layout``; None: tp), the rest over ``tp``."""
     with torch.no_grad():
         for name, param in module.named_parameters():
+            split = etp if etp is not None and expert_index(name) is not None else tp
             try:
-                shard = source.shard(name, tp.rank, tp.size)
+                shard = source.shard(name, split.rank, split.size)
             except HFError:
                 raise
             except KeyError as e:
@@ -137,7 +140,7 @@ def load_weights(module: nn.Module, source: WeightSource, tp: AxisGroup) -> None
             if tuple(shard.shape) != tuple(param.shape):
                 raise UserError(
                     f"{source.path}: {name} (from {source.origin(name)}) has shape {tuple(shard.shape)} "
-                    f"for tp rank {tp.rank}/{tp.size}, the model expects {tuple(param.shape)}"
+                    f"for {split.name} rank {split.rank}/{split.size}, the model expects {tuple(param.shape)}"
                 )
             bad = nonfinite(shard)
             if bad:
@@ -245,7 +248,7 @@ def from_pretrained(
     if state is None:
         state = ParallelState.single() if tp * pp * cp * ep == 1 else inference_state(tp, pp, cp, ep)
     model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
-    load_weights(model, source, state.tp)
+    load_weights(model, source, state.tp, state.etp)
     model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir
     model.vocab_size = source.vocab
     return model.eval()

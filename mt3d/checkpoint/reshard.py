@@ -84,12 +84,13 @@ def folded_reshard_conflict(saved: dict, target: dict) -> str | None:
     folded = [name for name, d in (("saved", saved), ("this run's", target)) if expert_layout(d).folded]
     if not folded:
         return None
-    shown = ", ".join(f"{k} {saved[k]}" for k in ("tp", "cp", "dp", "ep", "etp") if k in saved)
+    keys = {"tp": "tensor", "pp": "pipeline", "cp": "context", "dp": "dp", "ep": "expert"}
+    shown = ", ".join(f"{key} {saved[k]}" for k, key in keys.items() if k in saved)
     return (
         f"the {' and '.join(folded)} layout folds the experts over tensor x context x data, and resharding "
         f"to or from a folded expert layout is not supported yet: resume at the saved layout ({shown}, "
-        "expert_tensor = etp, tp when absent), or export it with `mt3d export-hf` and fine-tune from that "
-        "directory with model.from_hf (weights kept, optimizer state restarted)"
+        f"expert_tensor {saved.get('etp', saved['tp'])}), or export it with `mt3d export-hf` and fine-tune "
+        "from that directory with model.from_hf (weights kept, optimizer state restarted)"
     )
 
 

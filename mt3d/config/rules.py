@@ -416,10 +416,12 @@ def expert_conflict(spec, ep: int) -> str | None:
     return None
 
 
-def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce: bool) -> str | None:
+def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce: bool,
+                     seq_len: int | None = None, sp: bool = False) -> str | None:  # fmt: skip
     """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
     dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 on
-    the pipeline engine, dropless routing."""
+    the pipeline engine, dropless routing. Without SP the tp / etp ranks holding the same tokens share
+    out a rank's ``seq_len`` / cp positions, which they must divide."""
     from ..parallel.axes import expert_layout
 
     if not expert_layout(degrees).folded:
@@ -439,6 +441,11 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
                 "tensor")  # fmt: skip
     if grad_reduce:
         return "mt3d.train.overlap.grad_reduce is not supported with a folded expert layout yet: turn it off"
+    share, local = degrees["tp"] // etp, (seq_len or 0) // degrees.get("cp", 1)
+    if seq_len is not None and not sp and local % share:
+        return (f"data.seq_len / context = {local} tokens are not divisible by tensor / expert_tensor = "
+                f"{share} (the TP ranks share out each sequence's routing): change seq_len or turn on "
+                "sequence_parallel")  # fmt: skip
     return None
 
 

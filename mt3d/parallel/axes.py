@@ -8,10 +8,12 @@ An axis of size 1 costs nothing: no process group is made for it, and the option
 appear in coordinates, keys and reports only when larger than 1, so three-axis layouts read,
 save and print exactly as before these axes existed.
 
-Expert parallelism is a split of data parallelism (as in DeepSpeed-MoE and Megatron-Core): ep
-divides dp, an ep group is a subset of a dp group, and expert weights are reduced over the dp/ep
-ranks that hold the same experts (the expert-data-parallel group). Context parallelism is an axis
-of its own whose ranks also average dense gradients with dp (Megatron's dp x cp group).
+Expert parallelism is laid over a pipeline stage's tp x cp x dp ranks by the expert layout
+(``expert_layout``: etp x ep x edp, Megatron-Core's "parallel folding"); in the placement grid the
+'ep' dimension holds the part of ep within dp (all of it when ep divides dp and experts split over
+tp, the layout before folding: an ep group a subset of a dp group, expert weights reduced over the
+dp / ep x cp ranks holding the same experts). Context parallelism is an axis of its own whose ranks
+also average dense gradients with dp (Megatron's dp x cp group).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ AXES: tuple[Axis, ...] = (
         "ep",
         "expert",
         "the experts of mixture-of-experts layers (each rank holds num_experts / ep)",
-        "dense gradients with dp; expert gradients over the dp / ep ranks holding the same experts",
+        "dense gradients with dp; expert gradients over the edp ranks holding the same experts",
         "inside a host when whole groups fit",
         "model",
         optional=True,
@@ -107,8 +109,8 @@ DEFAULT_ORDER = "-".join(NAMES)
 """Innermost first: tp inside NVLink islands, then cp, ep and dp inside hosts, pp across them."""
 
 GRID: tuple[str, ...] = tuple(reversed(NAMES))
-"""Dimensions of a placement grid, outermost first; the 'dp' dimension holds dp / ep ranks (the
-expert-data-parallel part of dp), the 'ep' one ep ranks."""
+"""Dimensions of a placement grid, outermost first; the 'ep' dimension holds the part of ep within dp
+(``ExpertLayout.grid_ep``: ep before folding), the 'dp' one the rest of dp."""
 
 
 def degree_keys() -> dict[str, str]:

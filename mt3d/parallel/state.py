@@ -3,10 +3,10 @@
 It is handed explicitly to whoever needs a group (layers, loss, training loop); nothing here is a
 module-level global. Groups are made for every axis of ``axes.AXES`` and for the combined groups
 reductions need (``topology.COMBINED``): ``model`` (pipe x tensor: one model replica), ``dense``
-(dp x cp: dense gradients and ZeRO partitions) and ``edp`` (dp / ep x cp: expert gradients and
-ZeRO partitions). An optional axis of size 1 gets no process group (its ``AxisGroup`` is the rank
-alone), and a combined group equal to another reuses it, so a three-axis run makes exactly the
-groups it always made.
+(dp x cp: dense gradients and ZeRO partitions) and ``edp`` (the ranks holding the same experts,
+``expert_layout``: expert gradients and ZeRO partitions). An optional axis of size 1 gets no process
+group (its ``AxisGroup`` is the rank alone), and a combined group equal to another reuses it, so a
+three-axis run makes exactly the groups it always made.
 
 It also satisfies DeepSpeed's ``mpu`` contract (read in DeepSpeed's ``utils/groups.py`` and engine),
 including the ``get_tensor_model_parallel_group`` that DeepSpeed's own PipelineParallelGrid lacks

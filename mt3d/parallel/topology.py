@@ -70,9 +70,9 @@ COMBINED = {
 }
 """Groups that span several axes, by grid dimensions: ``model`` holds one model replica (pipe x
 tensor: what DeepSpeed sums gradient norms over), ``dense`` the ranks that average dense gradients
-and partition their ZeRO states (dp x cp), ``edp`` those that hold the same experts (dp / ep x cp:
-expert gradients reduce and expert ZeRO states partition over it; DeepSpeed's 'data' axis,
-``axes.Axis.ds_axis``)."""
+and partition their ZeRO states (dp x cp), ``edp`` those that hold the same experts (dp / ep x cp
+before folding: expert gradients reduce and expert ZeRO states partition over it), read from the
+expert layout (``EXPERT_GROUPS``) rather than these dimensions."""
 
 
 class Placement:

@@ -6,9 +6,10 @@ gradient) + 12 (fp32 master + two moments) bytes, partitioned over data parallel
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..model.config import ModelConfig
+from ..parallel.expert_layout import ExpertLayout
 from ..parallel.layers import pad_vocab
 from .choices import GRAD_DTYPES, OPTIMIZER_STATES  # their home imports nothing (the CLI parser reads it)
 
@@ -107,12 +108,22 @@ class Layout:
         """The ranks splitting each expert's inner dimension (etp; tp unless folded)."""
         return self.tp if self.etp is None else self.etp
 
+    @classmethod
+    def of_row(cls, row: dict) -> Layout:
+        """The layout of a plan row (``asdict`` of one, with its figures beside)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
+    @property
+    def experts(self) -> ExpertLayout:
+        """The expert layout of these degrees (``mt3d.parallel.expert_layout``)."""
+        return ExpertLayout(self.tp, self.cp, self.dp, self.ep, self.expert_tp)
+
     @property
     def data(self) -> int:
         """Ranks holding the same experts, which ZeRO partitions expert states over (edp): tp x cp x dp
-        / (etp x ep), dp / ep x cp before folding (DeepSpeed's data axis; ``mt3d.ds.experts``); without
-        experts split over ep, everything's."""
-        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+        / (etp x ep), dp / ep x cp before folding (``mt3d.ds.experts``); without experts split over ep,
+        everything's."""
+        return self.experts.edp
 
     def partitioned(self, params: float, experts: float = 0.0) -> float:
         """Parameters of ``params`` (``experts`` of them routed experts' weights) whose optimizer states

@@ -9,6 +9,7 @@ import re
 
 from ..config import Offload, overlap_conflict, p2p_conflict
 from ..errors import UserError
+from .layout import Layout
 from .search import recompute_mode
 
 TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
@@ -313,7 +314,8 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
     # what the plan's step time assumed, where mt3d runs it (tp: always)
     overlap = {}
     schedule = best.get("schedule", "1f1b")
-    if "dp" in result.get("overlap", ()) and overlap_rule is None and schedule == "1f1b":
+    folded = Layout.of_row(best).experts.folded
+    if "dp" in result.get("overlap", ()) and overlap_rule is None and schedule == "1f1b" and not folded:
         overlap["grad_reduce"] = True  # the zero-bubble schedules refuse it (and post transfers anyway)
     if (
         "pp" in result.get("overlap", ())

@@ -127,9 +127,11 @@ def _expert_tensors(given: dict[str, int], pinned: tuple[int, ...] | None):
     """The expert-tensor degrees to try with these degrees: the pinned ones (``--expert-tensor``), else
     every divisor of tp under expert parallelism (None: tp, the layout before folding)."""
     tp = given["tp"]
+    if given.get("ep", 1) == 1:  # no experts split over ranks: nothing to fold
+        return [None]
     if pinned:
         return [None if e == tp else e for e in pinned]
-    return [None] + [e for e in divisors(tp) if e != tp] if given.get("ep", 1) > 1 else [None]
+    return [None] + [e for e in divisors(tp) if e != tp]
 
 
 def _etp_of(degrees: dict[str, int]) -> dict[str, int]:

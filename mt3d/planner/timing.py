@@ -211,8 +211,9 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     split = pp_scatter_gather or mt3d_engine or (lay.sequence_parallel and t > 1)
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
     ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute)
-    # the zero-bubble schedules refuse overlap.grad_reduce (it would reduce on B, before W)
-    hide_dp = "dp" in overlap and lay.schedule == "1f1b"
+    # the zero-bubble schedules refuse overlap.grad_reduce (it would reduce on B, before W), and mt3d
+    # does not run it with a folded expert layout yet (rules.folding_conflict)
+    hide_dp = "dp" in overlap and lay.schedule == "1f1b" and not (mt3d_engine and lay.experts.folded)
     dp = _dp_seconds(lay, grads, prec, compute, bw, hide_dp, mt3d_engine, 2 if fsdp else None)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
@@ -278,6 +279,7 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
     dense = 1 - sparse
     regathers = (1 + dense + shared) if sp and not lay.sp_gathered else 0.0  # mt3d's default SP path
     tp = tp_bytes(blocks, m, act, t, recompute=lay.recompute, regathers=regathers, mlps=1 + shared)
+    tp -= sparse * blocks * m * _routed_region_saving(lay, sp) * act
     tp /= bw["tp"] * 1e9
     if not overlapped or t == 1 or (sp and lay.sp_gathered):  # kept whole: gathered by autograd, after
         return tp
@@ -294,6 +296,20 @@ def _tp_seconds(cfg, seq_len: int, lay: Layout, act: float, blocks: int, bw: dic
         gather, reduce = (half, half) if sp else (0.0, 2 * half)
         attention, mlp = (tp_hidden([gemms[i][1:]], gather, reduce) for i in COLUMN_GEMMS)
     return max(0.0, tp - blocks * m * (attention + dense * mlp))  # all hidden: zero, not -1e-17
+
+
+def _routed_region_saving(lay: Layout, sp: bool) -> float:
+    """What a sparse block's routed-expert TP region sends less per micro-batch, in activations, when the
+    experts split over etp < tp ranks (``parallel.expert_layout``): its all-reduces (reduce-scatters and
+    all-gathers with SP) run over etp ranks, and without SP on 1/(tp / etp) of the tokens, which the
+    tp / etp ranks holding the same tokens gather back (forward, again under recompute, and the
+    gradient's in the backward: ``mt3d.model.moe.SparseMoE.forward``)."""
+    t, e = lay.tp, lay.expert_tp
+    if e == t:
+        return 0.0
+    o, passes = t // e, 2 + (1 if lay.recompute else 0)
+    folded = ring_factor(e) if sp else ring_factor(e) / o + ring_factor(o) / 2
+    return passes * (ring_factor(t) - folded)
 
 
 def _pp_seconds(lay: Layout, message_bytes: float, compute: float, bw: dict, posted: bool) -> float:

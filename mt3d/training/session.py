@@ -143,7 +143,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     if hf_path and (plan is None or lora is not None):
         from ..checkpoint.loading import load_weights, open_source
 
-        load_weights(model, open_source(hf_path), rt.state.tp)
+        load_weights(model, open_source(hf_path), rt.state.tp, rt.state.etp)
     if lora is not None:
         from .engine import add_adapters
 
