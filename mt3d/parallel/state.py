@@ -235,11 +235,11 @@ class ParallelState:
 
 def _my_group(placement, name: str, me: int, made: dict[str, AxisGroup]) -> AxisGroup:
     """This rank's group ``name``, creating every group of that kind (collectively) if needed."""
-    if name in REUSE and not placement.expert.folded:
+    if name in REUSE and not (name == "edp" and placement.expert.folded):  # folded: edp is not dense's
         axis, same = REUSE[name]
         if placement.degrees[axis] == 1:
             return AxisGroup(name, made[same].ranks, made[same].rank, made[same].group)
-    if name == "etp" and not placement.expert.folded:  # the TP group itself
+    if name == "etp" and placement.expert.etp == placement.degrees["tp"]:  # the TP group itself
         return AxisGroup(name, made["tp"].ranks, made["tp"].rank, made["tp"].group)
     lists = [sorted(g) for g in placement.groups(name)] if name == "model" else list(placement.groups(name))
     if len(lists[0]) == 1 and name not in ALWAYS:
