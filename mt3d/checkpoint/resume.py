@@ -299,7 +299,7 @@ def check_layer_files(path: Path, manifest: dict, model: ModelConfig) -> None:
             want = shard_shape(spec.shape, spec.layout, split) if spec is not None else None
             if spec is not None and tuple(tensor.shape) != want:
                 problem = (f"{path / name}: {key} has shape {tuple(tensor.shape)}, the saved layout "
-                           f"({'tp' if j is None else 'expert_tensor'} {split}) needs {want}")  # fmt: skip
+                           f"({'expert_tensor' if split != tp else 'tp'} {split}) needs {want}")  # fmt: skip
                 break
         if problem:
             break
