@@ -298,9 +298,9 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
         marks=pytest.mark.xfail(
             strict=False,
             reason=(
-                "known open bug (issue 46): equal to one process when it runs, but in 2 of about 6 runs on this "
-                "2-core machine a rank aborted in gloo ('Received data size doesn't match expected size', "
-                "a collective order that differs between ranks) at pipeline 2 x SP x recompute, folded"
+                "known open bug (issue 46): equal to one process when it runs, but in 2 of about 6 runs on "
+                "this 2-core machine a rank aborted in gloo ('Received data size doesn't match expected "
+                "size', a collective order that differs between ranks) at pipeline 2 x SP x recompute, folded"
             ),
         ),
     ),  # fmt: skip

@@ -678,7 +678,8 @@ def test_tp_overlap_hides_the_column_linears_backward_transfers(model, sp):
         args = build_parser().parse_args(
             ["plan", "--model", model, "--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--vocab", "512",
              "--global-batch", "64", "--tensor", "2", "--pipeline", "1", "--micro-batch", "4", "--zero", "1",
-             "--offload", "none", "--context", "1", "--recompute", recompute, "--nvlink-gbps", "5000", *extra]
+             "--offload", "none", "--context", "1", "--recompute", recompute, "--nvlink-gbps", "5000",
+             "--expert-tensor", "2", *extra]  # experts split over tp (whole ones: the folds test)
         )  # fmt: skip
         rows = plan(cfg, **plan_inputs(args, cfg))["feasible"]
         return next(r["tp_comm_s"] for r in rows if r["sequence_parallel"] == sp)
