@@ -424,13 +424,15 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
     out a rank's ``seq_len`` / cp positions, which they must divide."""
     from ..parallel.axes import expert_layout
 
-    if not expert_layout(degrees).folded:
+    layout = expert_layout(degrees)
+    if not layout.folded:
         return None
-    etp = degrees.get("etp", degrees["tp"])
+    etp = layout.etp
     if spec is None:
         return f"parallel.expert_tensor {etp} needs a model with experts: leave it unset"
-    if spec.expert_ffn % etp:
-        return f"the experts' inner size ({spec.expert_ffn}) is not divisible by parallel.expert_tensor {etp}"
+    why = layout.fit_conflict(expert_ffn=spec.expert_ffn)
+    if why:
+        return why
     if zero_stage != 1:
         return (f"ZeRO stage {zero_stage} with a folded expert layout is not supported yet (expert_tensor "
                 f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stage 1 so far): "

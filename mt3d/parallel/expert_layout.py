@@ -76,13 +76,20 @@ class ExpertLayout:
                 f"expert_tensor x expert = {etp} x {ep} must divide tensor x context x data = "
                 f"{tp} x {cp} x {dp} = {stage} (a pipeline stage's ranks); change expert or expert_tensor"
             )
-        if experts is not None and experts % ep:
-            raise ExpertLayoutError(f"model.moe.experts ({experts}) is not divisible by expert = {ep}")
-        if expert_ffn is not None and expert_ffn % etp:
-            raise ExpertLayoutError(
-                f"the experts' inner size ({expert_ffn}) is not divisible by expert_tensor = {etp}"
-            )
-        return cls(tp, cp, dp, ep, etp)
+        layout = cls(tp, cp, dp, ep, etp)
+        why = layout.fit_conflict(experts, expert_ffn)
+        if why:
+            raise ExpertLayoutError(why)
+        return layout
+
+    def fit_conflict(self, experts: int | None = None, expert_ffn: int | None = None) -> str | None:
+        """Why a model's routed experts cannot be laid out here (None: they can): ep must divide the
+        ``experts`` and etp their inner size ``expert_ffn`` (each checked when given)."""
+        if experts is not None and experts % self.ep:
+            return f"model.moe.experts ({experts}) is not divisible by expert = {self.ep}"
+        if expert_ffn is not None and expert_ffn % self.etp:
+            return f"the experts' inner size ({expert_ffn}) is not divisible by expert_tensor = {self.etp}"
+        return None
 
     @property
     def folded(self) -> bool:

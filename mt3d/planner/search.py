@@ -142,10 +142,9 @@ def _etp_of(degrees: dict[str, int]) -> dict[str, int]:
 def _expert_reason(cfg: ModelConfig, degrees: dict[str, int]) -> str | None:
     """Why the experts cannot be laid out at these degrees (``expert_conflict``; the expert inner size
     divides etp)."""
-    spec, etp = cfg.moe_spec, degrees.get("etp", degrees["tp"])
-    if spec is not None and spec.expert_ffn % etp:
-        return f"expert ffn {spec.expert_ffn} not divisible by expert_tensor {etp}"
-    return _short(expert_conflict(spec, degrees["ep"]))
+    spec = cfg.moe_spec
+    why = expert_layout(degrees).fit_conflict(expert_ffn=spec.expert_ffn) if spec is not None else None
+    return why or _short(expert_conflict(spec, degrees["ep"]))
 
 
 # Step 2's rules, in order: the keys each depends on (a failure is reported once per distinct key)
