@@ -170,6 +170,7 @@ def test_activation_peak_counts_every_allocation_up_to_the_optimizer_step():
         (["fp8", "--hidden", "-16"], "argument --hidden: must be >= 1"),
         (["autoep", "--steps", "3"], "--steps must exceed the 3 warm-up steps"),
         (["autoep", "--ep", "3"], "--ep 3 does not divide the benchmark Mixtral's 8 experts"),
+        (["autoep", "--folded-pairs", "-1"], "--folded-pairs must be 0 (no folded row) or more"),
     ],
 )  # fmt: skip
 def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys, monkeypatch):
@@ -188,11 +189,13 @@ def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys
     assert len(err) == 1 and expect in err[0], err
 
 
-def test_the_autoep_benchmarks_mt3d_half_trains_the_peer_model_alike_at_ep_1_and_2(tmp_path):
+def test_the_autoep_benchmarks_mt3d_half_trains_the_peer_model_alike_at_ep_1_and_2_and_folded(tmp_path):
     """``mt3d.bench autoep``'s mt3d side (the AutoEP side needs its own virtualenv: run by hand) on the
-    model the peer script makes: the same losses and gradient norms at ep 2 as at ep 1 (dp 2), the
-    optimizer DeepSpeed's ZeRO one, the loss falling on the benchmark's learnable rows."""
-    from mt3d.bench.autoep import mt3d_worker, token_batches
+    model the peer script makes: the same losses and gradient norms at ep 2 as at ep 1 (dp 2), and in
+    the folded row's whole-expert layout (tp 2 x dp 2, ep 4, expert_tensor 1) on the same rows, the
+    optimizer DeepSpeed's ZeRO one, the loss falling on the benchmark's learnable rows; the folded row's
+    GEMM shapes: whole experts, half as many per rank, as many rows each."""
+    from mt3d.bench.autoep import expert_gemms, folded_layouts, mt3d_worker, token_batches
     from mt3d.bench.autoep_peer import make
 
     model, tokens = str(tmp_path / "mixtral"), str(tmp_path / "tokens.pt")
@@ -201,7 +204,15 @@ def test_the_autoep_benchmarks_mt3d_half_trains_the_peer_model_alike_at_ep_1_and
     runs = [
         spawn(mt3d_worker, 2, model, tokens, str(tmp_path / f"ep{ep}"), ep, timeout=300)[0] for ep in (1, 2)
     ]
-    one, two = ([(s["loss"], s["grad_norm"]) for s in r["steps"]] for r in runs)
-    for a, b in zip(two, one, strict=True):
+    layouts = folded_layouts(2)
+    whole = layouts["whole"]
+    runs.append(spawn(mt3d_worker, 4, model, tokens, str(tmp_path / "whole"), whole["ep"], whole["tp"],
+                      whole["etp"], timeout=300)[0])  # fmt: skip
+    one, two, folded = ([(s["loss"], s["grad_norm"]) for s in r["steps"]] for r in runs)
+    for a, b in [*zip(two, one, strict=True), *zip(folded, one, strict=True)]:
         assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)
-    assert runs[1]["optimizer"] == "ExpertZeroOptimizer" and one[-1][0] < one[0][0]
+    assert runs[1]["optimizer"] == runs[2]["optimizer"] == "ExpertZeroOptimizer" and one[-1][0] < one[0][0]
+    split, gemm = expert_gemms(**layouts["split"]), expert_gemms(**whole)
+    assert (split["experts_per_rank"], gemm["experts_per_rank"]) == (4, 2)
+    assert split["rows_per_expert"] == gemm["rows_per_expert"] == 64 and gemm["up"] == "[64, 64] x [64, 256]"
+    assert folded_layouts(8) is None  # 16 does not divide the 8 experts

@@ -46,7 +46,8 @@ BENCHES = {
     "packing": "packed fine-tuning data: document-masked attention vs causal and a dense mask, packing "
     "efficiency of the shipped chat corpus, supervised tokens/s packed vs padded",
     "autoep": "mt3d against DeepSpeed AutoEP on the same HF Mixtral at ep 2 (ZeRO-1, fp32): step time as a "
-    "ratio over A/B pairs, losses side by side (builds AutoEP's own virtualenv when missing)",
+    "ratio over A/B pairs, losses side by side (builds AutoEP's own virtualenv when missing); then mt3d's "
+    "whole experts folded over tp x dp (etp 1) against experts split over tp (etp 2) at tp 2",
     "gpu-suite": "every GPU item in one call (GEMM sweep, one-GPU MFU with recompute modes and optimizer "
     "offload beside the planner's step time and memory, local attention at 32k, long context), with a dated "
     "record in docs/benchmarks/",
@@ -227,6 +228,9 @@ def _add_model_parsers(sub) -> None:
     ae.add_argument("--pairs", type=positive_int, default=4, help="A/B pairs of runs")
     ae.add_argument("--steps", type=positive_int, default=20, help="steps per run (3 are not timed)")
     ae.add_argument("--ep", type=positive_int, default=2, help="expert-parallel degree (= processes)")
+    ae.add_argument("--folded-pairs", type=int, default=2,
+                    help="A/B pairs of the folded row: mt3d at tp 2, experts split over tp (etp 2) against "
+                    "whole experts folded over tp x dp (etp 1), world 2 x ep; 0 skips it")  # fmt: skip
     ae.add_argument("--venv", default="~/.cache/mt3d/autoep-venv",
                     help="AutoEP's virtualenv, built when missing")  # fmt: skip
     lo = sub.add_parser("lora", help=BENCHES["lora"])

@@ -8,6 +8,11 @@ virtualenv of its own (``--venv``, built when missing: the pinned torch and Deep
 transformers 5.22.2, the newest AutoEP runs with). Runs alternate in A/B pairs (which goes first
 alternates too); each run's step time is the median of its steps after ``WARMUP``; the figure is the
 median over pairs of mt3d's over AutoEP's. Losses and gradient norms are printed side by side.
+
+The folded row (``--folded-pairs``) is mt3d alone at world 2 ep with tp 2: each expert's inner
+dimension split over the TP pair (expert_tensor 2, ep over dp, as before folding) against whole
+experts with the ep group folded over tp x dp (expert_tensor 1, ep 2 ep), in A/B pairs on the same
+batches, with each layout's expert GEMM shapes (``expert_gemms``).
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ def token_batches(steps: int, world: int, seed: int = 4321) -> torch.Tensor:
     return (start + stride * torch.arange(SEQ + 1)) % 512
 
 
-def mt3d_worker(model_dir: str, tokens: str, save_dir: str, ep: int) -> dict:
-    """mt3d's run: ``model.from_hf`` at ``parallel.expert: ep``, the same optimizer and batches."""
+def mt3d_worker(model_dir: str, tokens: str, save_dir: str, ep: int, tp: int = 1, etp: int | None = None) -> dict:
+    """mt3d's run: ``model.from_hf`` at ``parallel.expert: ep`` (``tp``, ``etp``: the tensor and expert
+    tensor degrees of the folded comparison), the same optimizer and batches (each data-parallel rank
+    its own rows, its TP ranks the same)."""
     import time
 
     import torch.distributed as dist
@@ -72,26 +79,28 @@ def mt3d_worker(model_dir: str, tokens: str, save_dir: str, ep: int) -> dict:
     from .autoep_peer import CLIP, OPTIMIZER
     from .common import bench_run_config, build_engine
 
-    world = dist.get_world_size()
-    raw = bench_run_config(model={"from_hf": model_dir}, global_batch=MICRO * world, micro=MICRO, seq_len=SEQ,
+    dp = dist.get_world_size() // tp
+    raw = bench_run_config(model={"from_hf": model_dir}, tp=tp, global_batch=MICRO * dp, micro=MICRO, seq_len=SEQ,
                            save_dir=save_dir)  # fmt: skip
     raw.update(optimizer=OPTIMIZER, gradient_clipping=CLIP)
     raw["mt3d"]["parallel"]["expert"] = ep
+    if etp is not None:
+        raw["mt3d"]["parallel"]["expert_tensor"] = etp
     _, _, rt, engine, _, _ = build_engine(raw)
-    batches, me = torch.load(tokens), dist.get_rank()
+    batches, dense = torch.load(tokens), rt.state.dense
     steps = []
     for s in range(batches.shape[0]):
-        rows = batches[s, me]
+        rows = batches[s, rt.state.dp.rank]
         dist.barrier()
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=iter([(rows[:, :-1], rows[:, 1:])]))
         dist.barrier()
         seconds = time.perf_counter() - t0
         mean = loss.detach().float().clone()
-        all_reduce(mean, rt.state.ep)  # DeepSpeed averaged over its 'data' axis (dp / ep x cp)
+        all_reduce(mean, dense)  # DeepSpeed averaged over its 'data' axis, a part of dp (or all of it)
         steps.append(
             {
-                "loss": mean.item() / rt.state.ep.size,
+                "loss": mean.item() / dense.size,
                 "grad_norm": float(engine.get_global_grad_norm()),
                 "step_s": seconds,
             }
@@ -125,6 +134,8 @@ def check_args(args) -> str | None:
     """Bad arguments, before any process starts."""
     if args.steps <= WARMUP:
         return f"--steps must exceed the {WARMUP} warm-up steps left out of the step time"
+    if args.folded_pairs < 0:
+        return "--folded-pairs must be 0 (no folded row) or more"
     from .autoep_peer import SHAPE
 
     if SHAPE["num_local_experts"] % args.ep:
@@ -198,4 +209,74 @@ def run(args) -> dict:
         f"mt3d / AutoEP step time: {result['mt3d_over_autoep']:.3f} (median of {args.pairs} A/B pairs; "
         f"losses within {loss_gap:.1e} relative)"
     )
+    if args.folded_pairs:
+        result["folded"] = folded_row(model_dir, work, args)
     return emit("autoep", result)
+
+
+def folded_layouts(ep: int) -> dict[str, dict] | None:
+    """The folded row's two layouts at world 2 ep (tp 2): each expert split over the TP pair (etp = tp,
+    today's default, ep over dp) against whole experts with ep folded over tp x dp (etp 1, 2 ep);
+    None where 2 ep does not divide the experts."""
+    from .autoep_peer import SHAPE
+
+    if SHAPE["num_local_experts"] % (2 * ep):
+        return None
+    return {"split": dict(tp=2, ep=ep, etp=2), "whole": dict(tp=2, ep=2 * ep, etp=1)}
+
+
+def expert_gemms(tp: int, ep: int, etp: int) -> dict:
+    """A layout's routed-expert GEMMs per rank and micro-batch, the rows expected under uniform
+    routing: each rank routes MICRO x SEQ / (tp / etp) tokens (its TP group's tokens shared out when
+    experts are whole), its ep group's top-k assignments spread over the experts."""
+    from .autoep_peer import SHAPE
+
+    h, ffn, e, k = (SHAPE[n] for n in ("hidden_size", "intermediate_size", "num_local_experts",
+                                        "num_experts_per_tok"))  # fmt: skip
+    rows = ep * MICRO * SEQ // (tp // etp) * k // e
+    inner = ffn // etp
+    return {"experts_per_rank": e // ep, "rows_per_expert": rows,
+            "up": f"[{rows}, {h}] x [{h}, {2 * inner}]", "down": f"[{rows}, {inner}] x [{inner}, {h}]"}  # fmt: skip
+
+
+def folded_row(model_dir: str, work: Path, args) -> dict:
+    """mt3d alone at world 2 ep, tp 2: experts split over TP (etp 2) against whole experts folded over
+    tp x dp (etp 1), ``--folded-pairs`` A/B pairs on the same batches; step times, losses, GEMM shapes."""
+    layouts = folded_layouts(args.ep)
+    if layouts is None:
+        print(f"folded row skipped: 2 x ep = {2 * args.ep} does not divide the experts")
+        return {"skipped": "2 x ep does not divide the experts"}
+    world = 2 * args.ep
+    tokens = str(work / "tokens-folded.pt")
+    torch.save(token_batches(args.steps, world // 2), tokens)
+    pairs = []
+    for i in range(args.folded_pairs):
+        order = ("split", "whole") if i % 2 == 0 else ("whole", "split")
+        got = {}
+        for name in order:
+            lay = layouts[name]
+            got[name] = spawn(mt3d_worker, world, model_dir, tokens, str(work / f"mt3d-{name}"), lay["ep"],
+                              lay["tp"], lay["etp"], timeout=1800)[0]  # fmt: skip
+        pairs.append(got)
+        a, b = step_time(got["split"]), step_time(got["whole"])
+        print(f"folded pair {i + 1}: split {a * 1e3:.1f} ms, whole {b * 1e3:.1f} ms a step, whole / split "
+              f"{b / a:.3f}", flush=True)  # fmt: skip
+    rows = [{"layout": name, **{k: lay[k] for k in ("tp", "ep", "etp")}, **expert_gemms(**lay)}
+            for name, lay in layouts.items()]  # fmt: skip
+    print(table(rows, list(rows[0])))
+    first = pairs[0]
+    gap = max(abs(a["loss"] - b["loss"]) / abs(b["loss"])
+              for a, b in zip(first["whole"]["steps"], first["split"]["steps"], strict=True))  # fmt: skip
+    ratios = [step_time(p["whole"]) / step_time(p["split"]) for p in pairs]
+    out = {
+        "world": world,
+        "layouts": rows,
+        "split_step_ms": [round(step_time(p["split"]) * 1e3, 2) for p in pairs],
+        "whole_step_ms": [round(step_time(p["whole"]) * 1e3, 2) for p in pairs],
+        "ratios": [round(r, 4) for r in ratios],
+        "whole_over_split": round(statistics.median(ratios), 4),
+        "max_relative_loss_gap": gap,
+    }
+    print(f"whole experts (etp 1) / split over tp (etp 2) step time at world {world}: "
+          f"{out['whole_over_split']:.3f} (median of {len(pairs)} A/B pairs; losses within {gap:.1e} relative)")  # fmt: skip
+    return out
