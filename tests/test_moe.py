@@ -306,6 +306,10 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ),  # fmt: skip
     ("tiny-mixtral", 2, dict(context=2, expert=2, expert_tensor=1)),
     ("tiny-qwen2-moe", 4, dict(tensor=2, expert=2, expert_tensor=1)),  # the shared expert under folding
+    ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, zero=2)),  # folded on the regular engine
+    ("tiny-qwen3-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),  # SP, edp 1
+    # group-limited sigmoid routing, correction biases, a shared expert, a dense layer, MLA; edp 2
+    ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1)),
 ]
 
 
@@ -326,7 +330,14 @@ def _train(tmp_path, name, world, preset, recompute=0, zero=1, **parallel):
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     base = tmp_path_factory.mktemp("moe-ref")
-    return {p: _train(base, p, 1, p) for p in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-mixtral-capacity")}
+    runs: dict[str, list] = {}
+
+    def one_process(preset: str) -> list:  # each preset's run once, when a layout first needs it
+        if preset not in runs:
+            runs[preset] = _train(base, preset, 1, preset)
+        return runs[preset]
+
+    return one_process
 
 
 @pytest.mark.parametrize(
@@ -337,7 +348,7 @@ def moe_reference(tmp_path_factory):
     ],  # noqa: E501
 )
 def test_moe_training_matches_one_process(tmp_path, moe_reference, preset, world, parallel):
-    ref = moe_reference[preset]
+    ref = moe_reference(preset)
     got = _train(tmp_path, "run", world, preset, **parallel)
     assert len(ref) == len(got) == 5
     for a, b in zip(got, ref):
@@ -392,35 +403,41 @@ def test_folded_checkpoints_resume_exactly_read_back_and_refuse_a_reshard(tmp_pa
     """tp 2 x ep 4 with whole experts (expert_tensor 1, ep over tp x dp) records etp in its manifest,
     resumes bit for bit, and mt3d's reader finds every weight (each expert in the file of its ep rank,
     DeepSpeed's 'model' coordinate e x etp + r) equal to the one-process run's; resuming it at another
-    layout is refused up front with the way out (exit 2)."""
+    layout is refused up front with the way out (exit 2). The same at ZeRO-2 (the regular engine: one
+    module file per 'model' coordinate, written by its 'data' rank 0)."""
     from mt3d.checkpoint.reader import CheckpointReader
     from mt3d.model.sharding import global_names
 
     from helpers import run_grouped, tiny_config, train_rc_worker
 
-    def config(name, resume=None, **parallel):
+    def config(name, resume=None, zero=1, **parallel):
         raw = tiny_config(tmp_path / name, model={"preset": "tiny-mixtral"}, steps=6, save_interval=3,
-                          **({"resume": resume} if resume else {}))  # fmt: skip
+                          zero=zero, **({"resume": resume} if resume else {}))  # fmt: skip
         raw["mt3d"]["parallel"].update(parallel)
         return raw
 
     folded = dict(tensor=2, expert=4, expert_tensor=1)
-    step3 = tmp_path / "folded" / "checkpoints" / "step_00000003"
+    step3, z2 = (tmp_path / name / "checkpoints" / "step_00000003" for name in ("folded", "z2"))
     runs = run_grouped(
-        [(1, config("one")), (4, config("folded", **folded)), (4, config("again", str(step3), **folded))],
+        [(1, config("one")), (4, config("folded", **folded)), (4, config("again", str(step3), **folded)),
+         (4, config("z2", zero=2, **folded)), (4, config("z2again", str(z2), zero=2, **folded))],
         timeout=600,
-    )
-    one, got, again = [[(r["step"], r["loss"], r["grad_norm"]) for r in rs] for rs in runs]
-    assert again == got[3:]  # bit for bit
-    for a, b in zip(got, one, strict=True):
+    )  # fmt: skip
+    one, got, again, two, two_again = [[(r["step"], r["loss"], r["grad_norm"]) for r in rs] for rs in runs]
+    assert again == got[3:] and two_again == two[3:]  # bit for bit
+    for a, b in [*zip(got, one, strict=True), *zip(two, one, strict=True)]:
         assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
-    reader = CheckpointReader(step3)
     ref = CheckpointReader(tmp_path / "one" / "checkpoints" / "step_00000003")
-    assert reader.meta["layout"]["etp"] == 1 and reader.meta["layout"]["ep"] == 4
     names = global_names(ref.cfg, ref.vocab)
     assert any(".experts.3." in n for n in names)
-    for name in names:
-        torch.testing.assert_close(reader.full(name), ref.full(name), rtol=1e-4, atol=1e-5, msg=name)
+    assert sorted(p.name for p in z2.glob("mp_rank_*_model_states.pt")) == [
+        f"mp_rank_{m:02d}_model_states.pt" for m in range(4)
+    ]  # one per 'model' coordinate: lcm(tp 2, ep 4) = 4
+    for path in (step3, z2):
+        reader = CheckpointReader(path)
+        assert reader.meta["layout"]["etp"] == 1 and reader.meta["layout"]["ep"] == 4
+        for name in names:
+            torch.testing.assert_close(reader.full(name), ref.full(name), rtol=1e-4, atol=1e-5, msg=name)
     rc, _ = spawn(train_rc_worker, 2, config("to-ep2", str(step3), expert=2))[0]
     assert rc == 2  # refused: the saved layout is folded
 
@@ -525,7 +542,7 @@ def test_one_window_families_refuse_mixed_local_and_global_layers():
         (dict(expert=2), 1, 3, "expert_tensor x expert = 1 x 2 must divide tensor x context x data = 1 x 1"),
         (dict(expert=3), 1, 3, "model.moe.experts = 4 is not divisible by parallel.expert 3"),
         (dict(tensor=2, expert=2, expert_tensor=3), 1, 4, "expert_tensor = 3 must divide tensor = 2"),
-        (dict(tensor=2, expert=2, expert_tensor=1), 2, 4, "ZeRO stage 2 with a folded expert layout"),
+        (dict(tensor=2, expert=2, expert_tensor=1), 0, 4, "ZeRO stage 0 with a folded expert layout"),
         (dict(tensor=2, expert=4, expert_tensor=1, pipeline=2), 1, 4, "must divide tensor x context x data"),
     ],
 )

@@ -334,7 +334,7 @@ def check_engine_state(path: Path, meta: dict) -> None:
     layout = meta.get("layout") or {}
     # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes); the
     # regular engine (ZeRO-2/3) sees dp x cp and tp (mt3d's ParallelState is its mpu), and writes module
-    # files for tp x ep model ranks (mt3d.ds.experts.zero_checkpoint_names)
+    # files for the pipeline grid's 'model' ranks (mt3d.ds.experts.zero_checkpoint_names)
     degrees = {a: int(layout.get(a, 1)) for a in NAMES}
     if "etp" in layout:  # a folded expert layout (parallel.expert_layout)
         degrees["etp"] = int(layout["etp"])
@@ -343,7 +343,7 @@ def check_engine_state(path: Path, meta: dict) -> None:
         ds = {
             "pipe": degrees["pp"],
             "data": degrees["dp"] * degrees["cp"],
-            "model": degrees["tp"] * degrees["ep"],
+            "model": ds["model"],
         }
     per_sample = ds["data"] / max(1, degrees["dp"])
     claims = {

@@ -419,8 +419,8 @@ def expert_conflict(spec, ep: int) -> str | None:
 def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce: bool,
                      seq_len: int | None = None, sp: bool = False) -> str | None:  # fmt: skip
     """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
-    dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 on
-    the pipeline engine, dropless routing. Without SP the tp / etp ranks holding the same tokens share
+    dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 (the
+    pipeline engine) and ZeRO-2 (the regular engine, pp 1), dropless routing. Without SP the tp / etp ranks holding the same tokens share
     out a rank's ``seq_len`` / cp positions, which they must divide."""
     from ..parallel.axes import expert_layout
 
@@ -433,10 +433,10 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
     why = layout.fit_conflict(expert_ffn=spec.expert_ffn)
     if why:
         return why
-    if zero_stage != 1:
+    if zero_stage not in (1, 2):
         return (f"ZeRO stage {zero_stage} with a folded expert layout is not supported yet (expert_tensor "
-                f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stage 1 so far): "
-                "set zero_optimization.stage 1")  # fmt: skip
+                f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stages 1 and 2 "
+                "so far): set zero_optimization.stage 1 or 2")  # fmt: skip
     if spec.capacity_factor is not None and etp < degrees["tp"]:
         return ("model.moe.capacity_factor with expert_tensor below tensor is not supported yet (a "
                 "rank's capacity would count its share of the sequence): drop it or set expert_tensor = "

@@ -187,8 +187,9 @@ def zero_checkpoint_names(engine, state) -> None:
     that one back: the engine lists names up to its 'data' size, not dp x cp.
 
     The regular engine (ZeRO-2) names its files by mt3d's pipe x tp rank and lets dp x cp rank 0 alone
-    write the module: under ep each ep rank's rank 0 of ``state.edp`` writes its module (its own
-    experts) as model rank e * tp + t, the pipeline engine's 'model' coordinate, among tp x ep model
+    write the module: under ep the ranks at 'data' coordinate 0 of the pipeline grid write theirs (their
+    dense TP shard and their experts), named by their 'model' coordinate (e * tp + t before folding,
+    the position mod lcm(tp, etp ep) after: ``ExpertLayout.deepspeed_grid``), among that many model
     ranks (``mp_world_size``: DeepSpeed's loader merges files when there are more than its model
     ranks, and checks their count against the saved one)."""
     engine.save_zero_checkpoint = True
@@ -208,9 +209,11 @@ def zero_checkpoint_names(engine, state) -> None:
 
     if isinstance(engine, PipelineEngine):
         return
-    engine.checkpoint_mp_rank = state.ep.rank * state.tp.size + state.tp.rank
-    engine.save_non_zero_checkpoint = state.edp.rank == 0
-    engine.mp_world_size *= state.ep.size  # the module files' count, which DeepSpeed's loader checks
+    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
+    _, data, model = (int(c[0]) for c in (grid == state.global_rank).nonzero())
+    engine.checkpoint_mp_rank = model
+    engine.save_non_zero_checkpoint = data == 0
+    engine.mp_world_size = grid.shape[2]  # the module files' count, which DeepSpeed's loader checks
 
 
 def gradient_pairs(engine) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
