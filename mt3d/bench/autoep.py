@@ -67,7 +67,9 @@ def token_batches(steps: int, world: int, seed: int = 4321) -> torch.Tensor:
     return (start + stride * torch.arange(SEQ + 1)) % 512
 
 
-def mt3d_worker(model_dir: str, tokens: str, save_dir: str, ep: int, tp: int = 1, etp: int | None = None) -> dict:
+def mt3d_worker(
+    model_dir: str, tokens: str, save_dir: str, ep: int, tp: int = 1, etp: int | None = None
+) -> dict:
     """mt3d's run: ``model.from_hf`` at ``parallel.expert: ep`` (``tp``, ``etp``: the tensor and expert
     tensor degrees of the folded comparison), the same optimizer and batches (each data-parallel rank
     its own rows, its TP ranks the same)."""
@@ -80,8 +82,8 @@ def mt3d_worker(model_dir: str, tokens: str, save_dir: str, ep: int, tp: int = 1
     from .common import bench_run_config, build_engine
 
     dp = dist.get_world_size() // tp
-    raw = bench_run_config(model={"from_hf": model_dir}, tp=tp, global_batch=MICRO * dp, micro=MICRO, seq_len=SEQ,
-                           save_dir=save_dir)  # fmt: skip
+    raw = bench_run_config(model={"from_hf": model_dir}, tp=tp, global_batch=MICRO * dp, micro=MICRO,
+                           seq_len=SEQ, save_dir=save_dir)  # fmt: skip
     raw.update(optimizer=OPTIMIZER, gradient_clipping=CLIP)
     raw["mt3d"]["parallel"]["expert"] = ep
     if etp is not None:
@@ -235,8 +237,12 @@ def expert_gemms(tp: int, ep: int, etp: int) -> dict:
                                         "num_experts_per_tok"))  # fmt: skip
     rows = ep * MICRO * SEQ // (tp // etp) * k // e
     inner = ffn // etp
-    return {"experts_per_rank": e // ep, "rows_per_expert": rows,
-            "up": f"[{rows}, {h}] x [{h}, {2 * inner}]", "down": f"[{rows}, {inner}] x [{inner}, {h}]"}  # fmt: skip
+    return {
+        "experts_per_rank": e // ep,
+        "rows_per_expert": rows,
+        "up": f"[{rows}, {h}] x [{h}, {2 * inner}]",
+        "down": f"[{rows}, {inner}] x [{inner}, {h}]",
+    }
 
 
 def folded_row(model_dir: str, work: Path, args) -> dict:
@@ -278,5 +284,6 @@ def folded_row(model_dir: str, work: Path, args) -> dict:
         "max_relative_loss_gap": gap,
     }
     print(f"whole experts (etp 1) / split over tp (etp 2) step time at world {world}: "
-          f"{out['whole_over_split']:.3f} (median of {len(pairs)} A/B pairs; losses within {gap:.1e} relative)")  # fmt: skip
+          f"{out['whole_over_split']:.3f} (median of {len(pairs)} A/B pairs; losses within {gap:.1e} "
+          "relative)")  # fmt: skip
     return out

@@ -420,7 +420,8 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
                      seq_len: int | None = None, sp: bool = False) -> str | None:  # fmt: skip
     """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
     dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 (the
-    pipeline engine) and ZeRO-2 (the regular engine, pp 1), dropless routing. Without SP the tp / etp ranks holding the same tokens share
+    pipeline engine) and ZeRO-2 (the regular engine, pp 1), dropless routing. Without SP the tp / etp
+    ranks holding the same tokens share
     out a rank's ``seq_len`` / cp positions, which they must divide."""
     from ..parallel.axes import expert_layout
 
