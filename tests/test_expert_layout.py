@@ -103,10 +103,11 @@ def test_bad_expert_layouts_are_one_line(args, match):
     assert folding_conflict(spec, degrees, 1, False, seq_len=32) is None
 
 
-def test_checkpoints_place_experts_by_the_layout_and_refuse_folded_reshards():
+def test_checkpoints_place_experts_by_the_layout_and_refuse_partial_expert_tp_reshards():
     """DeepSpeed's 'model' coordinate of expert rank e, expert-TP rank r is e x etp + r (e x tp + r
-    before folding) and maps back; a resume at another layout is refused when either is folded, and a
-    layout differing only in etp counts as changed."""
+    before folding) and maps back; a reshard into experts split over part of the TP group is refused
+    (whole experts and experts split over all of tp are not), and a layout differing only in etp counts
+    as changed."""
     from types import SimpleNamespace
 
     from mt3d.checkpoint.reshard import folded_reshard_conflict
@@ -120,12 +121,15 @@ def test_checkpoints_place_experts_by_the_layout_and_refuse_folded_reshards():
             assert lay.expert_coordinates(lay.model_rank(e, r)) == (e, r)
     folded = {"tp": 2, "pp": 1, "dp": 2, "ep": 4, "etp": 1, "zero_stage": 1}
     plain = {"tp": 2, "pp": 1, "dp": 2, "ep": 2, "zero_stage": 1}
-    assert folded_reshard_conflict(plain, {**plain, "dp": 4}) is None
-    for saved, target in ((folded, plain), (plain, folded), (folded, {**folded, "dp": 4})):
-        assert "not supported yet" in folded_reshard_conflict(saved, target)
-    assert "saved layout (tensor 2, pipeline 1, dp 2, expert 4, expert_tensor 1)" in folded_reshard_conflict(
-        folded, plain
-    )
+    for saved, target in (
+        (plain, {**plain, "dp": 4}),
+        (folded, plain),
+        (plain, folded),
+        (folded, {**folded, "dp": 4}),
+    ):
+        assert folded_reshard_conflict(saved, target) is None
+    partial = {"tp": 4, "pp": 1, "dp": 1, "ep": 2, "etp": 2, "zero_stage": 1}
+    assert "resharding into expert_tensor 2 with tensor 4" in folded_reshard_conflict(folded, partial)
     layout = SimpleNamespace(saved=lambda: {**plain, "ep": 4, "virtual_stages": 1, "stage_blocks": None,
                                             "offload": "none"})  # fmt: skip
     plan = ResumePlan(path=None, meta={"layout": {**folded, "virtual_stages": 1}}, manifest={})

@@ -75,22 +75,21 @@ def _usable_cache(out: Path, source: Path, full: bool) -> bool:
 
 
 def folded_reshard_conflict(saved: dict, target: dict) -> str | None:
-    """Why a checkpoint cannot move between these layouts because either has a folded expert layout
-    (``parallel.expert_layout``: DeepSpeed's 'model' files are then numbered by position mod
-    lcm(tp, etp x ep) and experts split over etp, which the universal conversion does not read yet);
-    None when neither is folded."""
+    """Why a checkpoint cannot move to ``target``'s layout because of a folded expert layout (None: it
+    can). Any checkpoint converts to the universal form, folded ones too (``universal._convert_folded``),
+    and loads at a folded layout whose experts are whole (expert_tensor 1: their full shape, unsliced)
+    or split over all of tp (as before folding); DeepSpeed's universal loader slices by the TP group,
+    so not at experts split over part of it (1 < expert_tensor < tensor)."""
     from ..parallel.axes import expert_layout
 
-    folded = [name for name, d in (("saved", saved), ("this run's", target)) if expert_layout(d).folded]
-    if not folded:
+    layout = expert_layout(target)
+    if not 1 < layout.etp < layout.tp:
         return None
-    keys = {"tp": "tensor", "pp": "pipeline", "cp": "context", "dp": "dp", "ep": "expert"}
-    shown = ", ".join(f"{key} {saved[k]}" for k, key in keys.items() if k in saved)
     return (
-        f"the {' and '.join(folded)} layout folds the experts over tensor x context x data, and resharding "
-        f"to or from a folded expert layout is not supported yet: resume at the saved layout ({shown}, "
-        f"expert_tensor {saved.get('etp', saved['tp'])}), or export it with `mt3d export-hf` and fine-tune "
-        "from that directory with model.from_hf (weights kept, optimizer state restarted)"
+        f"resharding into expert_tensor {layout.etp} with tensor {layout.tp} (experts split over part of "
+        "the TP group) is not supported: resume at expert_tensor 1 or "
+        f"{layout.tp}, then change it with `mt3d export-hf` and model.from_hf (weights kept, optimizer "
+        "state restarted)"
     )
 
 

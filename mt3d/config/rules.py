@@ -421,8 +421,7 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
     """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
     dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 (the
     pipeline engine) and ZeRO-2 (the regular engine, pp 1), dropless routing. Without SP the tp / etp
-    ranks holding the same tokens share
-    out a rank's ``seq_len`` / cp positions, which they must divide."""
+    ranks holding the same tokens share out a rank's ``seq_len`` / cp positions, which they must divide."""
     from ..parallel.axes import expert_layout
 
     layout = expert_layout(degrees)

@@ -47,6 +47,11 @@ def is_expert(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "mt3d_expert", False))
 
 
+PARTITION_RANKS = "mt3d_partition_ranks"
+"""The key under which an optimizer file of ``ExpertZeroOptimizer`` records its rank in each parameter
+group's ZeRO group (dense: dp x cp, experts: edp): the order of its fragments when a folded checkpoint
+is converted to the universal form (``universal._convert_folded``), whose file names give neither."""
+
 EXPERT_GROUP = "mt3d_experts"
 """The name of the expert parameter groups (DeepSpeed's ``group['name']``, the key of its
 expert-data-parallel group dictionary): one name at every ep, so a resharded run's groups match."""
@@ -154,6 +159,12 @@ def expert_zero_optimizer():
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
     class ExpertZeroOptimizer(DeepSpeedZeroOptimizer):
+        def state_dict(self):
+            """DeepSpeed's, with this rank's ZeRO rank in each group's ZeRO group (``PARTITION_RANKS``)."""
+            state = super().state_dict()
+            state[PARTITION_RANKS] = [dist.get_rank(group=g) for g in self.real_dp_process_group]
+            return state
+
         def scaled_global_norm(self, norm_type=2):
             groups = range(len(self.bit16_groups))
             muon = any(self._muon_update_lacks_loss_scale(i) for i in groups)

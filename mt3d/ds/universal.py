@@ -23,11 +23,15 @@ from ..versions import running_version
 def convert(source: Path, out: Path, workers: int = 1, layout: dict | None = None) -> None:
     """Run DeepSpeed's ds_to_universal in-process (no process group needed); ``layout``: the
     source's saved layout (an expert-parallel one is converted through a view of its files:
-    ``_convert_joined`` or, for checkpoints from before dense states spanned the ep ranks,
-    ``_convert_per_ep_rank``)."""
+    ``_convert_joined``, ``_convert_folded`` for a folded expert layout or, for checkpoints from
+    before dense states spanned the ep ranks, ``_convert_per_ep_rank``)."""
+    from ..parallel.axes import expert_layout
+
     layout = layout or {}
     ep = int(layout.get("ep", 1))
-    if ep > 1 and layout.get("dense_partition") == DENSE_PARTITION:
+    if ep > 1 and expert_layout(layout).folded:
+        _convert_folded(source, out, layout, workers)
+    elif ep > 1 and layout.get("dense_partition") == DENSE_PARTITION:
         _convert_joined(source, out, int(layout["tp"]), ep, workers)
     elif ep > 1:
         _convert_per_ep_rank(source, out, int(layout["tp"]), ep, workers)
@@ -189,6 +193,138 @@ def _convert_joined(source: Path, out: Path, tp: int, ep: int, workers: int) -> 
         shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     out.with_name(out.name + ".tmp").rename(out)
+
+
+def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None:
+    """Universal form of a checkpoint with a folded expert layout (``parallel.expert_layout``: files
+    numbered by DeepSpeed's 'model' coordinate m, the position mod lcm(tp, etp ep), holding dense TP
+    shard m mod tp and the experts of expert rank e, expert-TP rank r = ``expert_coordinates(m)``).
+
+    Dense weights: the converter reads a tp-only view (a directory like ``_convert_joined``'s), each
+    optimizer file renamed to its dense ZeRO rank and model rank p tp + m mod tp, rewritten without its
+    expert groups' fragments; the model-states and layer files of the coordinates m < tp (dense shard
+    m), rewritten without experts. Experts: every file's expert fragments are laid out as the
+    converter lays out its own (``<name>/<r>/<state>.<edp ZeRO rank>``; the ZeRO ranks each file
+    recorded, ``experts.PARTITION_RANKS``) and merged over etp by the converter's own merge step, with
+    the checkpoint's universal info (split and fused-part metadata the universal loader slices by)."""
+    import torch
+    from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
+
+    from ..parallel.axes import expert_layout
+    from .safe import safe_torch_load
+
+    lay = expert_layout(layout)
+    tp, models = lay.tp, lay.model_ranks
+    work = out.with_name(out.name + ".fold")
+    shutil.rmtree(work, ignore_errors=True)
+    view, frags = work / "view", work / "experts"
+    view.mkdir(parents=True)
+    shapes: dict[str, dict[int, object]] = {}  # expert parameter -> etp rank -> its shape there
+    info: dict = {}
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        for f in sorted(source.iterdir()):
+            m = re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", f.name)
+            layer = re.fullmatch(r"layer_\d+-model_(\d+)-model_states\.pt", f.name)
+            if layer and int(layer.group(1)) < tp:
+                (view / f.name).symlink_to(f.resolve())
+            if not m:
+                continue
+            p, model = divmod(int(m.group(2)), models)
+            r = lay.expert_coordinates(model)[1]
+            state = safe_torch_load(f)
+            if m.group(3) == "optim":
+                ranks = _split_expert_fragments(state, f, frags, r)
+                torch.save(
+                    state, view / f"zero_pp_rank_{ranks[0]}_mp_rank_{p * tp + model % tp:02d}_optim_states.pt"
+                )
+                continue
+            for group in state.get("param_shapes") or []:
+                for n, shape in group.items():
+                    if expert_index(n) is not None:
+                        shapes.setdefault(n, {})[r] = shape
+            info = info or dict(state.get("universal_checkpoint_info") or {})
+            if model < tp:
+                _write_dense_model_states(state, view / f"mp_rank_{p * tp + model:02d}_model_states.pt", tp)
+        _run_converter(view, tmp, workers)
+        for name, per in shapes.items():
+            missing = sorted(set(range(lay.etp)) - set(per))
+            if missing:
+                raise CheckpointError(f"{source}: {name} is missing from the files of expert-TP ranks "
+                                      f"{missing}; the checkpoint is incomplete")  # fmt: skip
+            slice_shapes = [per[i] for i in range(lay.etp)]
+            merge_tp_slices(info, str(tmp / "zero"), str(frags), lay.etp, (name, slice_shapes))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def _split_expert_fragments(state: dict, path: Path, frags: Path, etp_rank: int) -> list[int]:
+    """Move the expert groups' fragments of one optimizer file (``state``, loaded from ``path``) out to
+    ``frags`` in the converter's layout (``<name>/<etp_rank>/<state>.<edp ZeRO rank>``), leaving the
+    groups without fragments; returns the file's ZeRO rank in each group's ZeRO group."""
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        OPTIMIZER_STATE_DICT,
+        PARAM_SLICE_MAPPINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+    from deepspeed.checkpoint.ds_to_universal import dump_param_fragment
+
+    from .experts import PARTITION_RANKS
+
+    osd = state[OPTIMIZER_STATE_DICT]
+    ranks = osd.get(PARTITION_RANKS)
+    if ranks is None:
+        raise CheckpointError(
+            f"{path} does not record its ZeRO partition ranks (saved before mt3d could reshard folded "
+            "expert layouts): resume it at the saved layout, or export it with `mt3d export-hf` and "
+            "fine-tune from that directory with model.from_hf"
+        )
+    mappings = osd[PARAM_SLICE_MAPPINGS]
+    for g, mapping in enumerate(mappings):
+        experts = [n for n in mapping if expert_index(n) is not None]
+        if not experts:
+            continue
+        if len(experts) != len(mapping):
+            raise CheckpointError(f"{path}: optimizer group {g} mixes experts and dense weights")
+        flat = {
+            "exp_avg": osd[BASE_OPTIMIZER_STATE]["state"][g]["exp_avg"],
+            "exp_avg_sq": osd[BASE_OPTIMIZER_STATE]["state"][g]["exp_avg_sq"],
+            "fp32": osd[SINGLE_PARTITION_OF_FP32_GROUPS][g],
+        }
+        if "step" in osd[BASE_OPTIMIZER_STATE]["state"][g]:
+            flat["step"] = osd[BASE_OPTIMIZER_STATE]["state"][g]["step"]
+        for n in experts:
+            frag = mapping[n]
+            for key, tensor in flat.items():
+                dump_param_fragment(str(frags), etp_rank, ranks[g], key, tensor, n, frag.start, frag.numel)
+        mappings[g] = type(mapping)()
+    return list(ranks)
+
+
+def _write_dense_model_states(state: dict, dest: Path, tp: int) -> None:
+    """``state`` (a model-states file of a folded layout) as a tp-only one without experts: parallel
+    sizes tp x pp, no expert in its parameter shapes, universal info or module weights."""
+    import torch
+
+    dims = dict(state.get("checkpoint_parallel_dimensions") or {})
+    if "tp_degree" not in dims or "pp_degree" not in dims:
+        raise CheckpointError(f"{dest.name} records no parallel dimensions; it cannot be resharded")
+    dims["tp_degree"] = tp
+    state = dict(state, checkpoint_parallel_dimensions=dims, mp_world_size=tp * dims["pp_degree"])
+    shapes = [
+        {n: s for n, s in g.items() if expert_index(n) is None} for g in state.get("param_shapes") or []
+    ]
+    state["param_shapes"] = [g for g in shapes if g]
+    state["universal_checkpoint_info"] = _only_held(state.get("universal_checkpoint_info") or {}, set())
+    if state.get("module"):
+        state["module"] = {n: t for n, t in state["module"].items() if expert_index(n) is None}
+    torch.save(state, dest)
 
 
 def _write_tp_only_model_states(source: Path, dest: Path, tp: int, also: list[Path] | None = None) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from ..parallel.layers import pad_vocab
 from .config import ModelConfig
+from .moe import expert_index
 
 TIED_PREFIX = "tied_modules.embed."
 
@@ -186,8 +187,9 @@ def _patterns(names: list[str], table: dict[str, ParamSpec]) -> list[str]:
     return out
 
 
-def universal_info(cfg: ModelConfig, tp: int, vocab: int) -> dict:
-    """DeepSpeed universal-checkpoint patterns for this model saved at tensor-parallel size ``tp``.
+def universal_info(cfg: ModelConfig, tp: int, vocab: int, etp: int | None = None) -> dict:
+    """DeepSpeed universal-checkpoint patterns for this model saved at tensor-parallel size ``tp``, its
+    routed experts split over ``etp`` (None: tp; ``parallel.expert_layout``).
 
     Derived from the layers' marks (``sharding_table``): vocabulary tensors (padding stripped,
     re-added on load), replicated tensors, row-parallel tensors (dim 1), fused tensors whose shards
@@ -204,11 +206,13 @@ def universal_info(cfg: ModelConfig, tp: int, vocab: int) -> dict:
     fused = [n for n, spec in table.items() if spec.layout.parts]
     sub_params, widths = [], {}
     for pattern in _patterns(fused, table):
-        spec = next(table[n] for n in fused if re.match(pattern, n))
+        name = next(n for n in fused if re.match(pattern, n))
+        spec = table[name]
         parts = tuple(spec.layout.parts)  # DeepSpeed recognises the split dimension by its tuple
         shape = (parts, -1) if len(spec.shape) == 2 else (parts,)
         sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": spec.layout.dim})
-        widths[pattern] = [[size // tp] * tp for size in parts]
+        split = etp if etp is not None and expert_index(name) is not None else tp
+        widths[pattern] = [[size // split] * split for size in parts]
     return {
         "universal_checkpoint_version": 0.4,
         "original_vocab_size": vocab,

@@ -18,6 +18,7 @@ from ..model.blocks import BuildContext
 from ..model.config import ModelConfig
 from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
 from ..model.sharding import universal_info
+from ..parallel.axes import expert_layout
 from ..parallel.random import checkpoint
 from .runtime import Runtime
 
@@ -101,7 +102,8 @@ def build_model(
             if isinstance(m, TransformerBlock):
                 m.compile()
     # saved with every checkpoint: lets DeepSpeed's universal format reshard it later
-    model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size)
+    etp = expert_layout(layout.degrees).etp if cfg.moe is not None else None
+    model.universal_checkpoint_info = universal_info(cfg, layout.tp, vocab_size, etp)
     # stages pass (hidden, router statistics, document ids), each part when there is one
     model.stream_tuple = cfg.moe is not None or packed
     return model
