@@ -97,10 +97,10 @@ def test_bad_expert_layouts_are_one_line(args, match):
 
     spec = resolve_model({"preset": "tiny-mixtral"}).moe_spec
     degrees = {"tp": 2, "cp": 1, "dp": 2, "ep": 4, "etp": 1}
-    why = folding_conflict(spec, degrees, 1, False, seq_len=33)
+    why = folding_conflict(spec, degrees, 1, seq_len=33)
     assert "seq_len / context = 33 tokens are not divisible by tensor / expert_tensor = 2" in why
-    assert folding_conflict(spec, degrees, 1, False, seq_len=33, sp=True) is None  # SP checks seq_len itself
-    assert folding_conflict(spec, degrees, 1, False, seq_len=32) is None
+    assert folding_conflict(spec, degrees, 1, seq_len=33, sp=True) is None  # SP checks seq_len itself
+    assert folding_conflict(spec, degrees, 1, seq_len=32) is None
 
 
 def test_checkpoints_place_experts_by_the_layout_and_refuse_partial_expert_tp_reshards():

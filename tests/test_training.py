@@ -389,22 +389,26 @@ def test_selective_recompute_sp_inputs_and_overlap_train_like_one_process(
 
 @pytest.mark.parametrize(
     "world,zero,precision,ep",
-    [(2, 0, "fp32", 1), (4, 1, "bf16", 1), (4, 1, "fp32", 2)],
-    ids=["zero0-fp32-dp2", "bf16-optimizer-pp2-dp2", "ep2-dp2-zero1"],
+    [(2, 0, "fp32", 1), (4, 1, "bf16", 1), (4, 1, "fp32", 2), (4, 1, "fp32", 4)],
+    ids=["zero0-fp32-dp2", "bf16-optimizer-pp2-dp2", "ep2-dp2-zero1", "folded-tp2-ep4-etp1-zero1"],
 )
 def test_overlapped_grad_reduce_is_deepspeeds_reduction_to_the_bit(tmp_path, world, zero, precision, ep):
     """At dp 2 the overlapped reduction sums and scales as DeepSpeed's own (plain DP's all-reduce; the
     BF16 optimizer's fp32 gradients, which DeepSpeed picks for bf16 with fp32 gradient accumulation,
     with its immediate updates; under expert parallelism ZeRO-1's dense gradients over dp x cp and
-    experts' over the dp / ep ranks holding them): the same losses and norms, bit for bit. At pp 2
+    experts' over the dp / ep ranks holding them; folded, tp 2 x dp 2 with whole experts at ep 4, the
+    dense ones over dp and the experts' over edp 1): the same losses and norms, bit for bit. At pp 2
     the second run also posts its pipeline transfers ahead (mt3d's schedule engine at v 1, a commit
     after each pass) against DeepSpeed's own 1F1B engine."""
     runs = []
     for overlap in (False, True):
         keys = {**OVERLAP, "grad_reduce": overlap, "p2p": overlap and world > 2 and ep == 1}
         model = TINY_LLAMA if ep == 1 else {"preset": "tiny-mixtral"}
-        raw = tiny_config(tmp_path / f"o{overlap}", model=model, zero=zero, pp=world // 2 // ep, overlap=keys)
-        raw["mt3d"]["parallel"]["expert"] = ep
+        folded = ep * 2 > world  # ep over tp x dp
+        pp = 1 if folded else world // 2 // ep
+        raw = tiny_config(tmp_path / f"o{overlap}", model=model, zero=zero, tp=2 if folded else 1, pp=pp,
+                          overlap=keys)  # fmt: skip
+        raw["mt3d"]["parallel"].update(expert=ep, **({"expert_tensor": 1} if folded else {}))
         if precision == "bf16":
             raw["bf16"] = {"enabled": True}
             raw["data_types"] = {"grad_accum_dtype": "fp32"}

@@ -228,7 +228,9 @@ def test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_und
     hooks see W's gradients); in bf16 they equal 1F1B's run on the same engine bit for bit, with
     ZeRO-1's bf16 gradients and with fp32 gradient accumulation (DeepSpeed's BF16 optimizer, which
     takes W's gradients through its hooks); the step-3 checkpoint resumes under plain 1F1B
-    (DeepSpeed's own schedule) onto the same steps."""
+    (DeepSpeed's own schedule) onto the same steps. At pp 2 x dp 2 the data-parallel reduction
+    overlapped with the last B and W (``overlap.grad_reduce``) gives the same steps bit for bit under
+    ZB-H1 and ZB-V."""
     from helpers import run_grouped, step_records
 
     step3 = str(tmp_path / "zb" / "checkpoints" / "step_00000003")
@@ -242,7 +244,14 @@ def test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_und
         return raw
 
     dp2 = zb_config(tmp_path, "zb-dp2", global_batch=16)  # pp 2 x dp 2: ZeRO-1 partitions over dp
-    ref, zb_fp32, resumed, zb_bf16, one_bf16, zb_accum, one_accum, ref16, zb_dp2 = run_grouped([
+    # the data-parallel reduction overlapped: buckets final in the last B (norms) or the last W (linears)
+    reduce = {"grad_reduce": True, "bucket_elements": 3000}
+    dp2_reduce, zbv, zbv_reduce = (
+        zb_config(tmp_path, name, schedule=schedule, global_batch=16, **({"overlap": reduce} if on else {}))
+        for name, schedule, on in (("zb-dp2-reduce", "zb-h1", True), ("zbv-dp2", "zbv", False),
+                                   ("zbv-dp2-reduce", "zbv", True))
+    )  # fmt: skip
+    ref, zb_fp32, resumed, zb_bf16, one_bf16, zb_accum, one_accum, ref16, zb_dp2, *overlapped = run_grouped([
         (1, zb_config(tmp_path, "ref", pp=1, schedule="1f1b")),
         (2, zb_config(tmp_path, "zb", save_interval=3)),
         (2, zb_config(tmp_path, "resumed", schedule="1f1b", resume=step3)),
@@ -252,6 +261,9 @@ def test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_und
         (2, plain("1f1b-accum", fp32_accum)),
         (1, zb_config(tmp_path, "ref16", pp=1, schedule="1f1b", global_batch=16)),
         (4, dp2),
+        (4, dp2_reduce),
+        (4, zbv),
+        (4, zbv_reduce),
     ])  # fmt: skip
     for got, want in ((zb_fp32, ref), (zb_dp2, ref16)):
         got, want = step_records(got), step_records(want)
@@ -267,6 +279,8 @@ def test_zb_h1_trains_as_one_process_in_fp32_and_as_1f1b_in_bf16_and_resumes_und
     pick = lambda rs: [(r["loss"], r["grad_norm"]) for r in step_records(rs)]  # noqa: E731
     assert pick(zb_bf16) == pick(one_bf16) and len(pick(zb_bf16)) == 5
     assert pick(zb_accum) == pick(one_accum) and len(pick(zb_accum)) == 5
+    dp2_reduce, zbv, zbv_reduce = overlapped
+    assert pick(dp2_reduce) == pick(zb_dp2) and pick(zbv_reduce) == pick(zbv) and len(pick(zbv)) == 5
 
 
 def test_zbv_trains_as_one_process_with_the_v_placement_and_resumes_under_zb_h1(tmp_path):
@@ -344,7 +358,6 @@ def test_the_engine_runs_a_w_pass_per_micro_batch_with_the_linears_weight_gradie
         ({"schedule": "zbv", "virtual_stages": 1}, {}, "two chunks per rank in a V: set virtual_stages to 2"),
         ({"schedule": "zb-h1", "pipeline": 1}, {}, "it needs pipeline >= 2"),
         ({"schedule": "zb-h1", "virtual_stages": 2}, {}, "runs one chunk per rank: set virtual_stages to 1"),
-        ({"schedule": "zb-h1"}, {"overlap": {"grad_reduce": True}}, "grad_reduce does not run with mt3d"),
         ({"schedule": "zb-h1"}, {"compile": True}, "mt3d.train.compile does not run with mt3d.parallel"),
         (  # interleaved 1F1B's minimum: a multiple of pipeline (the zero-bubble ones run any count)
             {"schedule": "1f1b", "virtual_stages": 2},

@@ -215,7 +215,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         _check_model(model, par, degrees, data.seq_len)
     if model is not None:
         why = rules.context_conflict(par, degrees, data.seq_len, stage, model) or rules.folding_conflict(
-            model.moe_spec, degrees, stage, train.overlap.grad_reduce, data.seq_len, par.sequence_parallel
+            model.moe_spec, degrees, stage, data.seq_len, par.sequence_parallel
         )
         if why is None and model.moe is not None:
             why = rules.moe_conflict(stage, degrees["ep"]) or rules.overlap_moe_conflict(

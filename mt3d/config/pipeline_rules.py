@@ -58,7 +58,6 @@ def schedule_conflict(schedule: str, pp: int, v: int, train=None) -> str | None:
                else "two chunks per rank in a V: set virtual_stages to 2")  # fmt: skip
         return f"mt3d.parallel.schedule {schedule!r} runs {fix}"
     untested = {  # combinations whose interplay with the deferred weight gradients is not built or tested
-        "mt3d.train.overlap.grad_reduce": train is not None and train.overlap.grad_reduce,  # it fires on B
         "mt3d.train.compile": train is not None and train.compile,  # traced before any B exists
         "mt3d.train.fp8": train is not None and train.fp8 is not None,
     }

@@ -416,8 +416,8 @@ def expert_conflict(spec, ep: int) -> str | None:
     return None
 
 
-def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce: bool,
-                     seq_len: int | None = None, sp: bool = False) -> str | None:  # fmt: skip
+def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: int | None = None,
+                     sp: bool = False) -> str | None:  # fmt: skip
     """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
     dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 (the
     pipeline engine) and ZeRO-2 (the regular engine, pp 1), dropless routing. Without SP the tp / etp
@@ -441,8 +441,6 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, grad_reduce
         return ("model.moe.capacity_factor with expert_tensor below tensor is not supported yet (a "
                 "rank's capacity would count its share of the sequence): drop it or set expert_tensor = "
                 "tensor")  # fmt: skip
-    if grad_reduce:
-        return "mt3d.train.overlap.grad_reduce is not supported with a folded expert layout yet: turn it off"
     share, local = degrees["tp"] // etp, (seq_len or 0) // degrees.get("cp", 1)
     if seq_len is not None and not sp and local % share:
         return (f"data.seq_len / context = {local} tokens are not divisible by tensor / expert_tensor = "

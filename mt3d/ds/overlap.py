@@ -9,10 +9,12 @@ engine declares only while that step runs (``_force_grad_boundary``). So mt3d do
 * buckets: the trainable parameters in reverse registration order (the order a backward finishes
   their gradients), cut into buckets of about ``bucket_elements``;
 * during the last micro-batch's backward of each chunk (``_exec_backward_pass`` counted per chunk),
-  a post-accumulate-grad hook, registered after DeepSpeed's own, marks a parameter's gradient
-  final; a bucket whose gradients are all final is flattened (a copy) and all-reduced
-  asynchronously over DeepSpeed's data-parallel group, strictly in bucket order so every rank posts
-  the same sequence of collectives;
+  and under a zero-bubble schedule during its last weight pass too (W, where the linears' weight
+  gradients are computed: ``interleaved.WeightPass``, counted per chunk alike), a
+  post-accumulate-grad hook, registered after DeepSpeed's own, marks a parameter's gradient final;
+  a bucket whose gradients are all final is flattened (a copy) and all-reduced asynchronously over
+  DeepSpeed's data-parallel group, strictly in bucket order so every rank posts the same sequence
+  of collectives;
 * before the tied-weight reduction and the gradient reduction, the buckets not posted yet (a
   parameter without a gradient in that micro-batch) are posted, every bucket is waited for, and
   the averages are written back; DeepSpeed's reduction then has nothing left to communicate: it is
@@ -140,10 +142,12 @@ class GradReduceOverlap:
             flat.mul_(f / self.dp)
 
     # --- the backward -----------------------------------------------------------------------------
-    def backward(self, run, chunk) -> None:
-        """Run one backward pass (``run``), armed when it is ``chunk``'s last of the step."""
-        seen = self._backwards.get(chunk, 0) + 1
-        self._backwards[chunk] = seen
+    def backward(self, run, chunk, kind: str = "B") -> None:
+        """Run one backward pass (``run``), armed when it is ``chunk``'s last of the step; ``kind`` "W":
+        a zero-bubble schedule's weight pass (``interleaved.WeightPass``), armed when it is ``chunk``'s
+        last W (the linears' weight gradients finish there, the rest in the last B)."""
+        seen = self._backwards.get((kind, chunk), 0) + 1
+        self._backwards[(kind, chunk)] = seen
         self.armed = seen == self.engine.micro_batches
         try:
             run()
@@ -236,13 +240,16 @@ def install(engine, bucket_elements: int, state=None) -> GradReduceOverlap | Non
         return None
     ov = GradReduceOverlap(engine, bucket_elements, state)
 
+    from .interleaved import WeightPass
+
     def wrap(kind, handler):
-        if kind is ds_schedule.BackwardPass:
+        if kind is ds_schedule.BackwardPass or kind is WeightPass:
+            pass_kind = "W" if kind is WeightPass else "B"
 
             def backward_pass(self, buffer_id, chunk=None, **kw):
                 if chunk is not None:
                     kw["chunk"] = chunk
-                ov.backward(lambda: handler(self, buffer_id, **kw), chunk)
+                ov.backward(lambda: handler(self, buffer_id, **kw), chunk, pass_kind)
 
             return backward_pass
         if kind is ds_schedule.ReduceTiedGrads:

@@ -6,10 +6,11 @@ Read by ``mt3d.parallel.axes`` (``derive_degrees``, ``grid_shape``, ``deepspeed_
 mapper's ``Placement`` (its 'ep', 'edp', 'etp' and 'tpo' groups, the ep coordinate, DeepSpeed's grid),
 ``ParallelState``, the model (``SparseMoE``: experts over etp, tokens shared out over tpo), the config
 (``mt3d.parallel.expert_tensor``, ``rules.folding_conflict``), the training loop's loss mean, the
-checkpoints (``model_rank``: where an expert's files are) and the planner. Folded layouts train equal
-to one process at ZeRO-1 and resume exactly (tests/test_moe.py). Not yet: ZeRO-0 and ZeRO-2 when
-folded, capacity at etp below tp, and resharding to or from a folded layout (refused in one line:
-``mt3d.checkpoint.reshard.folded_reshard_conflict``; export-hf reads them).
+checkpoints (``model_rank``: where an expert's files are; ``ds.universal._convert_folded``) and the
+planner. Folded layouts train equal to one process at ZeRO 1-2, resume exactly and reshard
+(tests/test_moe.py). Not yet: ZeRO-0 when folded, capacity at etp below tp, and a reshard into
+experts split over part of the TP group (refused in one line:
+``mt3d.checkpoint.reshard.folded_reshard_conflict``).
 
 The ranks of a stage are listed innermost first in the attention grid's own nesting with the ep part
 of dp moved next to tp: tp, then ``g`` ranks of dp (the grid's 'ep' dimension: the ep ranks the

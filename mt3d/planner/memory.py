@@ -296,15 +296,19 @@ def bf16_optimizer_gradient_bytes(prec: Precision, overlapped: bool) -> float:
     return prec.grad + (0 if overlapped else prec.param)
 
 
-def overlaps_reduction(lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool) -> bool:
+def overlaps_reduction(lay: Layout, prec: Precision, overlap: tuple[str, ...], mt3d_engine: bool,
+                       moe: bool | None = None) -> bool:  # fmt: skip
     """Whether mt3d runs this layout with its overlapped gradient reduction (``mt3d.train.overlap.
-    grad_reduce``, which ``--write-config`` sets with ``--overlap dp`` where it can run: the 1F1B
-    schedules, not a folded expert layout): it sets bf16.immediate_grad_update whatever dp is, and
-    reduces buckets (``mt3d.ds.overlap``) where DeepSpeed's data-parallel group has more than one rank."""
+    grad_reduce``, which ``--write-config`` sets with ``--overlap dp`` where it can run: not a mixture
+    of experts at pipeline > 1; ``moe`` None: a sparse model when ep > 1):
+    it sets bf16.immediate_grad_update whatever dp is, and reduces buckets (``mt3d.ds.overlap``) where
+    DeepSpeed's data-parallel group has more than one rank."""
     from ..config import Offload
-    from ..config.rules import overlap_conflict
+    from ..config.rules import overlap_conflict, overlap_moe_conflict
 
-    if not mt3d_engine or "dp" not in overlap or lay.schedule != "1f1b" or lay.experts.folded:
+    if not mt3d_engine or "dp" not in overlap:
+        return False
+    if (lay.ep > 1 if moe is None else moe) and overlap_moe_conflict(True, lay.pp):
         return False
     return overlap_conflict(True, lay.zero_stage, lay.ep, Offload.from_label(lay.offload), prec.name) is None
 

@@ -8,8 +8,8 @@ import json
 import re
 
 from ..config import Offload, overlap_conflict, p2p_conflict
+from ..config.rules import overlap_moe_conflict
 from ..errors import UserError
-from .layout import Layout
 from .search import recompute_mode
 
 TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
@@ -238,6 +238,10 @@ def write_config(result: dict, path: str, cfg_section: dict, cfg=None, data: dic
     if not result["feasible"]:
         raise UserError(explain_infeasible(result))
     best = result["feasible"][0]
+    if cfg is None:
+        from ..config import resolve_model
+
+        cfg = resolve_model(cfg_section)
     conf = _config_of(result, best, cfg_section, data, cfg)
     _check_written(conf, result["gpus"], cfg, cfg_section)
     with open(path, "w") as f:
@@ -314,9 +318,9 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
     # what the plan's step time assumed, where mt3d runs it (tp: always)
     overlap = {}
     schedule = best.get("schedule", "1f1b")
-    folded = Layout.of_row(best).experts.folded
-    if "dp" in result.get("overlap", ()) and overlap_rule is None and schedule == "1f1b" and not folded:
-        overlap["grad_reduce"] = True  # the zero-bubble schedules refuse it (and post transfers anyway)
+    moe_rule = overlap_moe_conflict(True, best["pp"]) if cfg.moe is not None else None
+    if "dp" in result.get("overlap", ()) and overlap_rule is None and moe_rule is None:
+        overlap["grad_reduce"] = True
     if (
         "pp" in result.get("overlap", ())
         and schedule == "1f1b"

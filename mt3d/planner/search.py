@@ -177,7 +177,7 @@ SCHEDULE_RULES = (
     (
         ("micro_batch", "zero_stage"),
         lambda c: (
-            _short(folding_conflict(c["cfg"].moe_spec, c["degrees"], c["zero_stage"], False))
+            _short(folding_conflict(c["cfg"].moe_spec, c["degrees"], c["zero_stage"]))
             if c["mt3d"] and c["cfg"].moe is not None
             else None
         ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from ..config.rules import overlap_moe_conflict
 from ..model.config import GATED_MLPS, ModelConfig
 from ..pipeline.zero_bubble import bubble_share
 from .layout import Layout, Precision, stage_expert_params, stage_params
@@ -211,9 +212,11 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     split = pp_scatter_gather or mt3d_engine or (lay.sequence_parallel and t > 1)
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
     ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute)
-    # the zero-bubble schedules refuse overlap.grad_reduce (it would reduce on B, before W), and mt3d
-    # does not run it with a folded expert layout yet (rules.folding_conflict)
-    hide_dp = "dp" in overlap and lay.schedule == "1f1b" and not (mt3d_engine and lay.experts.folded)
+    # mt3d does not run overlap.grad_reduce with a mixture of experts at pipeline > 1
+    # (rules.overlap_moe_conflict)
+    hide_dp = "dp" in overlap and not (
+        mt3d_engine and cfg.moe is not None and overlap_moe_conflict(True, lay.pp)
+    )
     dp = _dp_seconds(lay, grads, prec, compute, bw, hide_dp, mt3d_engine, 2 if fsdp else None)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer
