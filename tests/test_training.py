@@ -414,7 +414,7 @@ def test_overlapped_grad_reduce_is_deepspeeds_reduction_to_the_bit(tmp_path, wor
             raw["data_types"] = {"grad_accum_dtype": "fp32"}
         records = step_records(spawn(train_worker, world, raw, timeout=300)[0])
         runs.append([(r["loss"], r["grad_norm"]) for r in records])
-    if ep == 1:
+    if ep == 1 or ep * 2 > world:  # folded: dense gradients over dp 2, the experts' over edp 1
         assert runs[0] == runs[1]
     else:  # dense gradients summed over 4 ranks: an all-reduce's order, not ZeRO's reduce to each owner
         assert runs[0] != runs[1] and torch.allclose(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-6)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from ..parallel.deferred import waits_for_w
 from .instructions import wrap_instructions
 
 log = logging.getLogger("mt3d")
@@ -155,11 +156,12 @@ class GradReduceOverlap:
             self.armed = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.armed:
+        if not self.armed or waits_for_w(p):  # a zero-bubble B: the gradient is final in the last W
             return
         if id(p) in self._ready:
+            name = next((n for n, q in self.engine.module.named_parameters() if q is p), "?")
             raise RuntimeError(
-                "a parameter's gradient was finished twice in the last micro-batch (two backward passes "
+                f"the gradient of {name} was finished twice in the last micro-batch (two backward passes "
                 "or chunks reach it): set mt3d.train.overlap.grad_reduce false"
             )
         self._ready.add(id(p))

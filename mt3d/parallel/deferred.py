@@ -40,6 +40,8 @@ class WeightGrads:
 
     def __init__(self) -> None:
         self.items: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self.held: set[int] = set()
+        """ids of the weights with a gradient queued here (``waits_for_w``)."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -47,6 +49,7 @@ class WeightGrads:
     def run(self) -> None:
         """W: compute every queued weight gradient and accumulate it into its weight through autograd."""
         items, self.items = self.items, []
+        self.held = set()
         weights, grads = [], []
         with torch.no_grad():  # as inside the backward that queued them
             for weight, compute in items:
@@ -78,4 +81,11 @@ def weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> to
     if _queue is None:
         return compute()
     _queue.items.append((weight, compute))
+    _queue.held.add(id(weight))
     return None
+
+
+def waits_for_w(weight: torch.Tensor) -> bool:
+    """Whether the B running now left (part of) ``weight``'s gradient to W: autograd still runs its
+    accumulation (and the hooks after it) in B, with nothing or only the rest to add."""
+    return _queue is not None and id(weight) in _queue.held
