@@ -332,7 +332,8 @@ def check_engine_state(path: Path, meta: dict) -> None:
         raise CheckpointError(f"{path} has no engine state file ({' or '.join(ENGINE_STATE_FILES)})")
     state = safe_torch_load(path / name)
     layout = meta.get("layout") or {}
-    # DeepSpeed's axes: 'data' holds dp / ep x cp ranks, 'model' tp x ep (mt3d.parallel.axes); the
+    # DeepSpeed's axes: 'model' the lcm(tp, etp x ep) sets of weights of a stage, 'data' the ranks
+    # holding each (tp x ep and dp / ep x cp before folding; mt3d.parallel.axes.deepspeed_sizes); the
     # regular engine (ZeRO-2/3) sees dp x cp and tp (mt3d's ParallelState is its mpu), and writes module
     # files for the pipeline grid's 'model' ranks (mt3d.ds.experts.zero_checkpoint_names)
     degrees = {a: int(layout.get(a, 1)) for a in NAMES}

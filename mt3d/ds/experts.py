@@ -52,6 +52,10 @@ PARTITION_RANKS = "mt3d_partition_ranks"
 group's ZeRO group (dense: dp x cp, experts: edp): the order of its fragments when a folded checkpoint
 is converted to the universal form (``universal._convert_folded``), whose file names give neither."""
 
+COORDINATE = "mt3d_coordinate"
+"""The key under which an optimizer file of ``ExpertZeroOptimizer`` records its rank's pipeline stage
+and DeepSpeed 'model' coordinate (``zero_checkpoint_names``)."""
+
 EXPERT_GROUP = "mt3d_experts"
 """The name of the expert parameter groups (DeepSpeed's ``group['name']``, the key of its
 expert-data-parallel group dictionary): one name at every ep, so a resharded run's groups match."""
@@ -163,6 +167,7 @@ def expert_zero_optimizer():
             """DeepSpeed's, with this rank's ZeRO rank in each group's ZeRO group (``PARTITION_RANKS``)."""
             state = super().state_dict()
             state[PARTITION_RANKS] = [dist.get_rank(group=g) for g in self.real_dp_process_group]
+            state[COORDINATE] = getattr(self, "mt3d_coordinate", None)
             return state
 
         def scaled_global_norm(self, norm_type=2):
@@ -218,10 +223,13 @@ def zero_checkpoint_names(engine, state) -> None:
     engine._get_all_zero_checkpoint_names = names
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
+    pipe, data, model = (int(c[0]) for c in (grid == state.global_rank).nonzero())
+    # what the optimizer file's number does not say under every rank order (the pipeline engine numbers
+    # it by the rank's place among its 'data' coordinate's ranks): read by universal._convert_folded
+    engine.optimizer.mt3d_coordinate = {"pipe": pipe, "model": model}
     if isinstance(engine, PipelineEngine):
         return
-    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
-    _, data, model = (int(c[0]) for c in (grid == state.global_rank).nonzero())
     engine.checkpoint_mp_rank = model
     engine.save_non_zero_checkpoint = data == 0
     engine.mp_world_size = grid.shape[2]  # the module files' count, which DeepSpeed's loader checks

@@ -100,6 +100,9 @@ class GradReduceOverlap:
         for kind, rest in current.items():  # every rank of a group holds the same shapes: the same order
             self.buckets.append(_Bucket(rest, _summed_over(groups[kind])))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._shared = _shared_across_chunks(engine.module)
+        """Parameters two of this rank's chunks use (ZB-V's rank 0 holds the first and the last stage: a
+        tied embedding), which two passes finish: their buckets wait for ``finish``."""
         self._ready: set[int] = set()
         self.armed = False
         self._logged = False
@@ -156,7 +159,7 @@ class GradReduceOverlap:
             self.armed = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.armed or waits_for_w(p):  # a zero-bubble B: the gradient is final in the last W
+        if not self.armed or id(p) in self._shared or waits_for_w(p):  # waits_for_w: final in the last W
             return
         if id(p) in self._ready:
             name = next((n for n, q in self.engine.module.named_parameters() if q is p), "?")
@@ -215,6 +218,26 @@ class GradReduceOverlap:
         """This step's reduction is finished."""
         self.posted_in_backward = 0
         """Buckets posted during the last backward of the latest step (what the overlap bench reads)."""
+
+
+def _shared_across_chunks(module) -> set[int]:
+    """ids of the parameters more than one of ``module``'s chunks run (``pipe.InterleavedPipeline``'s
+    ``chunk_funcs``: modules, or DeepSpeed's tied-layer partials over one)."""
+    from torch import nn
+
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for c, funcs in enumerate(getattr(module, "chunk_funcs", None) or []):
+        for f in funcs:
+            m = (
+                f
+                if isinstance(f, nn.Module)
+                else next((a for a in getattr(f, "args", ()) if isinstance(a, nn.Module)), None)
+            )
+            for q in m.parameters() if m is not None else ():
+                if owner.setdefault(id(q), c) != c:
+                    shared.add(id(q))
+    return shared
 
 
 def reduction_groups(engine, state=None) -> dict:

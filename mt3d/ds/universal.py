@@ -174,7 +174,9 @@ def _convert_joined(source: Path, out: Path, tp: int, ep: int, workers: int) -> 
     view.mkdir(parents=True)
     models: dict[str, list[tuple[int, Path]]] = {}  # view name -> (ep rank, model-states file)
     for f in sorted(source.iterdir()):
-        m = re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", f.name)
+        m = re.fullmatch(
+            r"((?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", f.name
+        )
         if m:
             p, model = divmod(int(m.group(2)), tp * ep)
             name = f"{m.group(1) or ''}mp_rank_{p * tp + model % tp:02d}_{m.group(3)}_states.pt"
@@ -197,8 +199,10 @@ def _convert_joined(source: Path, out: Path, tp: int, ep: int, workers: int) -> 
 
 def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None:
     """Universal form of a checkpoint with a folded expert layout (``parallel.expert_layout``: files
-    numbered by DeepSpeed's 'model' coordinate m, the position mod lcm(tp, etp ep), holding dense TP
-    shard m mod tp and the experts of expert rank e, expert-TP rank r = ``expert_coordinates(m)``).
+    of a rank at DeepSpeed's 'model' coordinate m, the position mod lcm(tp, etp ep), hold dense TP
+    shard m mod tp and the experts of expert rank e, expert-TP rank r = ``expert_coordinates(m)``; each
+    optimizer file records its stage and m, ``experts.COORDINATE``, which its number does not say
+    under every rank order).
 
     Dense weights: the converter reads a tp-only view (a directory like ``_convert_joined``'s), each
     optimizer file renamed to its dense ZeRO rank and model rank p tp + m mod tp, rewritten without its
@@ -214,7 +218,7 @@ def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None
     from .safe import safe_torch_load
 
     lay = expert_layout(layout)
-    tp, models = lay.tp, lay.model_ranks
+    tp = lay.tp
     work = out.with_name(out.name + ".fold")
     shutil.rmtree(work, ignore_errors=True)
     view, frags = work / "view", work / "experts"
@@ -223,29 +227,36 @@ def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None
     info: dict = {}
     tmp = out.with_name(out.name + ".tmp")
     try:
-        for f in sorted(source.iterdir()):
-            m = re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", f.name)
-            layer = re.fullmatch(r"layer_\d+-model_(\d+)-model_states\.pt", f.name)
-            if layer and int(layer.group(1)) < tp:
-                (view / f.name).symlink_to(f.resolve())
-            if not m:
-                continue
-            p, model = divmod(int(m.group(2)), models)
-            r = lay.expert_coordinates(model)[1]
-            state = safe_torch_load(f)
-            if m.group(3) == "optim":
-                ranks = _split_expert_fragments(state, f, frags, r)
-                torch.save(
-                    state, view / f"zero_pp_rank_{ranks[0]}_mp_rank_{p * tp + model % tp:02d}_optim_states.pt"
+        coordinate: dict[int, tuple[int, int]] = {}  # file number -> (stage, 'model' coordinate)
+        for f in sorted(source.iterdir(), key=lambda f: "_optim_" not in f.name):  # optimizer files first
+            m = re.fullmatch(r"((?:bf16_|fp16_)?)zero_pp_rank_\d+_mp_rank_(\d+)_optim_states\.pt", f.name)
+            if m:
+                state = safe_torch_load(f)
+                p, model = _coordinate(state, f)
+                coordinate[int(m.group(2))] = (p, model)
+                ranks = _split_expert_fragments(state, f, frags, lay.expert_coordinates(model)[1])
+                name = (
+                    f"{m.group(1)}zero_pp_rank_{ranks[0]}_mp_rank_{p * tp + model % tp:02d}_optim_states.pt"
                 )
-                continue
-            for group in state.get("param_shapes") or []:
-                for n, shape in group.items():
-                    if expert_index(n) is not None:
-                        shapes.setdefault(n, {})[r] = shape
-            info = info or dict(state.get("universal_checkpoint_info") or {})
-            if model < tp:
-                _write_dense_model_states(state, view / f"mp_rank_{p * tp + model:02d}_model_states.pt", tp)
+                torch.save(state, view / name)
+            elif (layer := re.fullmatch(r"layer_\d+-model_(\d+)-model_states\.pt", f.name)) and int(
+                layer.group(1)
+            ) < tp:  # the converter reads their names only
+                (view / f.name).symlink_to(f.resolve())
+            elif (m := re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", f.name)) and int(
+                m.group(1)
+            ) in coordinate:
+                p, model = coordinate[int(m.group(1))]
+                state = safe_torch_load(f)
+                for group in state.get("param_shapes") or []:
+                    for n, shape in group.items():
+                        if expert_index(n) is not None:
+                            shapes.setdefault(n, {})[lay.expert_coordinates(model)[1]] = shape
+                info = info or dict(state.get("universal_checkpoint_info") or {})
+                if model < tp:
+                    _write_dense_model_states(
+                        state, view / f"mp_rank_{p * tp + model:02d}_model_states.pt", tp
+                    )
         _run_converter(view, tmp, workers)
         for name, per in shapes.items():
             missing = sorted(set(range(lay.etp)) - set(per))
@@ -261,6 +272,23 @@ def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None
         shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def _coordinate(state: dict, path: Path) -> tuple[int, int]:
+    """(pipeline stage, DeepSpeed 'model' coordinate) an optimizer file of a folded layout records
+    (``experts.COORDINATE``): its number does not say under every rank order."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    from .experts import COORDINATE
+
+    where = state[OPTIMIZER_STATE_DICT].get(COORDINATE)
+    if not where:
+        raise CheckpointError(
+            f"{path} does not record its rank's coordinates (saved before mt3d could reshard folded "
+            "expert layouts): resume it at the saved layout, or export it with `mt3d export-hf` and "
+            "fine-tune from that directory with model.from_hf"
+        )
+    return int(where["pipe"]), int(where["model"])
 
 
 def _split_expert_fragments(state: dict, path: Path, frags: Path, etp_rank: int) -> list[int]:
@@ -384,7 +412,7 @@ def _renamed_for_ep_rank(name: str, e: int, tp: int, ep: int) -> str | None:
     if m:
         model = int(m.group(2))
         return f"layer_{m.group(1)}-model_{model % tp:02d}-model_states.pt" if model // tp == e else None
-    m = re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", name)
+    m = re.fullmatch(r"((?:bf16_|fp16_)?zero_pp_rank_\d+_)?mp_rank_(\d+)_(model|optim)_states\.pt", name)
     if m:
         index = int(m.group(2))
         p, model = divmod(index, tp * ep)
