@@ -232,9 +232,9 @@ def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None
             m = re.fullmatch(r"((?:bf16_|fp16_)?)zero_pp_rank_\d+_mp_rank_(\d+)_optim_states\.pt", f.name)
             if m:
                 state = safe_torch_load(f)
-                p, model = _coordinate(state, f)
+                ranks, p, model = _recorded(state, f)
                 coordinate[int(m.group(2))] = (p, model)
-                ranks = _split_expert_fragments(state, f, frags, lay.expert_coordinates(model)[1])
+                _split_expert_fragments(state, f, frags, lay.expert_coordinates(model)[1], ranks)
                 name = (
                     f"{m.group(1)}zero_pp_rank_{ranks[0]}_mp_rank_{p * tp + model % tp:02d}_optim_states.pt"
                 )
@@ -274,27 +274,30 @@ def _convert_folded(source: Path, out: Path, layout: dict, workers: int) -> None
     tmp.rename(out)
 
 
-def _coordinate(state: dict, path: Path) -> tuple[int, int]:
-    """(pipeline stage, DeepSpeed 'model' coordinate) an optimizer file of a folded layout records
-    (``experts.COORDINATE``): its number does not say under every rank order."""
+def _recorded(state: dict, path: Path) -> tuple[list[int], int, int]:
+    """What an optimizer file of a folded layout records beside DeepSpeed's state: its rank's ZeRO rank
+    in each group's ZeRO group (``experts.PARTITION_RANKS``), its pipeline stage and DeepSpeed 'model'
+    coordinate (``experts.COORDINATE``), which neither its name nor its number says under every rank
+    order."""
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 
-    from .experts import COORDINATE
+    from .experts import COORDINATE, PARTITION_RANKS
 
-    where = state[OPTIMIZER_STATE_DICT].get(COORDINATE)
-    if not where:
+    osd = state[OPTIMIZER_STATE_DICT]
+    ranks, where = osd.get(PARTITION_RANKS), osd.get(COORDINATE)
+    if ranks is None or not where:
         raise CheckpointError(
-            f"{path} does not record its rank's coordinates (saved before mt3d could reshard folded "
-            "expert layouts): resume it at the saved layout, or export it with `mt3d export-hf` and "
+            f"{path} does not record its rank's ZeRO ranks and coordinates (saved before mt3d could reshard "
+            "folded expert layouts): resume it at the saved layout, or export it with `mt3d export-hf` and "
             "fine-tune from that directory with model.from_hf"
         )
-    return int(where["pipe"]), int(where["model"])
+    return list(ranks), int(where["pipe"]), int(where["model"])
 
 
-def _split_expert_fragments(state: dict, path: Path, frags: Path, etp_rank: int) -> list[int]:
-    """Move the expert groups' fragments of one optimizer file (``state``, loaded from ``path``) out to
-    ``frags`` in the converter's layout (``<name>/<etp_rank>/<state>.<edp ZeRO rank>``), leaving the
-    groups without fragments; returns the file's ZeRO rank in each group's ZeRO group."""
+def _split_expert_fragments(state: dict, path: Path, frags: Path, etp_rank: int, ranks: list[int]) -> None:
+    """Move the expert groups' fragments of one optimizer file (``state``, loaded from ``path``; its ZeRO
+    rank in each group's ZeRO group ``ranks``) out to ``frags`` in the converter's layout
+    (``<name>/<etp_rank>/<state>.<edp ZeRO rank>``), leaving the groups without fragments."""
     from deepspeed.checkpoint.constants import (
         BASE_OPTIMIZER_STATE,
         OPTIMIZER_STATE_DICT,
@@ -303,16 +306,7 @@ def _split_expert_fragments(state: dict, path: Path, frags: Path, etp_rank: int)
     )
     from deepspeed.checkpoint.ds_to_universal import dump_param_fragment
 
-    from .experts import PARTITION_RANKS
-
     osd = state[OPTIMIZER_STATE_DICT]
-    ranks = osd.get(PARTITION_RANKS)
-    if ranks is None:
-        raise CheckpointError(
-            f"{path} does not record its ZeRO partition ranks (saved before mt3d could reshard folded "
-            "expert layouts): resume it at the saved layout, or export it with `mt3d export-hf` and "
-            "fine-tune from that directory with model.from_hf"
-        )
     mappings = osd[PARAM_SLICE_MAPPINGS]
     for g, mapping in enumerate(mappings):
         experts = [n for n in mapping if expert_index(n) is not None]
@@ -332,7 +326,6 @@ def _split_expert_fragments(state: dict, path: Path, frags: Path, etp_rank: int)
             for key, tensor in flat.items():
                 dump_param_fragment(str(frags), etp_rank, ranks[g], key, tensor, n, frag.start, frag.numel)
         mappings[g] = type(mapping)()
-    return list(ranks)
 
 
 def _write_dense_model_states(state: dict, dest: Path, tp: int) -> None:
@@ -340,11 +333,7 @@ def _write_dense_model_states(state: dict, dest: Path, tp: int) -> None:
     sizes tp x pp, no expert in its parameter shapes, universal info or module weights."""
     import torch
 
-    dims = dict(state.get("checkpoint_parallel_dimensions") or {})
-    if "tp_degree" not in dims or "pp_degree" not in dims:
-        raise CheckpointError(f"{dest.name} records no parallel dimensions; it cannot be resharded")
-    dims["tp_degree"] = tp
-    state = dict(state, checkpoint_parallel_dimensions=dims, mp_world_size=tp * dims["pp_degree"])
+    state = _tp_only(state, tp, dest.name)
     shapes = [
         {n: s for n, s in g.items() if expert_index(n) is None} for g in state.get("param_shapes") or []
     ]
@@ -353,6 +342,16 @@ def _write_dense_model_states(state: dict, dest: Path, tp: int) -> None:
     if state.get("module"):
         state["module"] = {n: t for n, t in state["module"].items() if expert_index(n) is None}
     torch.save(state, dest)
+
+
+def _tp_only(state: dict, tp: int, where) -> dict:
+    """A copy of model-states ``state`` (read from ``where``) recording model-parallel sizes tp x pp:
+    ds_to_universal reads the TP degree from them."""
+    dims = dict(state.get("checkpoint_parallel_dimensions") or {})
+    if "tp_degree" not in dims or "pp_degree" not in dims:
+        raise CheckpointError(f"{where} records no parallel dimensions; it cannot be resharded")
+    dims["tp_degree"] = tp
+    return dict(state, checkpoint_parallel_dimensions=dims, mp_world_size=tp * dims["pp_degree"])
 
 
 def _write_tp_only_model_states(source: Path, dest: Path, tp: int, also: list[Path] | None = None) -> None:
@@ -364,13 +363,7 @@ def _write_tp_only_model_states(source: Path, dest: Path, tp: int, also: list[Pa
 
     from .safe import safe_torch_load
 
-    state = safe_torch_load(source)
-    dims = dict(state.get("checkpoint_parallel_dimensions") or {})
-    if "tp_degree" not in dims or "pp_degree" not in dims:
-        raise CheckpointError(f"{source} records no parallel dimensions; it cannot be resharded")
-    dims["tp_degree"] = tp
-    state["checkpoint_parallel_dimensions"] = dims
-    state["mp_world_size"] = tp * dims["pp_degree"]
+    state = _tp_only(safe_torch_load(source), tp, source)
     if also is not None:
         shapes = state.get("param_shapes") or []
         for other in also:
