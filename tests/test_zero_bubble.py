@@ -5,6 +5,7 @@ paper's setting; 1F1B's is held against PTD-P's formula (FORMULAS.md)."""
 import dataclasses
 
 import pytest
+import torch
 
 from mt3d.pipeline import zero_bubble as zb
 from mt3d.pipeline.zero_bubble import B, F, Pass, W
@@ -328,29 +329,107 @@ def test_zbv_trains_as_one_process_with_the_v_placement_and_resumes_under_zb_h1(
 
 
 def weight_passes_worker(raw):
-    """One training step of ``raw``'s engine: the weight gradients each of this rank's W passes ran."""
+    """One training step of ``raw``'s engine: for each of this rank's W passes, the weight gradients it
+    ran and the FP8 GEMMs (``torch._scaled_mm``) among them."""
     from mt3d.bench.common import build_engine, train_step
     from mt3d.ds.interleaved import WeightPass
 
     _, layout, rt, engine, data, _ = build_engine(raw)
-    seen, run = [], engine._INSTRUCTION_MAP[WeightPass]
+    seen, run, scaled_mm = [], engine._INSTRUCTION_MAP[WeightPass], torch._scaled_mm
+    calls = [0]
+
+    def counting_mm(*args, **kwargs):
+        calls[0] += 1
+        return scaled_mm(*args, **kwargs)
 
     def counting(self, buffer_id, chunk):
-        seen.append(len(self._weight_grads[buffer_id]))
+        queued, calls[0] = len(self._weight_grads[buffer_id]), 0
         run(self, buffer_id, chunk)
+        seen.append((queued, calls[0]))
 
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, WeightPass: counting}
-    train_step(engine, layout, rt, data, layout.micro_batch, 0)
+    torch._scaled_mm = counting_mm
+    try:
+        train_step(engine, layout, rt, data, layout.micro_batch, 0)
+    finally:
+        torch._scaled_mm = scaled_mm
     return seen
+
+
+def fp8_zb_config(tmp_path, name, schedule, recipe, tp=1):
+    """A bf16 run with FP8 linears (1F1B on the zero-bubble schedules' own engine: posted transfers)."""
+    raw = zb_config(tmp_path, name, schedule=schedule, tp=tp)
+    raw["bf16"] = {"enabled": True}
+    raw["mt3d"]["parallel"]["sequence_parallel"] = tp > 1
+    raw["mt3d"]["train"]["fp8"] = {"recipe": recipe, "all_gather": tp > 1}
+    if schedule == "1f1b":
+        raw["mt3d"]["train"]["overlap"] = {"p2p": True}
+    return raw
 
 
 def test_the_engine_runs_a_w_pass_per_micro_batch_with_the_linears_weight_gradients(tmp_path):
     """The W passes really run (the results above would match under 1F1B too): one per micro-batch on
     each rank, each computing the weight gradients of that stage's linears (2 blocks of 4 linears; the
-    last stage's output head too)."""
+    last stage's output head too); with FP8 linears each block linear's weight-gradient GEMM is an
+    FP8 one in W (the output head keeps its precision)."""
     from mt3d.parallel.spawn import spawn
 
-    assert spawn(weight_passes_worker, 2, zb_config(tmp_path, "w"), timeout=240) == [[8] * 4, [9] * 4]
+    plain, fp8 = zb_config(tmp_path, "w"), fp8_zb_config(tmp_path, "w-fp8", "zb-h1", "tensorwise")
+    assert spawn(weight_passes_worker, 2, plain, timeout=240) == [[(8, 0)] * 4, [(9, 0)] * 4]
+    assert spawn(weight_passes_worker, 2, fp8, timeout=240) == [[(8, 8)] * 4, [(9, 8)] * 4]
+
+
+def test_fp8_linears_under_the_zero_bubble_schedules_train_as_under_1f1b(tmp_path):
+    """FP8 linears with their weight-gradient GEMMs deferred to W (the output gradient's FP8 cast and
+    the kept FP8 input rows held for W under tensorwise; the bf16 rows, cast per GEMM, under rowwise;
+    SP's shard gathered again in W after the FP8 all-gather forward): ZB-H1 at pp 2 (tensorwise) and
+    ZB-V at tp 2 x pp 2 with SP and rowwise's FP8 all-gather take the same 5 steps bit for bit as
+    1F1B on the same engine (losses and gradient norms, bf16)."""
+    from helpers import run_grouped, step_records
+
+    runs = run_grouped([
+        (2, fp8_zb_config(tmp_path, "zb", "zb-h1", "tensorwise")),
+        (2, fp8_zb_config(tmp_path, "plain", "1f1b", "tensorwise")),
+        (4, fp8_zb_config(tmp_path, "zbv", "zbv", "rowwise", tp=2)),
+        (4, fp8_zb_config(tmp_path, "plain-tp", "1f1b", "rowwise", tp=2)),
+    ])  # fmt: skip
+    zb, plain, zbv, plain_tp = ([(r["loss"], r["grad_norm"]) for r in step_records(rs)] for rs in runs)
+    assert zb == plain and zbv == plain_tp and len(zb) == len(zbv) == 5
+    assert zb != zbv  # the two recipes (and layouts) round differently: each pair compared its own
+
+
+def test_compiled_blocks_leave_w_nothing_to_defer():
+    """Why train.compile is refused under the zero-bubble schedules (``pipeline_rules``): torch.compile
+    traces a block's backward ahead of time, so its linears compute their weight gradients in B and
+    queue nothing for W (the gradients are still right). Fails when torch starts keeping the deferral
+    in a compiled backward: then the refusal can go."""
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.model.config import ModelConfig
+    from mt3d.parallel import deferred
+    from mt3d.parallel.state import AxisGroup
+
+    cfg = ModelConfig(hidden=64, layers=2, heads=4, position="rope", norm="rmsnorm", mlp="swiglu",
+                      bias=False, max_seq_len=32, ffn=128)  # fmt: skip
+    torch.manual_seed(0)
+    deferred.split_backward(True)
+    try:
+        block = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), dtype=torch.float32), 0)
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        queued = []
+        for run in (block, torch.compile(block, backend="aot_eager")):
+            block.zero_grad(set_to_none=True)
+            y = run(x)
+            with deferred.deferring(deferred.WeightGrads()) as queue:
+                y.square().sum().backward()
+            queued.append(len(queue))
+            queue.run()
+            queued.append(block.mlp.down.weight.grad.clone())
+    finally:
+        deferred.split_backward(False)
+        torch._dynamo.reset()
+    eager, eager_grad, compiled, compiled_grad = queued
+    assert eager == 4 and compiled == 0, (eager, compiled)
+    assert torch.allclose(eager_grad, compiled_grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -360,7 +439,7 @@ def test_the_engine_runs_a_w_pass_per_micro_batch_with_the_linears_weight_gradie
         ({"schedule": "zbv", "virtual_stages": 1}, {}, "two chunks per rank in a V: set virtual_stages to 2"),
         ({"schedule": "zb-h1", "pipeline": 1}, {}, "it needs pipeline >= 2"),
         ({"schedule": "zb-h1", "virtual_stages": 2}, {}, "runs one chunk per rank: set virtual_stages to 1"),
-        ({"schedule": "zb-h1"}, {"compile": True}, "mt3d.train.compile does not run with mt3d.parallel"),
+        ({"schedule": "zb-h1"}, {"compile": True}, "compiled blocks compute their weight gradients in B"),
         (  # interleaved 1F1B's minimum: a multiple of pipeline (the zero-bubble ones run any count)
             {"schedule": "1f1b", "virtual_stages": 2},
             {"batch": 6},
