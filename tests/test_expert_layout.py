@@ -139,7 +139,7 @@ def test_checkpoints_place_experts_by_the_layout_and_refuse_partial_expert_tp_re
     assert not plan.layout_changed(layout)  # etp recorded as tp is the layout before folding
 
 
-def _folded_block(tp_group, ep_group, tpo_group, sp, tp_rank=0, ep_rank=0):
+def _folded_block(tp_group, ep_group, tpo_group, sp, tp_rank=0, ep_rank=0, capacity=None):
     import torch
 
     from mt3d.model.blocks import BuildContext, TransformerBlock
@@ -148,7 +148,8 @@ def _folded_block(tp_group, ep_group, tpo_group, sp, tp_rank=0, ep_rank=0):
 
     cfg = ModelConfig.from_dict(dict(hidden=32, layers=1, heads=4, ffn=64, position="rope", norm="rmsnorm",
                                      mlp="swiglu", bias=False,
-                                     moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=32)))  # fmt: skip
+                                     moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=32,
+                                              capacity_factor=capacity)))  # fmt: skip
     ctx = BuildContext(tp=tp_group, ep=ep_group, etp=AxisGroup.alone("etp", tp_rank) if tpo_group else None,
                        tpo=tpo_group, sequence_parallel=sp, seed=5)  # fmt: skip
     block = TransformerBlock(cfg, ctx, 0)
@@ -163,7 +164,7 @@ def _folded_batch(d):
     return torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(10 + d), dtype=torch.float64)
 
 
-def _folded_worker(sp):
+def _folded_worker(sp, capacity):
     """tp 2 x dp 2, ep 4 over all of them, whole experts (etp 1)."""
     import torch
     import torch.distributed as dist
@@ -175,7 +176,7 @@ def _folded_worker(sp):
     tps = [dist.new_group([2 * i, 2 * i + 1]) for i in range(2)]
     everyone = dist.new_group([0, 1, 2, 3])
     tpg = AxisGroup("tp", (2 * d, 2 * d + 1), t, tps[d])
-    block = _folded_block(tpg, AxisGroup("ep", (0, 1, 2, 3), me, everyone), tpg, sp, t, me)
+    block = _folded_block(tpg, AxisGroup("ep", (0, 1, 2, 3), me, everyone), tpg, sp, t, me, capacity)
     x = _folded_batch(d)
     if sp:
         x = x.chunk(2, dim=1)[t]
@@ -185,19 +186,24 @@ def _folded_worker(sp):
     return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_whole_experts_folded_over_tp_and_dp_equal_one_process(sp):
+@pytest.mark.parametrize("sp,capacity", [(False, None), (True, None), (False, 0.5), (True, 0.5)])
+def test_whole_experts_folded_over_tp_and_dp_equal_one_process(sp, capacity):
     """tp 2 x dp 2 with ep 4 and etp 1: each rank holds one whole expert and routes its own tokens (its
     sequence shard with SP, else half of the tokens its TP pair shares), sent once per rank to the
     expert's rank among all four; outputs and input gradients equal one process on each dp rank's
-    batch, an expert's gradient the sum over both batches, the router's (without SP) the batch's."""
+    batch, an expert's gradient the sum over both batches, the router's (without SP) the batch's.
+    With a capacity factor (half the fair share, a skewed router) each rank keeps what one process
+    keeps of its tokens: "first come" counted over both TP ranks' parts of each sequence."""
     import torch
 
     from mt3d.parallel.layers import shard_of
     from mt3d.parallel.spawn import spawn
     from mt3d.parallel.state import AxisGroup
 
-    ref = _folded_block(AxisGroup.alone("tp"), None, None, False)
+    ref = _folded_block(AxisGroup.alone("tp"), None, None, False, capacity=capacity)
+    if capacity is not None:  # assignments really drop
+        dropless = _folded_block(AxisGroup.alone("tp"), None, None, False)
+        assert not torch.allclose(ref(_folded_batch(0)), dropless(_folded_batch(0)))
     want, grads = [], []
     for d in range(2):
         ref.zero_grad()
@@ -207,7 +213,7 @@ def test_whole_experts_folded_over_tp_and_dp_equal_one_process(sp):
         want.append((out.detach(), x.grad))
         grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
     params = dict(ref.named_parameters())
-    for rank, (out, dx, got) in enumerate(spawn(_folded_worker, 4, sp, timeout=300)):
+    for rank, (out, dx, got) in enumerate(spawn(_folded_worker, 4, sp, capacity, timeout=300)):
         t, d = rank % 2, rank // 2
         w_out, w_dx = want[d]
         if sp:

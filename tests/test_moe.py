@@ -134,6 +134,55 @@ def test_capacity_mode_drops_the_assignments_a_hand_count_finds():
     assert block((x, *start_stats(cfg.moe_spec, x)))[2][4].item() == 0
 
 
+def _first_come_worker(cp, n, samples, seq, k, e):
+    """Rank (q, u) = (cp rank, tpo rank): the position of each of its assignments inside its expert,
+    counted locally and moved by ``SparseMoE._earlier_in_sequence``, with the global positions they
+    must equal."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from mt3d.model.moe import SparseMoE
+    from mt3d.parallel.state import AxisGroup
+
+    me = dist.get_rank()
+    q, u = divmod(me, n)
+    tpos = [dist.new_group([a * n + b for b in range(n)]) for a in range(cp)]
+    cps = [dist.new_group([a * n + b for a in range(cp)]) for b in range(n)]
+    moe = SimpleNamespace(spec=SimpleNamespace(experts=e, top_k=k),
+                          cp=AxisGroup("cp", tuple(a * n + u for a in range(cp)), q, cps[u]),
+                          tpo=AxisGroup("tpo", tuple(q * n + b for b in range(n)), u, tpos[q]))  # fmt: skip
+    index = torch.randint(e, (samples, seq, k), generator=torch.Generator().manual_seed(7))
+    index[:, : seq // 3] = 0  # crowd one expert early in each sequence
+    flat = index.flatten()  # one process: (sample, position, slot) order
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.numel()) - (counts.cumsum(0) - counts)[flat[order]]
+    chunk = seq // (2 * cp)  # this cp rank's sequence: chunks q and 2cp-1-q; segment u of it
+    mine = torch.cat([torch.arange(q * chunk, (q + 1) * chunk),
+                      torch.arange((2 * cp - 1 - q) * chunk, (2 * cp - q) * chunk)])  # fmt: skip
+    mine = mine.chunk(n)[u]
+    local = index[:, mine].flatten()
+    lorder = torch.argsort(local, stable=True)
+    lcounts = torch.bincount(local, minlength=e)
+    pos = torch.arange(local.numel()) - (lcounts.cumsum(0) - lcounts)[local[lorder]]
+    pos = pos + SparseMoE._earlier_in_sequence(moe, local, lorder, samples)
+    flat_of_local = (torch.arange(samples)[:, None] * seq + mine[None, :])[..., None] * k + torch.arange(k)
+    return pos, where[flat_of_local.flatten()[lorder]]
+
+
+@pytest.mark.parametrize("cp,n", [(2, 3), (1, 2), (2, 2)])
+def test_capacity_first_come_counts_every_ranks_part_of_the_sequence(cp, n):
+    """Capacity's "first come" in one process's token order when cp ranks (zigzag chunks q and
+    2cp-1-q) and n TP ranks (experts split over tp / n ranks: each routes one of n segments of the cp
+    rank's sequence) route parts of the same sequences: every assignment's position inside its expert
+    equals the one process's. cp 2 x n 3 puts a segment across the chunk boundary (two runs of
+    positions on one rank)."""
+    for pos, want in spawn(_first_come_worker, cp * n, cp, n, 2, 12 * n, 2, 4, timeout=120):
+        assert torch.equal(pos, want), (pos, want)
+
+
 @pytest.mark.parametrize("coef", [0.0, 0.01])
 def test_router_statistics_carry_a_gradient_only_when_a_router_loss_uses_them(coef):
     """The per-layer router statistics (probability sums, z^2) feed the aux and z losses and the
@@ -310,6 +359,12 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-qwen3-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),  # SP, edp 1
     # group-limited sigmoid routing, correction biases, a shared expert, a dense layer, MLA; edp 2
     ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1)),
+    # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP
+    (
+        "tiny-mixtral-capacity",
+        4,
+        dict(tensor=2, context=2, expert=2, expert_tensor=1, sequence_parallel=True),
+    ),  # fmt: skip
 ]
 
 

@@ -437,10 +437,6 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: in
         return (f"ZeRO stage {zero_stage} with a folded expert layout is not supported yet (expert_tensor "
                 f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stages 1 and 2 "
                 "so far): set zero_optimization.stage 1 or 2")  # fmt: skip
-    if spec.capacity_factor is not None and etp < degrees["tp"]:
-        return ("model.moe.capacity_factor with expert_tensor below tensor is not supported yet (a "
-                "rank's capacity would count its share of the sequence): drop it or set expert_tensor = "
-                "tensor")  # fmt: skip
     share, local = degrees["tp"] // etp, (seq_len or 0) // degrees.get("cp", 1)
     if seq_len is not None and not sp and local % share:
         return (f"data.seq_len / context = {local} tokens are not divisible by tensor / expert_tensor = "

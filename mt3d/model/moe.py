@@ -167,10 +167,6 @@ class SparseMoE(nn.Module):
         """The ranks that split each expert's inner dimension (the TP group unless folded)."""
         self.tpo = ctx.tpo if ctx.tpo is not None and ctx.tpo.size > 1 else None
         """Without SP and with etp below tp: the TP ranks holding the same tokens that share them out."""
-        if self.etp.size < self.tp.size and spec.capacity_factor is not None:
-            raise MoEConfigError("model.moe.capacity_factor with expert_tensor below tensor is not supported "
-                                 "yet (each rank's capacity would count a share of the sequence); drop it "
-                                 "or set expert_tensor = tensor")  # fmt: skip
         act = F.silu if cfg.mlp == "swiglu" else _gelu_tanh
         self.glu = functools.partial(gated, act=act, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias,
@@ -298,17 +294,20 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=e)
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        cp = self.cp.size if self.cp is not None else 1
-        cap = self.spec.capacity(t * cp) if self.training else None  # evaluation is dropless (transformers)
+        parts = (self.cp.size if self.cp is not None else 1) * (self.tpo.size if self.tpo is not None else 1)
+        # evaluation is dropless (transformers); ``parts``: the ranks routing disjoint parts of these samples
+        cap = self.spec.capacity(t * parts) if self.training else None
         if cap is not None:  # position of each sorted assignment inside its expert; keep the first cap
             starts = counts.cumsum(0) - counts
             pos = torch.arange(t * k, device=x.device) - starts[flat[order]]
-            if cp > 1:
+            if parts > 1:
                 pos = pos + self._earlier_in_sequence(flat, order, samples)
             keep = pos < cap
             dropped = (~keep).sum()
             order = order[keep]
             counts = torch.bincount(flat[order], minlength=e)
+            if self.tpo is not None:  # each segment's drops once (an etp group's ranks drop alike)
+                dropped = all_reduce(dropped, self.tpo)
         if self.ep is not None and self.dedup:
             return (*self._dispatch_once(x, flat, order, weights, during), dropped)
         rows = order // k
@@ -363,24 +362,43 @@ class SparseMoE(nn.Module):
     def _earlier_in_sequence(self, flat: torch.Tensor, order: torch.Tensor, samples: int) -> torch.Tensor:
         """For each expert-sorted assignment (``flat[order]``), how many assignments to its expert the
         single process would have counted before it that this rank did not: capacity's "first come" in
-        global token order under context parallelism. Rank r holds chunks r and 2cp-1-r of each of
-        ``samples`` sequences; each block (sample, chunk) is counted per expert, the counts gathered
-        over cp (samples x 2 x E integers per rank), and an assignment moves by the global count
-        before its block less the local count before it."""
+        global token order when several ranks route parts of the same ``samples`` sequences. Under cp,
+        rank q holds chunks q and 2cp-1-q of each; with experts split over fewer ranks than tp, TP
+        rank u of ``tpo`` routes the u-th of its n segments of that (its etp group's gathered shards
+        with SP, its share without). A rank's part of a sample is then one or two runs of consecutive
+        positions (split where chunk q ends); each run is counted per expert, the counts gathered over
+        tpo and cp (samples x 2 x E integers per rank), and an assignment moves by the count before its
+        run in (sample, position) order less the local count before it."""
         from ..parallel.mappings import start_gather
 
-        cp, r, e, k = self.cp.size, self.cp.rank, self.spec.experts, self.spec.top_k
-        half = flat.numel() // k // samples // 2  # tokens of one chunk of one sample on this rank
-        block = torch.arange(flat.numel(), device=flat.device) // k // half  # sample * 2 + which chunk
+        e, k = self.spec.experts, self.spec.top_k
+        cp, q = (self.cp.size, self.cp.rank) if self.cp is not None else (1, 0)
+        n, u = (self.tpo.size, self.tpo.rank) if self.tpo is not None else (1, 0)
+        seg = flat.numel() // k // samples  # this rank's tokens of one sample
+        half = seg * n // 2 if cp > 1 else seg * n  # where chunk q ends in the cp rank's local sequence
+
+        def runs(q: int, u: int) -> list[tuple[int, int]]:  # member (q, u)'s runs: (global start, local end)
+            a, b = u * seg, (u + 1) * seg
+            first = (q * half + a, min(b, half)) if a < half else (cp * 2 * half, a)  # empty: counts nothing
+            return [first, ((2 * cp - 1 - q) * half + max(a, half) - half, b)]
+
+        ends = torch.tensor([end - u * seg for _, end in runs(q, u)], device=flat.device)
+        token = torch.arange(flat.numel(), device=flat.device) // k
+        block = token // seg * 2 + (token % seg >= ends[0]).long()  # sample * 2 + run
         local = torch.bincount(block * e + flat, minlength=samples * 2 * e).view(samples, 2, e)
-        gathered = start_gather(local.unsqueeze(0), self.cp, 0)().view(cp, samples, 2, e)
-        chunk = [(q, h) for j in range(2 * cp) for q in range(cp) for h in range(2)
-                 if (q if h == 0 else 2 * cp - 1 - q) == j]  # fmt: skip
-        glob = torch.stack([gathered[q, :, h] for q, h in chunk], dim=1)  # [samples, 2cp, E] in order
-        g_before = (glob.flatten(0, 1).cumsum(0) - glob.flatten(0, 1)).view(samples, 2 * cp, e)
+        gathered = local.unsqueeze(0)
+        for g in (self.tpo, self.cp):  # [cp, n, samples, 2, E]
+            if g is not None:
+                gathered = start_gather(gathered.unsqueeze(0), g, 0)()
+        gathered = gathered.view(cp * n, samples, 2, e).permute(1, 0, 2, 3).reshape(samples, cp * n * 2, e)
+        starts = torch.tensor([s for qq in range(cp) for uu in range(n) for s, _ in runs(qq, uu)])
+        mine = torch.tensor([s for s, _ in runs(q, u)])
+        earlier = (starts[None, :] < mine[:, None]).to(flat.device)  # [my 2 runs, every run]
+        totals = gathered.sum(1)  # [samples, E]
+        same_sample = (earlier[None, :, :, None] * gathered[:, None]).sum(2)  # [samples, 2, E]
+        g_before = (totals.cumsum(0) - totals)[:, None] + same_sample
         l_before = (local.flatten(0, 1).cumsum(0) - local.flatten(0, 1)).view(samples, 2, e)
-        mine = torch.tensor([r, 2 * cp - 1 - r], device=flat.device)
-        shift = g_before[:, mine] - l_before  # [samples, 2, E]
+        shift = g_before - l_before  # [samples, 2, E]
         sb = block[order]
         return shift[sb // 2, sb % 2, flat[order]]
 
