@@ -208,7 +208,7 @@ def test_router_statistics_carry_a_gradient_only_when_a_router_loss_uses_them(co
     torch.testing.assert_close(stats_f.detach(), want, rtol=1e-5, atol=1e-5)
 
 
-def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None, bias=False):
+def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None, bias=False, hosts=None):
     from mt3d.model.blocks import BuildContext, TransformerBlock
     from mt3d.model.config import ModelConfig
     from mt3d.parallel.state import AxisGroup
@@ -220,7 +220,7 @@ def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None, 
                                               swiglu_limit=7.0 if bias else None)))  # fmt: skip
     tpg = AxisGroup("tp", tuple(range(tp)), tp_rank, groups[0])
     epg = AxisGroup("ep", tuple(range(ep)), ep_rank, groups[1])
-    block = TransformerBlock(cfg, BuildContext(tp=tpg, ep=epg, seed=5), 0)
+    block = TransformerBlock(cfg, BuildContext(tp=tpg, ep=epg, ep_hosts=hosts, seed=5), 0)
     with torch.no_grad():
         block.mlp.router.weight.mul_(30)
         for name, p in block.mlp.named_parameters():
@@ -295,6 +295,101 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep, capacity, bias):
         assert runs[0][3] < runs[1][3], (runs[0][3], runs[1][3])
 
 
+def _node_dispatch_worker():
+    """ep 4 on two 'hosts' of two ranks, routed over the host ('node', two hops) and over the ep group
+    ('rank'): per run the output, input and weight gradients, the elements this rank's all-to-alls
+    sent to the other host, and its tokens' experts."""
+    import torch.distributed as dist
+
+    from mt3d.parallel.commlog import CollectiveLog
+    from mt3d.parallel.state import AxisGroup
+
+    me = dist.get_rank()
+    everyone = dist.new_group([0, 1, 2, 3])
+    rails = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    host, place = divmod(me, 2)
+    hosts = (AxisGroup("ep_rail", (place, 2 + place), host, rails[place]),
+             AxisGroup("ep_node", (2 * host, 2 * host + 1), place, nodes[host]), (0, 0, 1, 1))  # fmt: skip
+    runs = []
+    for how in (hosts, None):
+        block = _ep_block(1, 4, 0, me, (None, everyone), hosts=how).double()
+        seen = []
+        block.mlp.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(a[0].detach()))
+        x = _ep_batch(me).requires_grad_()
+        with CollectiveLog() as log:
+            out = block(x)
+            out.backward(torch.ones_like(out))
+        crossing = sum(
+            n for c in log.calls if c.op == "all_to_all_single" and c.numel != len(c.ranks)  # not the counts
+            for r, n in zip(c.ranks, c.sends) if r // 2 != host
+        )  # fmt: skip
+        logits = block.mlp.router(seen[0])
+        experts = block.mlp._route(logits, logits.float().softmax(-1))[1].reshape(-1, 2)
+        grads = {n: p.grad for n, p in block.named_parameters()}
+        runs.append((out.detach(), x.grad, grads, crossing, experts))
+    return runs
+
+
+def test_node_dispatch_crosses_to_each_host_once_per_token():
+    """``parallel.expert_dispatch`` "node" (ep 4 over two hosts of two ranks, one expert each): a token
+    goes to the rank at its sender's place on each other host holding any of its experts, which passes
+    it on within its host (DeepEP's inter-node route). Outputs and gradients equal one process in fp64
+    (and the one-hop dispatch's); the elements sent across hosts, summed over the ranks, are 4h + 4k
+    per token and other host holding any of its experts (one row there and back, forward and
+    backward), against one per token and other-host rank for the one-hop dispatch."""
+    ref = _ep_block(1, 1).double()
+    want = []
+    for rank in range(4):
+        ref.zero_grad()
+        x = _ep_batch(rank).requires_grad_()
+        out = ref(x)
+        out.backward(torch.ones_like(out))
+        want.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in ref.named_parameters()}))
+    per_row = 4 * 32 + 4 * 2
+    totals = {"node": [0, 0], "rank": [0, 0]}
+    for rank, (node, one_hop) in enumerate(spawn(_node_dispatch_worker, 4, timeout=120)):
+        w_out, w_dx, w_grads = want[rank]
+        for (out, dx, grads, crossing, experts), how in ((node, "node"), (one_hop, "rank")):
+            torch.testing.assert_close(out, w_out), torch.testing.assert_close(dx, w_dx)
+            for name, g in grads.items():  # an expert's gradient: every rank's tokens it took
+                full = sum(w[2][name] for w in want) if ".experts." in name else w_grads[name]
+                torch.testing.assert_close(g, full, msg=name)
+            away = [{int(e) for e in row if int(e) // 2 != rank // 2} for row in experts]
+            totals[how][0] += crossing
+            totals[how][1] += sum(1 for a in away if a) if how == "node" else sum(len(a) for a in away)
+    assert all(sent == rows * per_row for sent, rows in totals.values()), totals
+    assert 0 < totals["node"][0] < totals["rank"][0], totals
+
+
+def test_bad_expert_dispatch_is_one_line(tmp_path):
+    """An unknown ``expert_dispatch``, "node" without expert parallelism (before any process group),
+    and "node" where an ep group has different numbers of ranks on its hosts (once the hosts are known)."""
+    from mt3d.config import ConfigError, from_dict, resolve_model, validate
+    from mt3d.config.rules import dispatch_hosts_conflict
+    from mt3d.ds.topology import map_ranks
+    from mt3d.parallel.hosts import Host
+
+    from helpers import tiny_config
+
+    bad = (("nodes", 2, "expert_dispatch must be one of rank, node, got 'nodes'"),
+           ("node", 1, "it needs a model with experts and parallel.expert > 1"))  # fmt: skip
+    for dispatch, ep, message in bad:
+        raw = tiny_config(tmp_path, model={"preset": "tiny-mixtral"})
+        raw["mt3d"]["parallel"].update(expert=ep, expert_dispatch=dispatch)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(from_dict(raw), 2, resolve_model(raw["mt3d"]["model"]))
+
+    def placement(*slots):
+        hosts = tuple(Host(f"h{i}", n) for i, n in enumerate(slots))
+        return map_ranks(4, hosts=hosts, order="tp-cp-ep-dp-pp", islands=None, allow_crossing=False,
+                         expert_tensor=None, tp=1, pp=1, cp=1, ep=4).placement  # fmt: skip
+
+    assert dispatch_hosts_conflict("node", placement(2, 2)) is None
+    assert "the same number of ranks on each of its hosts" in dispatch_hosts_conflict("node", placement(3, 1))
+    assert dispatch_hosts_conflict("rank", placement(3, 1)) is None
+
+
 def _overlap_worker():
     import torch.distributed as dist
 
@@ -359,6 +454,8 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-qwen3-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),  # SP, edp 1
     # group-limited sigmoid routing, correction biases, a shared expert, a dense layer, MLA; edp 2
     ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1)),
+    # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once
+    ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2)),
     # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP
     (
         "tiny-mixtral-capacity",
@@ -373,12 +470,17 @@ CAPACITY = {"preset": "tiny-mixtral", "moe": {"experts": 4, "top_k": 2, "expert_
 """tiny-mixtral with half its experts' fair share: assignments drop in every step."""
 
 
-def _train(tmp_path, name, world, preset, recompute=0, zero=1, **parallel):
+def _train(tmp_path, name, world, preset, recompute=0, zero=1, hosts=None, **parallel):
+    """``hosts``: split the ranks evenly over that many hosts (a hostfile)."""
     from helpers import step_records, tiny_config, train_worker
 
     model = CAPACITY if preset == "tiny-mixtral-capacity" else {"preset": preset}
     raw = tiny_config(tmp_path / name, model=model, recompute={"interval": recompute}, zero=zero)
     raw["mt3d"]["parallel"].update(parallel)
+    if hosts:
+        hostfile = tmp_path / f"{name}-hosts"
+        hostfile.write_text("".join(f"node{i} slots={world // hosts}\n" for i in range(hosts)))
+        raw["mt3d"]["parallel"]["hostfile"] = str(hostfile)
     return step_records(spawn(train_worker, world, raw, timeout=600)[0])
 
 

@@ -213,6 +213,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     _check_schedule(run, degrees, stage)
     if model is not None:
         _check_model(model, par, degrees, data.seq_len)
+    why = rules.dispatch_conflict(par.expert_dispatch, degrees["ep"], model)
+    if why:
+        raise ConfigError(why)
     if model is not None:
         why = rules.context_conflict(par, degrees, data.seq_len, stage, model) or rules.folding_conflict(
             model.moe_spec, degrees, stage, data.seq_len, par.sequence_parallel

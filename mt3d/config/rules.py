@@ -445,6 +445,31 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: in
     return None
 
 
+DISPATCHES = ("rank", "node")
+"""``mt3d.parallel.expert_dispatch``'s values (``model.moe.SparseMoE._exchange``)."""
+
+
+def dispatch_conflict(dispatch: str, ep: int, model=None) -> str | None:
+    """Why ``mt3d.parallel.expert_dispatch`` cannot run as configured (None: it can; whether the ep
+    groups split evenly over the hosts is known once the hosts are, ``training.runtime.setup``)."""
+    if dispatch not in DISPATCHES:
+        return f"mt3d.parallel.expert_dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}"
+    if dispatch == "node" and (ep == 1 or (model is not None and model.moe is None)):
+        return ("mt3d.parallel.expert_dispatch 'node' routes tokens to experts over hosts: it needs a model "
+                "with experts and parallel.expert > 1; set it to 'rank' (or leave it out)")  # fmt: skip
+    return None
+
+
+def dispatch_hosts_conflict(dispatch: str, placement) -> str | None:
+    """Why ``expert_dispatch`` cannot route over the hosts of ``placement`` (a
+    ``parallel.topology.Placement``; None: it can): "node" splits each ep group by host evenly."""
+    if dispatch == "node" and placement.ep_host_blocks() is None:
+        return ("mt3d.parallel.expert_dispatch 'node' needs each ep group to have the same number of ranks "
+                "on each of its hosts; change the hosts' slots, parallel.order or parallel.expert, or use "
+                "'rank'")  # fmt: skip
+    return None
+
+
 def moe_conflict(zero_stage: int, ep: int = 1) -> str | None:
     """Why a mixture-of-experts model cannot run at this layout (None: it can; ZeRO 0-2 at any ep)."""
     if zero_stage == 3:

@@ -102,6 +102,12 @@ class ParallelConfig:
     expert_tensor: int | None = None
     """Ranks that split one expert's inner dimension (etp; null: tensor). 1 keeps experts whole (one
     per rank and no expert-TP collectives: Megatron-Core's recommendation); it must divide tensor."""
+    expert_dispatch: str = "rank"
+    """How routed tokens reach their experts' ranks: 'rank', one all-to-all over the ep group, each
+    token sent once to each rank holding any of its experts; 'node', two where the ep group spans hosts
+    (DeepEP's inter-node route): once to each host holding any of its experts (to the ep rank at the
+    sender's place there), then within that host to the experts' ranks, so a token crosses to another
+    host at most once per host. 'node' needs the same number of ep ranks on each host of a group."""
     pipeline: int = 1
     """Pipeline stages pp (DeepSpeed's 1F1B pipeline engine)."""
     order: str = "tp-cp-ep-dp-pp"

@@ -41,6 +41,9 @@ class BuildContext:
             (``parallel.expert_layout``; None: tp, every expert split over the whole TP group).
         tpo: with etp smaller than tp, the ranks of a TP group with the same expert-TP rank: without
             sequence parallelism they hold the same tokens, and each routes 1/tpo of them (None: one).
+        ep_hosts: with ``parallel.expert_dispatch`` "node" and an ep group across hosts, (the ep ranks
+            at this rank's place on each host, the ep ranks on this host, each ep rank's host block):
+            the dispatch crosses to each host once, then fans out within it (None: one hop over ep).
         keep_gathered: with sequence parallelism, column-parallel linears keep their all-gathered
             input for the backward instead of the 1/tp shard (``train.recompute.gathered_sp_inputs``).
         selective: recompute the attention core and the MLP's activation in the backward
@@ -64,6 +67,7 @@ class BuildContext:
     ep: AxisGroup | None = None
     etp: AxisGroup | None = None
     tpo: AxisGroup | None = None
+    ep_hosts: tuple | None = None
     keep_gathered: bool = False
     selective: bool = False
     fp8: str | None = None

@@ -61,6 +61,7 @@ from ..parallel.mappings import (
 )
 from ..parallel.marks import mark_tp_partial_grad
 from ..parallel.random import recomputing
+from ..parallel.state import AxisGroup
 from .grouped import grouped_gemm_works, grouped_linear
 from .moe_spec import MoEConfigError, MoESpec  # noqa: F401 - MoEConfigError: re-exported
 
@@ -154,6 +155,23 @@ def gated(y: torch.Tensor, act, limit: float | None = None, alpha: float = 1.0) 
     return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
 
+def _hops(ep: AxisGroup, hosts: tuple | None, experts: int) -> list[tuple[AxisGroup, list[int]]]:
+    """The dispatch's hops from the ep group, each (group, the member each expert's rows go to): one
+    over ``ep`` itself, or with ``hosts`` = (the ep ranks at this rank's place on each host, the ep
+    ranks on this host, the host block of each ep rank in ep order) two: once to each host, to the
+    rank at this rank's place there, then within the host to the expert's rank (DeepEP's inter-node
+    route: a token crosses to each host at most once)."""
+    local = experts // ep.size
+    owner = [e // local for e in range(experts)]  # the ep rank holding each expert
+    if hosts is None:
+        return [(ep, owner)]
+    rail, node, blocks = hosts
+    place = [blocks[:d].count(blocks[d]) for d in range(ep.size)]  # each ep rank's place on its host
+    if len(blocks) != ep.size or len(set(blocks)) != rail.size or blocks.count(blocks[0]) != node.size:
+        raise ValueError(f"host blocks {blocks} do not match ep {ep.size} = {rail.size} hosts x {node.size}")
+    return [(rail, [blocks[d] for d in owner]), (node, [place[d] for d in owner])]
+
+
 class SparseMoE(nn.Module):
     """The MLP of a sparse block: router, routed experts, optional gated shared expert."""
 
@@ -182,6 +200,11 @@ class SparseMoE(nn.Module):
             raise MoEConfigError(f"model.moe.experts ({spec.experts}) is not divisible by ep={ep}")
         self.local = range(r * spec.experts // ep, (r + 1) * spec.experts // ep)
         """The experts this rank holds (all of them without expert parallelism)."""
+        self.hops = _hops(self.ep, ctx.ep_hosts, spec.experts) if self.ep is not None else []
+        """The dispatch's hops, each (group, the member of it each expert's rows go to): over the ep
+        group, or with ``parallel.expert_dispatch`` "node" across hosts over the ep ranks at this
+        rank's place on each host, then within the host (``_exchange``)."""
+        self._targets: dict = {}
         self.experts = nn.ModuleDict(
             {
                 str(j): Expert(cfg, dataclasses.replace(ctx, tp=self.etp), layer, j, spec.expert_ffn)
@@ -317,47 +340,71 @@ class SparseMoE(nn.Module):
 
     def _dispatch_once(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
                        during=None):  # fmt: skip
-        """Expert parallelism with each token sent at most once to each ep rank: the kept assignments
-        (``order`` into ``flat``, the [T k] experts) are grouped by (destination rank, token); one row
-        per pair travels with its k slots' weights and local expert indices (-1: another rank's or
-        dropped) in one [rows, 2k] fp32 tensor (fp32 rows carry it as columns: one transfer each way);
-        the rank runs every local expert a row names, sums their weighted outputs and sends back one
-        row, which the source adds to its token. The counts exchange is per rank (ep integers).
-        Elements per off-rank row: 4 h + 4 k over the forward and backward
-        (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert)
-        runs while the rows and metadata travel, and its backward while their gradients travel back
-        (``mappings.start_all_to_all_rows``); returns (output, what ``during`` returned)."""
-        ep, local = self.ep.size, len(self.local)
+        """Expert parallelism with each token sent at most once to each rank (with ``self.hops`` of two:
+        once to each host, then once to each rank there) that holds any of its kept assignments
+        (``order`` into ``flat``, the [T k] experts): ``_exchange`` from the token's k slots, the
+        dropped ones -1. Returns (output, what ``during`` returned)."""
         t, k = weights.shape
-        tok, slot, expert = order // k, order % k, flat[order]
-        dest = expert // local
-        pairs, which = torch.unique(dest * t + tok, return_inverse=True)  # sorted: by rank, then token
-        src = pairs % t
+        ids = torch.full((t * k,), -1, dtype=torch.long, device=x.device)
+        ids[order] = flat[order]
+        return self._exchange(x, weights, ids.view(t, k), 0, during)
+
+    def _exchange(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, hop: int, during=None):
+        """Rows x [R, h] whose slots name experts ``ids`` [R, k] (-1: none) with weights ``w``: each row
+        travels once to each member of hop ``hop``'s group that its experts' rows go to, with its k slots'
+        weights and experts (-1: another member's) in one [rows, 2k] fp32 tensor (fp32 rows carry it as
+        columns: one transfer each way); there the next hop takes the rows on, or the rank runs every
+        local expert a row names and sums their weighted outputs; one row comes back per row sent, which
+        the source adds to its row. The counts exchange is per member (group-size integers). Elements
+        per off-rank row of one hop: 4 h + 4 k over the forward and backward
+        (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert) runs while the first
+        hop's rows and metadata travel, and its backward while their gradients travel back
+        (``mappings.start_all_to_all_rows``); returns (combined rows like x, what ``during`` returned)."""
+        group, _ = self.hops[hop]
+        r, k = ids.shape
+        row, slot = (ids >= 0).nonzero(as_tuple=True)
+        expert = ids[row, slot]
+        dest = self._target(hop, x.device)[expert]
+        pairs, which = torch.unique(dest * r + row, return_inverse=True)  # sorted: by member, then row
+        src = pairs % r
         with torch.no_grad():
-            ids = torch.full((pairs.numel(), k), -1.0, device=x.device)
-            ids[which, slot] = (expert - dest * local).float()
-            send = torch.bincount(pairs // t, minlength=ep)
-            recv = all_to_all_counts(send.view(ep, 1), self.ep).view(-1)
-        w = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=x.device)
-        w = w.index_put((which, slot), weights.flatten()[order].float())
+            names = torch.full((pairs.numel(), k), -1.0, device=x.device)
+            names[which, slot] = expert.float()
+            send = torch.bincount(pairs // r, minlength=group.size)
+            recv = all_to_all_counts(send.view(group.size, 1), group).view(-1)
+        ws = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=x.device)
+        ws = ws.index_put((which, slot), w[row, slot].float())
         send, recv = send.tolist(), recv.tolist()
-        meta = torch.cat([w, ids], dim=1)
+        meta = torch.cat([ws, names], dim=1)
         if x.dtype == torch.float32:  # one transfer each way: the metadata rides as 2k more columns
-            posted = [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, self.ep)]
+            posted = [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, group)]
         else:
-            posted = [start_all_to_all_rows(part, send, recv, self.ep) for part in (x[src], meta)]
+            posted = [start_all_to_all_rows(part, send, recv, group) for part in (x[src], meta)]
         side = during() if during is not None else None  # the shared expert, while the rows travel
         got = [wait() for wait in posted]
         xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
         wr, idr = meta[:, :k], meta[:, k:].detach().long()
-        row, slot_r = (idr >= 0).nonzero(as_tuple=True)
-        lexp = idr[row, slot_r]
+        last = hop + 1 == len(self.hops)
+        yr = self._at_experts(xr, wr, idr) if last else self._exchange(xr, wr, idr, hop + 1)[0]
+        return torch.zeros_like(x).index_add(0, src, all_to_all_rows(yr, recv, send, group)), side
+
+    def _target(self, hop: int, device: torch.device) -> torch.Tensor:
+        """Hop ``hop``'s member for each expert, on ``device`` (made once per device)."""
+        key = (hop, device)
+        if key not in self._targets:
+            self._targets[key] = torch.tensor(self.hops[hop][1], dtype=torch.long, device=device)
+        return self._targets[key]
+
+    def _at_experts(self, xr: torch.Tensor, wr: torch.Tensor, idr: torch.Tensor) -> torch.Tensor:
+        """The rows that reached their experts' rank: every local expert a row names (``idr``, -1 none)
+        runs on it, and the row's output is their sum weighted by ``wr``."""
+        row, slot = (idr >= 0).nonzero(as_tuple=True)
+        lexp = idr[row, slot] - self.local.start
         perm = torch.argsort(lexp, stable=True)
-        row, slot_r = row[perm], slot_r[perm]
-        ye = self._run_local(xr[row], torch.bincount(lexp[perm], minlength=local).tolist())
-        ye = (ye * wr[row, slot_r].unsqueeze(-1)).to(x.dtype)
-        yr = torch.zeros_like(xr).index_add(0, row, ye)
-        return torch.zeros_like(x).index_add(0, src, all_to_all_rows(yr, recv, send, self.ep)), side
+        row, slot = row[perm], slot[perm]
+        ye = self._run_local(xr[row], torch.bincount(lexp[perm], minlength=len(self.local)).tolist())
+        ye = (ye * wr[row, slot].unsqueeze(-1)).to(xr.dtype)
+        return torch.zeros_like(xr).index_add(0, row, ye)
 
     def _earlier_in_sequence(self, flat: torch.Tensor, order: torch.Tensor, samples: int) -> torch.Tensor:
         """For each expert-sorted assignment (``flat[order]``), how many assignments to its expert the

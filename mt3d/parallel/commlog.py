@@ -47,6 +47,9 @@ class Collective:
     numel: int
     bytes: int
     ranks: tuple[int, ...]
+    sends: tuple[int, ...] = ()
+    """For ``all_to_all_single``: the elements sent to each member of ``ranks`` (this rank's own share
+    included), from its input split sizes."""
 
 
 _TENSOR_KWARGS = {
@@ -65,6 +68,18 @@ def _message(args, kwargs, index):
     tensors = t if isinstance(t, list) else [t]
     tensors = [x for x in tensors if torch.is_tensor(x)]
     return sum(x.numel() for x in tensors), sum(x.numel() * x.element_size() for x in tensors)
+
+
+def _a2a_sends(args, kwargs, members: int) -> tuple[int, ...]:
+    """Elements an ``all_to_all_single(output, input, output_split_sizes, input_split_sizes)`` sends to
+    each member: its input's rows split as given (evenly without sizes)."""
+    t = args[1] if len(args) > 1 else kwargs.get("input")
+    splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+    if not torch.is_tensor(t) or t.dim() == 0:
+        return ()
+    row = t[0].numel() if t.shape[0] else 0
+    splits = list(splits) if splits else [t.shape[0] // members] * members
+    return tuple(int(n) * row for n in splits)
 
 
 class CollectiveLog:
@@ -101,7 +116,8 @@ class CollectiveLog:
                 else tuple(range(dist.get_world_size()))
             )
             numel, nbytes = _message(args, kwargs, index)
-            self.calls.append(Collective(name, numel, nbytes, ranks))
+            sends = _a2a_sends(args, kwargs, len(ranks)) if name == "all_to_all_single" else ()
+            self.calls.append(Collective(name, numel, nbytes, ranks, sends))
             return orig(*args, **kwargs)
 
         return recorded

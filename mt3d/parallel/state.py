@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .axes import AXES
-from .topology import COMBINED, place
+from .topology import COMBINED, HOST_GROUPS, place
 
 ALWAYS = ("tp", "dp", "pp", "model", "edp")
 """Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world), and
@@ -59,10 +59,11 @@ class AxisGroup:
         return cls(name=name, ranks=(global_rank,), rank=0, group=None)
 
 
-GROUPS = (*(a.name for a in AXES), *COMBINED, "etp", "tpo")
-"""Every group a rank has: the axes', the combined ones, and the expert layout's expert-TP group and
-the TP ranks sharing an expert-TP rank (``topology.EXPERT_GROUPS``; the tp group and one rank before
-folding)."""
+GROUPS = (*(a.name for a in AXES), *COMBINED, "etp", "tpo", *HOST_GROUPS)
+"""Every group a rank has: the axes', the combined ones, the expert layout's expert-TP group and the
+TP ranks sharing an expert-TP rank (``topology.EXPERT_GROUPS``; the tp group and one rank before
+folding), and the ep group split by host (``topology.HOST_GROUPS``; the ep group and one rank while
+it stays on one host)."""
 
 
 class ParallelState:
@@ -108,6 +109,15 @@ class ParallelState:
         return cls(place(1), 0, {g: AxisGroup.alone(g) for g in GROUPS})
 
     # --- convenience -------------------------------------------------------------------
+    def ep_hosts(self) -> tuple | None:
+        """(ep_rail, ep_node, the host block of each ep rank in ep order) when this rank's ep group spans
+        hosts evenly (``Placement.ep_host_blocks``; ``model.build.BuildContext.ep_hosts``), else None."""
+        if self.groups["ep_rail"].size == 1:
+            return None
+        hosts = self.placement.host_of[list(self.groups["ep"].ranks)].tolist()
+        order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+        return self.groups["ep_rail"], self.groups["ep_node"], tuple(order[h] for h in hosts)
+
     @property
     def placement(self):
         """The rank placement (``mt3d.parallel.topology.Placement``) the groups were built from."""
@@ -241,6 +251,8 @@ def _my_group(placement, name: str, me: int, made: dict[str, AxisGroup]) -> Axis
             return AxisGroup(name, made[same].ranks, made[same].rank, made[same].group)
     if name == "etp" and placement.expert.etp == placement.degrees["tp"]:  # the TP group itself
         return AxisGroup(name, made["tp"].ranks, made["tp"].rank, made["tp"].group)
+    if name == "ep_node" and placement.size(name) == placement.size("ep"):  # the ep group on one host
+        return AxisGroup(name, made["ep"].ranks, made["ep"].rank, made["ep"].group)
     lists = [sorted(g) for g in placement.groups(name)] if name == "model" else list(placement.groups(name))
     if len(lists[0]) == 1 and name not in ALWAYS:
         return AxisGroup.alone(name, me)

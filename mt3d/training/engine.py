@@ -47,13 +47,14 @@ def build_model(
     sequence_parallel: bool = False,
     skip_init: bool = False,
     cp_exchange: str = "auto",
+    expert_dispatch: str = "rank",
     packed: bool = False,
 ):
     """This rank's part of the model (pipeline stage or whole stacked model).
 
     ``train`` gives the seed, recompute and compile choices; ``skip_init`` leaves the weights
     uninitialised because they are loaded right after; ``packed``: the inputs are packed documents
-    (ids, document ids), which every stage passes on.
+    (ids, document ids), which every stage passes on; ``expert_dispatch``: ``parallel.expert_dispatch``.
     """
     from ..ds.pipe import InterleavedPipeline, Mt3dPipeline
 
@@ -70,6 +71,7 @@ def build_model(
         ep=rt.state.ep,
         etp=rt.state.etp,
         tpo=rt.state.tpo,
+        ep_hosts=rt.state.ep_hosts() if expert_dispatch == "node" else None,
         keep_gathered=rec.gathered_sp_inputs,
         selective=rec.granularity == "selective",
         **fp8_context(train.fp8, cfg.layers),

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ParallelConfig
+from ..config.rules import dispatch_hosts_conflict
 from ..ds.topology import MappedTopology, map_ranks
 from ..errors import UserError
 from ..inputs import env_int
-from ..parallel.hosts import Host, parse_islands, read_hostfile
+from ..parallel.hosts import Host, TopologyError, parse_islands, read_hostfile
 from ..parallel.random import RNGTracker, seed_everything
 from ..parallel.spawn import free_port
 from ..parallel.state import ParallelState
@@ -110,6 +111,9 @@ def setup(par: ParallelConfig, seed: int) -> Runtime:
         expert_tensor=par.expert_tensor,
         **par.degrees(),
     )
+    why = dispatch_hosts_conflict(par.expert_dispatch, topo.placement)
+    if why:
+        raise TopologyError(why)
     state = ParallelState.build(topo)
     # Same default stream on every TP and DP rank of a stage (replicated dropout matches across TP);
     # stages, and cp ranks (which hold other tokens), differ so they do not repeat each other's masks.
@@ -126,4 +130,8 @@ def setup(par: ParallelConfig, seed: int) -> Runtime:
             len(hosts),
             {ax: pl.crossing(ax) for ax in pl.axes},
         )
+        if par.expert_dispatch == "node":
+            _, hosts, per_host = pl.ep_host_blocks().shape
+            one = "" if hosts > 1 else " (one hop: no ep group crosses hosts)"
+            log.info("expert dispatch: node, ep groups on %d host(s) x %d rank(s)%s", hosts, per_host, one)
     return Runtime(rank, local_rank, world, device, topo, state, tracker)

@@ -133,7 +133,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     model = build_model(cfg, layout, rt, vocab, train=run.mt3d.train, sequence_parallel=sp,
                         skip_init=bool(hf_path) or (plan is not None and lora is None) or fast_init,
                         cp_exchange=run.mt3d.parallel.context_exchange,
-                        packed=packed)  # fmt: skip
+                        expert_dispatch=run.mt3d.parallel.expert_dispatch, packed=packed)  # fmt: skip
     if fast_init:
         import torch
 
