@@ -775,6 +775,7 @@ def test_time_model_follows_what_moves_and_what_runs():
     from mt3d.planner.costs import Layout, Precision, memory_bytes, step_time
     from mt3d.planner.hardware import get_device
     from mt3d.planner.search import Cluster, bandwidths
+    from mt3d.planner.traffic import ep_node_traffic
 
     dev = get_device("h100")
     cfg = resolve_model({"preset": "llama-7b"})
@@ -809,13 +810,23 @@ def test_time_model_follows_what_moves_and_what_runs():
 
     moe = resolve_model({"preset": "mixtral-8x7b"})
     ep_lay = Layout(2, 1, 32, 1, 4, 1, False, True, ep=8)
-    kw_ep = {**kw, "bw": bandwidths(Cluster(64, 8, dev), 2, 1, ep=8)}
+    split = bandwidths(Cluster(64, 8, dev), 2, 1, ep=8)  # each ep group: 2 hosts x 4 ranks
+    assert (split["ep_hosts"], split["ep_per_host"], split["ep_within"]) == (2, 4, dev.intra_gbps)
+    one_hop = {k: v for k, v in split.items() if not k.startswith(("ep_hosts", "ep_per_host", "ep_within"))}
+    kw_ep = {**kw, "bw": one_hop}
     ep = {d: step_time(moe, 32000, 4096, 128, ep_lay, ep_dispatch=d, **kw_ep)["ep_comm_s"]
           for d in ("whole", "sequence-shard")}  # fmt: skip
     # a sequence shard per TP rank (half the rows at t 2), then the routed rows (k 2 per token) gathered
     # and scattered over the expert-TP pair, forward and backward: 4 (t-1)/t (k-1) T h per sparse layer
     gather = 4 * 1 / 2 * 1 * 4096 * moe.hidden * 2 * moe.layers * 4 / (kw_ep["bw"]["tp"] * 1e9)
     assert ep["sequence-shard"] == pytest.approx(ep["whole"] / 2 + gather) and ep["whole"] > 0
+    # mt3d's dispatch over the hosts (expert_dispatch "node"): each token once per other host across,
+    # then within the host; 4 micro-batches of 4096 tokens, 32 sparse layers, bf16 rows
+    node = step_time(moe, 32000, 4096, 128, ep_lay, **{**kw, "bw": split})["ep_comm_s"]
+    across, within = ep_node_traffic(2, 4, 4096, 2, moe.hidden, 8)
+    per = [(r * 2 + m * 4 + c * 8) * moe.layers * 4 for r, m, c in (across, within)]
+    assert node == pytest.approx((per[0] / split["ep"] + per[1] / split["ep_within"]) / 1e9)
+    assert node < ep["whole"]
 
     z3 = Layout(1, 1, 64, 1, 1, 3, False, False)
     from mt3d.planner.layout import fsdp_precision
@@ -911,7 +922,7 @@ def test_the_shared_expert_hides_what_it_overlaps_of_the_dispatch():
     top1 = ModelConfig.from_dict(d)
     assert not top1.moe_spec.dispatch_once and mixtral.moe_spec.dispatch_once
     per_layer = 7 / 8 * (4 * 4096 * 1 * top1.hidden * 2 + 8 * 8)  # f (4 T k h) bf16 + f E int64 counts
-    assert ep_bytes(top1, 4096, 1, 8, 2, top1.layers, False) == pytest.approx(top1.layers * per_layer)
+    assert ep_bytes(top1, 4096, 1, 8, 2, top1.layers, False) == (pytest.approx(top1.layers * per_layer), 0.0)
 
 
 def test_the_planner_folds_whole_experts_over_tensor_and_data():
@@ -935,11 +946,16 @@ def test_the_planner_folds_whole_experts_over_tensor_and_data():
         assert sum(w * g.flops for g, w in expert_gemms(ds, 4096, 2, 64, etp)) == pytest.approx(mlp, rel=1e-9)
     dev = get_device("h100")
     kw = dict(peak_tflops=dev.peak_tflops, efficiency=None, device=dev)
-    rows = [step_time(ds, 129280, 4096, 8192, lay, **kw, bw=bandwidths(Cluster(1024, 8, dev), 2, 8, ep=64,
-                      expert_tensor=lay.etp)) for lay in (folded, split)]  # fmt: skip
+    bws = [bandwidths(Cluster(1024, 8, dev), 2, 8, ep=64, expert_tensor=lay.etp) for lay in (folded, split)]
+    # folded, an ep group of 64 fills 8 hosts (tp x dp on each); split over tp, it spans 16 hosts x 4
+    assert [(bw["ep_hosts"], bw["ep_per_host"]) for bw in bws] == [(8, 8), (16, 4)]
+    one_hop = [{k: v for k, v in bw.items() if k not in ("ep_hosts", "ep_per_host", "ep_within")}
+               for bw in bws]  # fmt: skip
+    rows = [step_time(ds, 129280, 4096, 8192, lay, **kw, bw=bw) for lay, bw in zip((folded, split), one_hop)]
     # half the rows dispatched per rank; the hidden share is the shared expert's in both
     sent = [r["ep_comm_s"] + r["ep_hidden_s"] for r in rows]
     assert sent[0] == pytest.approx(sent[1] / 2)
+    rows = [step_time(ds, 129280, 4096, 8192, lay, **kw, bw=bw) for lay, bw in zip((folded, split), bws)]
     assert rows[0]["tflops_per_gpu"] > 1.4 * rows[1]["tflops_per_gpu"]
 
     def planned(zero_stages=(1,), **pins):

@@ -38,6 +38,9 @@ def explain(row: dict) -> str:
         lines.append(f"  {part[:-2].replace('_', ' '):<12} {row[part]:10.4g} s  {share:6.1%}")
         if part == "ep_comm_s" and row.get("ep_hidden_s"):
             lines[-1] += f"  (after {row['ep_hidden_s']:.4g} s hidden behind the shared expert)"
+        if part == "ep_comm_s" and row.get("ep_hosts"):
+            lines.append(f"  {'':<12} expert_dispatch node: ep groups on {row['ep_hosts']} hosts x "
+                         f"{row['ep_per_host']}, each token crossing to a host once")  # fmt: skip
     lines.append(f"memory {row['memory_gb']:.2f} GB per GPU =")
     for part in MEMORY_PARTS:
         lines.append(f"  {part.replace('_', ' '):<12} {row['memory'][part]:10.3f} GB")
@@ -294,6 +297,7 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
                 "sequence_parallel": best["sequence_parallel"],
                 "expert": best.get("ep", 1),
                 **({"expert_tensor": best["etp"]} if best.get("etp") is not None else {}),
+                **({"expert_dispatch": "node"} if best.get("ep_hosts") else {}),
             },
             "data": {**(data or {"corpus": "builtin"}), "seq_len": result["seq_len"]},
             "train": {

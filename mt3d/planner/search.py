@@ -57,8 +57,11 @@ def bandwidths(cluster: Cluster, tp: int, pp: int, expert_tensor: int | None = N
                **degrees: int) -> dict[str, float]:  # fmt: skip
     """GB/s of each axis (NVLink when the mapper keeps its groups inside nodes, else the network),
     of each GPU's PCIe link and share of the node's NVMe, and the CPU optimizer's elements/s per GPU.
-    With a folded expert layout (``expert_tensor``) the ep groups' from the mapper's placement."""
+    With a folded expert layout (``expert_tensor``) the ep groups' from the mapper's placement. Where
+    the ep groups cross hosts evenly, their split (``ep_hosts`` x ``ep_per_host``, for
+    ``parallel.expert_dispatch`` "node") and the within-host bandwidth (``ep_within``)."""
     dev = cluster.device
+    pl = None
     if expert_tensor is None:
         cross = uniform_crossing(cluster.gpus, cluster.gpus_per_node, tp, pp, **degrees)
     else:
@@ -66,6 +69,11 @@ def bandwidths(cluster: Cluster, tp: int, pp: int, expert_tensor: int | None = N
                    warn=False, **degrees)  # fmt: skip
         cross = {ax: pl.crossing(ax) > 0 for ax in pl.axes}
     bw = {ax: dev.inter_gbps if crosses else dev.intra_gbps for ax, crosses in cross.items()}
+    if cross.get("ep"):  # the ep groups split by host: mt3d's dispatch crosses to each host once
+        pl = pl or place(cluster.gpus, tp, pp, gpus_per_node=cluster.gpus_per_node, warn=False, **degrees)
+        blocks = pl.ep_host_blocks()
+        if blocks is not None and blocks.shape[1] > 1:
+            bw.update(ep_hosts=blocks.shape[1], ep_per_host=blocks.shape[2], ep_within=dev.intra_gbps)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     return {**bw, "pcie": dev.pcie_gbps, "nvme": dev.nvme_gbps / per_node,
             "cpu_adam": dev.cpu_cores_per_gpu * CPU_ADAM_ELEMENTS_PER_CORE_S}  # fmt: skip
@@ -464,6 +472,8 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
         grad_dtype=stack.grad_dtype, fp8=stack.fp8, ep_dispatch=stack.ep_dispatch, fsdp=fsdp,
     )  # fmt: skip
+    if "ep_hosts" in bw and lay.ep > 1 and stack.ep_dispatch != "sequence-shard":  # mt3d's over the hosts
+        row.update(ep_hosts=int(bw["ep_hosts"]), ep_per_host=int(bw["ep_per_host"]))
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
 

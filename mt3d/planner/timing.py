@@ -13,7 +13,7 @@ from ..pipeline.zero_bubble import bubble_share
 from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
 from .offload import offload_traffic
-from .traffic import cp_bytes, dp_bytes, ep_layer_traffic, pp_bytes, ring_factor, tp_bytes
+from .traffic import cp_bytes, dp_bytes, ep_layer_traffic, ep_node_traffic, pp_bytes, ring_factor, tp_bytes
 
 # DeepSpeedCPUAdam elements updated per second per core (fp32 AdamW, AVX-512): measured on this
 # project's 2-core Xeon, one thread, 20M elements, median of 5 steps: 8.8e8. Scaled by
@@ -30,34 +30,44 @@ ZERO3_OVERLAP = 0.5
 
 
 def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: int, blocks: int,
-             recompute: bool) -> float:  # fmt: skip
-    """Bytes one rank sends per step over its ep group: every sparse layer of the heaviest stage
-    dispatches and combines each micro-batch's ``tokens`` rows, each token once per rank holding any
-    of its experts, with fp32 routing metadata, or at top-1 once per assignment
-    (``MoESpec.dispatch_once``), and int64 counts (``traffic.ep_layer_traffic``; every
-    TP rank sends the whole rows, mt3d's experts being split over TP), and recompute repeats the
-    forward's half."""
+             recompute: bool, hosts: tuple[int, int] | None = None) -> tuple[float, float]:  # fmt: skip
+    """Bytes one rank sends per step for its expert dispatch, as (over the ep group, within the host):
+    every sparse layer of the heaviest stage dispatches and combines each micro-batch's ``tokens``
+    rows, each token once per rank holding any of its experts, with fp32 routing metadata, or at top-1
+    once per assignment (``MoESpec.dispatch_once``), and int64 counts (``traffic.ep_layer_traffic``;
+    every TP rank sends the whole rows, mt3d's experts being split over TP), group-limited routing
+    counted, and recompute repeats the forward's half. With ``hosts`` = (hosts, ranks per host) of the
+    ep group (``parallel.expert_dispatch`` "node"): once per token and host across hosts, then within
+    the host (``traffic.ep_node_traffic``)."""
     spec = cfg.moe_spec
     if spec is None or ep <= 1:
-        return 0.0
-    sparse = blocks * cfg.sparse_layers / cfg.layers
-    once = spec.dispatch_once
-    rows, meta, counts = ep_layer_traffic(ep, tokens, spec.top_k, cfg.hidden, spec.experts, dedup=once)
-    per_layer = rows * elem + meta * 4 + counts * 8
-    return sparse * micro_batches * per_layer * (1.5 if recompute else 1.0)
+        return 0.0, 0.0
+    scale = blocks * cfg.sparse_layers / cfg.layers * micro_batches * (1.5 if recompute else 1.0)
+    size = lambda rows, meta, counts: (rows * elem + meta * 4 + counts * 8) * scale  # noqa: E731
+    shape = (tokens, spec.top_k, cfg.hidden, spec.experts)
+    limit = (spec.n_group, spec.topk_group)
+    if hosts is None or not spec.dispatch_once:
+        return size(*ep_layer_traffic(ep, *shape, spec.dispatch_once, *limit)), 0.0
+    across, within = ep_node_traffic(*hosts, *shape, *limit)
+    return size(*across), size(*within)
 
 
 def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, comm_bytes: int, blocks: int,
                 bw: dict[str, float], ep_dispatch: str, compute: float) -> tuple[float, float]:  # fmt: skip
     """(exposed, hidden) seconds of a step's expert all-to-all (``ep_bytes``; with Megatron-Core's
-    "sequence-shard" dispatch each TP rank's shard and the expert-TP gather of the routed rows), the
-    hidden part what the shared expert covers (``shared_expert_hidden``)."""
+    "sequence-shard" dispatch each TP rank's shard and the expert-TP gather of the routed rows; mt3d's
+    across hosts once per token and host, then within the host, where the ep groups cross hosts
+    evenly: ``bw["ep_hosts"]``), the hidden part what the shared expert covers
+    (``shared_expert_hidden``)."""
     if lay.ep <= 1:
         return 0.0, 0.0
     t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
-    ep = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute)
+    routed = "ep_hosts" in bw and ep_dispatch != "sequence-shard"  # mt3d's dispatch over the hosts
+    hosts = (int(bw["ep_hosts"]), int(bw["ep_per_host"])) if routed else None
+    across, within = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute, hosts)
     # mt3d's TP ranks each send whole rows, or 1/(tp / etp) of them when experts split over fewer ranks
-    ep = ep / (t if ep_dispatch == "sequence-shard" else t // lay.expert_tp) / (bw["ep"] * 1e9)
+    share = t if ep_dispatch == "sequence-shard" else t // lay.expert_tp
+    ep = (across / bw["ep"] + (within / bw["ep_within"] if within else 0.0)) / share / 1e9
     if ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
         ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
     hidden = shared_expert_hidden(cfg, compute, ep, seq_len, vocab)

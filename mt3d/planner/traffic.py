@@ -59,18 +59,41 @@ def cp_layer_elements(
     raise ValueError(f"unknown context-parallel exchange {kind!r}")
 
 
-def ep_ranks_per_token(ep: int, experts: int, top_k: int) -> float:
-    """The distinct ep ranks a token's top-``top_k`` experts live on, in expectation over routings that
-    choose every k-subset of the ``experts`` alike (E / ep experts per rank): ep (1 - C(E - E/ep, k) /
-    C(E, k)), k at most (every expert on another rank), 1 when ep divides into whole ranks of k."""
+def ep_ranks_per_token(ep: int, experts: int, top_k: int, groups: int = 1, topk_group: int = 1) -> float:
+    """The distinct ep ranks (or hosts: any ``ep`` equal bins of consecutive experts) a token's
+    top-``top_k`` experts live on, in expectation over routings that choose every k-subset of the
+    ``experts`` alike (E / ep experts per rank): ep (1 - C(E - E/ep, k) / C(E, k)), k at most (every
+    expert on another rank), 1 when ep divides into whole ranks of k. With group-limited routing
+    (DeepSeek-V3: the experts of ``topk_group`` of ``groups`` equal groups) and ranks no coarser than
+    groups, the same over the chosen groups' ranks and experts: a token reaches at most
+    ``topk_group`` x ep / groups ranks (with the groups on hosts: at most topk_group hosts). Ranks
+    coarser than groups are counted as without the limit (an upper bound)."""
     if ep <= 1:
         return 1.0
+    if 1 < groups and topk_group < groups and ep % groups == 0:
+        ep, experts = topk_group * ep // groups, topk_group * experts // groups
     miss = math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k)
     return ep * (1.0 - miss)
 
 
-def ep_layer_traffic(ep: int, tokens: int, top_k: int, hidden: int, experts: int,
-                     dedup: bool = True) -> tuple[float, float, float]:  # fmt: skip
+def ep_node_traffic(hosts: int, per_host: int, tokens: int, top_k: int, hidden: int, experts: int,
+                    groups: int = 1, topk_group: int = 1) -> tuple[tuple, tuple]:  # fmt: skip
+    """``parallel.expert_dispatch`` "node" (``model.moe.SparseMoE._exchange``): the elements one rank
+    sends per MoE layer and micro-batch as (across hosts, within the host), each like
+    ``ep_layer_traffic``'s (rows, metadata, counts). Across: one row per token and other host holding
+    any of its experts (``ep_layer_traffic`` with the hosts as the ranks). Within: the rows a rank
+    relays, T D_h on average (as many as it sends), each to the D_r / D_h ranks of the host holding
+    its experts there, (m-1)/m of them another rank: T D_r (m-1)/m rows, D_r the distinct ranks
+    per token (``ep_ranks_per_token``)."""
+    across = ep_layer_traffic(hosts, tokens, top_k, hidden, experts, True, groups, topk_group)
+    d_r = ep_ranks_per_token(hosts * per_host, experts, top_k, groups, topk_group)
+    rows = tokens * d_r * (per_host - 1) / per_host
+    within = (rows * 4 * hidden, rows * 4 * top_k, (per_host - 1) / per_host * per_host)
+    return across, within
+
+
+def ep_layer_traffic(ep: int, tokens: int, top_k: int, hidden: int, experts: int, dedup: bool = True,
+                     groups: int = 1, topk_group: int = 1) -> tuple[float, float, float]:  # fmt: skip
     """Elements one rank sends per MoE layer and micro-batch (forward + backward) under expert
     parallelism, as (hidden rows, fp32 routing metadata, int64 counts), the experts' load balanced
     (f = (ep-1)/ep of what a rank sends goes to another rank).
@@ -79,13 +102,14 @@ def ep_layer_traffic(ep: int, tokens: int, top_k: int, hidden: int, experts: int
     rank holding any of its experts (D = ``ep_ranks_per_token`` rows per token), each with its k
     weights and k local expert indices; the rows there, one combined row back, and both again in the
     backward: f D T (4 h) row elements, f D T (4 k) metadata, and ep counts (f ep). Without: one row
-    per assignment, f (4 T k h) and E counts (f E)."""
+    per assignment, f (4 T k h) and E counts (f E). ``groups``, ``topk_group``: group-limited routing
+    (``ep_ranks_per_token``)."""
     if ep <= 1:
         return 0.0, 0.0, 0.0
     f = (ep - 1) / ep
     if not dedup:
         return f * 4 * tokens * top_k * hidden, 0.0, f * experts
-    rows = f * tokens * ep_ranks_per_token(ep, experts, top_k)
+    rows = f * tokens * ep_ranks_per_token(ep, experts, top_k, groups, topk_group)
     return rows * 4 * hidden, rows * 4 * top_k, f * ep
 
 
