@@ -124,7 +124,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
     if v < 1:
         raise ConfigError(f"mt3d.parallel.virtual_stages must be >= 1, got {v}")
     why = (
-        rules.schedule_conflict(par.schedule, pp, v, run.mt3d.train)
+        rules.schedule_conflict(par.schedule, pp, v)
         or rules.virtual_stage_conflict(pp, v, schedule=par.schedule)
         or rules.zero_pipeline_conflict(pp, stage)
         or rules.offload_conflict(stage, run.deepspeed.offload)

@@ -40,11 +40,11 @@ def virtual_stage_conflict(
     return None
 
 
-def schedule_conflict(schedule: str, pp: int, v: int, train=None) -> str | None:
-    """Why ``mt3d.parallel.schedule`` cannot run (None: it can), with ``train`` (``TrainConfig``) when
-    given. Micro-batches per step: "1f1b" any (interleaved: a multiple of pipeline, the virtual
-    stages' rule), "zb-h1" and "zbv" any from 1 (``pipeline.zero_bubble``'s orders run every count;
-    the bubble needs m well above pipeline to shrink)."""
+def schedule_conflict(schedule: str, pp: int, v: int) -> str | None:
+    """Why ``mt3d.parallel.schedule`` cannot run (None: it can). Micro-batches per step: "1f1b" any
+    (interleaved: a multiple of pipeline, the virtual stages' rule), "zb-h1" and "zbv" any from 1
+    (``pipeline.zero_bubble``'s orders run every count; the bubble needs m well above pipeline to
+    shrink)."""
     from ..pipeline.zero_bubble import SCHEDULES
 
     if schedule not in SCHEDULES:
@@ -57,14 +57,6 @@ def schedule_conflict(schedule: str, pp: int, v: int, train=None) -> str | None:
         fix = ("one chunk per rank: set virtual_stages to 1" if SCHEDULES[schedule] == 1
                else "two chunks per rank in a V: set virtual_stages to 2")  # fmt: skip
         return f"mt3d.parallel.schedule {schedule!r} runs {fix}"
-    if train is not None and train.compile:
-        # torch.compile traces a block's backward ahead of time (AOTAutograd), with no B running: the
-        # compiled linears compute their weight gradients in B and leave W nothing to fill the bubble
-        # with (tests/test_zero_bubble.py notices when that changes)
-        return (
-            f"mt3d.train.compile does not run with mt3d.parallel.schedule {schedule!r}: compiled blocks "
-            f"compute their weight gradients in B, leaving W nothing to defer; turn one off"
-        )
     return None
 
 

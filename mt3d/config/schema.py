@@ -127,10 +127,10 @@ class ParallelConfig:
     """The pipeline schedule: '1f1b' (interleaved when virtual_stages > 1), 'zb-h1' or 'zbv'
     (zero-bubble, Qi et al. 2024: each backward split into B, the input gradient, and W, the
     linears' weight gradients, which fill the bubble; within 1F1B's activation memory; any number of
-    micro-batches; on mt3d's schedule engine with posted transfers; not with compile, whose traced
-    backward leaves W nothing to defer). 'zb-h1' keeps one stage per rank (virtual_stages 1); 'zbv'
-    places two chunks per rank in a V (virtual_stages 2: rank r holds stages r and 2 pipeline - 1 - r,
-    so the embedding and the head share rank 0)."""
+    micro-batches; on mt3d's schedule engine with posted transfers; with compile, each deferring
+    linear runs outside the compiled graphs, between them). 'zb-h1' keeps one stage per rank
+    (virtual_stages 1); 'zbv' places two chunks per rank in a V (virtual_stages 2: rank r holds
+    stages r and 2 pipeline - 1 - r, so the embedding and the head share rank 0)."""
     hostfile: str | None = None
     """Hostfile describing the hosts (default: discovered from the launcher's local ranks)."""
     islands: str | None = None

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from ..parallel.deferred import is_split, weight_grad
+from ..parallel.deferred import deferrable, deferring_function, is_split, weight_grad
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -20,6 +20,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return y
 
 
+@deferring_function
 class _SplitGroupedMM(torch.autograd.Function):
     """Rows ``x`` (grouped by ``offs``) times ``w[g]`` [in, out], its weight gradient left to W under a
     split backward (``parallel.deferred``): B computes the input gradient only, W each group's
@@ -45,7 +46,7 @@ class _SplitGroupedMM(torch.autograd.Function):
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The experts' grouped GEMM: torch's own (and its autograd) unless the backward is split for a
     zero-bubble schedule (``_SplitGroupedMM``)."""
-    return _SplitGroupedMM.apply(x, w, offs) if is_split() else _grouped_mm(x, w, offs)
+    return deferrable(_SplitGroupedMM)(x, w, offs) if is_split() else _grouped_mm(x, w, offs)
 
 
 @functools.cache

@@ -24,6 +24,22 @@ _split = False
 _queue: WeightGrads | None = None
 
 
+def deferring_function(fn: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Declare an autograd function whose backward may leave its weight gradient to W (``weight_grad``):
+    call it through ``deferrable``."""
+    fn.outside_trace = torch._dynamo.disable(fn.apply)
+    return fn
+
+
+def deferrable(fn: type[torch.autograd.Function]) -> Callable:
+    """How to call ``fn`` (a ``deferring_function``): under a split backward outside torch.compile's
+    trace (a graph break around it; the code between such calls still compiles), because a compiled
+    backward is traced ahead of time, with no B running, so its weight gradients would be computed in
+    B and never reach W (tests/test_zero_bubble.py); without the split ``fn.apply`` (blocks trace
+    whole)."""
+    return fn.outside_trace if _split else fn.apply
+
+
 def split_backward(on: bool) -> None:
     """Route linears through functions whose weight gradient can be deferred (from the next forward)."""
     global _split

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deferred import is_deferring, is_split, weight_grad
+from .deferred import deferrable, deferring_function, is_deferring, is_split, weight_grad
 from .fp8 import PLAIN, Gemms
 from .init import BLOCK_ROWS, NoInit, NormalInit  # noqa: F401 - the layers' inits, imported from here too
 from .lora import column_with_adapters, row_with_adapters
@@ -47,6 +47,7 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
+@deferring_function
 class _ShardSavingLinear(torch.autograd.Function):
     """Y = all-gather(X shard over the sequence) A^T + b, keeping only the 1/tp shard of X for the
     backward (Megatron's sequence-parallel column linear; Korthikanti et al. 2022): the backward
@@ -87,6 +88,7 @@ def _save_kept(ctx, weight, kept: tuple) -> None:
     ctx.save_for_backward(weight, *kept)
 
 
+@deferring_function
 class _AllReducingLinear(torch.autograd.Function):
     """Y = X A^T + b entering a TP region without sequence parallelism (Megatron's f, then the column
     linear): the backward starts the all-reduce of the input gradient as soon as that GEMM is done and
@@ -112,6 +114,7 @@ class _AllReducingLinear(torch.autograd.Function):
         return (reduced() if reduced else None), grad_w, grad_b, None, None
 
 
+@deferring_function
 class _Linear(torch.autograd.Function):
     """Y = X A^T + b through ``gemms`` (FP8), where the plain path is ``F.linear``: a linear outside
     the TP collectives (tp 1, a row-parallel linear before its reduction, SP's kept gathered input)."""
@@ -140,9 +143,10 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     what mt3d always ran), ``_Linear`` for FP8 and for a split backward (``parallel.deferred``)."""
     if gemms.fp8 is None and not is_split():
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, gemms)
+    return deferrable(_Linear)(x, weight, bias, gemms)
 
 
+@deferring_function
 class _RecomputedInputLinear(torch.autograd.Function):
     """z = fn(y) A^T keeping ``y`` for the backward, which recomputes ``fn(y)`` (cheap, elementwise)
     instead of keeping it: selective recompute of an MLP's activation function (its output, and for a
@@ -181,7 +185,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``gemms``: the GEMMs (plain, or FP8: ``mt3d.parallel.fp8``)."""
     if tp.size > 1 and not (sequence_parallel and keep_gathered):
         fn = _ShardSavingLinear if sequence_parallel else _AllReducingLinear
-        return fn.apply(x, weight, bias, tp, gemms)
+        return deferrable(fn)(x, weight, bias, tp, gemms)
     x = gather_from_sequence(x, tp) if sequence_parallel else copy_to_tp(x, tp)
     return local_linear(x, weight, bias, gemms)
 
@@ -350,7 +354,7 @@ class RowParallelLinear(nn.Module):
         cannot trace the autograd call of ``_RecomputedInputLinear``'s backward: plain ``forward``."""
         if torch.compiler.is_compiling() or len(self.lora):  # the adapters read fn(y) too
             return self.forward(fn(y))
-        return self.finish(_RecomputedInputLinear.apply(y, self.weight, fn, self.gemms))
+        return self.finish(deferrable(_RecomputedInputLinear)(y, self.weight, fn, self.gemms))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output (the reduction over TP, then the bias)."""
