@@ -85,6 +85,13 @@ PRESETS: dict[str, dict] = {
                  aux_loss_coef=0.02),
         **_TINY,
     ),
+    "tiny-glm4-moe": dict(
+        family="glm4_moe", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=128, max_seq_len=128,
+        rotary_fraction=0.5, qkv_bias=True, qk_norm=True, bias=False, tie_embeddings=False,
+        moe=dict(experts=8, top_k=2, expert_ffn=32, shared_ffn=32, shared_gate=False, scoring="sigmoid",
+                 correction_bias=True, n_group=4, topk_group=2, routed_scaling=2.5, norm_topk_prob=True,
+                 dense_layers=[0], aux_loss_coef=0.02),
+    ),
     "tiny-qwen3-moe": dict(
         family="qwen3_moe", head_dim=32, moe=dict(experts=4, top_k=2, expert_ffn=32, norm_topk_prob=True,
                                                  aux_loss_coef=0.02), **_TINY,
@@ -165,6 +172,24 @@ PRESETS: dict[str, dict] = {
     "kimi-k2": _deepseek_v3(
         heads=64, vocab_size=163840, max_seq_len=131072, rope_theta=50000.0, factor=32.0, beta_fast=1.0,
         moe=dict(experts=384, n_group=1, topk_group=1, routed_scaling=2.827, dense_layers=[0]),
+    ),
+    # GLM-4.5 and GLM-4.5-Air (Zhipu AI 2025): GQA with q/k/v biases, RoPE over half of each head,
+    # DeepSeek-V3's router without groups, one shared expert; without the multi-token-prediction layer
+    "glm-4.5": dict(
+        family="glm4_moe", hidden=5120, layers=92, heads=96, kv_heads=8, head_dim=128, ffn=12288,
+        vocab_size=151552, max_seq_len=131072, rope_theta=1e6, rotary_fraction=0.5, qkv_bias=True,
+        qk_norm=True, bias=False, tie_embeddings=False, norm_eps=1e-5,
+        moe=dict(experts=160, top_k=8, expert_ffn=1536, shared_ffn=1536, shared_gate=False,
+                 scoring="sigmoid", correction_bias=True, routed_scaling=2.5, norm_topk_prob=True,
+                 dense_layers=[0, 1, 2]),
+    ),
+    "glm-4.5-air": dict(
+        family="glm4_moe", hidden=4096, layers=46, heads=96, kv_heads=8, head_dim=128, ffn=10944,
+        vocab_size=151552, max_seq_len=131072, rope_theta=1e6, rotary_fraction=0.5, qkv_bias=True,
+        bias=False, tie_embeddings=False, norm_eps=1e-5,
+        moe=dict(experts=128, top_k=8, expert_ffn=1408, shared_ffn=1408, shared_gate=False,
+                 scoring="sigmoid", correction_bias=True, routed_scaling=1.0, norm_topk_prob=True,
+                 dense_layers=[0]),
     ),
     # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): 128 experts, top-8, renormalised
     "qwen3-30b-a3b": dict(

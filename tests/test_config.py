@@ -292,6 +292,30 @@ def test_presets_of_every_family_and_their_published_sizes():
         held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
         assert cfg.num_params() == held, name
         assert abs((cfg.active_params() - cfg.embedding_params()) / 1e9 - active) / active < 0.02, name
+    # GLM-4.5 and -Air: transformers' models of the published configs (without the MTP layer); their
+    # active counts as published count neither the input embedding nor the output layer (32B, 12B)
+    from transformers import Glm4MoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+    glm = dict(
+        vocab_size=151552, num_key_value_heads=8, head_dim=128, attention_bias=True, rope_parameters=rope
+    )
+    for name, hf, active in (
+        ("glm-4.5", Glm4MoeConfig(hidden_size=5120, num_hidden_layers=92, num_attention_heads=96,
+                                  intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160,
+                                  first_k_dense_replace=3, use_qk_norm=True, routed_scaling_factor=2.5,
+                                  **glm), 32.0),
+        ("glm-4.5-air", Glm4MoeConfig(hidden_size=4096, num_hidden_layers=46, num_attention_heads=96,
+                                      intermediate_size=10944, moe_intermediate_size=1408,
+                                      n_routed_experts=128, first_k_dense_replace=1, **glm), 12.0),
+    ):  # fmt: skip
+        cfg = resolve_model({"preset": name})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+        held = sum(p.numel() for p in model.parameters())
+        held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+        assert cfg.num_params() == held and cfg.family == "glm4_moe", name
+        assert abs((cfg.active_params() - 2 * cfg.embedding_params()) / 1e9 - active) / active < 0.02, name
     kimi = resolve_model({"preset": "kimi-k2"})
     assert abs(kimi.num_params() / 1e12 - 1.03) < 0.01 and abs(kimi.active_params() / 1e9 - 32.9) < 0.1
     # a preset's family is a default: overrides it cannot express make the model 'custom'

@@ -21,6 +21,7 @@ from transformers import (
     DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GPT2Config,
     GptOssConfig,
     LlamaConfig,
@@ -55,8 +56,9 @@ FAMILIES = [
     "qwen3_moe",
     "gpt_oss",
     "deepseek_v3",
+    "glm4_moe",
 ]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe"]
 WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 WINDOW = 8
 
@@ -131,6 +133,16 @@ def hf_configs(vocab, eos):
             rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16,
                              "rope_theta": 10000.0},
+            **small,
+        ),
+        # GLM-4.5: GQA with q/k/v biases (none on the output), q/k norms, RoPE over the first half of
+        # each head, DeepSeek-V3's router (8 experts in 4 groups, top-2 of 2 groups, a correction bias,
+        # routed scaling), a shared expert, one dense block
+        "glm4_moe": Glm4MoeConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+            first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             **small,
         ),
     }  # fmt: skip

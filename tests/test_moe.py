@@ -136,22 +136,19 @@ def test_capacity_mode_drops_the_assignments_a_hand_count_finds():
 
 def _first_come_worker(cp, n, samples, seq, k, e):
     """Rank (q, u) = (cp rank, tpo rank): the position of each of its assignments inside its expert,
-    counted locally and moved by ``SparseMoE._earlier_in_sequence``, with the global positions they
+    counted locally and moved by ``moe_routing.earlier_in_sequence``, with the global positions they
     must equal."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
-    from mt3d.model.moe import SparseMoE
+    from mt3d.model.moe_routing import earlier_in_sequence
     from mt3d.parallel.state import AxisGroup
 
     me = dist.get_rank()
     q, u = divmod(me, n)
     tpos = [dist.new_group([a * n + b for b in range(n)]) for a in range(cp)]
     cps = [dist.new_group([a * n + b for a in range(cp)]) for b in range(n)]
-    moe = SimpleNamespace(spec=SimpleNamespace(experts=e, top_k=k),
-                          cp=AxisGroup("cp", tuple(a * n + u for a in range(cp)), q, cps[u]),
-                          tpo=AxisGroup("tpo", tuple(q * n + b for b in range(n)), u, tpos[q]))  # fmt: skip
+    cp_group = AxisGroup("cp", tuple(a * n + u for a in range(cp)), q, cps[u]) if cp > 1 else None
+    tpo_group = AxisGroup("tpo", tuple(q * n + b for b in range(n)), u, tpos[q]) if n > 1 else None
     index = torch.randint(e, (samples, seq, k), generator=torch.Generator().manual_seed(7))
     index[:, : seq // 3] = 0  # crowd one expert early in each sequence
     flat = index.flatten()  # one process: (sample, position, slot) order
@@ -167,7 +164,7 @@ def _first_come_worker(cp, n, samples, seq, k, e):
     lorder = torch.argsort(local, stable=True)
     lcounts = torch.bincount(local, minlength=e)
     pos = torch.arange(local.numel()) - (lcounts.cumsum(0) - lcounts)[local[lorder]]
-    pos = pos + SparseMoE._earlier_in_sequence(moe, local, lorder, samples)
+    pos = pos + earlier_in_sequence(local, lorder, samples, e, k, cp_group, tpo_group)
     flat_of_local = (torch.arange(samples)[:, None] * seq + mine[None, :])[..., None] * k + torch.arange(k)
     return pos, where[flat_of_local.flatten()[lorder]]
 
@@ -454,6 +451,8 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-qwen3-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),  # SP, edp 1
     # group-limited sigmoid routing, correction biases, a shared expert, a dense layer, MLA; edp 2
     ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1)),
+    # GLM-4.5: q/k/v biases, q/k norms, RoPE over half of each head, DeepSeek's router; folded under SP
+    ("tiny-glm4-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),
     # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2)),
     # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP

@@ -42,7 +42,7 @@ from .norms import (  # noqa: F401
     make_norm,
     rope_cos_sin,
     rope_inv_freq,
-    rotate_half,
+    rotate,
 )
 
 
@@ -131,8 +131,7 @@ class Attention(RopeTables, nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         past = cache.length if cache is not None else 0
         if self.cfg.position == "rope":
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_start = past
         if cache is not None:
             k, v, k_start = cache.update(self, k, v, self.pattern)

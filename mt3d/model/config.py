@@ -58,6 +58,9 @@ class ModelConfig:
     """Biases on the MLP linears (None: same as ``bias``)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head (head_dim wide, shared by all heads) before RoPE (Qwen3)."""
+    rotary_fraction: float = 1.0
+    """Share of each query and key head RoPE rotates: its first head_dim x this dims (in rotate-half
+    pairs), the rest passing through (HF's partial_rotary_factor; GLM-4.5: 0.5)."""
     post_norms: bool = False
     """Norms on the attention and MLP outputs before they join the residual stream (Gemma 2)."""
     scale_embedding: bool = False
@@ -151,6 +154,16 @@ class ModelConfig:
             raise ModelConfigError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.position == "rope" and self.head_dim % 2:
             raise ModelConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        f = self.rotary_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+            raise ModelConfigError(f"model.rotary_fraction must be a number in (0, 1], got {f!r}")
+        if f != 1 and (self.position != "rope" or self.mla is not None):
+            raise ModelConfigError("model.rotary_fraction below 1 needs position 'rope' and standard "
+                                   "attention")  # fmt: skip
+        d = self.head_dim * f
+        if f != 1 and (d != int(d) or int(d) % 2 or d < 2):
+            raise ModelConfigError(f"model.rotary_fraction {f} of head_dim {self.head_dim} must give an even "
+                                   "number of rotated dims")  # fmt: skip
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ModelConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
@@ -212,7 +225,9 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """Per-head width RoPE rotates: head_dim, or latent attention's qk_rope_head_dim."""
-        return self.head_dim if self.mla is None else self.mla_spec.qk_rope_head_dim
+        if self.mla is not None:
+            return self.mla_spec.qk_rope_head_dim
+        return round(self.head_dim * self.rotary_fraction)
 
     @property
     def moe_spec(self):

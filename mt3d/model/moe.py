@@ -61,8 +61,8 @@ from ..parallel.mappings import (
 )
 from ..parallel.marks import mark_tp_partial_grad
 from ..parallel.random import recomputing
-from ..parallel.state import AxisGroup
 from .grouped import grouped_gemm_works, grouped_linear
+from .moe_routing import earlier_in_sequence, hops
 from .moe_spec import MoEConfigError, MoESpec  # noqa: F401 - MoEConfigError: re-exported
 
 
@@ -155,23 +155,6 @@ def gated(y: torch.Tensor, act, limit: float | None = None, alpha: float = 1.0) 
     return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
 
-def _hops(ep: AxisGroup, hosts: tuple | None, experts: int) -> list[tuple[AxisGroup, list[int]]]:
-    """The dispatch's hops from the ep group, each (group, the member each expert's rows go to): one
-    over ``ep`` itself, or with ``hosts`` = (the ep ranks at this rank's place on each host, the ep
-    ranks on this host, the host block of each ep rank in ep order) two: once to each host, to the
-    rank at this rank's place there, then within the host to the expert's rank (DeepEP's inter-node
-    route: a token crosses to each host at most once)."""
-    local = experts // ep.size
-    owner = [e // local for e in range(experts)]  # the ep rank holding each expert
-    if hosts is None:
-        return [(ep, owner)]
-    rail, node, blocks = hosts
-    place = [blocks[:d].count(blocks[d]) for d in range(ep.size)]  # each ep rank's place on its host
-    if len(blocks) != ep.size or len(set(blocks)) != rail.size or blocks.count(blocks[0]) != node.size:
-        raise ValueError(f"host blocks {blocks} do not match ep {ep.size} = {rail.size} hosts x {node.size}")
-    return [(rail, [blocks[d] for d in owner]), (node, [place[d] for d in owner])]
-
-
 class SparseMoE(nn.Module):
     """The MLP of a sparse block: router, routed experts, optional gated shared expert."""
 
@@ -200,7 +183,7 @@ class SparseMoE(nn.Module):
             raise MoEConfigError(f"model.moe.experts ({spec.experts}) is not divisible by ep={ep}")
         self.local = range(r * spec.experts // ep, (r + 1) * spec.experts // ep)
         """The experts this rank holds (all of them without expert parallelism)."""
-        self.hops = _hops(self.ep, ctx.ep_hosts, spec.experts) if self.ep is not None else []
+        self.hops = hops(self.ep, ctx.ep_hosts, spec.experts) if self.ep is not None else []
         """The dispatch's hops, each (group, the member of it each expert's rows go to): over the ep
         group, or with ``parallel.expert_dispatch`` "node" across hosts over the ep ranks at this
         rank's place on each host, then within the host (``_exchange``)."""
@@ -324,7 +307,7 @@ class SparseMoE(nn.Module):
             starts = counts.cumsum(0) - counts
             pos = torch.arange(t * k, device=x.device) - starts[flat[order]]
             if parts > 1:
-                pos = pos + self._earlier_in_sequence(flat, order, samples)
+                pos = pos + earlier_in_sequence(flat, order, samples, e, k, self.cp, self.tpo)
             keep = pos < cap
             dropped = (~keep).sum()
             order = order[keep]
@@ -405,49 +388,6 @@ class SparseMoE(nn.Module):
         ye = self._run_local(xr[row], torch.bincount(lexp[perm], minlength=len(self.local)).tolist())
         ye = (ye * wr[row, slot].unsqueeze(-1)).to(xr.dtype)
         return torch.zeros_like(xr).index_add(0, row, ye)
-
-    def _earlier_in_sequence(self, flat: torch.Tensor, order: torch.Tensor, samples: int) -> torch.Tensor:
-        """For each expert-sorted assignment (``flat[order]``), how many assignments to its expert the
-        single process would have counted before it that this rank did not: capacity's "first come" in
-        global token order when several ranks route parts of the same ``samples`` sequences. Under cp,
-        rank q holds chunks q and 2cp-1-q of each; with experts split over fewer ranks than tp, TP
-        rank u of ``tpo`` routes the u-th of its n segments of that (its etp group's gathered shards
-        with SP, its share without). A rank's part of a sample is then one or two runs of consecutive
-        positions (split where chunk q ends); each run is counted per expert, the counts gathered over
-        tpo and cp (samples x 2 x E integers per rank), and an assignment moves by the count before its
-        run in (sample, position) order less the local count before it."""
-        from ..parallel.mappings import start_gather
-
-        e, k = self.spec.experts, self.spec.top_k
-        cp, q = (self.cp.size, self.cp.rank) if self.cp is not None else (1, 0)
-        n, u = (self.tpo.size, self.tpo.rank) if self.tpo is not None else (1, 0)
-        seg = flat.numel() // k // samples  # this rank's tokens of one sample
-        half = seg * n // 2 if cp > 1 else seg * n  # where chunk q ends in the cp rank's local sequence
-
-        def runs(q: int, u: int) -> list[tuple[int, int]]:  # member (q, u)'s runs: (global start, local end)
-            a, b = u * seg, (u + 1) * seg
-            first = (q * half + a, min(b, half)) if a < half else (cp * 2 * half, a)  # empty: counts nothing
-            return [first, ((2 * cp - 1 - q) * half + max(a, half) - half, b)]
-
-        ends = torch.tensor([end - u * seg for _, end in runs(q, u)], device=flat.device)
-        token = torch.arange(flat.numel(), device=flat.device) // k
-        block = token // seg * 2 + (token % seg >= ends[0]).long()  # sample * 2 + run
-        local = torch.bincount(block * e + flat, minlength=samples * 2 * e).view(samples, 2, e)
-        gathered = local.unsqueeze(0)
-        for g in (self.tpo, self.cp):  # [cp, n, samples, 2, E]
-            if g is not None:
-                gathered = start_gather(gathered.unsqueeze(0), g, 0)()
-        gathered = gathered.view(cp * n, samples, 2, e).permute(1, 0, 2, 3).reshape(samples, cp * n * 2, e)
-        starts = torch.tensor([s for qq in range(cp) for uu in range(n) for s, _ in runs(qq, uu)])
-        mine = torch.tensor([s for s, _ in runs(q, u)])
-        earlier = (starts[None, :] < mine[:, None]).to(flat.device)  # [my 2 runs, every run]
-        totals = gathered.sum(1)  # [samples, E]
-        same_sample = (earlier[None, :, :, None] * gathered[:, None]).sum(2)  # [samples, 2, E]
-        g_before = (totals.cumsum(0) - totals)[:, None] + same_sample
-        l_before = (local.flatten(0, 1).cumsum(0) - local.flatten(0, 1)).view(samples, 2, e)
-        shift = g_before - l_before  # [samples, 2, E]
-        sb = block[order]
-        return shift[sb // 2, sb % 2, flat[order]]
 
     def _run_local(self, xs: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         """Rows grouped by local expert (``counts`` each) -> their outputs, in the same order: one

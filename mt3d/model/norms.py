@@ -157,6 +157,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` [..., head_dim] with tables [..., d]: the first d dims rotated (rotate-half pairs),
+    the rest passed through (``ModelConfig.rotary_fraction``; d = head_dim: all of them)."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, tail = x[..., :d], x[..., d:]
+    return torch.cat([head * cos + rotate_half(head) * sin, tail], dim=-1)
+
+
 def rope_cos_sin(
     cfg: ModelConfig, positions: torch.Tensor, seq_len: int | None, dtype, local: bool = False
 ) -> tuple:

@@ -20,6 +20,7 @@ BLOCK_OPTIONS = (
     "qkv_bias",
     "mlp_bias",
     "qk_norm",
+    "rotary_fraction",
     "norm_unit_offset",
     "scale_embedding",
     "post_norms",

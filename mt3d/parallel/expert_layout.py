@@ -158,3 +158,34 @@ class ExpertLayout:
 
 
 __all__ = ["ExpertLayout", "ExpertLayoutError"]
+
+
+HOST_GROUPS = ("ep_node", "ep_rail")
+"""The ep groups split by host (``host_blocks``): the ep ranks on one host ('ep_node') and the ep ranks
+at the same place on each host ('ep_rail'), the two hops of ``parallel.expert_dispatch`` "node"."""
+
+
+def host_blocks(ep_rows: np.ndarray, host_of: np.ndarray) -> np.ndarray | None:
+    """[ep groups, hosts, ranks per host]: each ep group's ranks (``ep_rows`` [groups, ep]) split by
+    host (its hosts in the order of their first rank in the group, each host's ranks in ep order), the
+    split ``parallel.expert_dispatch`` "node" routes by; None when some ep group has different numbers
+    of ranks on its hosts (or the groups differ in their hosts' count)."""
+    out = []
+    for row in ep_rows:
+        hosts = host_of[row]
+        blocks = [row[hosts == h] for h in dict.fromkeys(hosts.tolist())]
+        if len({len(b) for b in blocks}) != 1:
+            return None
+        out.append(np.stack(blocks))
+    return np.stack(out) if len({b.shape for b in out}) == 1 else None
+
+
+def host_rows(ep_rows: np.ndarray, host_of: np.ndarray, name: str) -> np.ndarray:
+    """[groups, size] of ``name`` in ``HOST_GROUPS``: 'ep_node' the blocks of ``host_blocks``, 'ep_rail'
+    their ranks at each place; without a split (one host, or uneven) the ep groups and single ranks."""
+    blocks = host_blocks(ep_rows, host_of)
+    if blocks is None or blocks.shape[1] == 1:
+        return ep_rows if name == "ep_node" else ep_rows.reshape(-1, 1)
+    if name == "ep_node":
+        return blocks.reshape(-1, blocks.shape[2])
+    return blocks.transpose(0, 2, 1).reshape(-1, blocks.shape[1])

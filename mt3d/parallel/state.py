@@ -25,7 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .axes import AXES
-from .topology import COMBINED, HOST_GROUPS, place
+from .expert_layout import HOST_GROUPS
+from .topology import COMBINED, place
 
 ALWAYS = ("tp", "dp", "pp", "model", "edp")
 """Groups made even for one rank: DeepSpeed's mpu contract hands them out (None would mean world), and

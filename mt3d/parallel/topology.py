@@ -37,7 +37,7 @@ from .axes import (
 )
 from .axes import parse_order as _parse_axes_order
 from .axes import shown as shown_axes
-from .expert_layout import ExpertLayout
+from .expert_layout import HOST_GROUPS, ExpertLayout, host_blocks, host_rows
 from .hosts import Host, TopologyError, uniform_hosts
 
 DS_AXES = ("pipe", "data", "model")
@@ -60,9 +60,6 @@ def grid_dims(axis: str) -> tuple[str, ...]:
 
 
 EXPERT_GROUPS = ("ep", "edp", "etp", "tpo")
-HOST_GROUPS = ("ep_node", "ep_rail")
-"""The ep groups split by host (``Placement.ep_host_blocks``): the ep ranks on one host ('ep_node') and
-the ep ranks at the same place on each host ('ep_rail'), the two hops of ``expert_dispatch`` "node"."""
 """Groups of the expert layout (``expert_layout.ExpertLayout``): expert parallelism, the ranks holding
 the same experts, those splitting one expert, and a TP group's ranks with the same expert-TP rank."""
 
@@ -208,28 +205,12 @@ class Placement:
         if axis in EXPERT_GROUPS:
             return self.expert.rows(self.grid, axis)
         if axis in HOST_GROUPS:
-            blocks = self.ep_host_blocks()
-            if blocks is None or blocks.shape[1] == 1:  # no split: the ep groups themselves, one rank each
-                ep = self._group_rows("ep")
-                return ep if axis == "ep_node" else ep.reshape(-1, 1)
-            if axis == "ep_node":
-                return blocks.reshape(-1, blocks.shape[2])
-            return blocks.transpose(0, 2, 1).reshape(-1, blocks.shape[1])
+            return host_rows(self._group_rows("ep"), self.host_of, axis)
         return self._rows(self._dims_of(axis))
 
     def ep_host_blocks(self) -> np.ndarray | None:
-        """[ep groups, hosts, ranks per host]: each ep group's ranks split by host (its hosts in the order
-        of their first rank in the group, each host's ranks in ep order), the split
-        ``parallel.expert_dispatch`` "node" routes by; None when some ep group has different numbers
-        of ranks on its hosts (or the groups differ in their hosts' count)."""
-        out = []
-        for row in self._group_rows("ep"):
-            hosts = self.host_of[row]
-            blocks = [row[hosts == h] for h in dict.fromkeys(hosts.tolist())]
-            if len({len(b) for b in blocks}) != 1:
-                return None
-            out.append(np.stack(blocks))
-        return np.stack(out) if len({b.shape for b in out}) == 1 else None
+        """The ep groups split by host (``expert_layout.host_blocks``)."""
+        return host_blocks(self._group_rows("ep"), self.host_of)
 
     def groups(self, axis: str):
         """Every group along ``axis`` (or a ``COMBINED`` or ``EXPERT_GROUPS`` group), in DeepSpeed's

@@ -180,13 +180,16 @@ def positive(hf: dict, key: str, where: str, default: Any = None, *, integer: bo
     return v
 
 
-def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
+def rope_from_hf(hf: dict, where: str, partial: bool = False) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``;
+    ``partial``: the family reads ``partial_rotary_factor`` itself (``rotary_fraction_from_hf``)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     params = hf.get(key) or {}
     if not isinstance(params, dict):
         raise HFError(f"{where}: {key} must be an object, got {params!r}")
     params = dict(params)
+    if partial:
+        params.pop("partial_rotary_factor", None)
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in SUPPORTED_ROPE:
@@ -226,13 +229,26 @@ ROPE_NEEDS = {
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
-    """RoPE keys for config.json: transformers 5's rope_parameters and the 4.x keys beside them."""
+    """RoPE keys for config.json: transformers 5's rope_parameters and the 4.x keys beside them (and the
+    partial rotary factor in both places, where RoPE covers part of each head)."""
     rope = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
+    partial = {"partial_rotary_factor": cfg.rotary_fraction} if cfg.rotary_fraction != 1 else {}
     return {
-        "rope_parameters": rope,
+        "rope_parameters": {**rope, **partial},
         "rope_theta": cfg.rope_theta,
         "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        **partial,
     }
+
+
+def rotary_fraction_from_hf(hf: dict, where: str) -> float:
+    """``partial_rotary_factor`` (in ``rope_parameters`` or at the top, as transformers accepts it): the
+    share of each head RoPE rotates (``ModelConfig.rotary_fraction``; 1.0 when absent)."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    f = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+        raise HFError(f"{where}: partial_rotary_factor must be a number in (0, 1], got {f!r}")
+    return float(f)
 
 
 def attention_from_hf(hf: dict, where: str, layers: int, window: int | None) -> dict | None:

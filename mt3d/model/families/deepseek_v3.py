@@ -121,35 +121,51 @@ class DeepseekV3(MoEFamily):
             q_lora_rank=positive(hf, "q_lora_rank", where, None, integer=True),
             rope_interleave=bool(get(hf, "rope_interleave", True)),
         )  # fmt: skip
-        ffn = positive(hf, "moe_intermediate_size", where, 2048, integer=True)
-        dense = get(hf, "first_k_dense_replace", 3)
-        if dense >= layers:
-            raise HFError(f"{where}: first_k_dense_replace {dense} leaves no sparse block of {layers}")
-        routing = dict(
-            scoring="sigmoid", n_group=get(hf, "n_group", 8), topk_group=get(hf, "topk_group", 4),
-            routed_scaling=float(get(hf, "routed_scaling_factor", 2.5)), correction_bias=True,
-            norm_topk_prob=bool(get(hf, "norm_topk_prob", True)),
-        )  # fmt: skip
-        shared = dict(shared_ffn=ffn * get(hf, "n_shared_experts", 1), shared_gate=False)
-        moe = self.read_moe(hf, where, ffn, dense_layers=list(range(dense)), **shared, **routing)
+        moe = deepseek_moe_from_hf(self, hf, where, layers, ffn=2048, dense=3, groups=(8, 4), scaling=2.5)
         return dict(bias=bias, qkv_bias=bias, mla=mla, moe=moe)
 
     def options_to_hf(self, cfg):
         """DeepSeek's keys for the latent attention and the MoE."""
-        spec, mla = cfg.moe_spec, cfg.mla_spec
-        if spec.shared_ffn % spec.expert_ffn:
-            raise HFError("DeepSeek-V3 configs hold shared experts as a multiple of moe_intermediate_size")
+        mla = cfg.mla_spec
         return dict(
             attention_bias=cfg.bias, kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank,
             qk_rope_head_dim=mla.qk_rope_head_dim, qk_nope_head_dim=mla.qk_nope_head_dim,
-            v_head_dim=mla.v_head_dim, rope_interleave=mla.rope_interleave,
-            **self.write_moe(cfg), moe_intermediate_size=spec.expert_ffn,
-            n_shared_experts=spec.shared_ffn // spec.expert_ffn, n_group=spec.n_group,
-            topk_group=spec.topk_group,
-            routed_scaling_factor=spec.routed_scaling, norm_topk_prob=spec.norm_topk_prob,
-            first_k_dense_replace=len(spec.dense_layers),
+            v_head_dim=mla.v_head_dim, rope_interleave=mla.rope_interleave, **deepseek_moe_to_hf(self, cfg),
         )  # fmt: skip
 
     def hf_config(self, cfg, vocab):
         """head_dim is the rotary part, as transformers writes it."""
         return {**super().hf_config(cfg, vocab), "head_dim": cfg.mla_spec.qk_rope_head_dim}
+
+
+def deepseek_moe_from_hf(family, hf: dict, where: str, layers: int, *, ffn: int, dense: int,
+                         groups: tuple[int, int], scaling: float) -> dict:  # fmt: skip
+    """model.moe from DeepSeek-V3's MoE keys (read by ``family``; the defaults are its config class's):
+    sigmoid scores, the correction bias, group-limited routing, the routed scaling, ungated shared
+    experts as one MLP of n_shared x moe_intermediate_size, the first first_k_dense_replace blocks dense."""
+    ffn = positive(hf, "moe_intermediate_size", where, ffn, integer=True)
+    dense = get(hf, "first_k_dense_replace", dense)
+    if dense >= layers:
+        raise HFError(f"{where}: first_k_dense_replace {dense} leaves no sparse block of {layers}")
+    routing = dict(
+        scoring="sigmoid", n_group=get(hf, "n_group", groups[0]), topk_group=get(hf, "topk_group", groups[1]),
+        routed_scaling=float(get(hf, "routed_scaling_factor", scaling)), correction_bias=True,
+        norm_topk_prob=bool(get(hf, "norm_topk_prob", True)),
+    )  # fmt: skip
+    shared = dict(shared_ffn=ffn * get(hf, "n_shared_experts", 1), shared_gate=False)
+    return family.read_moe(hf, where, ffn, dense_layers=list(range(dense)), **shared, **routing)
+
+
+def deepseek_moe_to_hf(family, cfg) -> dict:
+    """DeepSeek-V3's MoE keys for ``cfg`` (written by ``family``)."""
+    spec = cfg.moe_spec
+    if not spec.shared_ffn or spec.shared_ffn % spec.expert_ffn:
+        raise HFError(
+            f"{family.architecture} configs hold shared experts as a multiple of moe_intermediate_size"
+        )
+    return dict(
+        **family.write_moe(cfg), moe_intermediate_size=spec.expert_ffn,
+        n_shared_experts=spec.shared_ffn // spec.expert_ffn, n_group=spec.n_group, topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling, norm_topk_prob=spec.norm_topk_prob,
+        first_k_dense_replace=len(spec.dense_layers),
+    )  # fmt: skip

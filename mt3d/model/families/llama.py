@@ -19,6 +19,7 @@ from .base import (
     register,
     rope_from_hf,
     rope_to_hf,
+    rotary_fraction_from_hf,
 )
 from .keys import COMMON, LLAMA_LIKE, read
 
@@ -41,6 +42,9 @@ class LlamaLike(Family):
     """The config key naming the MLP activation and the value mt3d implements."""
     block_modules: ClassVar[dict[str, tuple[str, ...]]] = LLAMA_BLOCK
     """mt3d module inside a block -> the HF modules (under model.layers.{i}.) that make it up."""
+    partial_rotary: ClassVar[bool] = False
+    """Whether the family reads ``partial_rotary_factor`` (``ModelConfig.rotary_fraction``); else it
+    is refused as RoPE over part of each head."""
 
     def config_kwargs(self, hf, where):
         """Sizes, RoPE and the family's options (``options_from_hf``)."""
@@ -49,7 +53,9 @@ class LlamaLike(Family):
         if get(hf, key, want) != want:
             raise HFError(f"{where}: {key} {hf[key]!r} is not supported ({want})")
         kw = common_kwargs(hf, where, self.hf_defaults)
-        kw["rope_theta"], kw["rope_scaling"] = rope_from_hf(hf, where)
+        kw["rope_theta"], kw["rope_scaling"] = rope_from_hf(hf, where, partial=self.partial_rotary)
+        if self.partial_rotary:
+            kw["rotary_fraction"] = rotary_fraction_from_hf(hf, where)
         kw.update(self.options_from_hf(hf, where, kw["layers"]))
         return kw
 
