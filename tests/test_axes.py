@@ -182,6 +182,15 @@ def test_topo_command_shows_cp_and_ep(capsys):
     assert (rep["crossing"]["ep"], rep["crossing"]["edp"], rep["crossing"]["tp"]) == (0, 8, 0)
     assert main(["topo", "--world-size", "16", "--tp", "2", "--ep", "8", "--etp", "1"]) == 0
     assert "expert layout: etp 1 x ep 8 x edp 2" in capsys.readouterr().out
+    assert "ep_node" not in rep["groups"]  # ep groups inside a host: nothing to split
+    # an ep group of 16 over two hosts: its split by host (expert_dispatch "node"): 8 ranks a host, and
+    # the rails of one rank per host, which alone cross
+    assert main(["topo", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2", "--ep", "16",
+                 "--etp", "1", "--json"]) == 0  # fmt: skip
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["groups"]["ep_node"] == [list(range(8)), list(range(8, 16))]
+    assert rep["groups"]["ep_rail"] == [[r, r + 8] for r in range(8)]
+    assert (rep["crossing"]["ep"], rep["crossing"]["ep_node"], rep["crossing"]["ep_rail"]) == (1, 0, 8)
 
 
 def _state_worker(degrees):

@@ -133,9 +133,10 @@ class Placement:
 
     @property
     def report_groups(self) -> tuple[str, ...]:
-        """The groups reports list: those of the shown axes, and with a folded expert layout its
-        expert-TP and expert-data groups (``EXPERT_GROUPS``; the ep groups are among the axes')."""
-        return self.axes + (("etp", "edp") if self.expert.folded else ())
+        """The shown axes' groups, a folded expert layout's etp and edp (``EXPERT_GROUPS``), and the ep
+        groups' split by host where they span hosts evenly (``HOST_GROUPS``: ``expert_dispatch`` "node")."""
+        split = self.degrees.get("ep", 1) > 1 and self.size("ep_rail") > 1
+        return self.axes + (("etp", "edp") if self.expert.folded else ()) + (HOST_GROUPS if split else ())
 
     def size(self, axis: str) -> int:
         """Ranks in one group along ``axis`` (an axis, or a ``COMBINED`` or ``EXPERT_GROUPS`` group)."""
