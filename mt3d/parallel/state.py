@@ -115,9 +115,13 @@ class ParallelState:
         hosts evenly (``Placement.ep_host_blocks``; ``model.build.BuildContext.ep_hosts``), else None."""
         if self.groups["ep_rail"].size == 1:
             return None
-        hosts = self.placement.host_of[list(self.groups["ep"].ranks)].tolist()
-        order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
-        return self.groups["ep_rail"], self.groups["ep_node"], tuple(order[h] for h in hosts)
+        mine = next(b for b in self.placement.ep_host_blocks() if self.global_rank in b)  # [hosts, ranks]
+        block = {int(r): j for j, ranks in enumerate(mine) for r in ranks}  # the rails' host order
+        return (
+            self.groups["ep_rail"],
+            self.groups["ep_node"],
+            tuple(block[r] for r in self.groups["ep"].ranks),
+        )
 
     @property
     def placement(self):

@@ -36,6 +36,7 @@ from .hardware import Device
 from .layout import fsdp_precision
 from .offload import OFFLOAD_OPTIONS, offload_rule
 from .sparsity import attention_speedup
+from .timing import dispatch_hosts
 
 
 @dataclass(frozen=True)
@@ -472,8 +473,9 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
         grad_dtype=stack.grad_dtype, fp8=stack.fp8, ep_dispatch=stack.ep_dispatch, fsdp=fsdp,
     )  # fmt: skip
-    if "ep_hosts" in bw and lay.ep > 1 and stack.ep_dispatch != "sequence-shard":  # mt3d's over the hosts
-        row.update(ep_hosts=int(bw["ep_hosts"]), ep_per_host=int(bw["ep_per_host"]))
+    hosts = dispatch_hosts(bw, stack.ep_dispatch) if lay.ep > 1 else None
+    if hosts:  # mt3d's dispatch over the hosts
+        row.update(ep_hosts=hosts[0], ep_per_host=hosts[1])
     return {**row, **t, "memory": {k: v / 1e9 for k, v in mem.items()}}, None
 
 

@@ -52,6 +52,14 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     return size(*across), size(*within)
 
 
+def dispatch_hosts(bw: dict[str, float], ep_dispatch: str) -> tuple[int, int] | None:
+    """(hosts, ranks per host) of the ep groups when mt3d routes over them (``expert_dispatch``
+    "node", where ``search.bandwidths`` found the ep groups spanning hosts evenly), else None."""
+    if "ep_hosts" not in bw or ep_dispatch == "sequence-shard":  # another stack's dispatch: one hop
+        return None
+    return int(bw["ep_hosts"]), int(bw["ep_per_host"])
+
+
 def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, comm_bytes: int, blocks: int,
                 bw: dict[str, float], ep_dispatch: str, compute: float) -> tuple[float, float]:  # fmt: skip
     """(exposed, hidden) seconds of a step's expert all-to-all (``ep_bytes``; with Megatron-Core's
@@ -62,8 +70,7 @@ def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, 
     if lay.ep <= 1:
         return 0.0, 0.0
     t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
-    routed = "ep_hosts" in bw and ep_dispatch != "sequence-shard"  # mt3d's dispatch over the hosts
-    hosts = (int(bw["ep_hosts"]), int(bw["ep_per_host"])) if routed else None
+    hosts = dispatch_hosts(bw, ep_dispatch)
     across, within = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute, hosts)
     # mt3d's TP ranks each send whole rows, or 1/(tp / etp) of them when experts split over fewer ranks
     share = t if ep_dispatch == "sequence-shard" else t // lay.expert_tp

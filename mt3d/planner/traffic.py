@@ -88,7 +88,7 @@ def ep_node_traffic(hosts: int, per_host: int, tokens: int, top_k: int, hidden: 
     across = ep_layer_traffic(hosts, tokens, top_k, hidden, experts, True, groups, topk_group)
     d_r = ep_ranks_per_token(hosts * per_host, experts, top_k, groups, topk_group)
     rows = tokens * d_r * (per_host - 1) / per_host
-    within = (rows * 4 * hidden, rows * 4 * top_k, (per_host - 1) / per_host * per_host)
+    within = (rows * 4 * hidden, rows * 4 * top_k, per_host - 1)
     return across, within
 
 
