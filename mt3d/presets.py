@@ -92,6 +92,12 @@ PRESETS: dict[str, dict] = {
                  correction_bias=True, n_group=4, topk_group=2, routed_scaling=2.5, norm_topk_prob=True,
                  dense_layers=[0], aux_loss_coef=0.02),
     ),
+    "tiny-minimax-m2": dict(
+        family="minimax_m2", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=128, max_seq_len=128,
+        rotary_fraction=0.5, qk_norm="all", bias=False, tie_embeddings=False, norm_eps=1e-6,
+        moe=dict(experts=8, top_k=2, expert_ffn=32, scoring="sigmoid", correction_bias=True,
+                 norm_topk_prob=True, bias_update_rate=1e-3),
+    ),
     "tiny-qwen3-moe": dict(
         family="qwen3_moe", head_dim=32, moe=dict(experts=4, top_k=2, expert_ffn=32, norm_topk_prob=True,
                                                  aux_loss_coef=0.02), **_TINY,
@@ -190,6 +196,15 @@ PRESETS: dict[str, dict] = {
         moe=dict(experts=128, top_k=8, expert_ffn=1408, shared_ffn=1408, shared_gate=False,
                  scoring="sigmoid", correction_bias=True, routed_scaling=1.0, norm_topk_prob=True,
                  dense_layers=[0]),
+    ),
+    # MiniMax-M2 (MiniMax 2025): 256 experts, top-8, sigmoid routing with a correction bias, q/k norms
+    # over all heads, RoPE over half of each head; without the multi-token-prediction modules
+    "minimax-m2": dict(
+        family="minimax_m2", hidden=3072, layers=62, heads=48, kv_heads=8, head_dim=128, ffn=1536,
+        vocab_size=200064, max_seq_len=196608, rope_theta=5e6, rotary_fraction=0.5, qk_norm="all",
+        bias=False, tie_embeddings=False, norm_eps=1e-6,
+        moe=dict(experts=256, top_k=8, expert_ffn=1536, scoring="sigmoid", correction_bias=True,
+                 norm_topk_prob=True),
     ),
     # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen team 2025): 128 experts, top-8, renormalised
     "qwen3-30b-a3b": dict(

@@ -316,6 +316,18 @@ def test_presets_of_every_family_and_their_published_sizes():
         held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
         assert cfg.num_params() == held and cfg.family == "glm4_moe", name
         assert abs((cfg.active_params() - 2 * cfg.embedding_params()) / 1e9 - active) / active < 0.02, name
+    # MiniMax-M2: transformers' model of the published config (rotary_dim 64 of 128), 10B active without
+    # the embedding and the output layer
+    from transformers import MiniMaxM2Config
+
+    hf = MiniMaxM2Config(rotary_dim=64)  # the published config.json's legacy key
+    cfg = resolve_model({"preset": "minimax-m2"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    held = sum(p.numel() for p in model.parameters())
+    held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert cfg.num_params() == held and cfg.family == "minimax_m2" and cfg.rotary_dim == 64
+    assert abs((cfg.active_params() - 2 * cfg.embedding_params()) / 1e9 - 10.0) / 10.0 < 0.02
     kimi = resolve_model({"preset": "kimi-k2"})
     assert abs(kimi.num_params() / 1e12 - 1.03) < 0.01 and abs(kimi.active_params() / 1e9 - 32.9) < 0.1
     # a preset's family is a default: overrides it cannot express make the model 'custom'

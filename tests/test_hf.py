@@ -25,6 +25,7 @@ from transformers import (
     GPT2Config,
     GptOssConfig,
     LlamaConfig,
+    MiniMaxM2Config,
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
@@ -57,8 +58,9 @@ FAMILIES = [
     "gpt_oss",
     "deepseek_v3",
     "glm4_moe",
+    "minimax_m2",
 ]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2"]
 WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 WINDOW = 8
 
@@ -144,6 +146,14 @@ def hf_configs(vocab, eos):
             first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             **small,
+        ),
+        # MiniMax-M2: q/k norms over all heads (their sums of squares added over TP), RoPE over half of
+        # each head, 8 experts top-2 by sigmoid scores with a correction bias (randomised in hf_dirs)
+        "minimax_m2": MiniMaxM2Config(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+            num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5},
+            **{**small, "intermediate_size": 32},
         ),
     }  # fmt: skip
 
@@ -248,6 +258,12 @@ def test_families_read_what_transformers_reads(hf_dirs):
     assert cfgs["gemma3"].rope_local == {"rope_theta": 10000.0} and cfgs["gemma3"].rope_theta == 1e6
     assert cfgs["gemma3"].rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfgs["gemma3"].qk_norm
     assert cfgs["qwen3"].head_dim * cfgs["qwen3"].heads != cfgs["qwen3"].hidden and cfgs["qwen3"].qk_norm
+    mm = cfgs["minimax_m2"]
+    assert mm.qk_norm == "all" and mm.rotary_fraction == 0.5 and mm.moe_spec.correction_bias
+    legacy = json.loads((hf_dirs["minimax_m2"] / "config.json").read_text())
+    legacy["rope_parameters"].pop("partial_rotary_factor")  # MiniMax's own configs: rotary_dim only
+    kw = get_family("minimax_m2").config_kwargs({**legacy, "rotary_dim": 8}, "minimax")
+    assert kw["rotary_fraction"] == 0.25
     for name in FAMILIES:
         fam = get_family(name)
         hf_default = AutoConfig.for_model(fam.model_types[0]).to_dict()
@@ -530,6 +546,11 @@ BAD_CONFIGS = [
     ("deepseek_v3", {"first_k_dense_replace": 4}, "first_k_dense_replace 4 leaves no sparse block of 4"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "ntk", "rope_theta": 1e4}},
      "rope_parameters.rope_type 'ntk' is not supported"),
+    ("minimax_m2", {"output_router_logits": True},
+     "output_router_logits=True asks for transformers' load-balancing loss for MiniMax-M2"),
+    ("minimax_m2", {"qk_norm_type": "per_head"}, "qk_norm_type='per_head' asks for q/k norms per head"),
+    ("minimax_m2", {"rotary_dim": 33, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "rotary_dim 33 must be even and at most head_dim 32"),
 ]  # fmt: skip
 
 

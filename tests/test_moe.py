@@ -453,6 +453,8 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1)),
     # GLM-4.5: q/k/v biases, q/k norms, RoPE over half of each head, DeepSeek's router; folded under SP
     ("tiny-glm4-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),
+    # MiniMax-M2: q/k norms over all heads (sums of squares added over TP), sigmoid routing; folded, SP
+    ("tiny-minimax-m2", 4, dict(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
     # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2)),
     # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP

@@ -76,7 +76,8 @@ class Attention(RopeTables, nn.Module):
             gemms=ctx.gemms(layer),
         )
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = make_head_norm(cfg, ctx), make_head_norm(cfg, ctx)
+            self.q_norm = make_head_norm(cfg, ctx, self.heads)
+            self.k_norm = make_head_norm(cfg, ctx, self.kv_heads)
         self.sinks = None
         if cfg.attn_sinks:  # one logit per query head, split over TP with the heads
             lo = ctx.tp.rank * self.heads

@@ -56,8 +56,10 @@ class ModelConfig:
     """Biases on the query/key/value projection (None: same as ``bias``; Qwen2 has only these)."""
     mlp_bias: bool | None = None
     """Biases on the MLP linears (None: same as ``bias``)."""
-    qk_norm: bool = False
-    """RMSNorm over each query and key head (head_dim wide, shared by all heads) before RoPE (Qwen3)."""
+    qk_norm: bool | str = False
+    """q/k RMSNorms before RoPE: true: over each query and key head (head_dim wide, one weight shared by
+    all heads: Qwen3); "all": over all query heads at once and all key heads at once (one weight per
+    dimension of q_size and kv_size: MiniMax-M2; under TP the ranks' sums of squares are added)."""
     rotary_fraction: float = 1.0
     """Share of each query and key head RoPE rotates: its first head_dim x this dims (in rotate-half
     pairs), the rest passing through (HF's partial_rotary_factor; GLM-4.5: 0.5)."""
@@ -175,6 +177,8 @@ class ModelConfig:
             raise ModelConfigError("model.attn_sinks with attn_softcap is not supported (no family has both)")
         if self.norm_unit_offset and self.norm != "rmsnorm":
             raise ModelConfigError("model.norm_unit_offset needs norm 'rmsnorm'")
+        if not (isinstance(self.qk_norm, bool) or self.qk_norm == "all"):
+            raise ModelConfigError(f"model.qk_norm must be true, false or 'all', got {self.qk_norm!r}")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ModelConfigError("model.qk_norm needs norm 'rmsnorm' (the q/k norms are RMSNorms)")
         for p in self.patterns:  # raises on a bad attention spec
@@ -327,8 +331,15 @@ class ModelConfig:
         else:
             mlp = self.mlp_params()
         per_norm = h * (2 if self.norm == "layernorm" else 1)
-        norms = per_norm * (4 if self.post_norms else 2) + (2 * self.head_dim if self.qk_norm else 0)
+        norms = per_norm * (4 if self.post_norms else 2) + self.qk_norm_params
         return attn + mlp + norms
+
+    @property
+    def qk_norm_params(self) -> int:
+        """Weights of one block's q and k norms (``qk_norm``)."""
+        if self.qk_norm == "all":
+            return self.q_size + self.kv_size
+        return 2 * self.head_dim if self.qk_norm else 0
 
     def attn_widths(self, tp: int = 1) -> tuple[float, float]:
         """(input, output) widths of one TP rank's attention projections per token, as the planner's

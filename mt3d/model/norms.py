@@ -10,8 +10,10 @@ from torch import nn
 
 from ..parallel.layers import (
     mark_sequence_parallel,
+    mark_tp,
     mark_tp_partial_grad,
 )
+from ..parallel.mappings import copy_to_tp, reduce_from_tp
 from .build import BuildContext
 from .config import ModelConfig
 
@@ -51,9 +53,34 @@ def make_norm(
     return norm
 
 
-def make_head_norm(cfg: ModelConfig, ctx: BuildContext) -> RMSNorm:
-    """An RMSNorm over one attention head (Qwen3's q/k norm). Every TP rank applies the same weight
-    to its own heads, so each holds part of the gradient: summed over TP (SP or not)."""
+class HeadsRMSNorm(nn.Module):
+    """One RMSNorm over all the heads of q (or of k) at once (MiniMax-M2's q/k norms, ``qk_norm`` "all"):
+    x [..., heads, head_dim] divided by the root mean square over every head's dims, times a weight per
+    dimension. The heads and the weight are split over TP, so each rank's sum of squares is added over
+    TP, forward and backward (every rank's scale reads every rank's sum)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, tp, dtype=torch.float32, device=None):
+        super().__init__()
+        self.eps, self.tp, self.shape = eps, tp, (heads, head_dim)
+        self.width = heads * head_dim * tp.size
+        self.weight = mark_tp(nn.Parameter(torch.ones(heads * head_dim, dtype=dtype, device=device)), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., heads / tp, head_dim], this rank's heads; computed in fp32 (fp64 for fp64 inputs)."""
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        squares = xf.pow(2).sum(dim=(-2, -1))
+        if self.tp.size > 1:  # the sum over TP's backward is a sum over TP too: every rank's scale reads it
+            squares = reduce_from_tp(copy_to_tp(squares, self.tp), self.tp)
+        y = xf * torch.rsqrt(squares / self.width + self.eps)[..., None, None]
+        return self.weight.view(self.shape) * y.to(x.dtype)
+
+
+def make_head_norm(cfg: ModelConfig, ctx: BuildContext, heads: int) -> nn.Module:
+    """The q (or k) norm of an attention layer whose rank holds ``heads`` heads: per head (Qwen3's, every
+    TP rank applying the same weight to its own heads, so each holds part of the gradient: summed over
+    TP, SP or not), or over all heads (``qk_norm`` "all": ``HeadsRMSNorm``)."""
+    if cfg.qk_norm == "all":
+        return HeadsRMSNorm(heads, cfg.head_dim, cfg.norm_eps, ctx.tp, dtype=ctx.dtype, device=ctx.device)
     norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset, dtype=ctx.dtype, device=ctx.device)
     mark_tp_partial_grad(norm.weight, ctx.tp)
     return norm
