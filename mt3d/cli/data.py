@@ -62,10 +62,11 @@ def _add_preprocess(sub) -> None:
     p.add_argument(
         "--dtype", default="auto", help="token dtype: auto (smallest that fits), uint8, uint16, uint32"
     )
-    p.add_argument("--format", default="text", choices=["text", "chat", "prompt-completion"],
+    p.add_argument("--format", default="text", choices=["text", "chat", "prompt-completion", "preference"],
                    help="text (default), chat (.jsonl with messages: [{role, content}], rendered with the "
-                   "tokenizer's chat template) or prompt-completion (.jsonl with prompt and completion); "
-                   "the last two store a loss mask beside the tokens (docs/data.md)")  # fmt: skip
+                   "tokenizer's chat template), prompt-completion (.jsonl with prompt and completion) or "
+                   "preference (.jsonl with prompt, chosen and rejected, TRL's formats: two documents per "
+                   "pair); all but text store a loss mask beside the tokens (docs/data.md)")  # fmt: skip
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template to use instead of the tokenizer's own")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -111,6 +112,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
                 if args.format != "text"
                 else ""
             )
+            + (f"; {s['pairs']} preference pairs" if args.format == "preference" else "")
         )
     return 0
 
@@ -150,8 +152,9 @@ def _add_data(sub) -> None:
         "data",
         help="look at a preprocessed dataset: each document with what will be trained on",
         description="'mt3d data show PREFIX' prints each document of PREFIX.bin/.idx with its supervised "
-        "tokens marked (the loss mask of chat and prompt/completion data; plain text: all of it); "
-        '--json prints one line per document {"tokens": [...], "loss_mask": [...]}.',
+        "tokens marked (the loss mask of chat, prompt/completion and preference data; plain text: all of "
+        "it), preference pairs as their chosen and rejected documents; --json prints one line per document "
+        '{"tokens": [...], "loss_mask": [...]} (preference data: with "pair" and "side").',
         epilog="examples:\n  mt3d data show runs/chat --limit 3\n  mt3d data show runs/chat --json | head -1",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -182,12 +185,16 @@ def cmd_data(args: argparse.Namespace) -> int:
             )
         tok = load_tokenizer(where)
     color = sys.stdout.isatty()
+    pairs = read_meta(args.prefix).get("format") == "preference"  # documents 2p, 2p + 1: pair p
     for i in range(n):
         ids, mask = ds.doc(i).tolist(), ds.doc_mask(i).tolist()
+        side = ("chosen", "rejected")[i % 2] if pairs else None
         if args.json:
-            print(json.dumps({"tokens": ids, "loss_mask": mask}))
+            print(json.dumps({"tokens": ids, "loss_mask": mask, **({"pair": i // 2, "side": side} if pairs
+                                                                     else {})}))  # fmt: skip
             continue
-        print(f"--- document {i}: {len(ids)} tokens, {sum(mask)} supervised")
+        what = f"pair {i // 2}, {side} (document {i})" if pairs else f"document {i}"
+        print(f"--- {what}: {len(ids)} tokens, {sum(mask)} supervised")
         print(_marked(tok, ids, mask, color))
     return 0
 

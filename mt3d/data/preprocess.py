@@ -45,6 +45,8 @@ class Stats:
     """Conversations without an assistant reply (nothing to learn from), skipped."""
     warnings: list[str] = field(default_factory=list)
     """What the command warns of (a chat template's quirks), each once."""
+    pairs: int = 0
+    """Preference pairs (two documents each)."""
 
     def summary(self) -> dict:
         """JSON-able summary with throughput."""
@@ -60,6 +62,7 @@ class Stats:
             "replaced_bytes": sum(self.replaced_bytes.values()),
             "supervised_tokens": self.supervised,
             "skipped_without_reply": self.skipped_no_reply,
+            **({"pairs": self.pairs} if self.pairs else {}),
         }
 
 
@@ -333,9 +336,22 @@ def read_meta(prefix: str | Path) -> dict:
     return read_json(f, "dataset metadata") if f.is_file() else {}
 
 
+def _has_template(tokenizer_dir, template_file) -> bool:
+    """Whether a chat template is at hand (preference pairs need one only when conversational)."""
+    from .sft import SFTDataError, chat_template
+
+    try:
+        chat_template(tokenizer_dir, template_file)
+    except SFTDataError:
+        return False
+    return True
+
+
 def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, template_file, stats,
                     on_bad_bytes: str = "fail") -> None:  # fmt: skip
-    """Chat or prompt/completion jsonl into ``output_prefix``.bin/.idx/.mask (``mt3d.data.sft``)."""
+    """Chat, prompt/completion or preference jsonl into ``output_prefix``.bin/.idx/.mask
+    (``mt3d.data.sft``, ``mt3d.data.preference``)."""
+    from .preference import FORMAT, pair_records, tokenize_pair
     from .sft import (
         FORMATS,
         ChatRenderer,
@@ -346,20 +362,31 @@ def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, tem
         special_tokens,
     )
 
-    if fmt not in FORMATS:
-        raise PreprocessError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt not in (*FORMATS, FORMAT):
+        raise PreprocessError(f"--format must be one of {', '.join((*FORMATS, FORMAT))}, got {fmt!r}")
     bad = [p for p in paths if p.suffix != ".jsonl"]
     if bad:
         raise PreprocessError(f"{bad[0]}: --format {fmt} reads .jsonl records, one per line")
     renderer = (
         ChatRenderer(chat_template(tokenizer_dir, template_file), special_tokens(tokenizer_dir))
-        if fmt == "chat"
+        if fmt == "chat" or fmt == FORMAT and (template_file or _has_template(tokenizer_dir, None))
         else None
     )
     writer = IndexedWriter(output_prefix, np_dtype, with_mask=True)
     try:
         for path in paths:
             stats.bytes_in += path.stat().st_size
+            if fmt == FORMAT:  # two documents per pair: chosen, rejected
+                for rec in pair_records(path, stats, on_bad_bytes):
+                    for ids, mask in tokenize_pair(tok, renderer, rec):
+                        writer.add(ids, mask)
+                        stats.documents, stats.tokens, stats.supervised = (
+                            stats.documents + 1,
+                            stats.tokens + len(ids),
+                            stats.supervised + sum(mask),
+                        )
+                    stats.pairs += 1
+                continue
             for rec in records(path, fmt, stats, on_bad_bytes):
                 if renderer is not None:
                     ids, mask = conversation(tok, renderer, rec["messages"], rec["where"])

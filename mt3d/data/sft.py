@@ -255,11 +255,11 @@ def prompt_completion(tok, prompt: str, completion: str) -> tuple[list, list]:
     return p + c, mask
 
 
-def records(path: Path, fmt: str, stats, on_bad_bytes: str = "fail") -> Iterator[dict]:
-    """The checked records of one jsonl file: ``messages`` (chat) or ``prompt`` and ``completion``;
-    anything else is one line naming the file and line. Conversations without an assistant reply are
-    skipped and counted (``stats.skipped_no_reply``). Invalid UTF-8 is refused by line, or with
-    ``on_bad_bytes`` "replace" becomes U+FFFD and is counted (``stats.replaced_bytes``)."""
+def json_records(path: Path, stats, on_bad_bytes: str = "fail") -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of every JSON object of one jsonl file (``where``: "file:line: "); blank lines
+    skipped; a line that is no JSON object is one line naming the file and line. Invalid UTF-8 is
+    refused by line, or with ``on_bad_bytes`` "replace" becomes U+FFFD and is counted
+    (``stats.replaced_bytes``)."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             where = f"{path}:{n}: "
@@ -282,26 +282,34 @@ def records(path: Path, fmt: str, stats, on_bad_bytes: str = "fail") -> Iterator
                 raise SFTDataError(f"{where}not a JSON object ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise SFTDataError(f"{where}not a JSON object")
-            if fmt == "chat":
-                messages = _messages(rec, where)
-                if not any(m["role"] == "assistant" for m in messages):
-                    stats.skipped_no_reply += 1
-                    continue
-                yield {"messages": messages, "where": where}
-            else:
-                for key in ("prompt", "completion"):
-                    if not isinstance(rec.get(key), str):
-                        got = "missing" if key not in rec else f"a {type(rec[key]).__name__}"
-                        raise SFTDataError(f"{where}{key!r} must be a string ({got}); prompt-completion "
-                                           'records are {"prompt": "...", "completion": "..."}')  # fmt: skip
-                prompt, completion = (unicode_text(rec[k], f"{where}{k!r}") for k in ("prompt", "completion"))
-                yield {"prompt": prompt, "completion": completion, "where": where}
+            yield where, rec
 
 
-def _messages(rec: dict, where: str) -> list[dict]:
-    messages = rec.get("messages")
+def records(path: Path, fmt: str, stats, on_bad_bytes: str = "fail") -> Iterator[dict]:
+    """The checked records of one jsonl file (``json_records``): ``messages`` (chat) or ``prompt`` and
+    ``completion``; anything else is one line naming the file and line. Conversations without an
+    assistant reply are skipped and counted (``stats.skipped_no_reply``)."""
+    for where, rec in json_records(path, stats, on_bad_bytes):
+        if fmt == "chat":
+            messages = _messages(rec, where)
+            if not any(m["role"] == "assistant" for m in messages):
+                stats.skipped_no_reply += 1
+                continue
+            yield {"messages": messages, "where": where}
+        else:
+            for key in ("prompt", "completion"):
+                if not isinstance(rec.get(key), str):
+                    got = "missing" if key not in rec else f"a {type(rec[key]).__name__}"
+                    raise SFTDataError(f"{where}{key!r} must be a string ({got}); prompt-completion "
+                                       'records are {"prompt": "...", "completion": "..."}')  # fmt: skip
+            prompt, completion = (unicode_text(rec[k], f"{where}{k!r}") for k in ("prompt", "completion"))
+            yield {"prompt": prompt, "completion": completion, "where": where}
+
+
+def _messages(rec: dict, where: str, key: str = "messages") -> list[dict]:
+    messages = rec.get(key)
     if not isinstance(messages, list) or not messages:
-        raise SFTDataError(f'{where}a chat record needs "messages": [{{"role": ..., "content": ...}}, ...]')
+        raise SFTDataError(f'{where}a chat record needs "{key}": [{{"role": ..., "content": ...}}, ...]')
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
