@@ -427,3 +427,27 @@ def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int,
                 f"tp ({kv}) dividing or divisible by cp; use context_exchange allgather (or auto)"
             )
     return None
+
+
+def objective_conflict(train) -> str | None:
+    """Why ``mt3d.train.objective`` and ``mt3d.train.dpo`` cannot run (None: they can)."""
+    if train.objective not in ("lm", "dpo"):
+        return f"mt3d.train.objective must be 'lm' or 'dpo', got {train.objective!r}"
+    dpo = train.dpo
+    if dpo is None:
+        return None
+    if train.objective != "dpo":
+        return "mt3d.train.dpo is set but mt3d.train.objective is 'lm': set objective 'dpo' (or drop dpo)"
+    if not dpo.beta > 0:
+        return f"mt3d.train.dpo.beta must be positive, got {dpo.beta}"
+    if dpo.loss_type not in ("sigmoid", "ipo"):
+        return f"mt3d.train.dpo.loss_type must be 'sigmoid' or 'ipo', got {dpo.loss_type!r}"
+    if not 0 <= dpo.label_smoothing < 0.5 or (dpo.label_smoothing and dpo.loss_type != "sigmoid"):
+        return (f"mt3d.train.dpo.label_smoothing must be in [0, 0.5) and goes with loss_type 'sigmoid', got "
+                f"{dpo.label_smoothing} with {dpo.loss_type!r}")  # fmt: skip
+    if dpo.reference != "precompute":
+        return (
+            f"mt3d.train.dpo.reference {dpo.reference!r} is not supported: 'precompute' (the starting "
+            "policy's log-probabilities, computed once before training; with LoRA the frozen base)"
+        )
+    return None

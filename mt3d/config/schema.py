@@ -181,6 +181,23 @@ class DataConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Direct preference optimisation (``train.objective`` "dpo"; ``mt3d.model.dpo``), with TRL's
+    meanings."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference: the implicit reward is beta x the log-ratio."""
+    loss_type: str = "sigmoid"
+    """'sigmoid' (DPO: -log sigmoid(beta x margin)) or 'ipo' ((margin - 1 / (2 beta))^2 over log-probs
+    averaged per completion token, TRL's IPO)."""
+    label_smoothing: float = 0.0
+    """The share of pairs assumed mislabelled (conservative DPO; sigmoid only), in [0, 0.5)."""
+    reference: str = "precompute"
+    """'precompute': the reference model is the starting policy (with LoRA: the frozen base, adapters
+    off), its log-probabilities computed in one pass before training and kept with the run."""
+
+
+@dataclass
 class TrainConfig:
     """The training loop."""
 
@@ -232,6 +249,10 @@ class TrainConfig:
     """torch.compile each transformer block (fuses elementwise work on GPUs; first steps are slower)."""
     fp8: Fp8Config | None = None
     """FP8 GEMMs in the blocks' linears, e.g. {"recipe": "rowwise"} (needs bf16; None: off)."""
+    objective: str = "lm"
+    """'lm' (next-token cross entropy) or 'dpo' (preference pairs: ``dpo``)."""
+    dpo: DpoConfig | None = None
+    """DPO's settings (objective 'dpo'; None: the defaults)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from .corpora import builtin_corpus, cache_root, synthetic_corpus
 from .indexed import IndexedDataset
-from .packing import Packed, PackedDocuments, packed_batch, packs, supervised_and_real
+from .packing import Packed, PackedDocuments, packed_batch, packs, pairs_in, supervised_and_real
 from .samples import BlendedSamples, DataError, PackedSamples, split_documents
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -32,8 +32,10 @@ class DataBundle:
     info: dict
 
 
-def build_data(cfg, seed: int) -> DataBundle:
-    """Build (or load from cache) the corpus and its sample sequences for a ``DataConfig``."""
+def build_data(cfg, seed: int, pairs: bool = False) -> DataBundle:
+    """Build (or load from cache) the corpus and its sample sequences for a ``DataConfig``; ``pairs``:
+    preference pairs for DPO (every dataset made by ``mt3d preprocess --format preference``), split
+    and packed a pair at a time."""
     cache = cache_root(cfg.cache_dir)
     seed = cfg.seed if cfg.seed is not None else seed
     if cfg.corpus == "builtin":
@@ -53,11 +55,26 @@ def build_data(cfg, seed: int) -> DataBundle:
         )
     for d in datasets:  # the header's max id is only as good as the file: every read checks its ids
         d.vocab_limit = tokenizer.vocab_size
-    splits = [split_documents(len(d), cfg.split) for d in datasets]
+    if pairs:
+        from .preference import FORMAT
+        from .preprocess import read_meta
+
+        if len(datasets) != 1:
+            raise DataError(
+                f"train.objective 'dpo' reads one preference dataset, got {len(datasets)} prefixes "
+                "(preprocess the pairs into one)"
+            )
+        other = [str(d.prefix) for d in datasets if read_meta(d.prefix).get("format") != FORMAT]
+        if other:
+            raise DataError(
+                f"{other[0]} holds no preference pairs (train.objective 'dpo' reads datasets made by "
+                "mt3d preprocess --format preference)"
+            )
+    splits = [split_documents(len(d) // 2 if pairs else len(d), cfg.split) for d in datasets]
     index_dir = cache / "indices"
-    packed = packs(cfg, datasets)
+    packed = pairs or packs(cfg, datasets)
     if packed:  # several documents per sample unless data.packing is false (one each, padded)
-        source = functools.partial(PackedDocuments, pack=cfg.packing is not False)
+        source = functools.partial(PackedDocuments, pack=cfg.packing is not False, pairs=pairs)
     else:
         source = PackedSamples
     train = [source(d, s[0], cfg.seq_len, seed, index_dir) for d, s in zip(datasets, splits)]
@@ -66,6 +83,8 @@ def build_data(cfg, seed: int) -> DataBundle:
              for d, s in zip(datasets, splits)]  # fmt: skip
     weights = cfg.weights or [float(t.tokens_per_epoch) for t in train]
     info.update(
+        prefixes=[str(p) for p in prefixes],
+        tags=[d.tag.hex() for d in datasets],
         documents=[len(d) for d in datasets],
         tokens=[d.num_tokens for d in datasets],
         train_samples_per_epoch=[len(t) for t in train],
@@ -75,6 +94,8 @@ def build_data(cfg, seed: int) -> DataBundle:
     if packed:
         truncated = [t.truncated + getattr(v, "truncated", 0) for t, v in zip(train, valid, strict=True)]
         info.update(packing_efficiency=[round(t.efficiency, 4) for t in train], truncated_documents=truncated)
+    if pairs:
+        info.update(pairs=True, dropped_pairs=[t.dropped_pairs for t in train])
     if len(train) == 1:
         return DataBundle(train[0], valid[0], tokenizer, info)
     blend_dir = index_dir / "blends"
@@ -99,12 +120,13 @@ def to_batch(samples: list) -> tuple:
     return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
 
 
-def step_targets(samples, step: int, global_batch: int) -> tuple[int, int]:
-    """(supervised targets, real tokens) of the whole global batch of ``step`` (every rank reads it:
-    the loss of packed data is normalised by the first, ``LossFn.step_weight``; the second is the
-    packing efficiency's numerator)."""
+def step_targets(samples, step: int, global_batch: int) -> tuple[int, int, int]:
+    """(supervised targets, real tokens, preference pairs) of the whole global batch of ``step`` (every
+    rank reads it: the loss of packed data is normalised by the first, DPO's by the third,
+    ``LossFn.step_weight``; the second is the packing efficiency's numerator)."""
     batch = [samples[i] for i in range(step * global_batch, (step + 1) * global_batch)]
-    return supervised_and_real(batch)
+    pairs = pairs_in(batch) if batch and batch[0].source is not None else 0
+    return (*supervised_and_real(batch), pairs)
 
 
 class StepBatches:

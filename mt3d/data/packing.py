@@ -58,28 +58,39 @@ def all_too_long(prefix, lengths: np.ndarray, seq_len: int) -> str | None:
 
 class Packed(NamedTuple):
     """One packed sample: ``seq_len + 1`` positions of tokens (int64), loss mask (uint8) and document
-    index (int32, -1 for padding)."""
+    index (int32, -1 for padding); preference pairs also the dataset's index of every position's
+    document (``source``, int64, -1 for padding)."""
 
     tokens: np.ndarray
     mask: np.ndarray
     doc: np.ndarray
+    source: np.ndarray | None = None
 
 
 class PackedDocuments:
     """Endless packed samples of documents ``doc_ids`` of ``dataset`` (module docstring); with
-    ``pack`` false, one document per sample, padded (``data.packing: false``)."""
+    ``pack`` false, one document per sample, padded (``data.packing: false``). With ``pairs`` the ids
+    are preference pairs (``mt3d.data.preference``: documents 2p and 2p + 1), each packed whole, chosen
+    then rejected, into one sample; a pair longer than ``seq_len`` is left out and counted
+    (``dropped_pairs``: truncating would cut the completions whose log-probabilities DPO compares)."""
 
     def __init__(self, dataset: IndexedDataset, doc_ids: np.ndarray, seq_len: int, seed: int,
-                 cache_dir: str | Path | None = None, pack: bool = True) -> None:  # fmt: skip
+                 cache_dir: str | Path | None = None, pack: bool = True,
+                 pairs: bool = False) -> None:  # fmt: skip
         self.ds, self.doc_ids, self.seq_len, self.seed = dataset, np.asarray(doc_ids, np.int64), seq_len, seed
-        self.pack = pack
-        lengths = dataset.doc_lengths()[self.doc_ids]
+        self.pack, self.pairs = pack, pairs
+        lengths = dataset.doc_lengths()
+        ids = self.doc_ids
+        lengths = lengths[2 * ids] + lengths[2 * ids + 1] if pairs else lengths[ids]
         if lengths.size == 0:
             raise DataError(f"{dataset.prefix}: no documents to pack")
-        self.truncated = int((lengths > seq_len).sum())
         why = all_too_long(dataset.prefix, lengths, seq_len)
         if why:
-            raise DataError(why)
+            raise DataError(why.replace("documents", "pairs (chosen and rejected)") if pairs else why)
+        self.truncated = 0 if pairs else int((lengths > seq_len).sum())
+        self.dropped_pairs = int((lengths > seq_len).sum()) if pairs else 0
+        if pairs:
+            self.doc_ids, lengths = self.doc_ids[lengths <= seq_len], lengths[lengths <= seq_len]
         self._lengths = np.minimum(lengths, seq_len)
         self.tokens_per_epoch = int(self._lengths.sum())
         self.cache_dir = Path(cache_dir) if cache_dir else None
@@ -87,7 +98,7 @@ class PackedDocuments:
         key.update(str(Path(dataset.prefix).resolve()).encode())
         key.update(dataset.tag)
         key.update(self.doc_ids.tobytes())
-        key.update(f"packed|{seq_len}|{seed}|{WINDOW if pack else 0}".encode())
+        key.update(f"packed|{seq_len}|{seed}|{WINDOW if pack else 0}{'|pairs' if pairs else ''}".encode())
         self.key = key.hexdigest()[:20]
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._counts: list[int] = []  # samples of epochs 0, 1, ... (each packs differently)
@@ -159,30 +170,44 @@ class PackedDocuments:
         tokens = np.zeros(size, dtype=np.int64)
         mask = np.zeros(size, dtype=np.uint8)
         doc = np.full(size, -1, dtype=np.int32)
-        at = 0
-        for k, d in enumerate(docs[starts[i] : starts[i + 1]].tolist()):
-            real = int(self.doc_ids[d])
-            begin = int(self.ds.offsets[real])
-            n = int(self._lengths[d])
-            tokens[at : at + n] = self.ds.read(begin, begin + n)
-            mask[at : at + n] = self.ds.read_mask(begin, begin + n)
-            doc[at : at + n] = k
-            at += n
-        return Packed(tokens, mask, doc)
+        source = np.full(size, -1, dtype=np.int64) if self.pairs else None
+        at, k = 0, 0
+        for d in docs[starts[i] : starts[i + 1]].tolist():
+            unit = int(self.doc_ids[d])
+            for real in (2 * unit, 2 * unit + 1) if self.pairs else (unit,):
+                begin = int(self.ds.offsets[real])
+                n = min(int(self.ds.offsets[real + 1]) - begin, self.seq_len)
+                tokens[at : at + n] = self.ds.read(begin, begin + n)
+                mask[at : at + n] = self.ds.read_mask(begin, begin + n)
+                doc[at : at + n] = k
+                if source is not None:
+                    source[at : at + n] = real
+                at, k = at + n, k + 1
+        return Packed(tokens, mask, doc, source)
 
 
 def packed_batch(samples: list[Packed]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``((ids, documents), labels)``, each [b, seq_len]: label t is token t + 1 where that token is a
-    supervised target of the same document, else ``IGNORE`` (module docstring)."""
+    supervised target of the same document, else ``IGNORE`` (module docstring). Preference pairs:
+    labels [b, seq_len, 3], each position's label, its document's index in the sample and in the dataset
+    (``pair_labels``: what the DPO loss sums log-probabilities by)."""
     tokens = np.stack([s.tokens for s in samples])
     mask = np.stack([s.mask for s in samples])
     doc = np.stack([s.doc for s in samples])
     same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] >= 0) & (mask[:, 1:] > 0)
     labels = np.where(same, tokens[:, 1:], IGNORE)
+    if samples[0].source is not None:
+        source = np.stack([s.source for s in samples])[:, :-1]
+        labels = np.stack([labels, doc[:, :-1].astype(np.int64), source], axis=-1)
     return (
         torch.from_numpy(tokens[:, :-1].copy()),
         torch.from_numpy(doc[:, :-1].astype(np.int64)),
     ), torch.from_numpy(labels)
+
+
+def target_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The token labels [b, s] of a batch's labels (preference pairs': the first of their three)."""
+    return labels[..., 0] if labels.dim() == 3 else labels
 
 
 def supervised_and_real(samples: list[Packed]) -> tuple[int, int]:
@@ -190,4 +215,9 @@ def supervised_and_real(samples: list[Packed]) -> tuple[int, int]:
     its packing efficiency)."""
     _, labels = packed_batch(samples)
     real = sum(int((s.doc[:-1] >= 0).sum()) for s in samples)
-    return int((labels != IGNORE).sum()), real
+    return int((target_labels(labels) != IGNORE).sum()), real
+
+
+def pairs_in(samples: list[Packed]) -> int:
+    """Preference pairs in these samples (each lies whole in one)."""
+    return sum(len(np.unique(s.source[s.source >= 0])) // 2 for s in samples)

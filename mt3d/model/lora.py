@@ -13,6 +13,7 @@ Adapter parameters are named ``<linear>.lora.<hf leaf>.A`` / ``.B`` (e.g. ``3.at
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -195,6 +196,20 @@ def attach(model: nn.Module, targets: list[Target], spec: LoraSpec, tp: AxisGrou
     for p in model.parameters():
         p.requires_grad_(is_adapter_param(p))
     return added
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run ``model`` as its frozen base: every linear's adapters set aside for the block (DPO's
+    reference with LoRA, as PEFT's ``disable_adapter``)."""
+    held = [(m, m._modules["lora"]) for m in model.modules() if len(getattr(m, "lora", ()) or ())]
+    try:
+        for m, _ in held:
+            m._modules["lora"] = nn.ModuleDict()
+        yield
+    finally:
+        for m, adapters in held:
+            m._modules["lora"] = adapters
 
 
 def universal_patterns(info: dict, targets: list[Target], tp: int) -> dict:

@@ -165,6 +165,19 @@ class LossFn:
         routed = logits if isinstance(logits, Routed) else None
         if routed is not None:
             logits = routed.out
+        loss = self.objective(logits, labels)
+        if routed is None or not torch.is_grad_enabled():
+            return loss
+        tokens = labels.shape[0] * labels.shape[1]
+        if self.cp is not None and self.cp.size > 1:
+            routed, tokens = self._whole_sequence(routed), tokens * self.cp.size
+        aux, z = router_losses(self.moe, routed, tokens, self.sparse_layers)
+        counts = routed.stats_i.detach()
+        self.router_log.append({"aux": aux.detach(), "z": z.detach(), "counts": counts})
+        return loss + self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
+
+    def objective(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        """The language-model loss of this rank's logits (or tiles' inputs) against ``labels``."""
         per_token = self.per_token(logits, labels)
         if self.step_weight is not None:
             loss = per_token.sum() * self.step_weight
@@ -174,15 +187,7 @@ class LossFn:
             count = (labels != IGNORE_INDEX).sum().float()
             all_reduce(count, self.cp)
             loss = per_token.sum() * self.cp.size / count.clamp(min=1)
-        if routed is None or not torch.is_grad_enabled():
-            return loss
-        tokens = labels.numel()
-        if self.cp is not None and self.cp.size > 1:
-            routed, tokens = self._whole_sequence(routed), tokens * self.cp.size
-        aux, z = router_losses(self.moe, routed, tokens, self.sparse_layers)
-        counts = routed.stats_i.detach()
-        self.router_log.append({"aux": aux.detach(), "z": z.detach(), "counts": counts})
-        return loss + self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
+        return loss
 
     def _whole_sequence(self, routed: Routed) -> Routed:
         """Router statistics summed over the cp ranks (each scored its chunks of the sequences). The

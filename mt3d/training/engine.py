@@ -77,7 +77,14 @@ def build_model(
         **fp8_context(train.fp8, cfg.layers),
     )
     specs = layer_specs(cfg, ctx, vocab_size)
-    loss_fn = LossFn.of(cfg, rt.state.tp, vocab_size, rt.state.cp, tile_len=rec.tile_len)
+    loss_cls = LossFn
+    if train.objective == "dpo":
+        from ..model.dpo import DPOLoss as loss_cls
+    loss_fn = loss_cls.of(cfg, rt.state.tp, vocab_size, rt.state.cp, tile_len=rec.tile_len)
+    if train.objective == "dpo":
+        from ..config.schema import DpoConfig
+
+        loss_fn.dpo = train.dpo or DpoConfig()
     ckpt = functools.partial(
         checkpoint, tracker=rt.tracker, tp=rt.state.tp, partition=rec.partition_activations
     )

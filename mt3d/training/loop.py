@@ -71,6 +71,10 @@ class Trainer:
         self.packed = bool(data.info.get("packed"))
         self.targets: dict = {}
         """The last step's supervised tokens and packing efficiency (packed data)."""
+        self.dpo = train.objective == "dpo"
+        self.preference: dict = {}
+        """The last step's DPO figures (TRL's names: rewards/..., logps/...)."""
+        self.model_source = model_cfg.extra.get("hf_path") or model_cfg.name
 
     # --- batches ---------------------------------------------------------------------------
     def batches(self, samples, step: int) -> StepBatches:
@@ -109,11 +113,14 @@ class Trainer:
         keep its figures for the log."""
         if not self.packed:
             return
-        supervised, real = step_targets(samples, step, self.layout.global_batch)
+        supervised, real, pairs = step_targets(samples, step, self.layout.global_batch)
         pieces = self.layout.dp * self.layout.cp * self.layout.grad_accum
-        self.engine.module.loss_fn.step_weight = pieces / max(supervised, 1)
+        # DPO averages over the global batch's pairs, the language-model loss over its targets
+        self.engine.module.loss_fn.step_weight = pieces / max(pairs if self.dpo else supervised, 1)
         positions = self.layout.global_batch * self.seq_len
         self.targets = {"supervised_tokens": supervised, "packing_efficiency": round(real / positions, 4)}
+        if self.dpo:
+            self.targets["pairs"] = pairs
 
     # --- one step ----------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -134,11 +141,21 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` global batches (the same ones every time)."""
+        if not self.dpo:
+            return self.run_eval(self.data.valid, self.train_cfg.eval_batches)
+        from .dpo import evaluation_off
+
+        with evaluation_off(self.engine.module.loss_fn):
+            return self.run_eval(self.data.valid, self.train_cfg.eval_batches)
+
+    @torch.no_grad()
+    def run_eval(self, samples, batches: int) -> float:
+        """Mean loss over global batches 0 .. ``batches`` - 1 of ``samples``, without training."""
         losses = []
         kept = self.targets
-        for i in range(self.train_cfg.eval_batches):
-            self._weigh(self.data.valid, i)
-            it = self.batches(self.data.valid, i)
+        for i in range(batches):
+            self._weigh(samples, i)
+            it = self.batches(samples, i)
             if self.pipe:
                 losses.append(self._mean_over(self.engine.eval_batch(data_iter=it), self._loss_group))
                 continue
@@ -172,13 +189,17 @@ class Trainer:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
-    def _router_figures(self) -> dict:
-        state = self.rt.state  # one rank per data-parallel replica holds its (cp-summed) figures: the
-        # loss's (the last pipeline rank's, or the V's rank 0: the pipeline engine knows which)
+    @property
+    def _figures_holder(self) -> bool:
+        """Whether this rank's loss holds its data-parallel replica's (cp-summed) figures: TP and cp
+        rank 0 of the loss's stage (the last pipeline rank's, or the V's rank 0: the engine knows)."""
+        state = self.rt.state
         pipelined = hasattr(self.engine, "is_last_stage")
         loss_rank = self.engine.is_last_stage() if pipelined else state.is_last_stage
-        holder = loss_rank and state.tp.rank == 0 and state.cp.rank == 0
-        return router_figures(self.engine.module.loss_fn, holder, self.rt.device)
+        return loss_rank and state.tp.rank == 0 and state.cp.rank == 0
+
+    def _router_figures(self) -> dict:
+        return router_figures(self.engine.module.loss_fn, self._figures_holder, self.rt.device)
 
     def _log_step(self, loss: float, seconds: float) -> None:
         figs = step_figures(
@@ -201,6 +222,7 @@ class Trainer:
             "peak_mem_gb": peak_memory_gb(),
             **self.targets,
             **self.router,
+            **self.preference,
         }
         self.metrics.write(record, wandb_step=self.engine.global_samples)
         gn = record["grad_norm"]
@@ -215,6 +237,10 @@ class Trainer:
                 f" | supervised {self.targets['supervised_tokens']}"
                 f" | packed {self.targets['packing_efficiency']:.1%}"
             )
+        if self.preference:
+            p = self.preference
+            line += (f" | reward acc {p['rewards/accuracies']:.3f} | margin {p['rewards/margins']:.4f}"
+                     f" | pairs {self.targets['pairs']}")  # fmt: skip
         if self.router:
             r = self.router
             line += (
@@ -253,6 +279,10 @@ class Trainer:
                 self.bar = tqdm(total=cfg.steps, initial=self.step, unit="step", dynamic_ncols=True)
         last_loss = float("nan")
         eval_loss = None
+        if self.dpo:
+            from .dpo import prepare_reference
+
+            prepare_reference(self, self.step)
         try:
             while self.step < cfg.steps:
                 if self.faults:
@@ -268,6 +298,11 @@ class Trainer:
                     balance_experts(self.engine.module, self.rt.state.dense, self.rt.state.tp, not skipped)
                 if self.sparse:
                     self.router = self._router_figures()
+                if self.dpo:
+                    from .dpo import dpo_figures
+
+                    self.preference = dpo_figures(self.engine.module.loss_fn, self._figures_holder,
+                                                  self.rt.device)  # fmt: skip
                 self.step += 1
                 self._track_bad(last_loss, self.engine.skipped_steps > skipped_before)
                 if self.logger:

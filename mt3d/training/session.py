@@ -94,13 +94,13 @@ def write_run_info(save_dir: Path, run: RunConfig, layout: Layout, cfg: ModelCon
     (save_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
 
 
-def prepare_data(data_cfg: DataConfig, seed: int, cfg: ModelConfig):
+def prepare_data(data_cfg: DataConfig, seed: int, cfg: ModelConfig, pairs: bool = False):
     """Build the corpus and fix the vocabulary size; returns (data bundle, vocab size)."""
     hf_path = cfg.extra.get("hf_path")
     if hf_path and data_cfg.tokenizer is None and data_cfg.corpus == "builtin":
         if (Path(hf_path) / "tokenizer.json").is_file():
             data_cfg.tokenizer = hf_path  # fine-tuning: the model's own tokenizer
-    data = build_data(data_cfg, seed)
+    data = build_data(data_cfg, seed, pairs=pairs)
     vocab = data.tokenizer.vocab_size
     if cfg.vocab_size is None:
         cfg.vocab_size = vocab
@@ -194,7 +194,8 @@ def _train(run: RunConfig, layout: Layout, cfg: ModelConfig, preemption: Preempt
     with deepspeed_output(save_dir, verbose):
         rt = setup(run.mt3d.parallel, run.mt3d.train.seed)
         lock = claim_save_dir(save_dir, rt.rank, run.mt3d.train.overwrite)  # noqa: F841 - held for the run
-        data, vocab = prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg)
+        data, vocab = prepare_data(run.mt3d.data, run.mt3d.train.seed, cfg,
+                                   pairs=run.mt3d.train.objective == "dpo")  # fmt: skip
         facts = {"global_batch": layout.global_batch, "seq_len": run.mt3d.data.seq_len}
         lora = lora_facts(run, cfg, vocab)
         plan = resume.plan_resume(run.mt3d.train.resume, save_dir, cfg, facts, data.info, lora)

@@ -1,0 +1,110 @@
+"""DPO training around the trainer: the reference pass and the step's figures (``mt3d.model.dpo``).
+
+The reference (``train.dpo.reference`` "precompute") is the starting policy: before the first step
+every sample of the preference data (the training and validation pairs, epoch 0: each pair once) runs
+through the engine's evaluation with the loss recording each document's log-probability; with LoRA the
+adapters are set aside, so the reference is the frozen base. Every rank then holds the table
+(float64 per dataset document; the ranks' records merged by an all-reduce) and rank 0 writes it to
+``<save_dir>/dpo_reference.pt`` with what it was computed from (the dataset and the model source). A
+resumed run reads that file (it cannot recompute it: the policy has moved), and refuses a missing one
+or one made from other data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+from ..model.dpo import FIGURES
+
+REFERENCE = "dpo_reference.pt"
+
+
+def _identity(trainer) -> dict:
+    """What a reference table was computed from: the dataset (its tag) and the model's source."""
+    ds = trainer.data.info
+    return {"prefixes": [str(p) for p in ds.get("prefixes", [])], "tags": ds.get("tags", []),
+            "model": trainer.model_source}  # fmt: skip
+
+
+def prepare_reference(trainer, start_step: int) -> None:
+    """Set the loss's reference table: computed now (a fresh run) or read back (a resumed one)."""
+    loss_fn = trainer.engine.module.loss_fn
+    path = Path(trainer.train_cfg.save_dir) / REFERENCE
+    if start_step > 0:
+        if not path.is_file():
+            raise UserError(
+                f"{path} is missing: a resumed DPO run reads the reference log-probabilities its first "
+                "step wrote (they cannot be recomputed from the moved policy)"
+            )
+        held = torch.load(path, map_location="cpu", weights_only=True)
+        if held["identity"] != _identity(trainer):
+            raise UserError(f"{path} was computed for other data or another model ({held['identity']}); "
+                            "resume with the run's own data and model")  # fmt: skip
+        loss_fn.reference = held["table"]
+        return
+    loss_fn.reference = reference_table(trainer)
+    if trainer.rt.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"table": loss_fn.reference, "identity": _identity(trainer)}, tmp)
+        tmp.replace(path)
+
+
+@torch.no_grad()
+def reference_table(trainer) -> torch.Tensor:
+    """float64 [documents]: each document's log-probability under the starting policy (adapters off)."""
+    from ..model.lora import adapters_disabled
+
+    loss_fn = trainer.engine.module.loss_fn
+    documents = trainer.data.info["documents"][0]
+    loss_fn.recording = {}
+    try:
+        with adapters_disabled(trainer.engine.module):
+            for samples in (trainer.data.train, trainer.data.valid):
+                if samples is not None:
+                    trainer.run_eval(samples, math.ceil(len(samples) / trainer.layout.global_batch))
+        recorded = loss_fn.recording
+    finally:
+        loss_fn.recording = None
+    table = torch.full((documents,), -math.inf, dtype=torch.float64, device=trainer.rt.device)
+    if recorded:
+        index = torch.tensor(list(recorded), dtype=torch.int64, device=trainer.rt.device)
+        table[index] = torch.tensor([lp for lp, _ in recorded.values()], dtype=torch.float64,
+                                    device=trainer.rt.device)  # fmt: skip
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)  # ranks that saw a document hold the same value
+    return table.cpu()
+
+
+def dpo_figures(loss_fn, contributes: bool, device) -> dict:
+    """TRL's DPO metrics of the last step (means over its pairs), the same on every rank (a collective
+    over all ranks: call it everywhere). ``contributes``: this rank's loss holds the step's sums (one
+    rank per data-parallel replica, as ``router_figures``)."""
+    sums = loss_fn.figures.to(device, copy=True)
+    if not contributes:
+        sums.zero_()
+    loss_fn.figures.zero_()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    pairs = max(1.0, float(sums[0]))
+    return {name: float(v) / pairs for name, v in zip(FIGURES[1:], sums[1:].tolist(), strict=True)}
+
+
+def evaluation_off(loss_fn):
+    """While evaluating, the loss must not add the validation pairs to the training step's figures."""
+    saved = loss_fn.figures.clone()
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        finally:
+            loss_fn.figures.copy_(saved)
+
+    return guard()
