@@ -36,6 +36,11 @@ def check_inputs(train: TrainConfig, data: DataConfig, hf_path: str | None = Non
     model's ``hf_path``: filled in), each split it reads (``check_datasets``)."""
     if train.resume not in ("none", "auto") and not Path(train.resume).exists():
         raise ConfigError(f"mt3d.train.resume: checkpoint not found: {train.resume}")
+    if data.corpus != "indexed" and train.objective == "dpo":
+        raise ConfigError(
+            f"mt3d.data.corpus {data.corpus!r} holds no preference pairs: train.objective 'dpo' reads "
+            "corpus 'indexed' made by mt3d preprocess --format preference"
+        )
     if data.corpus != "indexed":
         return
     if not data.prefixes:
@@ -48,7 +53,7 @@ def check_inputs(train: TrainConfig, data: DataConfig, hf_path: str | None = Non
         data.tokenizer = recorded_tokenizer(data.prefixes, hf_path)
     if not Path(data.tokenizer).is_dir():
         raise ConfigError(f"mt3d.data.tokenizer: tokenizer directory not found: {data.tokenizer}")
-    check_datasets(data, evaluates=train.eval_batches > 0)
+    check_datasets(data, evaluates=train.eval_batches > 0, pairs=train.objective == "dpo")
 
 
 def recorded_tokenizer(prefixes: list[str], hf_path: str | None) -> str:
@@ -74,14 +79,19 @@ def recorded_tokenizer(prefixes: list[str], hf_path: str | None) -> str:
 SPLITS = ("train", "validation", "test")
 
 
-def check_datasets(data: DataConfig, evaluates: bool) -> None:
+def check_datasets(data: DataConfig, evaluates: bool, pairs: bool = False) -> None:
     """Each split a run reads (train; validation when it evaluates) of every indexed prefix can make
     a sample, and a dataset with loss masks supervises some token: one line naming the prefix, the
-    split and the fix, before any process group (every rank finds the same)."""
+    split and the fix, before any process group (every rank finds the same). ``pairs``: DPO's data,
+    one preference dataset."""
     from ..data.indexed import IndexedDataset
     from ..data.packing import all_too_long, packs
+    from ..data.preference import pair_data_conflict
     from ..data.samples import split_documents
 
+    why = pair_data_conflict(data.prefixes) if pairs else None
+    if why:
+        raise ConfigError(f"mt3d.data.prefixes: {why}")
     datasets = [IndexedDataset(pre) for pre in data.prefixes]
     packed = packs(data, datasets)
     for pre, ds in zip(data.prefixes, datasets, strict=True):

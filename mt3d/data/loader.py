@@ -56,20 +56,11 @@ def build_data(cfg, seed: int, pairs: bool = False) -> DataBundle:
     for d in datasets:  # the header's max id is only as good as the file: every read checks its ids
         d.vocab_limit = tokenizer.vocab_size
     if pairs:
-        from .preference import FORMAT
-        from .preprocess import read_meta
+        from .preference import pair_data_conflict
 
-        if len(datasets) != 1:
-            raise DataError(
-                f"train.objective 'dpo' reads one preference dataset, got {len(datasets)} prefixes "
-                "(preprocess the pairs into one)"
-            )
-        other = [str(d.prefix) for d in datasets if read_meta(d.prefix).get("format") != FORMAT]
-        if other:
-            raise DataError(
-                f"{other[0]} holds no preference pairs (train.objective 'dpo' reads datasets made by "
-                "mt3d preprocess --format preference)"
-            )
+        why = pair_data_conflict(prefixes)
+        if why:
+            raise DataError(why)
     splits = [split_documents(len(d) // 2 if pairs else len(d), cfg.split) for d in datasets]
     index_dir = cache / "indices"
     packed = pairs or packs(cfg, datasets)

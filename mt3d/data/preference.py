@@ -93,3 +93,21 @@ def tokenize_pair(tok, renderer: ChatRenderer | None, rec: dict) -> list[tuple[l
         mask[0] = 0  # a document's first token has nothing to be predicted from
         out.append((ids, mask))
     return out
+
+
+def pair_data_conflict(prefixes) -> str | None:
+    """Why these dataset prefixes cannot feed DPO (None: they can): one dataset, made by
+    ``mt3d preprocess --format preference``."""
+    from .preprocess import read_meta
+
+    if len(prefixes) != 1:
+        return (
+            f"train.objective 'dpo' reads one preference dataset, got {len(prefixes)} prefixes "
+            "(preprocess the pairs into one)"
+        )
+    if read_meta(prefixes[0]).get("format") != FORMAT:
+        return (
+            f"{prefixes[0]} holds no preference pairs (train.objective 'dpo' reads datasets made by "
+            "mt3d preprocess --format preference)"
+        )
+    return None

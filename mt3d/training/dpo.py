@@ -6,8 +6,9 @@ through the engine's evaluation with the loss recording each document's log-prob
 adapters are set aside, so the reference is the frozen base. Every rank then holds the table
 (float64 per dataset document; the ranks' records merged by an all-reduce) and rank 0 writes it to
 ``<save_dir>/dpo_reference.pt`` with what it was computed from (the dataset and the model source). A
-resumed run reads that file (it cannot recompute it: the policy has moved), and refuses a missing one
-or one made from other data.
+resumed run reads that file (or, resuming another run directory's checkpoint, that directory's, copied
+into its own): it cannot recompute it (the policy has moved), and refuses a missing one or one made
+from other data.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def prepare_reference(trainer, start_step: int) -> None:
     loss_fn = trainer.engine.module.loss_fn
     path = Path(trainer.train_cfg.save_dir) / REFERENCE
     if start_step > 0:
+        resume = trainer.train_cfg.resume
+        source = Path(resume).parent.parent / REFERENCE  # a checkpoint of another run directory's
+        if not path.is_file() and resume not in ("auto", "none") and source.is_file():
+            path = source
         if not path.is_file():
             raise UserError(
                 f"{path} is missing: a resumed DPO run reads the reference log-probabilities its first "
@@ -47,13 +52,19 @@ def prepare_reference(trainer, start_step: int) -> None:
             raise UserError(f"{path} was computed for other data or another model ({held['identity']}); "
                             "resume with the run's own data and model")  # fmt: skip
         loss_fn.reference = held["table"]
+        if path.parent != Path(trainer.train_cfg.save_dir) and trainer.rt.rank == 0:
+            _write(Path(trainer.train_cfg.save_dir) / REFERENCE, held)  # for resuming this run in turn
         return
     loss_fn.reference = reference_table(trainer)
     if trainer.rt.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"table": loss_fn.reference, "identity": _identity(trainer)}, tmp)
-        tmp.replace(path)
+        _write(path, {"table": loss_fn.reference, "identity": _identity(trainer)})
+
+
+def _write(path: Path, held: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(held, tmp)
+    tmp.replace(path)
 
 
 @torch.no_grad()

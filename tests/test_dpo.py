@@ -1,0 +1,213 @@
+"""DPO: preference data tokenized as TRL tokenizes it (against transformers' tokenizer and chat
+template), the reference log-probabilities against transformers' model, training at tp 2 x pp 2 and
+cp 2 x tp 2 (SP) equal to one process, LoRA, exact resume, and bad input.
+
+The pairs mix TRL's three formats (standard strings, conversational with an explicit prompt, implicit
+prompt); completions of 1 to 5 words, so pairs per micro-batch are uneven.
+"""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from test_sft import cli, words, write_jsonl
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from mt3d.data.indexed import IndexedDataset
+from mt3d.data.tokenizer import train_bpe
+
+from helpers import run_grouped, tiny_config
+
+SEQ = 64
+
+
+def records(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append({"prompt": words(rng, 1, 6), "chosen": " " + words(rng, 1, 5),
+                        "rejected": " " + words(rng, 1, 5)})  # fmt: skip
+            continue
+        prompt = [{"role": "user", "content": words(rng, 1, 4)}]
+        chosen = [{"role": "assistant", "content": words(rng, 1, 5)}]
+        rejected = [{"role": "assistant", "content": words(rng, 1, 5)}]
+        if i % 3 == 1:
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        else:  # implicit prompt: the messages both lists start with
+            out.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory):
+    """A ChatML tokenizer, 90 pairs made with ``mt3d preprocess --format preference``, and a tiny HF
+    Llama (random non-zero norms) to fine-tune."""
+    base = tmp_path_factory.mktemp("dpo")
+    tok = train_bpe([" ".join(words(random.Random(i), 20, 30) for i in range(40))] * 4, 400, base / "tok",
+                    chat=True)  # fmt: skip
+    recs = records(90)
+    write_jsonl(base / "pairs.jsonl", recs)
+    rc, out, err = cli("preprocess", "--input", base / "pairs.jsonl", "--format", "preference", "--tokenizer",
+                       base / "tok", "--output-prefix", base / "pairs")  # fmt: skip
+    assert rc == 0 and "90 preference pairs" in out, err
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=tok.vocab_size, max_position_embeddings=128,
+                         bos_token_id=tok.eos_id, eos_token_id=tok.eos_id)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(base / "llama")
+    for f in (base / "tok").iterdir():
+        (base / "llama" / f.name).write_bytes(f.read_bytes())
+    return {"base": base, "records": recs, "tok": tok}
+
+
+def test_pairs_are_tokenized_as_trl_does_and_shown_as_pairs(dpo):
+    base, hf = dpo["base"], AutoTokenizer.from_pretrained(dpo["base"] / "tok")
+    ds = IndexedDataset(base / "pairs")
+    assert len(ds) == 2 * len(dpo["records"])
+    for p, rec in enumerate(dpo["records"]):
+        if isinstance(rec["chosen"], str):  # standard: the prompt with special tokens, completion + EOS
+            prompt = hf(rec["prompt"])["input_ids"]
+            completions = [hf(rec[k], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+                           for k in ("chosen", "rejected")]  # fmt: skip
+        else:  # conversational: the template's prompt, then what each reply adds to its rendering
+            msgs = rec.get("prompt") or rec["chosen"][:1]
+            head = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            prompt = hf(head, add_special_tokens=False)["input_ids"]
+            completions = []
+            for k in ("chosen", "rejected"):
+                reply = rec[k][-1:]
+                whole = hf.apply_chat_template(msgs + reply, tokenize=False)
+                assert whole.startswith(head)
+                completions.append(hf(whole[len(head) :], add_special_tokens=False)["input_ids"])
+        for side, completion in enumerate(completions):
+            ids, mask = ds.doc(2 * p + side).tolist(), ds.doc_mask(2 * p + side).tolist()
+            assert ids == prompt + completion, (p, side)
+            assert mask == [0] * len(prompt) + [1] * len(completion), (p, side)
+    rc, out, _ = cli("data", "show", base / "pairs", "--json", "--limit", "4")
+    lines = [json.loads(line) for line in out.splitlines()]
+    shown = [(r["pair"], r["side"]) for r in lines]
+    assert rc == 0 and shown == [(0, "chosen"), (0, "rejected"), (1, "chosen"), (1, "rejected")]
+    rc, out, _ = cli("data", "show", base / "pairs", "--limit", "2")
+    assert rc == 0 and "--- pair 0, rejected (document 1)" in out
+
+
+def dpo_config(dpo, d, tp=1, pp=1, lora=None, train=None, **parallel):
+    raw = tiny_config(d, tp=tp, pp=pp, steps=5, **{"objective": "dpo", "dpo": {"beta": 0.5}, **(train or {})})
+    raw["mt3d"]["model"] = {"from_hf": str(dpo["base"] / "llama")}
+    prefix, tok = str(dpo["base"] / "pairs"), str(dpo["base"] / "tok")
+    raw["mt3d"]["data"] = {"corpus": "indexed", "prefixes": [prefix], "tokenizer": tok, "seq_len": SEQ,
+                           "split": [90, 10, 0]}  # fmt: skip
+    raw["mt3d"]["parallel"].update(parallel)
+    if lora:
+        raw["mt3d"]["lora"] = lora
+    return raw
+
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+           "logps/rejected", "rewards/accuracies", "pairs")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(dpo, tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo-runs")
+    step3 = str(d / "ref" / "checkpoints" / "step_00000003")
+    runs = {
+        "ref": (1, dpo_config(dpo, d / "ref", train={"save_interval": 3})),
+        "tp2 pp2": (4, dpo_config(dpo, d / "tp2pp2", tp=2, pp=2)),
+        "cp2 tp2 sp": (4, dpo_config(dpo, d / "cp2", tp=2, context=2, sequence_parallel=True)),
+        "lora": (1, dpo_config(dpo, d / "lora", lora=LORA)),
+        "lora tp2": (2, dpo_config(dpo, d / "lora-tp2", tp=2, lora=LORA)),
+        "ipo": (1, dpo_config(dpo, d / "ipo", train={"dpo": {"beta": 0.5, "loss_type": "ipo"}})),
+    }
+    got = dict(zip(runs, run_grouped(list(runs.values()), timeout=900), strict=True))
+    resumed = dpo_config(dpo, d / "resumed", train={"resume": step3})  # another run directory's checkpoint
+    got["resumed"] = run_grouped([(1, resumed)], timeout=600)[0]
+    return {"records": got, "dir": d}
+
+
+def same(got, ref, what, first=1):
+    ref = [r for r in ref if r["step"] >= first]
+    assert [r["step"] for r in got] == [r["step"] for r in ref], what
+    for a, b in zip(got, ref, strict=True):
+        for key in FIGURES:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), f"{what} step {a['step']} {key}"
+
+
+def test_dpo_at_every_layout_equals_one_process(dpo_runs):
+    runs = dpo_runs["records"]
+    ref = runs["ref"]
+    # the policy starts as the reference: every margin 0, the loss ln 2; then it learns the preferences
+    assert abs(ref[0]["loss"] - math.log(2)) < 1e-6 and ref[0]["rewards/margins"] == 0.0
+    assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["rewards/accuracies"] > 0.5
+    assert sum(r["pairs"] for r in ref) > 0 and len({r["pairs"] for r in ref}) > 1  # uneven batches
+    same(runs["tp2 pp2"], ref, "tp2 pp2")
+    same(runs["cp2 tp2 sp"], ref, "cp2 tp2 sp")
+    same(runs["lora tp2"], runs["lora"], "lora tp2")
+    assert abs(runs["lora"][0]["loss"] - math.log(2)) < 1e-6 and runs["lora"][-1]["loss"] != ref[-1]["loss"]
+    assert abs(runs["ipo"][0]["loss"] - 1.0) < 1e-6  # (0 - 1 / (2 beta))^2 at beta 0.5
+    same(runs["resumed"], ref, "resumed from step 3", first=4)
+
+
+def test_reference_log_probabilities_equal_transformers(dpo, dpo_runs):
+    """Each completion's log-probability under the starting model, summed over its supervised tokens,
+    as transformers computes it document by document."""
+    held = torch.load(dpo_runs["dir"] / "ref" / "dpo_reference.pt", weights_only=True)
+    table = held["table"]
+    model = AutoModelForCausalLM.from_pretrained(dpo["base"] / "llama").eval()
+    ds = IndexedDataset(dpo["base"] / "pairs")
+    assert math.isfinite(float(table.max())) and (table > -math.inf).sum() == len(ds)
+    for i in range(0, len(ds), 7):
+        ids, mask = torch.tensor(ds.doc(i), dtype=torch.long), torch.tensor(ds.doc_mask(i))
+        with torch.no_grad():
+            logp = model(ids[None]).logits[0, :-1].float().log_softmax(-1)
+        want = (logp.gather(1, ids[1:, None])[:, 0] * mask[1:]).sum().item()
+        assert abs(table[i].item() - want) <= 1e-4 * max(1.0, abs(want)), i
+    assert (dpo_runs["dir"] / "resumed" / "dpo_reference.pt").is_file()  # carried with the resumed run
+
+
+BAD = {
+    "plain data": ({"data": "plain"}, "holds no preference pairs"),
+    "beta": ({"train": {"dpo": {"beta": 0}}}, "mt3d.train.dpo.beta must be positive"),
+    "loss type": ({"train": {"dpo": {"loss_type": "hinge"}}}, "loss_type must be 'sigmoid' or 'ipo'"),
+    "reference": ({"train": {"dpo": {"reference": "model"}}}, "mt3d.train.dpo.reference 'model' is not"),
+    "dpo without objective": ({"train": {"objective": "lm"}}, "mt3d.train.dpo is set but"),
+    "builtin corpus": ({"data": "builtin"}, "holds no preference pairs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_dpo_input_is_one_line_and_exit_2(dpo, tmp_path, monkeypatch, case):
+    change, message = BAD[case]
+    raw = dpo_config(dpo, tmp_path / "run")
+    if change.get("data") == "plain":
+        write_jsonl(tmp_path / "plain.jsonl", [{"text": "tensor pipeline data"}] * 4)
+        assert cli("preprocess", "--input", tmp_path / "plain.jsonl", "--tokenizer", dpo["base"] / "tok",
+                   "--output-prefix", tmp_path / "plain")[0] == 0  # fmt: skip
+        raw["mt3d"]["data"]["prefixes"] = [str(tmp_path / "plain")]
+    if change.get("data") == "builtin":
+        raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": SEQ}
+    raw["mt3d"]["train"].update(change.get("train", {}))
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(raw))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc, _, err = cli("train", "--config", cfg, "--check")
+    assert rc == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run" / "dpo_reference.pt").exists()
+
+
+def test_bad_preference_records_name_file_and_line(dpo, tmp_path):
+    write_jsonl(tmp_path / "bad.jsonl", [dpo["records"][0], {"prompt": "a", "chosen": " b"}])
+    rc, _, err = cli("preprocess", "--input", tmp_path / "bad.jsonl", "--format", "preference", "--tokenizer",
+                     dpo["base"] / "tok", "--output-prefix", tmp_path / "bad")  # fmt: skip
+    assert rc == 2 and 'bad.jsonl:2: a preference record needs "rejected"' in err, err
+    assert not (tmp_path / "bad.bin").exists()  # nothing half-written
