@@ -7,6 +7,9 @@ that ``mt3d preprocess --format chat`` reads. The questions and the number of tu
 supervised share of a conversation varies too. Deterministic for a seed::
 
     python -m mt3d.data.chat_corpus runs/chat.jsonl
+    python -m mt3d.data.chat_corpus --preference runs/prefs.jsonl   # DPO pairs (TRL's format)
+
+The preference pairs ask each question once: chosen, its own docstring; rejected, another's.
 """
 
 from __future__ import annotations
@@ -69,17 +72,34 @@ def project_conversations(seed: int = 0, root: Path | None = None) -> list[dict]
     return out
 
 
+def project_preferences(seed: int = 0, root: Path | None = None) -> list[dict]:
+    """Preference pairs over ``project_facts`` (conversational, explicit prompt): each question once,
+    its own answer chosen and another fact's rejected."""
+    rng = random.Random(seed)
+    facts = project_facts(root)
+    out = []
+    for i, (kind, name, where, answer) in enumerate(facts):
+        other = facts[(i + rng.randrange(1, len(facts))) % len(facts)][3]
+        prompt = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.5 else []
+        prompt.append({"role": "user", "content": rng.choice(QUESTIONS[kind]).format(name=name, where=where)})
+        out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": answer}],
+                    "rejected": [{"role": "assistant", "content": other}]})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Write the corpus to the jsonl file named on the command line."""
+    """Write the corpus (or, after --preference, the pairs) to the jsonl file named on the command line."""
     args = sys.argv[1:] if argv is None else argv
+    pairs = args[:1] == ["--preference"]
+    args = args[1:] if pairs else args
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m mt3d.data.chat_corpus OUT.jsonl", file=sys.stderr)
+        print("usage: python -m mt3d.data.chat_corpus [--preference] OUT.jsonl", file=sys.stderr)
         return 2
     out = Path(args[0])
     out.parent.mkdir(parents=True, exist_ok=True)
-    conversations = project_conversations()
-    out.write_text("".join(json.dumps(c) + "\n" for c in conversations), encoding="utf-8")
-    print(f"{out}: {len(conversations)} conversations")
+    records = project_preferences() if pairs else project_conversations()
+    out.write_text("".join(json.dumps(c) + "\n" for c in records), encoding="utf-8")
+    print(f"{out}: {len(records)} {'preference pairs' if pairs else 'conversations'}")
     return 0
 
 

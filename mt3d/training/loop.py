@@ -257,7 +257,10 @@ class Trainer:
 
     def _eval_and_log(self) -> float:
         loss = self.evaluate()
-        if self.logger:
+        if self.logger and self.dpo:  # a preference loss has no perplexity
+            self.metrics.write({"step": self.step, "eval_loss": loss}, self.engine.global_samples)
+            self._print(f"step {self.step:>6} | eval DPO loss {loss:.4f}")
+        elif self.logger:
             ppl = math.exp(min(loss, 50.0))
             self.metrics.write(
                 {"step": self.step, "eval_loss": loss, "eval_ppl": ppl}, self.engine.global_samples
