@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from mt3d.data.indexed import IndexedDataset
 from mt3d.data.tokenizer import train_bpe
+from mt3d.parallel.spawn import spawn
 
 from helpers import run_grouped, tiny_config
 
@@ -157,21 +158,66 @@ def test_dpo_at_every_layout_equals_one_process(dpo_runs):
     same(runs["resumed"], ref, "resumed from step 3", first=4)
 
 
+def hf_logps(model_dir, prefix, every=1):
+    """transformers, one document at a time: {document: its supervised tokens' log-probability}."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ds = IndexedDataset(prefix)
+    out = {}
+    for i in range(0, len(ds), every):
+        ids, mask = torch.tensor(ds.doc(i), dtype=torch.long), torch.tensor(ds.doc_mask(i))
+        with torch.no_grad():
+            logp = model(ids[None]).logits[0, :-1].double().log_softmax(-1)
+        out[i] = (logp.gather(1, ids[1:, None])[:, 0] * mask[1:]).sum().item()
+    return out
+
+
 def test_reference_log_probabilities_equal_transformers(dpo, dpo_runs):
     """Each completion's log-probability under the starting model, summed over its supervised tokens,
     as transformers computes it document by document."""
     held = torch.load(dpo_runs["dir"] / "ref" / "dpo_reference.pt", weights_only=True)
     table = held["table"]
-    model = AutoModelForCausalLM.from_pretrained(dpo["base"] / "llama").eval()
-    ds = IndexedDataset(dpo["base"] / "pairs")
-    assert math.isfinite(float(table.max())) and (table > -math.inf).sum() == len(ds)
-    for i in range(0, len(ds), 7):
-        ids, mask = torch.tensor(ds.doc(i), dtype=torch.long), torch.tensor(ds.doc_mask(i))
-        with torch.no_grad():
-            logp = model(ids[None]).logits[0, :-1].float().log_softmax(-1)
-        want = (logp.gather(1, ids[1:, None])[:, 0] * mask[1:]).sum().item()
+    assert math.isfinite(float(table.max())) and (table > -math.inf).sum() == 2 * len(dpo["records"])
+    for i, want in hf_logps(dpo["base"] / "llama", dpo["base"] / "pairs", every=7).items():
         assert abs(table[i].item() - want) <= 1e-4 * max(1.0, abs(want)), i
     assert (dpo_runs["dir"] / "resumed" / "dpo_reference.pt").is_file()  # carried with the resumed run
+
+
+def eval_worker(argv):
+    import torch.distributed as dist
+
+    rc, stdout, stderr = cli("eval", *argv)
+    assert rc == 0, stderr
+    return json.loads(stdout.strip().splitlines()[-1]) if dist.get_rank() == 0 else None
+
+
+def test_eval_with_a_reference_model_equals_transformers_at_every_layout(dpo, dpo_runs, tmp_path):
+    """`mt3d eval --ref-model`: the policy (the one-process run's step-3 checkpoint, exported) against
+    the starting model, DPO's sigmoid loss, reward accuracy and margin over every pair, as computed
+    from transformers' log-probabilities; the same at tp 2 x pp 2 and cp 2."""
+    step3 = dpo_runs["dir"] / "ref" / "checkpoints" / "step_00000003"
+    assert cli("export-hf", "--checkpoint", step3, "--out", tmp_path / "policy")[0] == 0
+    prefix, ref = dpo["base"] / "pairs", dpo["base"] / "llama"
+    policy, reference = hf_logps(tmp_path / "policy", prefix), hf_logps(ref, prefix)
+    n = len(dpo["records"])
+    margins = [0.1 * ((policy[2 * p] - reference[2 * p]) - (policy[2 * p + 1] - reference[2 * p + 1]))
+               for p in range(n)]  # fmt: skip
+    loss = sum(-torch.nn.functional.logsigmoid(torch.tensor(m)).item() for m in margins) / n
+    want = {
+        "dpo_loss": loss,
+        "reward_accuracy": sum(m > 0 for m in margins) / n,
+        "reward_margin": sum(margins) / n,
+    }
+    assert 0 < want["reward_accuracy"] < 1 and want["dpo_loss"] != pytest.approx(math.log(2))
+    argv = ["--model", str(step3), "--ref-model", str(ref), "--data", str(prefix), "--seq-len", str(SEQ),
+            "--json"]  # fmt: skip
+    for world, flags in ((1, []), (4, ["--tp", "2", "--pp", "2"]), (2, ["--cp", "2"])):
+        got = spawn(eval_worker, world, argv + flags, timeout=300)[0]
+        assert got["pairs"] == n and got["dropped_pairs"] == 0, flags
+        for key, value in want.items():
+            assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), (flags, key, got[key], value)
+    rc, _, err = cli("eval", "--model", str(ref), "--ref-model", str(ref), "--text", str(prefix) + ".bin",
+                     "--seq-len", "8")  # fmt: skip
+    assert rc == 2 and "--ref-model scores preference pairs" in err
 
 
 BAD = {

@@ -24,6 +24,7 @@ def _add_eval(sub) -> None:
         "samples with document masking, each scored as if run alone).",
         epilog="examples:\n  mt3d eval --model runs/x --text wiki.txt --seq-len 512 --stride 256 --json\n"
         "  mt3d eval --model runs/sft --data runs/chat --seq-len 512 --json\n"
+        "  mt3d eval --model runs/dpo --ref-model hf/sft --data runs/prefs --seq-len 512 --json\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text wiki.txt --seq-len 1024 \\\n"
         "      --tp 2 --pp 2\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text book.txt --seq-len 32768 --cp 4",
@@ -48,6 +49,13 @@ def _add_eval(sub) -> None:
     source.add_argument("--data", metavar="PREFIX", help="indexed dataset (mt3d preprocess), e.g. chat data")
     p.add_argument("--seq-len", type=positive_int, required=True, help="window (--data: sample) length")
     p.add_argument("--stride", type=positive_int, help="window step (default seq-len: non-overlapping)")
+    p.add_argument(
+        "--ref-model",
+        metavar="REF",
+        help="with --data of preference pairs: DPO's reference (an HF dir or mt3d checkpoint); prints the "
+        "DPO loss, reward accuracy and margin",
+    )
+    p.add_argument("--dpo-beta", type=float, default=0.1, help="DPO's beta with --ref-model (default 0.1)")
     p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens", ...}')
     p.set_defaults(func=cmd_eval)
 
@@ -70,6 +78,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = source.cfg
     if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
+    if args.ref_model is not None and args.data is None:
+        raise UsageError("--ref-model scores preference pairs: give --data PREFIX (mt3d preprocess --format "
+                         "preference)")  # fmt: skip
     if args.data is not None:
         return _eval_data(args, source)
     text = read_text(args.text)
@@ -97,10 +108,58 @@ def _eval_data(args: argparse.Namespace, source) -> int:
     if data.max_id >= source.vocab:
         raise UsageError(f"{args.data} holds token ids up to {data.max_id}, outside the model's "
                          f"{source.vocab}-token vocabulary: was it made with another tokenizer?")  # fmt: skip
+    if args.ref_model is not None:
+        return _eval_pairs(args, source, data)
     packed = PackedDocuments(data, range(len(data)), args.seq_len, seed=0)  # all too long: refused here
     model, _ = _load(args, args.pp)
     data.vocab_limit = model.vocab_size
     return _print_eval(args, model, evaluate_documents(model, packed, model.state))
+
+
+def _eval_pairs(args: argparse.Namespace, source, data) -> int:
+    """``mt3d eval --ref-model``: DPO's sigmoid loss, reward accuracy and margin of the policy against
+    the reference over every pair of a preference dataset (each completion's log-probability as
+    training sums it), both models checked before any weight is read."""
+    import math
+
+    import torch.nn.functional as F
+
+    from ..checkpoint.loading import from_pretrained, open_source
+    from ..data.packing import PackedDocuments
+    from ..data.preference import pair_data_conflict
+    from ..model.inference import document_logps
+
+    why = pair_data_conflict([args.data])
+    if why:
+        raise UsageError(why.replace("train.objective 'dpo' reads", "--ref-model scores"))
+    if not (args.dpo_beta > 0 and math.isfinite(args.dpo_beta)):
+        raise UsageError(f"--dpo-beta must be a positive number, got {args.dpo_beta}")
+    ref = open_source(args.ref_model, verify=False)
+    if ref.vocab != source.vocab:
+        raise UsageError(f"--ref-model {args.ref_model} has a {ref.vocab}-token vocabulary, the model "
+                         f"{source.vocab}: the log-probabilities would not compare")  # fmt: skip
+    packed = PackedDocuments(data, range(len(data) // 2), args.seq_len, seed=0, pairs=True)
+    model, device = _load(args, args.pp)
+    data.vocab_limit = model.vocab_size
+    policy = document_logps(model, packed, model.state)
+    state, dtype = model.state, next(model.parameters()).dtype
+    del model
+    reference = from_pretrained(args.ref_model, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, state=state,
+                                dtype=dtype, device=device)  # fmt: skip
+    margin = policy - document_logps(reference, packed, state)
+    pairs = packed.doc_ids  # the pairs that fit in --seq-len
+    chosen, rejected = args.dpo_beta * margin[2 * pairs], args.dpo_beta * margin[2 * pairs + 1]
+    res = {
+        "dpo_loss": float(-F.logsigmoid(chosen - rejected).mean()),
+        "pairs": int(pairs.size),
+        "reward_accuracy": float((chosen > rejected).double().mean()),
+        "reward_margin": float((chosen - rejected).mean()),
+        "dropped_pairs": packed.dropped_pairs,
+    }
+    if state.global_rank == 0:
+        print(json.dumps(res) if args.json else "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else
+                                                         f"{k} {v}" for k, v in res.items()))  # fmt: skip
+    return 0
 
 
 def _print_eval(args: argparse.Namespace, model, res: dict) -> int:

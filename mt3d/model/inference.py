@@ -139,6 +139,35 @@ def evaluate_documents(model, packed, state: ParallelState, batch: int = 4) -> d
     return res
 
 
+@torch.no_grad()
+def document_logps(model, packed, state: ParallelState, batch: int = 4) -> torch.Tensor:
+    """float64 [documents of ``packed``'s dataset]: each document's log-probability summed over its
+    supervised tokens (a completion's, for preference pairs packed whole: ``PackedDocuments(pairs=True)``;
+    documents ``packed`` leaves out stay 0), the same on every rank. Only the last stage has logits:
+    its TP and ep rank 0 sum its positions (a cp rank its chunks'), then one all-reduce over the world."""
+    from ..data.packing import IGNORE, packed_batch
+
+    device = next(model.parameters()).device
+    out = torch.zeros(len(packed.ds), dtype=torch.float64, device=device)
+    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0
+    for begin in range(0, len(packed), batch):
+        samples = [packed[i] for i in range(begin, min(begin + batch, len(packed)))]
+        (ids, documents), labels = packed_batch(samples)
+        target, source = labels[..., 0], labels[..., 2]
+        if state.cp.size > 1:
+            from ..parallel.context import split_sequence
+
+            ids, target, source = (split_sequence(t, state.cp) for t in (ids, target, source))
+        got = logits(model, (ids.to(device), documents.to(device)), state, model.config.hidden)
+        if got is not None and holds:
+            scored = target.to(device) != IGNORE
+            lp = got.double().log_softmax(-1).gather(-1, target.to(device).clamp(min=0)[..., None])[..., 0]
+            out.index_add_(0, source.to(device)[scored], lp[scored])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
 class KVCache:
     """Past keys and values of every attention layer, for one generation.
 
