@@ -19,7 +19,7 @@ from mt3d.data.indexed import IndexedDataset
 from mt3d.data.tokenizer import train_bpe
 from mt3d.parallel.spawn import spawn
 
-from helpers import run_grouped, tiny_config
+from helpers import run_grouped, tiny_config, train_rc_worker
 
 SEQ = 64
 
@@ -58,14 +58,16 @@ def dpo(tmp_path_factory):
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=tok.vocab_size, max_position_embeddings=128,
                          bos_token_id=tok.eos_id, eos_token_id=tok.eos_id)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(base / "llama")
-    for f in (base / "tok").iterdir():
-        (base / "llama" / f.name).write_bytes(f.read_bytes())
+    for seed, name in enumerate(("llama", "other")):  # the policy's start, another reference
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
+        model.save_pretrained(base / name)
+        for f in (base / "tok").iterdir():
+            (base / name / f.name).write_bytes(f.read_bytes())
     return {"base": base, "records": recs, "tok": tok}
 
 
@@ -100,9 +102,10 @@ def test_pairs_are_tokenized_as_trl_does_and_shown_as_pairs(dpo):
     assert rc == 0 and "--- pair 0, rejected (document 1)" in out
 
 
-def dpo_config(dpo, d, tp=1, pp=1, lora=None, train=None, **parallel):
-    raw = tiny_config(d, tp=tp, pp=pp, steps=5, **{"objective": "dpo", "dpo": {"beta": 0.5}, **(train or {})})
-    raw["mt3d"]["model"] = {"from_hf": str(dpo["base"] / "llama")}
+def dpo_config(dpo, d, tp=1, pp=1, lora=None, train=None, zero=1, model=None, **parallel):
+    train = {"objective": "dpo", "dpo": {"beta": 0.5}, **(train or {})}
+    raw = tiny_config(d, tp=tp, pp=pp, steps=5, zero=zero, **train)
+    raw["mt3d"]["model"] = model or {"from_hf": str(dpo["base"] / "llama")}
     prefix, tok = str(dpo["base"] / "pairs"), str(dpo["base"] / "tok")
     raw["mt3d"]["data"] = {"corpus": "indexed", "prefixes": [prefix], "tokenizer": tok, "seq_len": SEQ,
                            "split": [90, 10, 0]}  # fmt: skip
@@ -121,9 +124,15 @@ FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/m
 def dpo_runs(dpo, tmp_path_factory):
     d = tmp_path_factory.mktemp("dpo-runs")
     step3 = str(d / "ref" / "checkpoints" / "step_00000003")
+    moe = {"model": {"preset": "tiny-mixtral"}}
+    other = {"dpo": {"beta": 0.5, "reference": "model", "reference_model": str(dpo["base"] / "other")}}
     runs = {
         "ref": (1, dpo_config(dpo, d / "ref", train={"save_interval": 3})),
-        "tp2 pp2": (4, dpo_config(dpo, d / "tp2pp2", tp=2, pp=2)),
+        "tp2 pp2 sp": (4, dpo_config(dpo, d / "tp2pp2", tp=2, pp=2, sequence_parallel=True)),
+        "zero2 dp2": (2, dpo_config(dpo, d / "zero2", zero=2)),
+        "moe": (1, dpo_config(dpo, d / "moe", **moe)),
+        "moe ep2": (2, dpo_config(dpo, d / "moe-ep2", expert=2, **moe)),
+        "other reference": (1, dpo_config(dpo, d / "other", train=other)),
         "cp2 tp2 sp": (4, dpo_config(dpo, d / "cp2", tp=2, context=2, sequence_parallel=True)),
         "lora": (1, dpo_config(dpo, d / "lora", lora=LORA)),
         "lora tp2": (2, dpo_config(dpo, d / "lora-tp2", tp=2, lora=LORA)),
@@ -132,6 +141,14 @@ def dpo_runs(dpo, tmp_path_factory):
     got = dict(zip(runs, run_grouped(list(runs.values()), timeout=900), strict=True))
     resumed = dpo_config(dpo, d / "resumed", train={"resume": step3})  # another run directory's checkpoint
     got["resumed"] = run_grouped([(1, resumed)], timeout=600)[0]
+    # a reference table made for another model is refused on resume, in one line
+    (d / "tampered").mkdir()
+    held = torch.load(d / "ref" / "dpo_reference.pt", weights_only=True)
+    torch.save(
+        {**held, "identity": {**held["identity"], "model": "sha256:0"}}, d / "tampered" / "dpo_reference.pt"
+    )
+    tampered = dpo_config(dpo, d / "tampered", train={"resume": step3, "overwrite": False})
+    got["tampered"] = spawn(train_rc_worker, 1, tampered, timeout=600)[0]
     return {"records": got, "dir": d}
 
 
@@ -150,12 +167,18 @@ def test_dpo_at_every_layout_equals_one_process(dpo_runs):
     assert abs(ref[0]["loss"] - math.log(2)) < 1e-6 and ref[0]["rewards/margins"] == 0.0
     assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["rewards/accuracies"] > 0.5
     assert sum(r["pairs"] for r in ref) > 0 and len({r["pairs"] for r in ref}) > 1  # uneven batches
-    same(runs["tp2 pp2"], ref, "tp2 pp2")
+    same(runs["tp2 pp2 sp"], ref, "tp2 pp2 sp")
     same(runs["cp2 tp2 sp"], ref, "cp2 tp2 sp")
+    same(runs["zero2 dp2"], ref, "zero2 dp2")
+    same(runs["moe ep2"], runs["moe"], "moe ep2")
+    first = runs["moe"][0]  # DPO's ln 2 plus the router's load-balancing loss (tiny-mixtral: 0.02 x aux)
+    assert abs(first["loss"] - math.log(2) - 0.02 * first["moe_aux_loss"]) < 1e-5
+    assert abs(runs["other reference"][0]["loss"] - math.log(2)) > 1e-3  # another reference: margins not 0
     same(runs["lora tp2"], runs["lora"], "lora tp2")
     assert abs(runs["lora"][0]["loss"] - math.log(2)) < 1e-6 and runs["lora"][-1]["loss"] != ref[-1]["loss"]
     assert abs(runs["ipo"][0]["loss"] - 1.0) < 1e-6  # (0 - 1 / (2 beta))^2 at beta 0.5
     same(runs["resumed"], ref, "resumed from step 3", first=4)
+    assert runs["tampered"][0] == 2  # the reference table of another model: refused
 
 
 def hf_logps(model_dir, prefix, every=1):
@@ -180,6 +203,9 @@ def test_reference_log_probabilities_equal_transformers(dpo, dpo_runs):
     for i, want in hf_logps(dpo["base"] / "llama", dpo["base"] / "pairs", every=7).items():
         assert abs(table[i].item() - want) <= 1e-4 * max(1.0, abs(want)), i
     assert (dpo_runs["dir"] / "resumed" / "dpo_reference.pt").is_file()  # carried with the resumed run
+    other = torch.load(dpo_runs["dir"] / "other" / "dpo_reference.pt", weights_only=True)["table"]
+    for i, want in hf_logps(dpo["base"] / "other", dpo["base"] / "pairs", every=11).items():
+        assert abs(other[i].item() - want) <= 1e-4 * max(1.0, abs(want)), i
 
 
 def eval_worker(argv):
@@ -224,7 +250,16 @@ BAD = {
     "plain data": ({"data": "plain"}, "holds no preference pairs"),
     "beta": ({"train": {"dpo": {"beta": 0}}}, "mt3d.train.dpo.beta must be positive"),
     "loss type": ({"train": {"dpo": {"loss_type": "hinge"}}}, "loss_type must be 'sigmoid' or 'ipo'"),
-    "reference": ({"train": {"dpo": {"reference": "model"}}}, "mt3d.train.dpo.reference 'model' is not"),
+    "reference": ({"train": {"dpo": {"reference": "policy"}}}, "reference must be 'precompute'"),
+    "reference model missing": (
+        {"train": {"dpo": {"reference": "model", "reference_model": "/nonexistent"}}},
+        "mt3d.train.dpo.reference_model: not found: /nonexistent",
+    ),
+    "reference model of nothing": (
+        {"train": {"dpo": {"reference": "model"}}, "model": {"preset": "tiny-llama"}},
+        "reference 'model' needs reference_model",
+    ),
+    "prompt longer than seq_len": ({"data": {"seq_len": 8}}, "leave no room for a completion in seq_len 8"),
     "dpo without objective": ({"train": {"objective": "lm"}}, "mt3d.train.dpo is set but"),
     "builtin corpus": ({"data": "builtin"}, "holds no preference pairs"),
 }
@@ -241,6 +276,10 @@ def test_bad_dpo_input_is_one_line_and_exit_2(dpo, tmp_path, monkeypatch, case):
         raw["mt3d"]["data"]["prefixes"] = [str(tmp_path / "plain")]
     if change.get("data") == "builtin":
         raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": SEQ}
+    if isinstance(change.get("data"), dict):
+        raw["mt3d"]["data"].update(change["data"])
+    if "model" in change:
+        raw["mt3d"]["model"] = change["model"]
     raw["mt3d"]["train"].update(change.get("train", {}))
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(raw))
@@ -251,9 +290,17 @@ def test_bad_dpo_input_is_one_line_and_exit_2(dpo, tmp_path, monkeypatch, case):
     assert not (tmp_path / "run" / "dpo_reference.pt").exists()
 
 
-def test_bad_preference_records_name_file_and_line(dpo, tmp_path):
-    write_jsonl(tmp_path / "bad.jsonl", [dpo["records"][0], {"prompt": "a", "chosen": " b"}])
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "a", "chosen": " b"}, 'bad.jsonl:2: a preference record needs "rejected"'),
+    ({"prompt": "a", "chosen": "", "rejected": " b"}, "bad.jsonl:2: the chosen completion is empty"),
+    ({"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": " c"},
+     "bad.jsonl:2: a chat record needs \"rejected\""),
+    ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
+     "bad.jsonl:2: chosen and rejected share no first message"),
+])  # fmt: skip
+def test_bad_preference_records_name_file_and_line(dpo, tmp_path, record, message):
+    write_jsonl(tmp_path / "bad.jsonl", [dpo["records"][0], record])
     rc, _, err = cli("preprocess", "--input", tmp_path / "bad.jsonl", "--format", "preference", "--tokenizer",
                      dpo["base"] / "tok", "--output-prefix", tmp_path / "bad")  # fmt: skip
-    assert rc == 2 and 'bad.jsonl:2: a preference record needs "rejected"' in err, err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "bad.bin").exists()  # nothing half-written

@@ -129,7 +129,7 @@ def _eval_pairs(args: argparse.Namespace, source, data) -> int:
     from ..data.preference import pair_data_conflict
     from ..model.inference import document_logps
 
-    why = pair_data_conflict([args.data])
+    why = pair_data_conflict([args.data], args.seq_len)
     if why:
         raise UsageError(why.replace("train.objective 'dpo' reads", "--ref-model scores"))
     if not (args.dpo_beta > 0 and math.isfinite(args.dpo_beta)):

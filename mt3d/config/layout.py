@@ -137,7 +137,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
             run.mt3d.train.overlap.grad_reduce, stage, degrees["ep"], run.deepspeed.offload, run.precision
         )
         or rules.fp8_conflict(run.mt3d.train.fp8, run.precision)
-        or rules.objective_conflict(run.mt3d.train)
+        or rules.objective_conflict(run.mt3d.train, run.mt3d.model)
         or rules.grad_accum_conflict(
             str((run.ds.get("data_types") or {}).get("grad_accum_dtype") or ""),
             run.precision,

@@ -36,6 +36,11 @@ def check_inputs(train: TrainConfig, data: DataConfig, hf_path: str | None = Non
     model's ``hf_path``: filled in), each split it reads (``check_datasets``)."""
     if train.resume not in ("none", "auto") and not Path(train.resume).exists():
         raise ConfigError(f"mt3d.train.resume: checkpoint not found: {train.resume}")
+    ref = train.dpo.reference_model if train.dpo is not None else None
+    if ref is not None and not Path(ref).exists():
+        raise ConfigError(
+            f"mt3d.train.dpo.reference_model: not found: {ref} (an HF directory or mt3d checkpoint)"
+        )
     if data.corpus != "indexed" and train.objective == "dpo":
         raise ConfigError(
             f"mt3d.data.corpus {data.corpus!r} holds no preference pairs: train.objective 'dpo' reads "
@@ -89,7 +94,7 @@ def check_datasets(data: DataConfig, evaluates: bool, pairs: bool = False) -> No
     from ..data.preference import pair_data_conflict
     from ..data.samples import split_documents
 
-    why = pair_data_conflict(data.prefixes) if pairs else None
+    why = pair_data_conflict(data.prefixes, data.seq_len) if pairs else None
     if why:
         raise ConfigError(f"mt3d.data.prefixes: {why}")
     datasets = [IndexedDataset(pre) for pre in data.prefixes]

@@ -429,8 +429,9 @@ def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int,
     return None
 
 
-def objective_conflict(train) -> str | None:
-    """Why ``mt3d.train.objective`` and ``mt3d.train.dpo`` cannot run (None: they can)."""
+def objective_conflict(train, model: dict | None = None) -> str | None:
+    """Why ``mt3d.train.objective`` and ``mt3d.train.dpo`` cannot run (None: they can); ``model``: the
+    run's ``mt3d.model`` (a reference 'model' defaults to its ``from_hf``)."""
     if train.objective not in ("lm", "dpo"):
         return f"mt3d.train.objective must be 'lm' or 'dpo', got {train.objective!r}"
     dpo = train.dpo
@@ -445,9 +446,14 @@ def objective_conflict(train) -> str | None:
     if not 0 <= dpo.label_smoothing < 0.5 or (dpo.label_smoothing and dpo.loss_type != "sigmoid"):
         return (f"mt3d.train.dpo.label_smoothing must be in [0, 0.5) and goes with loss_type 'sigmoid', got "
                 f"{dpo.label_smoothing} with {dpo.loss_type!r}")  # fmt: skip
-    if dpo.reference != "precompute":
+    if dpo.reference not in ("precompute", "model"):
         return (
-            f"mt3d.train.dpo.reference {dpo.reference!r} is not supported: 'precompute' (the starting "
-            "policy's log-probabilities, computed once before training; with LoRA the frozen base)"
+            f"mt3d.train.dpo.reference must be 'precompute' (the starting policy; with LoRA the frozen "
+            f"base) or 'model' (reference_model), got {dpo.reference!r}"
         )
+    if dpo.reference_model is not None and dpo.reference != "model":
+        return "mt3d.train.dpo.reference_model goes with reference 'model': set it (or drop reference_model)"
+    if dpo.reference == "model" and not (dpo.reference_model or (model or {}).get("from_hf")):
+        return ("mt3d.train.dpo.reference 'model' needs reference_model (an HF directory or mt3d "
+                "checkpoint) when the policy is not model.from_hf")  # fmt: skip
     return None

@@ -194,7 +194,12 @@ class DpoConfig:
     """The share of pairs assumed mislabelled (conservative DPO; sigmoid only), in [0, 0.5)."""
     reference: str = "precompute"
     """'precompute': the reference model is the starting policy (with LoRA: the frozen base, adapters
-    off), its log-probabilities computed in one pass before training and kept with the run."""
+    off), its log-probabilities computed in one pass before training and kept with the run. 'model':
+    a frozen model of its own (``reference_model``), loaded on the run's layout for that pass and freed
+    (it never changes, so its log-probabilities are the same at every step)."""
+    reference_model: str | None = None
+    """With reference 'model': an HF directory or mt3d checkpoint (default: the policy's
+    ``model.from_hf``)."""
 
 
 @dataclass

@@ -58,7 +58,7 @@ def build_data(cfg, seed: int, pairs: bool = False) -> DataBundle:
     if pairs:
         from .preference import pair_data_conflict
 
-        why = pair_data_conflict(prefixes)
+        why = pair_data_conflict(prefixes, cfg.seq_len)
         if why:
             raise DataError(why)
     splits = [split_documents(len(d) // 2 if pairs else len(d), cfg.split) for d in datasets]

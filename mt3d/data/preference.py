@@ -14,8 +14,9 @@ Records (one JSON object per line, as TRL's datasets):
 
 Storage: pair p is documents 2p (chosen) and 2p + 1 (rejected) of the indexed dataset, each its prompt
 then completion, with the loss mask on the completion (``mt3d.data.sft``'s convention: the tokens the
-log-probability of a completion sums over). ``P.meta.json`` says ``"format": "preference"`` and counts
-the pairs.
+log-probability of a completion sums over). ``P.meta.json`` says ``"format": "preference"``, counts
+the pairs and records the longest prompt (``longest_prompt``: a run whose ``seq_len`` it fills is
+refused before any work).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def pair_records(path: Path, stats, on_bad_bytes: str = "fail") -> Iterator[dict
         yield {"prompt": prompt, "chosen": chosen, "rejected": rejected, "chat": chat, "where": where}
 
 
-def tokenize_pair(tok, renderer: ChatRenderer | None, rec: dict) -> list[tuple[list[int], list[int]]]:
-    """[(ids, mask) of the chosen document, (ids, mask) of the rejected one] (module docstring)."""
+def tokenize_pair(tok, renderer: ChatRenderer | None, rec: dict) -> tuple[list, int]:
+    """([(ids, mask) of the chosen document, (ids, mask) of the rejected one], the prompt's tokens)
+    (module docstring)."""
     if rec["chat"]:
         if renderer is None:
             raise SFTDataError(
@@ -85,19 +87,22 @@ def tokenize_pair(tok, renderer: ChatRenderer | None, rec: dict) -> list[tuple[l
                                    "--chat-template that renders every turn the same way")  # fmt: skip
             completion = tok.backend.encode(whole[len(head) :], add_special_tokens=False).ids
         else:
-            completion = tok.encode(rec[key], eos=True)
+            completion = tok.encode(rec[key], eos=True) if rec[key] else []
         if not completion:
-            raise SFTDataError(f"{rec['where']}the {key} completion has no tokens")
+            raise SFTDataError(
+                f"{rec['where']}the {key} completion is empty: a pair compares two completions (drop the "
+                "record or fill it)"
+            )
         ids = list(prompt) + list(completion)
         mask = [0] * len(prompt) + [1] * len(completion)
         mask[0] = 0  # a document's first token has nothing to be predicted from
         out.append((ids, mask))
-    return out
+    return out, len(prompt)
 
 
-def pair_data_conflict(prefixes) -> str | None:
+def pair_data_conflict(prefixes, seq_len: int | None = None) -> str | None:
     """Why these dataset prefixes cannot feed DPO (None: they can): one dataset, made by
-    ``mt3d preprocess --format preference``."""
+    ``mt3d preprocess --format preference``, whose longest prompt leaves room in ``seq_len``."""
     from .preprocess import read_meta
 
     if len(prefixes) != 1:
@@ -105,9 +110,16 @@ def pair_data_conflict(prefixes) -> str | None:
             f"train.objective 'dpo' reads one preference dataset, got {len(prefixes)} prefixes "
             "(preprocess the pairs into one)"
         )
-    if read_meta(prefixes[0]).get("format") != FORMAT:
+    meta = read_meta(prefixes[0])
+    if meta.get("format") != FORMAT:
         return (
             f"{prefixes[0]} holds no preference pairs (train.objective 'dpo' reads datasets made by "
             "mt3d preprocess --format preference)"
+        )
+    longest = meta.get("longest_prompt", 0)
+    if seq_len is not None and longest >= seq_len:
+        return (
+            f"{prefixes[0]} has prompts of up to {longest} tokens, which leave no room for a completion in "
+            f"seq_len {seq_len}: raise the sequence length or drop those pairs"
         )
     return None

@@ -47,6 +47,8 @@ class Stats:
     """What the command warns of (a chat template's quirks), each once."""
     pairs: int = 0
     """Preference pairs (two documents each)."""
+    longest_prompt: int = 0
+    """The longest prompt of the preference pairs, in tokens."""
 
     def summary(self) -> dict:
         """JSON-able summary with throughput."""
@@ -62,7 +64,7 @@ class Stats:
             "replaced_bytes": sum(self.replaced_bytes.values()),
             "supervised_tokens": self.supervised,
             "skipped_without_reply": self.skipped_no_reply,
-            **({"pairs": self.pairs} if self.pairs else {}),
+            **({"pairs": self.pairs, "longest_prompt": self.longest_prompt} if self.pairs else {}),
         }
 
 
@@ -378,7 +380,9 @@ def _preprocess_sft(paths, tok, tokenizer_dir, output_prefix, np_dtype, fmt, tem
             stats.bytes_in += path.stat().st_size
             if fmt == FORMAT:  # two documents per pair: chosen, rejected
                 for rec in pair_records(path, stats, on_bad_bytes):
-                    for ids, mask in tokenize_pair(tok, renderer, rec):
+                    docs, prompt = tokenize_pair(tok, renderer, rec)
+                    stats.longest_prompt = max(stats.longest_prompt, prompt)
+                    for ids, mask in docs:
                         writer.add(ids, mask)
                         stats.documents, stats.tokens, stats.supervised = (
                             stats.documents + 1,

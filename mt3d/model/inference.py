@@ -144,12 +144,13 @@ def document_logps(model, packed, state: ParallelState, batch: int = 4) -> torch
     """float64 [documents of ``packed``'s dataset]: each document's log-probability summed over its
     supervised tokens (a completion's, for preference pairs packed whole: ``PackedDocuments(pairs=True)``;
     documents ``packed`` leaves out stay 0), the same on every rank. Only the last stage has logits:
-    its TP and ep rank 0 sum its positions (a cp rank its chunks'), then one all-reduce over the world."""
+    its TP, ep and dp rank 0 sum its positions (a cp rank its chunks'), then one all-reduce over the
+    world."""
     from ..data.packing import IGNORE, packed_batch
 
     device = next(model.parameters()).device
     out = torch.zeros(len(packed.ds), dtype=torch.float64, device=device)
-    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0
+    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0 and state.dp.rank == 0
     for begin in range(0, len(packed), batch):
         samples = [packed[i] for i in range(begin, min(begin + batch, len(packed)))]
         (ids, documents), labels = packed_batch(samples)

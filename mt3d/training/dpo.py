@@ -1,6 +1,7 @@
 """DPO training around the trainer: the reference pass and the step's figures (``mt3d.model.dpo``).
 
-The reference (``train.dpo.reference`` "precompute") is the starting policy: before the first step
+The reference (``train.dpo.reference`` "precompute") is the starting policy; "model" is a model of its
+own (``reference_model``), loaded on the run's layout for one pass and freed. Before the first step
 every sample of the preference data (the training and validation pairs, epoch 0: each pair once) runs
 through the engine's evaluation with the loss recording each document's log-probability; with LoRA the
 adapters are set aside, so the reference is the frozen base. Every rank then holds the table
@@ -27,10 +28,14 @@ REFERENCE = "dpo_reference.pt"
 
 
 def _identity(trainer) -> dict:
-    """What a reference table was computed from: the dataset (its tag) and the model's source."""
+    """What a reference table was computed from: the dataset (its tag) and the reference model (its
+    weights' fingerprint where it came from an HF directory; else its name and init seed)."""
+    from ..model.peft import fingerprint
+
     ds = trainer.data.info
-    return {"prefixes": [str(p) for p in ds.get("prefixes", [])], "tags": ds.get("tags", []),
-            "model": trainer.model_source}  # fmt: skip
+    source = trainer.reference_source
+    model = fingerprint(source) if source else f"{trainer.model_source} seed {trainer.train_cfg.seed}"
+    return {"prefixes": [str(p) for p in ds.get("prefixes", [])], "tags": ds.get("tags", []), "model": model}
 
 
 def prepare_reference(trainer, start_step: int) -> None:
@@ -55,7 +60,8 @@ def prepare_reference(trainer, start_step: int) -> None:
         if path.parent != Path(trainer.train_cfg.save_dir) and trainer.rt.rank == 0:
             _write(Path(trainer.train_cfg.save_dir) / REFERENCE, held)  # for resuming this run in turn
         return
-    loss_fn.reference = reference_table(trainer)
+    dpo = loss_fn.dpo
+    loss_fn.reference = model_table(trainer) if dpo.reference == "model" else reference_table(trainer)
     if trainer.rt.rank == 0:
         _write(path, {"table": loss_fn.reference, "identity": _identity(trainer)})
 
@@ -91,6 +97,28 @@ def reference_table(trainer) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(table, op=dist.ReduceOp.MAX)  # ranks that saw a document hold the same value
     return table.cpu()
+
+
+@torch.no_grad()
+def model_table(trainer) -> torch.Tensor:
+    """float64 [documents]: each document's log-probability under ``dpo.reference_model`` (default:
+    the policy's HF source), loaded on the run's process groups for this pass (``mt3d.model.inference``,
+    pipeline stages one after the other) and freed."""
+    from ..checkpoint.loading import from_pretrained
+    from ..model.inference import document_logps
+
+    rt, layout = trainer.rt, trainer.layout
+    dtype = next(p for p in trainer.engine.module.parameters()).dtype
+    model = from_pretrained(trainer.reference_source, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                            state=rt.state, dtype=dtype, device=rt.device)  # fmt: skip
+    table = torch.full((trainer.data.info["documents"][0],), -math.inf, dtype=torch.float64)
+    for samples in (trainer.data.train, trainer.data.valid):
+        if samples is not None:
+            held = 2 * torch.as_tensor(samples.doc_ids)  # the pairs it packs
+            logps = document_logps(model.eval(), samples, rt.state).cpu()
+            table[held], table[held + 1] = logps[held], logps[held + 1]
+    del model
+    return table
 
 
 def dpo_figures(loss_fn, contributes: bool, device) -> dict:

@@ -75,6 +75,11 @@ class Trainer:
         self.preference: dict = {}
         """The last step's DPO figures (TRL's names: rewards/..., logps/...)."""
         self.model_source = model_cfg.extra.get("hf_path") or model_cfg.name
+        dpo = train.dpo
+        self.reference_source = (dpo.reference_model if dpo is not None and dpo.reference_model
+                                 else model_cfg.extra.get("hf_path"))  # fmt: skip
+        """DPO's reference model: an HF directory (its fingerprint names the reference table), or None
+        (the starting policy built from an init seed)."""
 
     # --- batches ---------------------------------------------------------------------------
     def batches(self, samples, step: int) -> StepBatches:
