@@ -304,3 +304,31 @@ def test_bad_preference_records_name_file_and_line(dpo, tmp_path, record, messag
                      dpo["base"] / "tok", "--output-prefix", tmp_path / "bad")  # fmt: skip
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "bad.bin").exists()  # nothing half-written
+
+
+def test_per_token_log_probabilities_equal_transformers_at_every_layout(dpo, tmp_path):
+    """`mt3d eval --logprobs` (what an RL trainer reads of its rollouts): every token's log-probability
+    given its document's earlier tokens, as transformers computes it, at one process, tp 2 x pp 2 and
+    cp 2; null for each document's first token."""
+    prefix, model_dir = dpo["base"] / "pairs", dpo["base"] / "llama"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ds = IndexedDataset(prefix)
+    for world, flags in ((1, []), (4, ["--tp", "2", "--pp", "2"]), (2, ["--cp", "2"])):
+        out = tmp_path / f"lp{world}.jsonl"
+        argv = ["--model", str(model_dir), "--data", str(prefix), "--seq-len", str(SEQ),
+                "--logprobs", str(out), "--json", *flags]  # fmt: skip
+        got = spawn(eval_worker, world, argv, timeout=300)[0]
+        assert got["documents"] == len(ds) and got["truncated"] == 0
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["document"] for r in lines] == list(range(len(ds)))
+        for r in lines[::9]:
+            ids = torch.tensor(r["tokens"])
+            assert r["tokens"] == ds.doc(r["document"]).tolist() and r["logprobs"][0] is None
+            with torch.no_grad():
+                want = model(ids[None]).logits[0, :-1].double().log_softmax(-1).gather(1, ids[1:, None])[:, 0]
+            assert torch.allclose(torch.tensor(r["logprobs"][1:], dtype=torch.float64), want, atol=1e-5), (
+                flags
+            )
+    rc, _, err = cli("eval", "--model", model_dir, "--text", str(prefix) + ".bin", "--seq-len", "8",
+                     "--logprobs", tmp_path / "x.jsonl")  # fmt: skip
+    assert rc == 2 and "--logprobs writes the per-token log-probabilities of --data" in err

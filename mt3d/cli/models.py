@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..inputs import (
     byte_size,
@@ -25,6 +26,7 @@ def _add_eval(sub) -> None:
         epilog="examples:\n  mt3d eval --model runs/x --text wiki.txt --seq-len 512 --stride 256 --json\n"
         "  mt3d eval --model runs/sft --data runs/chat --seq-len 512 --json\n"
         "  mt3d eval --model runs/dpo --ref-model hf/sft --data runs/prefs --seq-len 512 --json\n"
+        "  mt3d eval --model runs/dpo --data runs/rollouts --seq-len 2048 --logprobs runs/logprobs.jsonl\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text wiki.txt --seq-len 1024 \\\n"
         "      --tp 2 --pp 2\n"
         "  torchrun --nproc_per_node 4 -m mt3d eval --model hf/llama --text book.txt --seq-len 32768 --cp 4",
@@ -56,6 +58,12 @@ def _add_eval(sub) -> None:
         "DPO loss, reward accuracy and margin",
     )
     p.add_argument("--dpo-beta", type=float, default=0.1, help="DPO's beta with --ref-model (default 0.1)")
+    p.add_argument(
+        "--logprobs",
+        metavar="OUT.jsonl",
+        help="with --data: write every document's per-token log-probabilities, one line each "
+        '{"document", "tokens", "logprobs"} (null: not scored)',
+    )
     p.add_argument("--json", action="store_true", help='one line: {"loss", "perplexity", "tokens", ...}')
     p.set_defaults(func=cmd_eval)
 
@@ -78,6 +86,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = source.cfg
     if cfg.position_limit is not None and args.seq_len > cfg.position_limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.position_limit}")
+    if args.logprobs is not None and (args.data is None or args.ref_model is not None):
+        raise UsageError("--logprobs writes the per-token log-probabilities of --data PREFIX's documents "
+                         "(not with --text or --ref-model)")  # fmt: skip
+    if args.logprobs is not None:
+        writable_output(args.logprobs, "--logprobs")
     if args.ref_model is not None and args.data is None:
         raise UsageError("--ref-model scores preference pairs: give --data PREFIX (mt3d preprocess --format "
                          "preference)")  # fmt: skip
@@ -110,6 +123,8 @@ def _eval_data(args: argparse.Namespace, source) -> int:
                          f"{source.vocab}-token vocabulary: was it made with another tokenizer?")  # fmt: skip
     if args.ref_model is not None:
         return _eval_pairs(args, source, data)
+    if args.logprobs is not None:
+        return _logprobs(args, data)
     packed = PackedDocuments(data, range(len(data)), args.seq_len, seed=0)  # all too long: refused here
     model, _ = _load(args, args.pp)
     data.vocab_limit = model.vocab_size
@@ -159,6 +174,34 @@ def _eval_pairs(args: argparse.Namespace, source, data) -> int:
     if state.global_rank == 0:
         print(json.dumps(res) if args.json else "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else
                                                          f"{k} {v}" for k, v in res.items()))  # fmt: skip
+    return 0
+
+
+def _logprobs(args: argparse.Namespace, data) -> int:
+    """``mt3d eval --logprobs``: every document's per-token log-probabilities at the launcher's layout
+    (what an RL trainer's policy-gradient step reads of its rollouts), written by rank 0."""
+    import math
+
+    from ..data.packing import PackedDocuments
+    from ..model.inference import token_logps
+
+    packed = PackedDocuments(data, range(len(data)), args.seq_len, seed=0, sources=True)
+    model, _ = _load(args, args.pp)
+    data.vocab_limit = model.vocab_size
+    lp = token_logps(model, packed, model.state).cpu().tolist()
+    if model.state.global_rank == 0:
+        tmp = Path(args.logprobs + ".tmp")
+        with open(tmp, "w") as f:
+            for i in range(len(data)):
+                lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
+                values = [None if math.isnan(v) else v for v in lp[lo:hi]]
+                line = {"document": i, "tokens": data.doc(i).tolist(), "logprobs": values}
+                f.write(json.dumps(line) + "\n")
+        tmp.replace(args.logprobs)
+        res = {"documents": len(data), "tokens": int(data.num_tokens), "truncated": packed.truncated,
+               "out": args.logprobs}  # fmt: skip
+        print(json.dumps(res) if args.json else f"wrote {args.logprobs}: {len(data)} documents, "
+              f"{data.num_tokens} tokens ({packed.truncated} truncated at --seq-len)")  # fmt: skip
     return 0
 
 

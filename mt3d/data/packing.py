@@ -72,13 +72,14 @@ class PackedDocuments:
     ``pack`` false, one document per sample, padded (``data.packing: false``). With ``pairs`` the ids
     are preference pairs (``mt3d.data.preference``: documents 2p and 2p + 1), each packed whole, chosen
     then rejected, into one sample; a pair longer than ``seq_len`` is left out and counted
-    (``dropped_pairs``: truncating would cut the completions whose log-probabilities DPO compares)."""
+    (``dropped_pairs``: truncating would cut the completions whose log-probabilities DPO compares).
+    With ``sources`` (implied by ``pairs``) each sample also names every position's dataset document."""
 
     def __init__(self, dataset: IndexedDataset, doc_ids: np.ndarray, seq_len: int, seed: int,
-                 cache_dir: str | Path | None = None, pack: bool = True,
-                 pairs: bool = False) -> None:  # fmt: skip
+                 cache_dir: str | Path | None = None, pack: bool = True, pairs: bool = False,
+                 sources: bool = False) -> None:  # fmt: skip
         self.ds, self.doc_ids, self.seq_len, self.seed = dataset, np.asarray(doc_ids, np.int64), seq_len, seed
-        self.pack, self.pairs = pack, pairs
+        self.pack, self.pairs, self.sources = pack, pairs, pairs or sources
         lengths = dataset.doc_lengths()
         ids = self.doc_ids
         lengths = lengths[2 * ids] + lengths[2 * ids + 1] if pairs else lengths[ids]
@@ -170,7 +171,7 @@ class PackedDocuments:
         tokens = np.zeros(size, dtype=np.int64)
         mask = np.zeros(size, dtype=np.uint8)
         doc = np.full(size, -1, dtype=np.int32)
-        source = np.full(size, -1, dtype=np.int64) if self.pairs else None
+        source = np.full(size, -1, dtype=np.int64) if self.sources else None
         at, k = 0, 0
         for d in docs[starts[i] : starts[i + 1]].tolist():
             unit = int(self.doc_ids[d])

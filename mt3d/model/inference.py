@@ -169,6 +169,52 @@ def document_logps(model, packed, state: ParallelState, batch: int = 4) -> torch
     return out
 
 
+@torch.no_grad()
+def token_logps(model, packed, state: ParallelState, batch: int = 4) -> torch.Tensor:
+    """float64 [tokens of ``packed``'s dataset]: each token's log-probability given the tokens before it
+    in its document, NaN where none is computed (a document's first token, tokens past the sample
+    length of a truncated one, documents ``packed`` leaves out); the same on every rank. ``packed``:
+    ``PackedDocuments(sources=True)``, so each position names its document. The last stage's TP, ep
+    and dp rank 0 score its positions (a cp rank its chunks'), then one all-reduce over the world."""
+    import numpy as np
+
+    from ..data.packing import IGNORE
+
+    device = next(model.parameters()).device
+    ds = packed.ds
+    out = torch.zeros(ds.num_tokens, dtype=torch.float64, device=device)
+    seen = torch.zeros(ds.num_tokens, dtype=torch.float64, device=device)
+    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0 and state.dp.rank == 0
+    offsets = np.asarray(ds.offsets, dtype=np.int64)
+    for begin in range(0, len(packed), batch):
+        samples = [packed[i] for i in range(begin, min(begin + batch, len(packed)))]
+        tokens, doc = np.stack([s.tokens for s in samples]), np.stack([s.doc for s in samples])
+        source = np.stack([s.source for s in samples])
+        place = np.zeros_like(source)  # each position's index in the dataset's token stream
+        for row in range(len(samples)):
+            for k in np.unique(doc[row][doc[row] >= 0]):
+                at = np.nonzero(doc[row] == k)[0]
+                place[row, at] = offsets[source[row, at[0]]] + np.arange(at.size)
+        same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] >= 0)
+        target = torch.from_numpy(np.where(same, tokens[:, 1:], IGNORE))
+        ids, where = torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(place[:, 1:].copy())
+        documents = torch.from_numpy(doc[:, :-1].astype(np.int64))
+        if state.cp.size > 1:
+            from ..parallel.context import split_sequence
+
+            ids, target, where = (split_sequence(t, state.cp) for t in (ids, target, where))
+        got = logits(model, (ids.to(device), documents.to(device)), state, model.config.hidden)
+        if got is not None and holds:
+            scored = target.to(device) != IGNORE
+            lp = got.double().log_softmax(-1).gather(-1, target.to(device).clamp(min=0)[..., None])[..., 0]
+            out.index_put_((where.to(device)[scored],), lp[scored])
+            seen.index_put_((where.to(device)[scored],), torch.ones_like(lp[scored]))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+        dist.all_reduce(seen)
+    return torch.where(seen > 0, out, torch.full_like(out, math.nan))
+
+
 class KVCache:
     """Past keys and values of every attention layer, for one generation.
 
