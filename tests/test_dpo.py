@@ -332,3 +332,34 @@ def test_per_token_log_probabilities_equal_transformers_at_every_layout(dpo, tmp
     rc, _, err = cli("eval", "--model", model_dir, "--text", str(prefix) + ".bin", "--seq-len", "8",
                      "--logprobs", tmp_path / "x.jsonl")  # fmt: skip
     assert rc == 2 and "--logprobs writes the per-token log-probabilities of --data" in err
+
+
+def live_worker(path, tp, pp, ep):
+    import torch.distributed as dist
+
+    from mt3d.checkpoint.live import hf_weights
+    from mt3d.checkpoint.loading import from_pretrained
+
+    model = from_pretrained(path, tp=tp, pp=pp, ep=ep)
+    got = hf_weights(model, model.config, model.state, model.vocab_size)
+    assert (got is None) == (dist.get_rank() != 0)
+    return got
+
+
+def test_a_running_layout_gives_its_full_weights_in_hf_names(dpo, tmp_path):
+    """`checkpoint.live.hf_weights` (what a rollout engine pulls): at tp 2 x pp 2, and a Mixtral at
+    tp 2 x ep 2, the HF tensors the model was loaded from, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig
+
+    torch.manual_seed(3)
+    mixtral = MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                            vocab_size=dpo["tok"].vocab_size, max_position_embeddings=128)  # fmt: skip
+    AutoModelForCausalLM.from_config(mixtral).save_pretrained(tmp_path / "mixtral")
+    for path, layout in ((dpo["base"] / "llama", (2, 2, 1)), (tmp_path / "mixtral", (2, 1, 2))):
+        got = spawn(live_worker, layout[0] * layout[1] * layout[2], str(path), *layout, timeout=300)[0]
+        want = load_file(path / "model.safetensors")
+        assert sorted(got) == sorted(want), path
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (path, k)
