@@ -191,7 +191,7 @@ CONFIG_WORLDS = {
 USER_DATA = {"megatron_8.3b_tp8.json"}
 # fine-tuning templates start from an HF directory the README makes first: checked there, by
 # tests/test_docs.py::test_the_readme_fine_tuning_path_prepares_its_data_and_config
-FROM_HF = {"sft_llama.json", "lora_llama.json"}
+FROM_HF = {"sft_llama.json", "lora_llama.json", "dpo_llama.json"}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_WORLDS))

@@ -85,9 +85,10 @@ def readme_block(title: str) -> list[str]:
 
 def test_the_readme_fine_tuning_path_prepares_its_data_and_config(tmp_path):
     """The README's fine-tuning commands as written, on a fresh directory, up to the training: a tiny
-    chat Llama, the chat corpus, its preprocessing and ``data show``; then ``ds_configs/sft_llama.json``
-    and ``lora_llama.json`` pass ``train --check`` at the world their deepspeed lines launch (4),
-    reading what they made."""
+    chat Llama, the chat corpus, its preprocessing and ``data show``, and the preference pairs and
+    theirs; then ``ds_configs/sft_llama.json``, ``dpo_llama.json`` (from the chat Llama in place of the
+    SFT run's export) and ``lora_llama.json`` pass ``train --check`` at the world their deepspeed lines
+    launch (4), reading what they made."""
     import os
     import subprocess
     import sys
@@ -97,18 +98,22 @@ def test_the_readme_fine_tuning_path_prepares_its_data_and_config(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     lines = readme_block("Fine-tuning")
     train = next(i for i, line in enumerate(lines) if line.startswith("deepspeed"))
-    for line in lines[:train]:
+    pairs = [line for line in lines[train:] if "preference" in line and line.split()[0] in ("python", "mt3d")]
+    assert len(pairs) == 2  # the demo's preference pairs and their preprocessing
+    for line in lines[:train] + pairs:
         out = subprocess.run(
             line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
         assert out.returncode == 0, f"`{line}`: {out.stderr[-2000:]}"
-    assert "⟦" in out.stdout  # data show marks what is trained on
+        if line.startswith("mt3d data show"):
+            assert "⟦" in out.stdout  # data show marks what is trained on
     trainings = [line for line in lines if line.startswith("deepspeed")]
-    assert len(trainings) == 2  # the full fine-tune and the LoRA one
+    assert len(trainings) == 3  # the full fine-tune, DPO after it and the LoRA one
     for line in trainings:
         world = re.search(r"--num_gpus (\d+)", line).group(1)
+        after_sft = ["--set", "mt3d.model.from_hf=hf/tiny-llama-chat"] if "dpo" in line else []
         out = subprocess.run(
-            [sys.executable, "-m", "mt3d", *mt3d_argv(line)[1], "--check"], cwd=tmp_path,
+            [sys.executable, "-m", "mt3d", *mt3d_argv(line)[1], *after_sft, "--check"], cwd=tmp_path,
             env={**env, "WORLD_SIZE": world}, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         ok = f"config OK: world {world} = tp 2 x pp 2"

@@ -170,8 +170,7 @@ def _add_data(sub) -> None:
 
 def cmd_data(args: argparse.Namespace) -> int:
     """``mt3d data show``."""
-    from ..data.indexed import IndexedDataset
-    from ..data.preprocess import read_meta
+    from ..data.indexed import IndexedDataset, read_meta
     from ..data.tokenizer import load_tokenizer
 
     ds = IndexedDataset(args.prefix)

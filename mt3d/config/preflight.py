@@ -64,7 +64,7 @@ def check_inputs(train: TrainConfig, data: DataConfig, hf_path: str | None = Non
 def recorded_tokenizer(prefixes: list[str], hf_path: str | None) -> str:
     """The tokenizer of a run that names none: the one ``mt3d preprocess`` recorded in the prefixes'
     ``P.meta.json`` (all the same), else the ``from_hf`` model directory's own."""
-    from ..data.preprocess import read_meta
+    from ..data.indexed import read_meta
 
     recorded = {read_meta(pre).get("tokenizer") for pre in prefixes} - {None}
     if len(recorded) > 1:
@@ -134,7 +134,7 @@ def _split_short(lengths, seq_len: int, packed: bool) -> str | None:
 def supervises(prefix: str, ds, block: int = 1 << 24) -> bool:
     """Whether a dataset's loss mask has a 1: the count ``mt3d preprocess`` recorded, else a scan
     that stops at the first supervised token (the first block, for any real dataset)."""
-    from ..data.preprocess import read_meta
+    from ..data.indexed import read_meta
 
     recorded = read_meta(prefix).get("supervised_tokens")
     if isinstance(recorded, int):

@@ -315,3 +315,11 @@ class IndexedDataset:
     def doc_lengths(self) -> np.ndarray:
         """Length of every document."""
         return np.diff(np.asarray(self.offsets, dtype=np.int64))
+
+
+def read_meta(prefix: str | Path) -> dict:
+    """``P.meta.json`` ({} for datasets written before it existed)."""
+    from ..inputs import read_json
+
+    f = Path(f"{prefix}.meta.json")
+    return read_json(f, "dataset metadata") if f.is_file() else {}

@@ -103,7 +103,7 @@ def tokenize_pair(tok, renderer: ChatRenderer | None, rec: dict) -> tuple[list, 
 def pair_data_conflict(prefixes, seq_len: int | None = None) -> str | None:
     """Why these dataset prefixes cannot feed DPO (None: they can): one dataset, made by
     ``mt3d preprocess --format preference``, whose longest prompt leaves room in ``seq_len``."""
-    from .preprocess import read_meta
+    from .indexed import read_meta
 
     if len(prefixes) != 1:
         return (

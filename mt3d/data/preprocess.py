@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from .indexed import DTYPES, IndexedWriter, dtype_for_vocab
+from .indexed import DTYPES, IndexedWriter, dtype_for_vocab, read_meta  # noqa: F401 - read here too
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -328,14 +328,6 @@ def write_meta(prefix: str | Path, fmt: str, tokenizer_dir: str | Path, stats: S
     counts = {k: v for k, v in stats.summary().items() if isinstance(v, int)}
     meta = {"format": fmt, "tokenizer": str(Path(tokenizer_dir).resolve()), **counts}
     Path(f"{prefix}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
-def read_meta(prefix: str | Path) -> dict:
-    """``P.meta.json`` ({} for datasets written before it existed)."""
-    from ..inputs import read_json
-
-    f = Path(f"{prefix}.meta.json")
-    return read_json(f, "dataset metadata") if f.is_file() else {}
 
 
 def _has_template(tokenizer_dir, template_file) -> bool:

@@ -202,14 +202,15 @@ def attach(model: nn.Module, targets: list[Target], spec: LoraSpec, tp: AxisGrou
 def adapters_disabled(model: nn.Module):
     """Run ``model`` as its frozen base: every linear's adapters set aside for the block (DPO's
     reference with LoRA, as PEFT's ``disable_adapter``)."""
-    held = [(m, m._modules["lora"]) for m in model.modules() if len(getattr(m, "lora", ()) or ())]
+    held = [(m, m.lora) for m in model.modules() if isinstance(getattr(m, "lora", None), nn.ModuleDict)]
+    held = [(m, adapters) for m, adapters in held if len(adapters)]
     try:
         for m, _ in held:
-            m._modules["lora"] = nn.ModuleDict()
+            m.lora = nn.ModuleDict()
         yield
     finally:
         for m, adapters in held:
-            m._modules["lora"] = adapters
+            m.lora = adapters
 
 
 def universal_patterns(info: dict, targets: list[Target], tp: int) -> dict:

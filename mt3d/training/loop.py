@@ -273,6 +273,19 @@ class Trainer:
             self._print(f"step {self.step:>6} | eval loss {loss:.4f} | eval perplexity {ppl:.2f}")
         return loss
 
+    def _after_step(self, skipped: bool) -> None:
+        """What follows an optimizer step: aux-loss-free balancing, the router's and DPO's figures."""
+        if self.balancing:
+            from ..model.moe import balance_experts
+
+            balance_experts(self.engine.module, self.rt.state.dense, self.rt.state.tp, not skipped)
+        if self.sparse:
+            self.router = self._router_figures()
+        if self.dpo:
+            from .dpo import dpo_figures
+
+            self.preference = dpo_figures(self.engine.module.loss_fn, self._figures_holder, self.rt.device)
+
     def train(self) -> dict:
         """Run to ``train.steps``; returns a summary (last loss, last eval loss)."""
         cfg = self.train_cfg
@@ -299,18 +312,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 last_loss = self.train_step()
                 seconds = time.perf_counter() - t0
-                if self.balancing:
-                    from ..model.moe import balance_experts
-
-                    skipped = self.engine.skipped_steps > skipped_before
-                    balance_experts(self.engine.module, self.rt.state.dense, self.rt.state.tp, not skipped)
-                if self.sparse:
-                    self.router = self._router_figures()
-                if self.dpo:
-                    from .dpo import dpo_figures
-
-                    self.preference = dpo_figures(self.engine.module.loss_fn, self._figures_holder,
-                                                  self.rt.device)  # fmt: skip
+                self._after_step(self.engine.skipped_steps > skipped_before)
                 self.step += 1
                 self._track_bad(last_loss, self.engine.skipped_steps > skipped_before)
                 if self.logger:
