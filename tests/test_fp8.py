@@ -232,7 +232,11 @@ def test_fp8_resume_is_exact_and_reshards(tmp_path):
     [
         ({"bf16": {"enabled": False}}, '"bf16": {"enabled": true}'),
         ({"fp16": {"enabled": True}}, "trains in fp16"),
-        ({"mt3d.train.fp8": {"recipe": "blockwise"}}, "recipe must be one of tensorwise, rowwise"),
+        ({"mt3d.train.fp8": {"recipe": "block"}}, "must be one of tensorwise, rowwise, blockwise, mxfp8"),
+        ({"mt3d.train.fp8": {"recipe": "blockwise"}}, "blockwise FP8 GEMMs need every weight dimension a "
+                                                      "multiple of 128"),
+        ({"mt3d.train.fp8": {"recipe": "mxfp8"}, "mt3d.model": {**TINY_LLAMA, "hidden": 80, "heads": 5,
+                                                                 "kv_heads": 5}}, "hidden = 80"),
         ({"mt3d.train.fp8": {"recipe": "rowwise", "scaling": "x"}}, "unknown key 'mt3d.train.fp8.scaling'"),
         ({"mt3d.model": {**TINY_LLAMA, "hidden": 72, "heads": 4, "kv_heads": 2}}, "hidden = 72"),
         ({"train_micro_batch_size_per_gpu": 1, "mt3d.data.seq_len": 40}, "tokens per micro-batch"),

@@ -233,21 +233,28 @@ def fp8_notes(fp8, sequence_parallel: bool, tp: int) -> list[str]:
     return []
 
 
-def fp8_shape_conflict(model, tp: int, tokens: int) -> str | None:
+def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise") -> str | None:
     """Why the blocks' FP8 GEMMs cannot run at tensor parallelism ``tp`` with ``tokens`` rows per
-    micro-batch and rank (micro-batch x seq_len / cp): every GEMM dimension must be a multiple of 16."""
-    from ..parallel.fp8 import MULTIPLE
+    micro-batch and rank (micro-batch x seq_len / cp): every GEMM dimension must be a multiple of 16,
+    and a tiled recipe's weight dimensions of its tile (blockwise 128, mxfp8 32; the tokens' last tile
+    may be partial, scaled by its own amax)."""
+    from ..parallel.fp8 import MULTIPLE, RECIPES
 
+    need = RECIPES[recipe].multiple
     dims = {"hidden": model.hidden, "q heads x head_dim / tp": model.q_size // tp,
-            "kv heads x head_dim / tp": model.kv_size // tp, "ffn / tp": model.ffn // tp,
-            "tokens per micro-batch (micro x seq_len / cp)": tokens}  # fmt: skip
+            "kv heads x head_dim / tp": model.kv_size // tp, "ffn / tp": model.ffn // tp}  # fmt: skip
     spec = model.moe_spec
     if spec is not None and spec.shared_ffn:
         dims["shared_ffn / tp"] = spec.shared_ffn // tp
-    bad = {k: v for k, v in dims.items() if v % MULTIPLE}
+    bad = {k: v for k, v in dims.items() if v % need}
+    if tokens % MULTIPLE:
+        bad["tokens per micro-batch (micro x seq_len / cp)"] = tokens
     if bad:
         what = ", ".join(f"{k} = {v}" for k, v in bad.items())
-        return f"mt3d.train.fp8: FP8 GEMMs need every dimension a multiple of {MULTIPLE}; {what} is not"
+        return (
+            f"mt3d.train.fp8: {recipe} FP8 GEMMs need every weight dimension a multiple of {need} and the "
+            f"tokens of {MULTIPLE}; {what} is not"
+        )
     return None
 
 

@@ -66,9 +66,12 @@ class Fp8Config:
     experts, the embedding and the output layer keep their precision."""
 
     recipe: str = "tensorwise"
-    """'tensorwise' (one scale per tensor; e4m3 inputs and weights, e5m2 output gradients) or
+    """'tensorwise' (one scale per tensor; e4m3 inputs and weights, e5m2 output gradients),
     'rowwise' (one power-of-two scale per row along each GEMM's reduction dimension, all e4m3):
-    torchao's float8 training recipes, with current (dynamic) scaling."""
+    torchao's float8 training recipes; 'blockwise' (DeepSeek-V3's: a scale per 1x128 tile of
+    activations and gradients along the reduction dimension, per 128x128 block of weights, all e4m3)
+    or 'mxfp8' (OCP MX: a power-of-two e8m0 scale per 1x32 tile of every operand, all e4m3); current
+    (dynamic) scaling throughout."""
     all_gather: bool = False
     """With sequence parallelism, cast each column-parallel input's sequence shard to FP8 before the
     forward all-gather (half its bytes; tensorwise all-reduces one amax first). Without sequence

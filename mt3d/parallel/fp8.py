@@ -42,6 +42,7 @@ inputs to the same FP8 values, and a checkpoint has nothing extra to save.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,11 +70,28 @@ class Recipe:
     """One scale per row along the reduction dimension (else one per tensor)."""
     pow2_scales: bool
     """Scales rounded down to a power of two."""
+    block: int = 0
+    """Tiles of this many values along the reduction dimension, each with its own scale (0: none)."""
+    weight_block: int = 0
+    """Weights in square blocks of this side, each with its own scale, shared by the forward and the
+    input gradient (0: tiled as the activations are)."""
+    e8m0: bool = False
+    """MX scales: a power of two 2^(floor(log2 amax) - 8), so the tile's largest value lands in e4m3's
+    top binade (OCP Microscaling; the scale is an e8m0 byte)."""
+
+    @property
+    def multiple(self) -> int:
+        """What every weight dimension must be a multiple of."""
+        return max(MULTIPLE, self.block, self.weight_block)
 
 
 RECIPES = {
     "tensorwise": Recipe("tensorwise", E5M2, rowwise=False, pow2_scales=False),
     "rowwise": Recipe("rowwise", E4M3, rowwise=True, pow2_scales=True),
+    # DeepSeek-V3's: 1x128 tiles of activations and gradients, 128x128 blocks of weights, all e4m3
+    "blockwise": Recipe("blockwise", E4M3, rowwise=True, pow2_scales=False, block=128, weight_block=128),
+    # OCP MXFP8 (Blackwell's native format): 1x32 tiles of every operand, e8m0 scales, all e4m3
+    "mxfp8": Recipe("mxfp8", E4M3, rowwise=True, pow2_scales=True, block=32, e8m0=True),
 }
 
 
@@ -93,6 +111,58 @@ def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool):
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     q = (x.float() * scale).clamp(-top, top).to(dtype)
     return q, scale.reciprocal()
+
+
+def _tiled(x: torch.Tensor, dim: int, block: int):
+    """x [m, n] seen as tiles of ``block`` along ``dim`` (the last tile padded with zeros, which change
+    no amax): [rows, tiles, block] with ``dim``'s tiles in the middle."""
+    t = x.movedim(dim, 1)
+    pad = -t.shape[1] % block
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.reshape(t.shape[0], -1, block)
+
+
+def _tile_scales(amax: torch.Tensor, dtype: torch.dtype, pow2: bool, e8m0: bool) -> torch.Tensor:
+    """Scales (what values are multiplied by before the cast) from each tile's amax."""
+    if e8m0:  # 2^-(floor(log2 amax) - emax of the element format), the exponent within e8m0's range
+        emax = math.floor(math.log2(torch.finfo(dtype).max))
+        floor_log2 = torch.frexp(amax.clamp(min=2.0**-127)).exponent - 1  # exact: amax = m 2^e, m in [0.5, 1)
+        return torch.exp2(-(floor_log2 - emax).clamp(-127, 127).float())
+    scale = torch.full_like(amax, torch.finfo(dtype).max) / amax.clamp(min=EPS)  # a division, rounded once
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def quantize_tiles(x: torch.Tensor, dtype: torch.dtype, dim: int, block: int, pow2: bool = False,
+                   e8m0: bool = False):  # fmt: skip
+    """``(q, inverse_scale)``: x [m, n] cast to FP8 ``dtype`` with one scale per tile of ``block``
+    values along ``dim`` (a partial last tile has its own); the inverse scales are [m, ceil(n / block)]
+    (``dim`` 1) or [ceil(m / block), n] (``dim`` 0). ``q`` dequantises by ``dequantize_tiles``."""
+    top = torch.finfo(dtype).max
+    t = _tiled(x.float(), dim, block)
+    scale = _tile_scales(t.abs().amax(dim=-1, keepdim=True), dtype, pow2, e8m0)
+    q = (t * scale).clamp(-top, top).to(dtype).reshape(t.shape[0], -1)[:, : x.shape[dim]]
+    return q.movedim(1, dim).contiguous(), scale.reciprocal()[..., 0].movedim(1, dim).contiguous()
+
+
+def quantize_blocks(w: torch.Tensor, dtype: torch.dtype, block: int):
+    """``(q, inverse_scale)``: w [m, n] cast with one scale per square block of side ``block``; the
+    inverse scales are [m / block, n / block] (both dims multiples of ``block``)."""
+    top = torch.finfo(dtype).max
+    m, n = w.shape
+    t = w.float().reshape(m // block, block, n // block, block)
+    scale = _tile_scales(t.abs().amax(dim=(1, 3), keepdim=True), dtype, False, False)
+    q = (t * scale).clamp(-top, top).to(dtype).reshape(m, n)
+    return q, scale.reciprocal()[:, 0, :, 0].contiguous()
+
+
+def dequantize_tiles(q: torch.Tensor, inverse: torch.Tensor, dim: int | None, block: int) -> torch.Tensor:
+    """fp32 values of a tile-quantised (``dim``) or block-quantised (``dim`` None) tensor."""
+    if dim is None:
+        full = inverse.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    else:
+        full = inverse.repeat_interleave(block, dim).narrow(dim, 0, q.shape[dim])
+    return q.float() * full
 
 
 def _col_major(q: torch.Tensor) -> torch.Tensor:
@@ -241,6 +311,60 @@ class Fp8Gemms(Gemms):
         return y.movedim(0, dim).contiguous(), None
 
 
+class TiledFp8Gemms(Fp8Gemms):
+    """The three GEMMs of a tiled recipe (blockwise, mxfp8): each operand cast with one scale per tile
+    along the GEMM's reduction dimension (blockwise weights: per 128x128 block, one cast for the
+    forward and the input gradient), multiplied as the dequantised tiles in fp32 and returned in the
+    operands' dtype: the products a block-scaled kernel computes from the same FP8 values and scales
+    (torch's ``scaled_mm`` with BlockWise scales; not called yet: no kernel ran on a GPU here)."""
+
+    def _q(self, x, dtype, dim):
+        r = self.fp8
+        return quantize_tiles(x, dtype, dim, r.block, r.pow2_scales, r.e8m0)
+
+    def _w(self, weight, dim):
+        """The weight cast for a GEMM reducing over ``dim`` of it, and its dequantised fp32 values."""
+        r = self.fp8
+        if r.weight_block:
+            wq, sw = quantize_blocks(weight, E4M3, r.weight_block)
+            return dequantize_tiles(wq, sw, None, r.weight_block)
+        wq, sw = self._q(weight, E4M3, dim)
+        return dequantize_tiles(wq, sw, dim, r.block)
+
+    def linear(self, x, weight, bias):
+        """Forward: X (tiles along in) x W^T (blocks, or tiles along in); keeps the bf16 input."""
+        xq, sx = self._q(_rows(x), E4M3, 1)
+        return self._linear_q(xq, sx, x.shape, weight, bias, x.dtype), (x,)
+
+    def _linear_q(self, xq, sx, shape, weight, bias, out_dtype):
+        y = dequantize_tiles(xq, sx, 1, self.fp8.block) @ self._w(weight, 1).t()
+        y = y.to(out_dtype)
+        y = y if bias is None else y + bias
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    def kept_of(self, x_rows):
+        """The bf16 rows (the weight gradient tiles them along the tokens)."""
+        return (x_rows,)
+
+    def grad_of(self, grad):
+        """The bf16 rows (each GEMM tiles them along its own reduction dimension)."""
+        return Grad(_rows(grad), None, grad.shape)
+
+    def dgrad(self, g, weight):
+        """Input gradient: dY (tiles along out) x W (blocks, or tiles along out)."""
+        gq, sg = self._q(g.rows, self.fp8.grad_dtype, 1)
+        dx = (dequantize_tiles(gq, sg, 1, self.fp8.block) @ self._w(weight, 0)).to(weight.dtype)
+        return dx.reshape(*g.shape[:-1], weight.shape[1])
+
+    def wgrad(self, g, kept):
+        """Weight gradient: dY^T x X, both in tiles along the tokens."""
+        b = self.fp8.block
+        gq, sg = self._q(g.rows, self.fp8.grad_dtype, 0)
+        xq, sx = self._q(_rows(kept[0]), E4M3, 0)
+        dw = dequantize_tiles(gq, sg, 0, b).t() @ dequantize_tiles(xq, sx, 0, b)
+        return dw.to(g.rows.dtype)
+
+
 def _gather_rows(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """All-gather a 2-d tensor's rows over ``g`` (rank order)."""
     from .mappings import start_gather
@@ -250,7 +374,9 @@ def _gather_rows(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 def gemms_for(recipe: str | None, all_gather: bool = False) -> Gemms:
     """The GEMMs of a linear: FP8 per ``recipe``, or the plain ones (None)."""
-    return PLAIN if recipe is None else Fp8Gemms(recipe, all_gather)
+    if recipe is None:
+        return PLAIN
+    return (TiledFp8Gemms if RECIPES[recipe].block else Fp8Gemms)(recipe, all_gather)
 
 
 def fp8_support(device: torch.device) -> str | None:

@@ -104,7 +104,7 @@ def add_plan_stack(p) -> None:
     p.add_argument("--lora", type=positive_int, default=0, metavar="R",
                    help="LoRA of rank R on every linear of the blocks (mt3d.lora): optimizer states and "
                    "gradients of the adapters only, beside the frozen base's weights")  # fmt: skip
-    p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise", "blockwise", "mxfp8"), default=None,
                    help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
     p.add_argument("--activation-model", choices=("mt3d", "te", "korthikanti"), default="mt3d",
                    help="activation memory of mt3d's blocks, of TransformerEngine's (a gated MLP keeps 3 x "
