@@ -236,7 +236,12 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     mb, ga, gb = rules.batch_split(ds.batch_keys(), degrees["dp"])
     if model is not None and train.fp8 is not None:
         why = rules.fp8_cover_conflict(train.fp8, model.layers) or rules.fp8_shape_conflict(
-            model, degrees["tp"], mb * data.seq_len // degrees["cp"], train.fp8.recipe
+            model,
+            degrees["tp"],
+            mb * data.seq_len // degrees["cp"],
+            train.fp8.recipe,
+            train.fp8.experts,
+            degrees.get("etp", degrees["tp"]),
         )
         if why:
             raise ConfigError(why)

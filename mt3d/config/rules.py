@@ -207,6 +207,11 @@ def fp8_conflict(fp8, precision: str) -> str | None:
         return None
     if fp8.recipe not in RECIPES:
         return f"mt3d.train.fp8.recipe must be one of {', '.join(RECIPES)}, got {fp8.recipe!r}"
+    if fp8.experts and not RECIPES[fp8.recipe].block:
+        return (
+            f"mt3d.train.fp8.experts needs a tiled recipe (blockwise or mxfp8): the experts' token counts "
+            f"vary, which {fp8.recipe} GEMMs (every dimension a multiple of 16) cannot take"
+        )
     if precision != "bf16":
         return (
             f"mt3d.train.fp8 runs the linears' GEMMs in FP8 beside bf16 weights and activations: set "
@@ -233,11 +238,12 @@ def fp8_notes(fp8, sequence_parallel: bool, tp: int) -> list[str]:
     return []
 
 
-def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise") -> str | None:
+def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise", experts: bool = False,
+                       etp: int = 1) -> str | None:  # fmt: skip
     """Why the blocks' FP8 GEMMs cannot run at tensor parallelism ``tp`` with ``tokens`` rows per
     micro-batch and rank (micro-batch x seq_len / cp): every GEMM dimension must be a multiple of 16,
     and a tiled recipe's weight dimensions of its tile (blockwise 128, mxfp8 32; the tokens' last tile
-    may be partial, scaled by its own amax)."""
+    may be partial, scaled by its own amax); with ``experts`` the routed experts' (split over ``etp``)."""
     from ..parallel.fp8 import MULTIPLE, RECIPES
 
     need = RECIPES[recipe].multiple
@@ -246,6 +252,10 @@ def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise") 
     spec = model.moe_spec
     if spec is not None and spec.shared_ffn:
         dims["shared_ffn / tp"] = spec.shared_ffn // tp
+    if experts:
+        if spec is None:
+            return "mt3d.train.fp8.experts: the model has no routed experts (model.moe); drop experts"
+        dims["expert_ffn / expert_tensor"] = spec.expert_ffn // etp
     bad = {k: v for k, v in dims.items() if v % need}
     if tokens % MULTIPLE:
         bad["tokens per micro-batch (micro x seq_len / cp)"] = tokens

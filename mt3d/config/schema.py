@@ -76,6 +76,9 @@ class Fp8Config:
     """With sequence parallelism, cast each column-parallel input's sequence shard to FP8 before the
     forward all-gather (half its bytes; tensorwise all-reduces one amax first). Without sequence
     parallelism it does nothing, and ``mt3d train`` says so."""
+    experts: bool = False
+    """The routed experts' GEMMs in FP8 too (a tiled recipe: blockwise or mxfp8, whose tiles take the
+    experts' varying token counts), one FP8 GEMM per expert."""
     exclude_first_last: bool = False
     """Keep the first and the last transformer block in bf16 (their inputs and outputs are the most
     sensitive to rounding; a common choice for long runs). A model of 2 blocks or fewer would then

@@ -50,7 +50,8 @@ class BuildContext:
             (``train.recompute.granularity`` selective).
         fp8: the FP8 recipe of the blocks' column- and row-parallel linears (``train.fp8``; None:
             their GEMMs in the parameters' dtype); ``fp8_all_gather``: with SP, all-gather the
-            column-parallel inputs in FP8; ``fp8_skip``: block indices whose linears stay plain.
+            column-parallel inputs in FP8; ``fp8_skip``: block indices whose linears stay plain;
+            ``fp8_experts``: the routed experts' GEMMs in FP8 too.
     """
 
     tp: AxisGroup
@@ -73,6 +74,7 @@ class BuildContext:
     fp8: str | None = None
     fp8_all_gather: bool = False
     fp8_skip: frozenset[int] = frozenset()
+    fp8_experts: bool = False
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
@@ -85,6 +87,12 @@ class BuildContext:
         if self.fp8 is None or layer in self.fp8_skip:
             return PLAIN
         return gemms_for(self.fp8, self.fp8_all_gather and self.sp)
+
+    def expert_gemms(self, layer: int) -> Gemms:
+        """How block ``layer``'s routed experts run their GEMMs (``train.fp8.experts``: the recipe's)."""
+        if not self.fp8_experts or self.fp8 is None or layer in self.fp8_skip:
+            return PLAIN
+        return gemms_for(self.fp8)
 
     @property
     def sp(self) -> bool:

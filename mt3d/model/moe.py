@@ -131,6 +131,7 @@ class Expert(nn.Module):
         std = cfg.init_std / math.sqrt(2 * cfg.layers)
         self.down = RowParallelLinear(ffn, cfg.hidden, init=ctx.init(layer, f"{name}.down", std), **common)
         self.bias_share = 1.0 if ctx.tp.rank == 0 else 0.0
+        self.gemms = ctx.expert_gemms(layer)  # train.fp8.experts: the recipe's tiled GEMMs
         if bias:
             mark_tp_partial_grad(self.down.bias, ctx.tp)
             self.down.bias.tp_copy = ctx.tp.rank > 0  # the same on every TP rank: norms count rank 0's
@@ -141,7 +142,8 @@ class Expert(nn.Module):
         """[n, h] rows (already inside the TP region) -> this rank's partial [n, h] output; ``glu`` maps
         the fused [gate | up] to the gated activation. ``local_linear``: ``F.linear``, or under a split
         backward a linear whose weight gradient waits for W."""
-        y = local_linear(glu(local_linear(x, self.up.weight, self.up.bias)), self.down.weight)
+        y = local_linear(glu(local_linear(x, self.up.weight, self.up.bias, self.gemms)), self.down.weight,
+                         gemms=self.gemms)  # fmt: skip
         return y if self.down.bias is None else y + self.down.bias * self.bias_share
 
 
@@ -399,7 +401,8 @@ class SparseMoE(nn.Module):
         experts = [self.experts[str(j)] for j in self.local]
         inner = experts[0].down.weight.shape[1]
         aligned = all(n * xs.element_size() % 16 == 0 for n in (xs.shape[-1], inner))
-        if aligned and xs.shape[0] > 0 and grouped_gemm_works(xs.device, xs.dtype):
+        plain = experts[0].gemms.fp8 is None  # FP8 experts: one tiled-FP8 GEMM each (no grouped kernel)
+        if plain and aligned and xs.shape[0] > 0 and grouped_gemm_works(xs.device, xs.dtype):
             n = torch.as_tensor(counts, device=xs.device)
             offs = n.cumsum(0).to(torch.int32)
             # [experts, in, out] views of the stacked weights (a copy per call; its backward scatters

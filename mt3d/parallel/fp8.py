@@ -115,12 +115,12 @@ def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool):
 
 def _tiled(x: torch.Tensor, dim: int, block: int):
     """x [m, n] seen as tiles of ``block`` along ``dim`` (the last tile padded with zeros, which change
-    no amax): [rows, tiles, block] with ``dim``'s tiles in the middle."""
+    no amax): [rows, tiles, block] with ``dim``'s tiles in the middle (none for an empty ``dim``)."""
     t = x.movedim(dim, 1)
     pad = -t.shape[1] % block
     if pad:
         t = torch.nn.functional.pad(t, (0, pad))
-    return t.reshape(t.shape[0], -1, block)
+    return t.reshape(t.shape[0], t.shape[1] // block, block)
 
 
 def _tile_scales(amax: torch.Tensor, dtype: torch.dtype, pow2: bool, e8m0: bool) -> torch.Tensor:
@@ -141,7 +141,7 @@ def quantize_tiles(x: torch.Tensor, dtype: torch.dtype, dim: int, block: int, po
     top = torch.finfo(dtype).max
     t = _tiled(x.float(), dim, block)
     scale = _tile_scales(t.abs().amax(dim=-1, keepdim=True), dtype, pow2, e8m0)
-    q = (t * scale).clamp(-top, top).to(dtype).reshape(t.shape[0], -1)[:, : x.shape[dim]]
+    q = (t * scale).clamp(-top, top).to(dtype).reshape(t.shape[0], t.shape[1] * block)[:, : x.shape[dim]]
     return q.movedim(1, dim).contiguous(), scale.reciprocal()[..., 0].movedim(1, dim).contiguous()
 
 
