@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from test_sft import cli, words, write_jsonl
+from test_sft import cli, save_hf_model, words, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from mt3d.data.indexed import IndexedDataset
@@ -59,15 +59,7 @@ def dpo(tmp_path_factory):
                          intermediate_size=128, vocab_size=tok.vocab_size, max_position_embeddings=128,
                          bos_token_id=tok.eos_id, eos_token_id=tok.eos_id)  # fmt: skip
     for seed, name in enumerate(("llama", "other")):  # the policy's start, another reference
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(torch.randn_like(p) * 0.2)
-        model.save_pretrained(base / name)
-        for f in (base / "tok").iterdir():
-            (base / name / f.name).write_bytes(f.read_bytes())
+        save_hf_model(config, seed, base / name, base / "tok")
     return {"base": base, "records": recs, "tok": tok}
 
 

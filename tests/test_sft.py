@@ -101,6 +101,21 @@ def hf_configs(vocab, eos):
     }
 
 
+def save_hf_model(config, seed, out, tok_dir):
+    """A random HF model of ``config`` (seed ``seed``; every bias and norm weight randomised, not zero
+    or one) saved at ``out`` with the tokenizer files of ``tok_dir``; returns ``out``."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out)
+    for f in tok_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     """A ChatML tokenizer, chat and prompt/completion datasets made with ``mt3d preprocess``, and one
@@ -122,16 +137,7 @@ def sft(tmp_path_factory):
                base / "tok", "--output-prefix", base / "pc")[0] == 0  # fmt: skip
     models = {}
     for i, (name, config) in enumerate(hf_configs(tok.vocab_size, tok.eos_id).items()):
-        torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(torch.randn_like(p) * 0.2)
-        model.save_pretrained(base / name)
-        for f in (base / "tok").iterdir():
-            (base / name / f.name).write_bytes(f.read_bytes())
-        models[name] = base / name
+        models[name] = save_hf_model(config, i, base / name, base / "tok")
     return {"base": base, "convs": convs, "pairs": pairs, "models": models, "tok": tok}
 
 

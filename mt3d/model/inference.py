@@ -146,27 +146,47 @@ def document_logps(model, packed, state: ParallelState, batch: int = 4) -> torch
     documents ``packed`` leaves out stay 0), the same on every rank. Only the last stage has logits:
     its TP, ep and dp rank 0 sum its positions (a cp rank its chunks'), then one all-reduce over the
     world."""
-    from ..data.packing import IGNORE, packed_batch
+    from ..data.packing import packed_batch
 
     device = next(model.parameters()).device
     out = torch.zeros(len(packed.ds), dtype=torch.float64, device=device)
-    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0 and state.dp.rank == 0
     for begin in range(0, len(packed), batch):
         samples = [packed[i] for i in range(begin, min(begin + batch, len(packed)))]
         (ids, documents), labels = packed_batch(samples)
-        target, source = labels[..., 0], labels[..., 2]
-        if state.cp.size > 1:
-            from ..parallel.context import split_sequence
-
-            ids, target, source = (split_sequence(t, state.cp) for t in (ids, target, source))
-        got = logits(model, (ids.to(device), documents.to(device)), state, model.config.hidden)
-        if got is not None and holds:
-            scored = target.to(device) != IGNORE
-            lp = got.double().log_softmax(-1).gather(-1, target.to(device).clamp(min=0)[..., None])[..., 0]
-            out.index_add_(0, source.to(device)[scored], lp[scored])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out)
+        scored = _target_logps(model, state, ids, documents, labels[..., 0], labels[..., 2])
+        if scored is not None:
+            lp, source = scored
+            out.index_add_(0, source, lp)
+    _sum_over_world(out)
     return out
+
+
+def _target_logps(model, state: ParallelState, ids, documents, target, where):
+    """(log-probability of every scored target, its ``where``) of one packed batch (``where``: any
+    per-position index), on the one rank per replica that counts them: the last stage's TP, ep and dp
+    rank 0 (a cp rank its chunks'); None elsewhere. Every rank must call it (the pipeline's sends)."""
+    from ..data.packing import IGNORE
+
+    device = next(model.parameters()).device
+    if state.cp.size > 1:
+        from ..parallel.context import split_sequence
+
+        ids, target, where = (split_sequence(t, state.cp) for t in (ids, target, where))
+    got = logits(model, (ids.to(device), documents.to(device)), state, model.config.hidden)
+    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0 and state.dp.rank == 0
+    if got is None or not holds:
+        return None
+    target, where = target.to(device), where.to(device)
+    scored = target != IGNORE
+    lp = got.double().log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    return lp[scored], where[scored]
+
+
+def _sum_over_world(*tensors: torch.Tensor) -> None:
+    """Sum each tensor over every rank of the run, in place (one holder per value: the rest hold 0)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t in tensors:
+            dist.all_reduce(t)
 
 
 @torch.no_grad()
@@ -184,7 +204,6 @@ def token_logps(model, packed, state: ParallelState, batch: int = 4) -> torch.Te
     ds = packed.ds
     out = torch.zeros(ds.num_tokens, dtype=torch.float64, device=device)
     seen = torch.zeros(ds.num_tokens, dtype=torch.float64, device=device)
-    holds = state.is_last_stage and state.tp.rank == 0 and state.ep.rank == 0 and state.dp.rank == 0
     offsets = np.asarray(ds.offsets, dtype=np.int64)
     for begin in range(0, len(packed), batch):
         samples = [packed[i] for i in range(begin, min(begin + batch, len(packed)))]
@@ -199,19 +218,12 @@ def token_logps(model, packed, state: ParallelState, batch: int = 4) -> torch.Te
         target = torch.from_numpy(np.where(same, tokens[:, 1:], IGNORE))
         ids, where = torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(place[:, 1:].copy())
         documents = torch.from_numpy(doc[:, :-1].astype(np.int64))
-        if state.cp.size > 1:
-            from ..parallel.context import split_sequence
-
-            ids, target, where = (split_sequence(t, state.cp) for t in (ids, target, where))
-        got = logits(model, (ids.to(device), documents.to(device)), state, model.config.hidden)
-        if got is not None and holds:
-            scored = target.to(device) != IGNORE
-            lp = got.double().log_softmax(-1).gather(-1, target.to(device).clamp(min=0)[..., None])[..., 0]
-            out.index_put_((where.to(device)[scored],), lp[scored])
-            seen.index_put_((where.to(device)[scored],), torch.ones_like(lp[scored]))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out)
-        dist.all_reduce(seen)
+        scored = _target_logps(model, state, ids, documents, target, where)
+        if scored is not None:
+            lp, at = scored
+            out.index_put_((at,), lp)
+            seen.index_put_((at,), torch.ones_like(lp))
+    _sum_over_world(out, seen)
     return torch.where(seen > 0, out, torch.full_like(out, math.nan))
 
 

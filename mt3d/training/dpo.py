@@ -135,15 +135,11 @@ def dpo_figures(loss_fn, contributes: bool, device) -> dict:
     return {name: float(v) / pairs for name, v in zip(FIGURES[1:], sums[1:].tolist(), strict=True)}
 
 
+@contextlib.contextmanager
 def evaluation_off(loss_fn):
     """While evaluating, the loss must not add the validation pairs to the training step's figures."""
     saved = loss_fn.figures.clone()
-
-    @contextlib.contextmanager
-    def guard():
-        try:
-            yield
-        finally:
-            loss_fn.figures.copy_(saved)
-
-    return guard()
+    try:
+        yield
+    finally:
+        loss_fn.figures.copy_(saved)
