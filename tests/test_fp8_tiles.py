@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mt3d.parallel.fp8 import E4M3, dequantize_tiles, gemms_for, quantize_blocks, quantize_tiles
+from mt3d.parallel.spawn import spawn
 
 from helpers import step_records, tiny_config
 
@@ -153,35 +154,41 @@ def test_tiled_recipes_train_near_bf16_and_alike_at_every_layout(tmp_path):
                 )
 
 
-MOE = {"preset": "tiny-mixtral"}
-"""hidden 64, experts' inner 64: multiples of mxfp8's 32."""
+MOE = {"preset": "tiny-mixtral", "kv_heads": 4}
+"""hidden 64, experts' inner 64, kv heads x head_dim 64: multiples of mxfp8's 32 at tp 1 and 2."""
 
 
-def moe_run(d, recipe, experts=True, ep=1, steps=40):
-    raw = run(d, None, steps=steps)
+def moe_run(d, recipe, experts=True, ep=1, steps=40, dispatch=False, tp=1):
+    raw = run(d, None, steps=steps, tp=tp)
     raw["mt3d"]["model"] = dict(MOE)
     raw["mt3d"]["parallel"]["expert"] = ep
+    if tp > 1:  # folded: ep over the TP ranks, whole experts
+        raw["mt3d"]["parallel"]["expert_tensor"] = 1
     if recipe:
-        raw["mt3d"]["train"]["fp8"] = {"recipe": recipe, "experts": experts}
+        raw["mt3d"]["train"]["fp8"] = {"recipe": recipe, "experts": experts, "dispatch": dispatch}
     return raw
 
 
 def test_experts_in_fp8_train_near_bf16_and_alike_at_ep_2(tmp_path):
     """``fp8.experts``: a Mixtral's routed experts in mxfp8 too (one tiled GEMM per expert, any number
     of rows): 40 steps within 3% of bf16's final loss and not equal to the run with bf16 experts; ep 2
-    within the measured layout noise of one process."""
+    within the measured layout noise of one process; and with ``fp8.dispatch`` at ep 2 folded over tp 2
+    with SP (whole experts) within that noise too (the dispatch's effect is only on the experts'
+    weight gradients: ``test_fp8_dispatch_halves_the_rows_bytes_at_ep_2``)."""
     from helpers import run_grouped
 
     runs = [(1, moe_run(tmp_path / "bf16", None)), (1, moe_run(tmp_path / "mx", "mxfp8")),
             (1, moe_run(tmp_path / "dense", "mxfp8", experts=False)),
-            (2, moe_run(tmp_path / "ep2", "mxfp8", ep=2, steps=5))]  # fmt: skip
-    bf16, mx, dense_only, ep2 = (step_records(r) for r in run_grouped(runs, timeout=900))
+            (2, moe_run(tmp_path / "ep2", "mxfp8", ep=2, steps=5)),
+            (2, moe_run(tmp_path / "fold", "mxfp8", ep=2, steps=5, dispatch=True, tp=2))]  # fmt: skip
+    bf16, mx, dense_only, ep2, fold = (step_records(r) for r in run_grouped(runs, timeout=900))
     rel = abs(mx[-1]["loss"] - bf16[-1]["loss"]) / bf16[-1]["loss"]
     assert 0 < rel < 0.03 and mx[-1]["loss"] < 0.8 * mx[0]["loss"], (mx[-1]["loss"], bf16[-1]["loss"])
     assert mx[-1]["loss"] != dense_only[-1]["loss"]  # the experts' GEMMs did run in FP8
-    for a, b in zip(ep2, mx[:5], strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= LAYOUT_RTOL * abs(b[key]), (a["step"], key, a[key], b[key])
+    for got in (ep2, fold):
+        for a, b in zip(got, mx[:5], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= LAYOUT_RTOL * abs(b[key]), (a["step"], key, a[key], b[key])
 
 
 @pytest.mark.parametrize("fp8,model,message", [
@@ -189,6 +196,8 @@ def test_experts_in_fp8_train_near_bf16_and_alike_at_ep_2(tmp_path):
     ({"recipe": "mxfp8", "experts": True}, MODEL, "the model has no routed experts"),
     ({"recipe": "mxfp8", "experts": True}, {**MOE, "moe": {"experts": 4, "top_k": 2, "expert_ffn": 48}},
      "expert_ffn / expert_tensor = 48"),
+    ({"recipe": "rowwise", "dispatch": True}, MOE, "mt3d.train.fp8.dispatch needs a tiled recipe"),
+    ({"recipe": "mxfp8", "dispatch": True}, MODEL, "fp8.dispatch: the model has no routed experts"),
 ])  # fmt: skip
 def test_fp8_experts_bad_input_is_one_line(tmp_path, fp8, model, message):
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
@@ -217,3 +226,96 @@ def test_lora_adapts_a_base_whose_gemms_run_in_tiled_fp8(tmp_path):
     for got in fp8:
         assert got[0]["loss"] != bf16[0]["loss"]
         assert abs(got[-1]["loss"] - bf16[-1]["loss"]) < 0.01 * bf16[-1]["loss"]
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_dispatch_rows_pack_the_tile_casts_with_their_scales(operands, recipe):
+    """``fp8.DispatchRows``: a row's bytes are its e4m3 values then its scales (fp32, or one e8m0 byte
+    per 1x32 tile), and decode to the tile cast's dequantised values bit for bit; with mxfp8 casting
+    the decoded rows again gives the same FP8 values (an FP8 expert GEMM sees what it would have seen
+    without the FP8 dispatch)."""
+    from mt3d.parallel.fp8 import RECIPES, DispatchRows
+
+    r, codec = RECIPES[recipe], DispatchRows(recipe)
+    x = operands[0][:, :96]  # a partial last 128-tile along the hidden dimension
+    packed = codec.encode(x)
+    tiles = -(-96 // r.block)
+    assert packed.dtype == torch.uint8 and packed.shape == (M, 96 + tiles * (1 if r.e8m0 else 4))
+    q, inv = quantize_tiles(x, E4M3, 1, r.block, r.pow2_scales, r.e8m0)
+    assert torch.equal(packed[:, :96], q.view(torch.uint8))
+    if r.e8m0:
+        assert torch.equal(torch.exp2(packed[:, 96:].float() - 127), inv)
+    back = codec.decode(packed, 96, torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, dequantize_tiles(q, inv, 1, r.block).bfloat16())
+    if r.e8m0:
+        again = quantize_tiles(back, E4M3, 1, r.block, True, True)
+        assert torch.equal(again[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(again[1], inv)
+    empty = codec.encode(x[:0])
+    assert empty.shape == (0, packed.shape[1]) and codec.decode(empty, 96, torch.bfloat16).shape == (0, 96)
+
+
+def _dispatch_worker(recipe, experts):
+    """ep 2, bf16: per dispatch (once per rank, once per assignment) the block without and with
+    ``fp8_dispatch``: (output, input gradient, weight gradients, the all-to-alls' (bytes, elements))."""
+    import torch.distributed as dist
+    from test_moe import _ep_batch, _ep_block
+
+    from mt3d.parallel.commlog import CollectiveLog
+    from mt3d.parallel.fp8 import DispatchRows
+
+    me, group = dist.get_rank(), dist.new_group([0, 1])
+    runs = []
+    for dedup, dispatch in ((True, False), (True, True), (False, False), (False, True)):
+        if experts:  # FP8 everywhere in the block: its attention's linears too (hidden 32: mxfp8's tiles)
+            ctx = dict(fp8=recipe, fp8_experts=True, fp8_dispatch=dispatch)
+        else:  # only the dispatch (blockwise GEMMs would need the linears' dimensions multiples of 128)
+            ctx = {}
+        block = _ep_block(1, 2, 0, me, (None, group), **ctx).to(torch.bfloat16)
+        if not experts:
+            block.mlp.codec = DispatchRows(recipe) if dispatch else None
+        block.mlp.dedup = dedup
+        x = _ep_batch(me).to(torch.bfloat16).requires_grad_()
+        with CollectiveLog() as log:
+            out = block(x)
+            out.backward(torch.ones_like(out))
+        sizes = [(c.bytes, c.numel) for c in log.calls if c.op == "all_to_all_single"]
+        runs.append((out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}, sizes))
+    return runs
+
+
+@pytest.mark.parametrize("recipe,experts", [("mxfp8", True), ("blockwise", False)])
+def test_fp8_dispatch_halves_the_rows_bytes_at_ep_2(recipe, experts):
+    """``train.fp8.dispatch`` at ep 2 (bf16, hidden 32), both dispatches: the one all-to-all that carries
+    the rows to their experts sends 1 byte per value plus the scales (0.5x bf16's plus 1 or 4 bytes per
+    row: the collective recorder's bytes); every other transfer (counts, metadata, the combine, all the
+    gradients) is bf16's, byte for byte. With mxfp8 experts the outputs and input gradients equal those
+    without the FP8 dispatch bit for bit (the experts' GEMMs cast the same FP8 values) and only the
+    experts' weight gradients move (their saved inputs are the dispatched values); with bf16 experts
+    (blockwise) the output moves by e4m3's rounding."""
+    from mt3d.parallel.fp8 import DispatchRows
+
+    scale_bytes = DispatchRows(recipe).scale_bytes(32)
+    for runs in spawn(_dispatch_worker, 2, recipe, experts, timeout=120):
+        for plain, fp8 in (runs[0:2], runs[2:4]):
+            changed = [(a, b) for a, b in zip(plain[3], fp8[3], strict=True) if a != b]
+            assert len(changed) == 1, changed
+            (bf16_bytes, bf16_numel), (fp8_bytes, fp8_numel) = changed[0]
+            rows = bf16_numel // 32
+            assert rows > 0 and fp8_bytes == fp8_numel == bf16_bytes // 2 + rows * scale_bytes
+            if experts:
+                assert torch.equal(plain[0], fp8[0]) and torch.equal(plain[1], fp8[1])
+                moved = [n for n in plain[2] if not torch.equal(plain[2][n], fp8[2][n])]
+                assert moved and all(".experts." in n for n in moved), moved
+            else:
+                err = (fp8[0] - plain[0]).float().norm() / plain[0].float().norm()
+                assert 0 < err < 0.05, err
+
+
+def test_fp8_dispatch_without_expert_parallelism_is_noted():
+    from types import SimpleNamespace
+
+    from mt3d.config.rules import fp8_notes
+
+    fp8 = SimpleNamespace(all_gather=False, dispatch=True)
+    assert [n for n in fp8_notes(fp8, False, 1, ep=1) if "fp8.dispatch does nothing" in n]
+    assert fp8_notes(fp8, False, 1, ep=2) == []

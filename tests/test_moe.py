@@ -205,7 +205,8 @@ def test_router_statistics_carry_a_gradient_only_when_a_router_loss_uses_them(co
     torch.testing.assert_close(stats_f.detach(), want, rtol=1e-5, atol=1e-5)
 
 
-def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None, bias=False, hosts=None):
+def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None, bias=False, hosts=None,
+              **ctx):  # fmt: skip
     from mt3d.model.blocks import BuildContext, TransformerBlock
     from mt3d.model.config import ModelConfig
     from mt3d.parallel.state import AxisGroup
@@ -217,7 +218,7 @@ def _ep_block(tp, ep, tp_rank=0, ep_rank=0, groups=(None, None), capacity=None, 
                                               swiglu_limit=7.0 if bias else None)))  # fmt: skip
     tpg = AxisGroup("tp", tuple(range(tp)), tp_rank, groups[0])
     epg = AxisGroup("ep", tuple(range(ep)), ep_rank, groups[1])
-    block = TransformerBlock(cfg, BuildContext(tp=tpg, ep=epg, ep_hosts=hosts, seed=5), 0)
+    block = TransformerBlock(cfg, BuildContext(tp=tpg, ep=epg, ep_hosts=hosts, seed=5, **ctx), 0)
     with torch.no_grad():
         block.mlp.router.weight.mul_(30)
         for name, p in block.mlp.named_parameters():

@@ -982,3 +982,30 @@ def test_the_planner_folds_whole_experts_over_tensor_and_data():
         dp = [step_time(ds, 129280, 4096, 8192, lay, **kw, bw=bw, overlap=o)["dp_comm_s"]
               for o in ((), ("dp",))]  # fmt: skip
         assert (dp[0] == dp[1] > 0) if pp > 1 else (dp[0] > dp[1])
+
+
+def test_fp8_dispatch_counts_the_forward_dispatch_in_one_byte_plus_scales(tmp_path):
+    """``--fp8-dispatch`` (``train.fp8.dispatch``): of a routed row's four crossings (dispatch, combine
+    and both gradients) the forward's dispatch is sent as e4m3 with its tiles' scales (1 + 1/32 bytes a
+    value for mxfp8 and blockwise), the rest in bf16; metadata and counts unchanged. The flag needs a
+    tiled --fp8 (one line, before planning) and puts ``dispatch`` in the emitted config."""
+    from mt3d.planner.timing import ep_bytes
+    from mt3d.planner.traffic import ep_layer_traffic
+
+    ds = resolve_model({"preset": "deepseek-v3"})
+    plain = ep_bytes(ds, 4096, 1, 64, 2, ds.layers, False)[0]
+    for recipe in ("mxfp8", "blockwise"):
+        fp8 = ep_bytes(ds, 4096, 1, 64, 2, ds.layers, False, fp8_dispatch=recipe)[0]
+        spec = ds.moe_spec  # group-limited routing: a token reaches at most 4 of 8 groups
+        rows = ep_layer_traffic(64, 4096, 8, ds.hidden, 256, True, spec.n_group, spec.topk_group)[0]
+        rows *= ds.sparse_layers  # elements
+        assert plain - fp8 == pytest.approx(rows / 4 * (2 - 1 - 1 / 32))
+    with pytest.raises(UserError, match="--fp8-dispatch casts the dispatch in a tiled recipe"):
+        _planned(ds.to_dict(), ["--gpus", "8", "--fp8-dispatch", "--fp8", "rowwise"])
+    moe = {**get_preset("tiny-mixtral").to_dict(), "vocab_size": 512, "kv_heads": 4}
+    argv = ["--gpus", "2", "--gpu", "h100", "--global-batch", "8", "--seq-len", "256", "--expert", "2",
+            "--fp8", "mxfp8", "--fp8-dispatch"]  # fmt: skip
+    result = _planned(moe, argv)
+    assert result["fp8_dispatch"] and result["feasible"][0]["ep"] == 2
+    conf = write_config(result, str(tmp_path / "plan.json"), moe)
+    assert conf["mt3d"]["train"]["fp8"] == {"recipe": "mxfp8", "dispatch": True}

@@ -40,7 +40,8 @@ BENCHES = {
     "overlap": "the share of a column-parallel linear's backward communication (tp 2, with and without SP), "
     "of the data-parallel gradient reduction (dp 2) and of pipeline transfers (pp 2) hidden behind compute, "
     "beside the schedule's prediction",
-    "fp8": "training loss of FP8 linears (tensorwise, rowwise) beside bf16 over N steps, and a plot",
+    "fp8": "training loss of FP8 linears (tensorwise, rowwise, blockwise, mxfp8) beside bf16 over N steps, "
+    "and a plot",
     "lora": "optimizer and gradient bytes of a LoRA step vs a full fine-tune, measured beside the planner "
     "(mt3d plan --lora R)",
     "packing": "packed fine-tuning data: document-masked attention vs causal and a dense mask, packing "

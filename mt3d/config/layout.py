@@ -242,6 +242,7 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
             train.fp8.recipe,
             train.fp8.experts,
             degrees.get("etp", degrees["tp"]),
+            train.fp8.dispatch,
         )
         if why:
             raise ConfigError(why)
@@ -261,6 +262,6 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         blocks = tuple(
             par.stage_layers or default_stage_blocks(model.layers, degrees["pp"] * par.virtual_stages)
         )
-    notes = tuple(rules.fp8_notes(train.fp8, par.sequence_parallel, degrees["tp"]))
+    notes = tuple(rules.fp8_notes(train.fp8, par.sequence_parallel, degrees["tp"], degrees.get("ep", 1)))
     return Layout(world_size, degrees, mb, ga, gb, stage, par.virtual_stages, blocks, ds.offload.label,
                   ds.precision, ds.decay_free, notes, par.schedule)  # fmt: skip

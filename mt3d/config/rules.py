@@ -212,6 +212,11 @@ def fp8_conflict(fp8, precision: str) -> str | None:
             f"mt3d.train.fp8.experts needs a tiled recipe (blockwise or mxfp8): the experts' token counts "
             f"vary, which {fp8.recipe} GEMMs (every dimension a multiple of 16) cannot take"
         )
+    if fp8.dispatch and not RECIPES[fp8.recipe].block:
+        return (
+            f"mt3d.train.fp8.dispatch needs a tiled recipe (blockwise or mxfp8): the dispatched rows carry "
+            f"their tiles' scales, and {fp8.recipe} has none per row"
+        )
     if precision != "bf16":
         return (
             f"mt3d.train.fp8 runs the linears' GEMMs in FP8 beside bf16 weights and activations: set "
@@ -228,18 +233,24 @@ def fp8_cover_conflict(fp8, layers: int) -> str | None:
     return None
 
 
-def fp8_notes(fp8, sequence_parallel: bool, tp: int) -> list[str]:
+def fp8_notes(fp8, sequence_parallel: bool, tp: int, ep: int = 1) -> list[str]:
     """What an FP8 setting does not do in this layout (warnings, not errors)."""
+    notes = []
     if fp8 is not None and fp8.all_gather and not (sequence_parallel and tp > 1):
-        return [
+        notes.append(
             "mt3d.train.fp8.all_gather does nothing here: it casts the sequence-parallel all-gather's "
             "inputs, and this run has no sequence parallelism (parallel.sequence_parallel with tensor > 1)"
-        ]
-    return []
+        )
+    if fp8 is not None and fp8.dispatch and ep <= 1:
+        notes.append(
+            "mt3d.train.fp8.dispatch does nothing here: it casts the expert-parallel dispatch, and this "
+            "run has no expert parallelism (parallel.expert > 1)"
+        )
+    return notes
 
 
 def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise", experts: bool = False,
-                       etp: int = 1) -> str | None:  # fmt: skip
+                       etp: int = 1, dispatch: bool = False) -> str | None:  # fmt: skip
     """Why the blocks' FP8 GEMMs cannot run at tensor parallelism ``tp`` with ``tokens`` rows per
     micro-batch and rank (micro-batch x seq_len / cp): every GEMM dimension must be a multiple of 16,
     and a tiled recipe's weight dimensions of its tile (blockwise 128, mxfp8 32; the tokens' last tile
@@ -252,9 +263,10 @@ def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise", 
     spec = model.moe_spec
     if spec is not None and spec.shared_ffn:
         dims["shared_ffn / tp"] = spec.shared_ffn // tp
+    for key, on in (("dispatch", dispatch), ("experts", experts)):
+        if on and spec is None:
+            return f"mt3d.train.fp8.{key}: the model has no routed experts (model.moe); drop {key}"
     if experts:
-        if spec is None:
-            return "mt3d.train.fp8.experts: the model has no routed experts (model.moe); drop experts"
         dims["expert_ffn / expert_tensor"] = spec.expert_ffn // etp
     bad = {k: v for k, v in dims.items() if v % need}
     if tokens % MULTIPLE:

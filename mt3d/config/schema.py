@@ -79,6 +79,11 @@ class Fp8Config:
     experts: bool = False
     """The routed experts' GEMMs in FP8 too (a tiled recipe: blockwise or mxfp8, whose tiles take the
     experts' varying token counts), one FP8 GEMM per expert."""
+    dispatch: bool = False
+    """The expert-parallel dispatch's rows in FP8 (a tiled recipe: its activation tiles along the hidden
+    dimension, e4m3 with their scales; DeepSeek-V3's): about half the bytes of bf16's. The combine and
+    every gradient stay in bf16. Without expert parallelism there is no dispatch, and ``mt3d train``
+    says so."""
     exclude_first_last: bool = False
     """Keep the first and the last transformer block in bf16 (their inputs and outputs are the most
     sensitive to rounding; a common choice for long runs). A model of 2 blocks or fewer would then

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.fp8 import PLAIN, Gemms, gemms_for
+from ..parallel.fp8 import PLAIN, DispatchRows, Gemms, gemms_for
 from ..parallel.layers import (
     NoInit,
     NormalInit,
@@ -51,7 +51,8 @@ class BuildContext:
         fp8: the FP8 recipe of the blocks' column- and row-parallel linears (``train.fp8``; None:
             their GEMMs in the parameters' dtype); ``fp8_all_gather``: with SP, all-gather the
             column-parallel inputs in FP8; ``fp8_skip``: block indices whose linears stay plain;
-            ``fp8_experts``: the routed experts' GEMMs in FP8 too.
+            ``fp8_experts``: the routed experts' GEMMs in FP8 too; ``fp8_dispatch``: the expert
+            dispatch's rows in FP8.
     """
 
     tp: AxisGroup
@@ -75,6 +76,7 @@ class BuildContext:
     fp8_all_gather: bool = False
     fp8_skip: frozenset[int] = frozenset()
     fp8_experts: bool = False
+    fp8_dispatch: bool = False
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""
@@ -93,6 +95,13 @@ class BuildContext:
         if not self.fp8_experts or self.fp8 is None or layer in self.fp8_skip:
             return PLAIN
         return gemms_for(self.fp8)
+
+    def dispatch_codec(self, layer: int) -> DispatchRows | None:
+        """How block ``layer``'s expert dispatch carries its rows (``train.fp8.dispatch``: in the recipe's
+        FP8 tiles; None: as they are)."""
+        if not self.fp8_dispatch or self.fp8 is None or layer in self.fp8_skip:
+            return None
+        return DispatchRows(self.fp8)
 
     @property
     def sp(self) -> bool:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import NamedTuple
 
 import torch
@@ -63,7 +62,7 @@ from ..parallel.marks import mark_tp_partial_grad
 from ..parallel.random import recomputing
 from .grouped import grouped_gemm_works, grouped_linear
 from .moe_routing import earlier_in_sequence, hops
-from .moe_spec import MoEConfigError, MoESpec  # noqa: F401 - MoEConfigError: re-exported
+from .moe_spec import EXPERT_NAME, MoEConfigError, MoESpec, expert_index  # noqa: F401 - re-exported
 
 
 class Routed(NamedTuple):
@@ -175,6 +174,8 @@ class SparseMoE(nn.Module):
         self.router = Router(cfg, ctx, layer, spec.experts, "mlp.router", bias=spec.router_bias,
                              correction=spec.correction_bias)  # fmt: skip
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
+        self.codec = ctx.dispatch_codec(layer)
+        """The dispatch's rows in FP8 (``train.fp8.dispatch``: ``fp8.DispatchRows``), or None."""
         self.dedup = spec.dispatch_once
         """Under ep, send each token once per rank that holds any of its experts (``_dispatch_once``);
         False: once per (token, expert) assignment (``_run``; ``MoESpec.dispatch_once``), and the
@@ -361,10 +362,11 @@ class SparseMoE(nn.Module):
         ws = ws.index_put((which, slot), w[row, slot].float())
         send, recv = send.tolist(), recv.tolist()
         meta = torch.cat([ws, names], dim=1)
-        if x.dtype == torch.float32:  # one transfer each way: the metadata rides as 2k more columns
+        if x.dtype == torch.float32 and self.codec is None:  # one transfer each way: metadata as 2k columns
             posted = [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, group)]
         else:
-            posted = [start_all_to_all_rows(part, send, recv, group) for part in (x[src], meta)]
+            posted = [start_all_to_all_rows(x[src], send, recv, group, self.codec),
+                      start_all_to_all_rows(meta, send, recv, group)]  # fmt: skip
         side = during() if during is not None else None  # the shared expert, while the rows travel
         got = [wait() for wait in posted]
         xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
@@ -435,7 +437,7 @@ class SparseMoE(nn.Module):
         sent = counts.view(ep, local)  # row i: rows for each of rank i's experts
         got = all_to_all_counts(sent, self.ep)  # row i: rows rank i sends for each of my experts
         send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
-        xr = all_to_all_rows(xs, send, recv, self.ep)
+        xr = all_to_all_rows(xs, send, recv, self.ep, self.codec)
         expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(got.flatten())
         perm = torch.argsort(expert_of_row, stable=True)
         ye = self._run_local(xr[perm], got.sum(0).tolist())
@@ -469,17 +471,6 @@ def balance_experts(model: nn.Module, tokens, tp, update: bool = True) -> float 
         if update and r.rate > 0:
             r.e_score_correction_bias.add_(torch.sign(load.mean() - load), alpha=r.rate)
     return float((counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)).max())
-
-
-EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
-"""A routed expert's global index in a parameter name (``3.mlp.experts.5.up.weight``): experts are
-named by global index on every ep rank, so names are unique across a checkpoint's ep ranks."""
-
-
-def expert_index(name: str) -> int | None:
-    """The global expert index ``name`` belongs to (None: not a routed expert's parameter)."""
-    m = EXPERT_NAME.search(name)
-    return int(m.group(1)) if m else None
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 from .options import ModelConfigError, option_fields
@@ -179,3 +180,14 @@ class MoESpec:
         if self.capacity_factor * self.top_k >= self.experts:  # no expert can receive more than every token
             return tokens
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
+
+
+EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+"""A routed expert's global index in a parameter name (``3.mlp.experts.5.up.weight``): experts are
+named by global index on every ep rank, so names are unique across a checkpoint's ep ranks."""
+
+
+def expert_index(name: str) -> int | None:
+    """The global expert index ``name`` belongs to (None: not a routed expert's parameter)."""
+    m = EXPERT_NAME.search(name)
+    return int(m.group(1)) if m else None

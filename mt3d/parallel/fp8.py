@@ -34,10 +34,11 @@ GEMMs (the input-gradient all-reduce or reduce-scatter overlapped with the weigh
 it would add a dependency pinned to one torch build on both the CPU and the GPU images. The three
 scaled GEMMs are a few lines on ``torch._scaled_mm``; the layers keep their own autograd.
 
-Master weights, optimizer states, norms, softmax, the router, routed experts (their token counts
-per expert vary, and FP8 GEMMs need every dimension a multiple of 16), the embedding and the output
-layer keep their own precision. Dynamic scaling has no state: a recomputed forward casts the same
-inputs to the same FP8 values, and a checkpoint has nothing extra to save.
+The tiled recipes (``blockwise``, ``mxfp8``: ``TiledFp8Gemms``) also run the routed experts' GEMMs
+(``experts``; their token counts vary, which only tiles take) and cast the MoE dispatch's rows
+(``dispatch``: ``DispatchRows``). Master weights, optimizer states, norms, softmax, the router, the
+embedding and the output layer keep their own precision. Dynamic scaling has no state: a recomputed
+forward casts the same inputs to the same FP8 values, and a checkpoint has nothing extra to save.
 """
 
 from __future__ import annotations
@@ -363,6 +364,49 @@ class TiledFp8Gemms(Fp8Gemms):
         xq, sx = self._q(_rows(kept[0]), E4M3, 0)
         dw = dequantize_tiles(gq, sg, 0, b).t() @ dequantize_tiles(xq, sx, 0, b)
         return dw.to(g.rows.dtype)
+
+
+class DispatchRows:
+    """FP8 rows for the MoE dispatch (``train.fp8.dispatch``, as DeepSeek-V3 dispatched): each row cast
+    to e4m3 in the recipe's activation tiles along the hidden dimension (blockwise: 1x128 with fp32
+    scales; mxfp8: 1x32 with e8m0 scale bytes) and packed with its scales into one uint8 row, so the
+    all-to-all carries one byte per value plus the scales (``scale_bytes``), about half of bf16's.
+    ``decode`` gives the values the rows' receiver computes with, in the sender's dtype; an FP8 expert
+    GEMM tiling them again along the same axis gets the same FP8 values (mxfp8 exactly: its power-of-two
+    scale is unchanged by the round trip). Only the forward's dispatch is cast: the combine and every
+    gradient travel in 16 bits (``mappings.all_to_all_rows``)."""
+
+    def __init__(self, recipe: str) -> None:
+        self.fp8 = RECIPES[recipe]
+        if not self.fp8.block:
+            raise ValueError(f"FP8 dispatch needs a tiled recipe (blockwise or mxfp8), got {recipe}")
+
+    def __repr__(self) -> str:
+        return f"DispatchRows({self.fp8.name})"
+
+    def scale_bytes(self, width: int) -> int:
+        """Bytes of one row's scales: one per tile (e8m0) or four (fp32)."""
+        return -(-width // self.fp8.block) * (1 if self.fp8.e8m0 else 4)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, width] -> uint8 [rows, width + scale_bytes(width)]: the e4m3 bytes, then the scales."""
+        r = self.fp8
+        q, inverse = quantize_tiles(x, E4M3, 1, r.block, r.pow2_scales, r.e8m0)
+        if r.e8m0:  # inverse = 2^k, k in [-127, 127]: the byte k + 127
+            scales = (torch.log2(inverse).round() + 127).to(torch.uint8)
+        else:
+            scales = inverse.float().contiguous().view(torch.uint8)
+        return torch.cat([q.view(torch.uint8), scales], dim=1)
+
+    def decode(self, packed: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The rows ``encode`` packed, dequantised to ``dtype``."""
+        q = packed[:, :width].contiguous().view(E4M3)
+        scales = packed[:, width:].contiguous()
+        if self.fp8.e8m0:
+            inverse = torch.exp2(scales.float() - 127)
+        else:
+            inverse = scales.view(torch.float32)
+        return dequantize_tiles(q, inverse, 1, self.fp8.block).to(dtype)
 
 
 def _gather_rows(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:

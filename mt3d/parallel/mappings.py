@@ -235,16 +235,19 @@ def reduce_scatter_to_sequence(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 class _AllToAllRows(torch.autograd.Function):
     """Rows of ``x`` split into consecutive blocks of ``send`` rows, block i to rank i; the result
-    holds ``recv`` rows from each rank in rank order. The backward sends the gradients back."""
+    holds ``recv`` rows from each rank in rank order. The backward sends the gradients back (in their
+    own dtype: a ``codec`` casts the forward's rows only)."""
 
     @staticmethod
-    def forward(ctx, x, send, recv, g):
+    def forward(ctx, x, send, recv, g, codec):
         ctx.send, ctx.recv, ctx.g = send, recv, g
-        return _all_to_all_rows(x, send, recv, g)
+        if codec is None:
+            return _all_to_all_rows(x, send, recv, g)
+        return codec.decode(_all_to_all_rows(codec.encode(x), send, recv, g), x.shape[1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all_rows(grad, ctx.recv, ctx.send, ctx.g), None, None, None
+        return _all_to_all_rows(grad, ctx.recv, ctx.send, ctx.g), None, None, None, None
 
 
 def _all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup) -> torch.Tensor:
@@ -254,30 +257,45 @@ def _all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisG
     return out
 
 
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup, codec=None
+) -> torch.Tensor:
     """Exchange rows over the group (expert-parallel dispatch and combine): ``send[i]`` rows of ``x``
-    go to rank i, ``recv[i]`` come from it; differentiable (the gradient takes the way back)."""
-    return _AllToAllRows.apply(x, list(send), list(recv), g) if g.size > 1 else x
+    go to rank i, ``recv[i]`` come from it; differentiable (the gradient takes the way back, as the
+    identity of what arrived). ``codec`` (``fp8.DispatchRows``): the rows travel as
+    ``codec.encode(x)`` and arrive as ``codec.decode(rows, width, dtype)``."""
+    return _AllToAllRows.apply(x, list(send), list(recv), g, codec) if g.size > 1 else x
 
 
 class _Posted:
     """The transfer in flight between ``_StartRows`` and ``_WaitRows``: its work handle and buffer,
     the forward's and then the backward's."""
 
-    def __init__(self, send: list[int], recv: list[int], g: AxisGroup) -> None:
-        self.send, self.recv, self.g = send, recv, g
-        self.work = self.buffer = self.source = None
+    def __init__(self, send: list[int], recv: list[int], g: AxisGroup, codec=None) -> None:
+        self.send, self.recv, self.g, self.codec = send, recv, g, codec
+        self.work = self.buffer = self.source = self.decoded = None
 
-    def post(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    def post(self, x: torch.Tensor, send: list[int], recv: list[int], codec=None) -> torch.Tensor:
+        """Post ``x``'s rows (through ``codec`` when given: the forward's); returns the receiving
+        buffer, or with a codec a tensor shaped as the decoded rows will be."""
         x = x.contiguous()
+        self.decoded = None
+        if codec is not None:
+            self.decoded = (codec, x.shape[1], x.dtype)
+            x = codec.encode(x)
         self.buffer = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
         self.work = dist.all_to_all_single(self.buffer, x, recv, send, group=self.g.group, async_op=True)
         self.source = x  # kept alive until the transfer ends
+        if self.decoded is not None:
+            return self.buffer.new_empty((self.buffer.shape[0], self.decoded[1]), dtype=self.decoded[2])
         return self.buffer
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
         out, self.work, self.buffer, self.source = self.buffer, None, None, None
+        if self.decoded is not None:
+            codec, width, dtype = self.decoded
+            out, self.decoded = codec.decode(out, width, dtype), None
         return out
 
 
@@ -288,7 +306,7 @@ class _StartRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, posted):
         ctx.posted = posted
-        return posted.post(x, posted.send, posted.recv)
+        return posted.post(x, posted.send, posted.recv, posted.codec)
 
     @staticmethod
     def backward(ctx, grad):  # grad: the received rows' own gradient, already on its way back
@@ -310,14 +328,14 @@ class _WaitRows(torch.autograd.Function):
         return grad, None  # only its shape matters: _StartRows's backward returns what the transfer brings
 
 
-def start_all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup):
+def start_all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: AxisGroup, codec=None):
     """``all_to_all_rows`` posted: returns a call that waits and gives the received rows. Differentiable,
     and overlapped both ways: what runs between the start and the wait in the forward (work created
     in between) runs between the gradient's post and its wait in the backward, because autograd runs
-    the later-created of two ready nodes first."""
+    the later-created of two ready nodes first. ``codec`` as ``all_to_all_rows``'s (the forward only)."""
     if g.size == 1:
         return lambda: x
-    posted = _Posted(list(send), list(recv), g)
+    posted = _Posted(list(send), list(recv), g, codec)
     buffer = _StartRows.apply(x, posted)
     return lambda: _WaitRows.apply(buffer, posted)
 

@@ -104,8 +104,7 @@ def add_plan_stack(p) -> None:
     p.add_argument("--lora", type=positive_int, default=0, metavar="R",
                    help="LoRA of rank R on every linear of the blocks (mt3d.lora): optimizer states and "
                    "gradients of the adapters only, beside the frozen base's weights")  # fmt: skip
-    p.add_argument("--fp8", choices=("tensorwise", "rowwise", "blockwise", "mxfp8"), default=None,
-                   help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
+    _add_fp8_flags(p)
     p.add_argument("--activation-model", choices=("mt3d", "te", "korthikanti"), default="mt3d",
                    help="activation memory of mt3d's blocks, of TransformerEngine's (a gated MLP keeps 3 x "
                    "ffn/t, mt3d 4), or Korthikanti et al.'s Table 2 (Megatron)")  # fmt: skip
@@ -116,6 +115,13 @@ def add_plan_stack(p) -> None:
     p.add_argument("--fsdp", action="store_true",
                    help="--other-stack: ZeRO-3 as FSDP runs it (fp32 shards with no 16-bit copy, two blocks "
                    "gathered at a time)")  # fmt: skip
+
+
+def _add_fp8_flags(p) -> None:
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise", "blockwise", "mxfp8"), default=None,
+                   help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="the expert dispatch in FP8 (train.fp8.dispatch; a tiled --fp8)")  # fmt: skip
 
 
 def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
@@ -140,6 +146,8 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
     named = [flag for flag, on in other.items() if on]
     if named and not args.other_stack:
         raise UserError(f"{named[0]} states another stack's choice (mt3d does not run it): add --other-stack")
+    if args.fp8_dispatch and args.fp8 not in ("blockwise", "mxfp8"):
+        raise UserError("--fp8-dispatch casts the dispatch in a tiled recipe: add --fp8 blockwise or mxfp8")
     seq_len = given(args.seq_len, defaults.get("seq_len") or cfg.max_seq_len)
     _check_context(args.context, seq_len)
     return dict(
@@ -170,6 +178,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.ep_dispatch or ("sequence-shard" if args.other_stack else "whole"),
             args.fsdp,
             args.lora,
+            args.fp8_dispatch,
         ),  # fmt: skip
     )
 

@@ -314,6 +314,8 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
                                     Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
     if result.get("fp8"):
         conf["mt3d"]["train"]["fp8"] = {"recipe": result["fp8"]}
+        if result.get("fp8_dispatch") and best.get("ep", 1) > 1:
+            conf["mt3d"]["train"]["fp8"]["dispatch"] = True
     states = result.get("optimizer_states", "fp32")
     if states != "fp32":  # what the plan's memory assumed; refused at start-up where it cannot run
         conf["mt3d"]["train"]["optimizer_states"] = states

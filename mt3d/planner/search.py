@@ -358,6 +358,8 @@ class Stack:
     lora: int = 0
     """LoRA rank on every linear of the blocks (0: a full fine-tune): memory of the adapters' states
     only beside the frozen weights (the step time is still a full step's, an upper bound)."""
+    fp8_dispatch: bool = False
+    """The expert dispatch in ``fp8``'s FP8 (``train.fp8.dispatch``; a tiled recipe)."""
 
 
 def plan(
@@ -430,7 +432,7 @@ def plan(
         "overlap": list(stack.overlap),
         "optimizer_states": stack.optimizer_states,
         "grad_dtype": stack.grad_dtype,
-        "fp8": stack.fp8,
+        **{k: getattr(stack, k) for k in ("fp8", "fp8_dispatch")},
         "efficiency": efficiency,
         "gemm_tflops": dev.gemm_tflops,
         "gemm_tflops_fp8": dev.gemm_tflops_fp8,
@@ -472,6 +474,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
         grad_dtype=stack.grad_dtype, fp8=stack.fp8, ep_dispatch=stack.ep_dispatch, fsdp=fsdp,
+        fp8_dispatch=stack.fp8_dispatch,
     )  # fmt: skip
     hosts = dispatch_hosts(bw, stack.ep_dispatch) if lay.ep > 1 else None
     if hosts:  # mt3d's dispatch over the hosts

@@ -30,7 +30,8 @@ ZERO3_OVERLAP = 0.5
 
 
 def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: int, blocks: int,
-             recompute: bool, hosts: tuple[int, int] | None = None) -> tuple[float, float]:  # fmt: skip
+             recompute: bool, hosts: tuple[int, int] | None = None,
+             fp8_dispatch: str | None = None) -> tuple[float, float]:  # fmt: skip
     """Bytes one rank sends per step for its expert dispatch, as (over the ep group, within the host):
     every sparse layer of the heaviest stage dispatches and combines each micro-batch's ``tokens``
     rows, each token once per rank holding any of its experts, with fp32 routing metadata, or at top-1
@@ -38,12 +39,19 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     every TP rank sends the whole rows, mt3d's experts being split over TP), group-limited routing
     counted, and recompute repeats the forward's half. With ``hosts`` = (hosts, ranks per host) of the
     ep group (``parallel.expert_dispatch`` "node"): once per token and host across hosts, then within
-    the host (``traffic.ep_node_traffic``)."""
+    the host (``traffic.ep_node_traffic``). ``fp8_dispatch`` (``train.fp8.dispatch``, the recipe): the
+    forward's dispatch, one of the rows' four crossings, in e4m3 with its tiles' scales
+    (``fp8.DispatchRows``)."""
+    from ..parallel.fp8 import DispatchRows
+
     spec = cfg.moe_spec
     if spec is None or ep <= 1:
         return 0.0, 0.0
     scale = blocks * cfg.sparse_layers / cfg.layers * micro_batches * (1.5 if recompute else 1.0)
-    size = lambda rows, meta, counts: (rows * elem + meta * 4 + counts * 8) * scale  # noqa: E731
+    row = elem
+    if fp8_dispatch:  # bytes per row element, averaged over the four crossings
+        row = (3 * elem + 1 + DispatchRows(fp8_dispatch).scale_bytes(cfg.hidden) / cfg.hidden) / 4
+    size = lambda rows, meta, counts: (rows * row + meta * 4 + counts * 8) * scale  # noqa: E731
     shape = (tokens, spec.top_k, cfg.hidden, spec.experts)
     limit = (spec.n_group, spec.topk_group)
     if hosts is None or not spec.dispatch_once:
@@ -61,7 +69,8 @@ def dispatch_hosts(bw: dict[str, float], ep_dispatch: str) -> tuple[int, int] | 
 
 
 def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, comm_bytes: int, blocks: int,
-                bw: dict[str, float], ep_dispatch: str, compute: float) -> tuple[float, float]:  # fmt: skip
+                bw: dict[str, float], ep_dispatch: str, compute: float,
+                fp8_dispatch: str | None = None) -> tuple[float, float]:  # fmt: skip
     """(exposed, hidden) seconds of a step's expert all-to-all (``ep_bytes``; with Megatron-Core's
     "sequence-shard" dispatch each TP rank's shard and the expert-TP gather of the routed rows; mt3d's
     across hosts once per token and host, then within the host, where the ep groups cross hosts
@@ -71,7 +80,7 @@ def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, 
         return 0.0, 0.0
     t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
     hosts = dispatch_hosts(bw, ep_dispatch)
-    across, within = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute, hosts)
+    across, within = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute, hosts, fp8_dispatch)
     # mt3d's TP ranks each send whole rows, or 1/(tp / etp) of them when experts split over fewer ranks
     share = t if ep_dispatch == "sequence-shard" else t // lay.expert_tp
     ep = (across / bw["ep"] + (within / bw["ep_within"] if within else 0.0)) / share / 1e9
@@ -181,7 +190,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
               pp_scatter_gather: bool = False, gemm_fraction: float | None = None,
               overlap: tuple[str, ...] = (), mt3d_engine: bool = True, grad_dtype: str = "param",
               fp8: str | None = None, ep_dispatch: str = "whole",
-              fsdp: bool = False) -> dict[str, float]:  # fmt: skip
+              fsdp: bool = False, fp8_dispatch: bool = False) -> dict[str, float]:  # fmt: skip
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
@@ -204,6 +213,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
     stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears in FP8 (``compute.micro_batch_seconds``;
     the shape model only); TFLOP/s and MFU still count model FLOPs against ``peak_tflops`` (bf16's).
+    ``fp8_dispatch``: the expert dispatch in that recipe's FP8 (``ep_bytes``).
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
@@ -228,7 +238,8 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     posted = posts_p2p(overlap, lay, mt3d_engine)
     split = pp_scatter_gather or mt3d_engine or (lay.sequence_parallel and t > 1)
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
-    ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute)
+    ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute,
+                                fp8 if fp8_dispatch else None)  # fmt: skip
     # mt3d does not run overlap.grad_reduce with a mixture of experts at pipeline > 1
     # (rules.overlap_moe_conflict)
     hide_dp = "dp" in overlap and not (

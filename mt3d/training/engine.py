@@ -152,7 +152,8 @@ def fp8_context(fp8, layers: int) -> dict:
     if fp8 is None:
         return {}
     skip = frozenset({0, layers - 1}) if fp8.exclude_first_last else frozenset()
-    return {"fp8": fp8.recipe, "fp8_all_gather": fp8.all_gather, "fp8_skip": skip, "fp8_experts": fp8.experts}
+    return {"fp8": fp8.recipe, "fp8_all_gather": fp8.all_gather, "fp8_skip": skip, "fp8_experts": fp8.experts,
+            "fp8_dispatch": fp8.dispatch}  # fmt: skip
 
 
 def initialize(
