@@ -161,6 +161,11 @@ class DeepSpeedSection:
         return str((self._ds.get("optimizer") or {}).get("type", "")).lower()
 
     @property
+    def optimizer_params(self) -> dict:
+        """The optimizer's ``params`` ({} when none are given)."""
+        return dict((self._ds.get("optimizer") or {}).get("params") or {})
+
+    @property
     def wandb(self) -> dict:
         """DeepSpeed's ``wandb`` section (mt3d runs the W&B sink itself from it)."""
         return self.section("wandb")

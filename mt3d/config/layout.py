@@ -138,6 +138,7 @@ def _check_schedule(run: RunConfig, degrees: dict[str, int], stage: int) -> None
         )
         or rules.fp8_conflict(run.mt3d.train.fp8, run.precision)
         or rules.objective_conflict(run.mt3d.train, run.mt3d.model)
+        or rules.muon_conflict(run.deepspeed, run.mt3d.train, stage, run.precision)
         or rules.grad_accum_conflict(
             str((run.ds.get("data_types") or {}).get("grad_accum_dtype") or ""),
             run.precision,

@@ -192,6 +192,19 @@ class DataConfig:
 
 
 @dataclass
+class MuonConfig:
+    """mt3d's Muon settings (with ``"optimizer": {"type": "Muon"}``; ``mt3d.training.muon``)."""
+
+    scale: str = "deepspeed"
+    """Each matrix's update factor: 'deepspeed' (max(1, rows / cols) ** 0.5, Keller Jordan's) or
+    'match_rms' (Moonlight's 0.2 max(rows, cols) ** 0.5: AdamW's learning rate and decay reusable)."""
+    ns_dtype: str = "fp32"
+    """The Newton-Schulz iterations' dtype: 'fp32' or 'bf16'."""
+    qk_clip: float | None = None
+    """MuonClip's tau (Kimi K2): not built yet, refused."""
+
+
+@dataclass
 class DpoConfig:
     """Direct preference optimisation (``train.objective`` "dpo"; ``mt3d.model.dpo``), with TRL's
     meanings."""
@@ -269,6 +282,8 @@ class TrainConfig:
     """'lm' (next-token cross entropy) or 'dpo' (preference pairs: ``dpo``)."""
     dpo: DpoConfig | None = None
     """DPO's settings (objective 'dpo'; None: the defaults)."""
+    muon: MuonConfig | None = None
+    """Muon's mt3d settings (``"optimizer": {"type": "Muon"}``; None: the defaults)."""
 
 
 @dataclass

@@ -269,7 +269,7 @@ def install_safe_loading(engine) -> None:
 
 def initialize(
     model: torch.nn.Module,
-    param_groups: list[dict],
+    param_groups: list[dict] | torch.optim.Optimizer,
     config: dict,
     layout: Layout,
     mpu=None,
@@ -280,7 +280,8 @@ def initialize(
     engine, its checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
     ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``state``:
     the rank's ParallelState (``mt3d.ds.experts`` when its ep group has more than one rank);
-    ``overlap``: ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on)."""
+    ``overlap``: ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on).
+    ``param_groups`` may be an optimizer mt3d built (Muon): DeepSpeed then steps it as a client's."""
     import deepspeed
 
     from . import experts
@@ -298,8 +299,10 @@ def initialize(
             # the zero-bubble programs are made for posted transfers (``pipeline.zero_bubble``)
             engine.async_p2p = (overlap is not None and overlap.p2p) or layout.schedule != "1f1b"
         else:
+            from .interleaved import client
+
             engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=param_groups, config=config, mpu=mpu
+                model=model, config=config, mpu=mpu, **client(param_groups)
             )
     if expert_parallel:
         experts.install(engine, state, layout.zero_stage)

@@ -414,6 +414,13 @@ class InterleavedPipelineEngine(PipelineEngine):
     }
 
 
+def client(groups: list[dict] | torch.optim.Optimizer) -> dict:
+    """``deepspeed.initialize``'s keywords for parameter groups, or for an optimizer mt3d built (Muon)."""
+    if isinstance(groups, torch.optim.Optimizer):
+        return {"optimizer": groups}
+    return {"model_parameters": groups}
+
+
 def initialize(model: InterleavedPipeline, model_parameters, config: dict) -> InterleavedPipelineEngine:
     """``deepspeed.initialize`` building this engine instead of ``PipelineEngine``.
 
@@ -428,7 +435,7 @@ def initialize(model: InterleavedPipeline, model_parameters, config: dict) -> In
     saved = deepspeed.PipelineEngine
     deepspeed.PipelineEngine = InterleavedPipelineEngine
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, **client(model_parameters))
     finally:
         deepspeed.PipelineEngine = saved
     if not isinstance(engine, InterleavedPipelineEngine):

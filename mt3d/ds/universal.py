@@ -425,16 +425,24 @@ def unsupported_reshard(saved: dict, target: dict) -> str | None:
     parallelism only for AutoTP modules (a size mismatch at another tp); and at another dp it loads
     but training drifts from the second step on (grad norm 1.4066 instead of 1.3984 on the tiny
     model; one cause is that it copies param group 0's settings, weight decay included, into every
-    group). Among ZeRO 0-2 every layout works and is tested. Refusing up front gives the way out
-    instead of an assertion or a silently different run; tests/test_checkpoint.py runs the refused
-    moves past this guard and fails when DeepSpeed starts getting them right.
+    group). A checkpoint saved without ZeRO has no ``*_optim_states.pt`` files, which the converter
+    needs (``FileNotFoundError``): it resumes at its own layout only. Among ZeRO 1-2 sources every
+    layout works and is tested. Refusing up front gives the way out instead of an assertion or a
+    silently different run; tests/test_checkpoint.py runs the refused moves past this guard and fails
+    when DeepSpeed starts getting them right.
     """
-    if saved["zero_stage"] != 3 and target["zero_stage"] != 3:
-        return None
     way = (
         "or export it with `mt3d export-hf` and fine-tune from that directory with model.from_hf "
         "(weights kept, optimizer state restarted)"
     )
+    if saved["zero_stage"] == 0:
+        return (
+            f"it was saved without ZeRO (stage 0), whose optimizer states DeepSpeed {running_version()}'s "
+            f"universal converter cannot read: resume it in the layout it was saved in "
+            f"(tensor={saved['tp']}, pipeline={saved['pp']}, dp={saved['dp']}), {way}"
+        )
+    if target["zero_stage"] != 3:
+        return None
     if saved["zero_stage"] == 3:
         return (
             f"DeepSpeed {running_version()} cannot reshard ZeRO-3 states correctly: resume it in the layout "

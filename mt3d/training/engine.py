@@ -182,6 +182,11 @@ def initialize(
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
-    return ds_initialize(
-        model, param_groups(model), config, layout, mpu=mpu, state=rt.state, overlap=train.overlap
-    )
+    groups = param_groups(model)
+    if ds.optimizer_type == "muon":  # mt3d's own (mt3d.training.muon), given to DeepSpeed as the client's
+        from .muon import build
+
+        muon = train.muon
+        groups = build(config.pop("optimizer").get("params") or {}, groups, model, rt.state.tp, rt.state.etp,
+                       **({"scale": muon.scale, "ns_dtype": muon.ns_dtype} if muon else {}))  # fmt: skip
+    return ds_initialize(model, groups, config, layout, mpu=mpu, state=rt.state, overlap=train.overlap)

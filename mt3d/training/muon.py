@@ -1,0 +1,219 @@
+"""Muon for mt3d's sharded weights (``"optimizer": {"type": "Muon"}``): the update of a split matrix is
+the update of the whole matrix.
+
+Muon (Keller Jordan, 2024; the optimizer of Kimi K2, GLM-4.5 and Moonlight) replaces Adam's update of a
+2-D weight by the orthogonalised momentum: the buffer ``M <- beta M + (1 - beta) G`` and Nesterov's
+look-ahead ``U = (1 - beta) G + beta M`` (DeepSpeed's ``muon_update``), then the step is
+``W <- W (1 - lr wd) - lr s(W) NS5(U)``, where ``NS5`` is five Newton-Schulz quintic iterations
+(coefficients 3.4445, -4.7750, 2.0315) that push ``U``'s singular values towards 1, and ``s`` is
+``max(1, rows / cols) ** 0.5`` (DeepSpeed's) or Moonlight's ``0.2 max(rows, cols) ** 0.5``
+(``train.muon.scale: "match_rms"``, which makes AdamW's learning rate and weight decay reusable).
+
+Which parameters take it is decided here, by module: every 2-D weight inside a transformer block
+(attention and latent projections, MLP and expert matrices, shared experts, LoRA's A and B) except the
+routers and the shared-expert gate; the embedding, the LM head, norms, biases, sinks and correction
+biases take AdamW (``adam_update``). Each HF matrix is orthogonalised on its own: a fused q/k/v or
+gate/up weight is split into its parts (``partition_parts``) and every expert is its own module.
+
+Sharding: momentum is linear, so each rank keeps the momentum of its own shard (partitioned like the
+Adam states it replaces) and only ``NS5`` needs the whole matrix: the look-ahead shards are all-gathered
+over the group that split the weight (tp, or etp for experts; ``marks.mark_tp``'s split dimension and
+parts, reassembled by ``sharding.from_shards``), every rank of the group orthogonalises the whole
+matrix and keeps its shard. Pipeline stages own their matrices; ep ranks their experts; data and
+context ranks hold replicas whose gradients DeepSpeed reduced before the step, so they compute the
+same update. ZeRO partitions flat buffers, in which no matrix is whole: Muon runs without ZeRO (and
+without DeepSpeed's bf16 optimizer, which partitions the same way), refused otherwise
+(``rules.muon_conflict``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..model.sharding import ParamLayout, from_shards, to_shard
+from ..parallel.state import AxisGroup
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``train.muon.ns_dtype`` (``config.optimizer_rules.NS_DTYPES``) as torch dtypes."""
+
+
+def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, method: str = "gram",
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """The orthogonalisation of a 2-D ``g``: its singular values pushed towards 1 by ``steps`` quintic
+    iterations on ``g / ||g||_F`` (tall matrices transposed first), computed in ``dtype``."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.mT
+    x = x / (x.norm() + 1e-7)
+    if method == "standard" or x.shape[0] == x.shape[1]:
+        for _ in range(steps):
+            s = x @ x.mT
+            x = a * x + (b * s + c * s @ s) @ x
+    else:  # X_k = Q_k X_0 with Q_{k+1} = P_k Q_k, P_k = a + b R_k + c R_k^2, R_{k+1} = P_k R_k P_k;
+        # restarted once (X = Q X, R = X X^T) as DeepSpeed's: R's rounding compounds otherwise
+        eye = torch.eye(x.shape[0], dtype=dtype, device=x.device)
+        r, q = x @ x.mT, eye
+        for i in range(steps):
+            if i == 2:
+                x, q = q @ x, eye
+                r = x @ x.mT
+            p = a * eye + b * r + c * r @ r
+            q = p @ q
+            r = p @ r @ p
+        x = q @ x
+    return x.mT if tall else x
+
+
+def scale_of(rows: int, cols: int, rule: str) -> float:
+    """The factor of one matrix's orthogonalised update: DeepSpeed's ``max(1, rows / cols) ** 0.5`` or
+    Moonlight's ``0.2 max(rows, cols) ** 0.5`` (``match_rms``: the update's RMS near AdamW's)."""
+    if rule == "match_rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(rows / cols) if rows > cols else 1.0
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """How a Muon parameter is whole: the group that split it (None: it is whole here), its split
+    dimension and its fused parts (each an HF matrix of its own)."""
+
+    group: AxisGroup | None
+    layout: ParamLayout
+
+    def whole(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole weight from this rank's shard (all-gathered over the group)."""
+        if self.group is None or self.group.size == 1 or self.layout.dim is None:
+            return shard
+        shards = [torch.empty_like(shard) for _ in range(self.group.size)]
+        dist.all_gather(shards, shard.contiguous(), group=self.group.group)
+        return from_shards(shards, self.layout)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole weight."""
+        if self.group is None or self.group.size == 1 or self.layout.dim is None:
+            return full
+        return to_shard(full, self.layout, self.group.rank, self.group.size)
+
+    def pieces(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The HF matrices of the whole weight."""
+        if self.layout.parts:
+            return list(full.split(list(self.layout.parts), dim=self.layout.dim))
+        return [full]
+
+
+def muon_matrices(model: torch.nn.Module, tp: AxisGroup, etp: AxisGroup | None = None) -> dict[int, Matrix]:
+    """``id(parameter)`` -> ``Matrix`` for every trainable parameter that takes Muon (module docstring):
+    the 2-D weights inside transformer blocks, less the routers' and the shared-expert gate's."""
+    from ..model.blocks import TransformerBlock
+    from ..model.moe import Router, expert_index
+
+    out: dict[int, Matrix] = {}
+    for block in (m for m in model.modules() if isinstance(m, TransformerBlock)):
+        routers = {id(p) for m in block.modules() if isinstance(m, Router) for p in m.parameters()}
+        for name, p in block.named_parameters():
+            if p.ndim != 2 or not p.requires_grad or id(p) in routers:
+                continue
+            split = getattr(p, "tensor_model_parallel", False)
+            expert = etp is not None and expert_index(name) is not None
+            group = (etp if expert else tp) if split else None
+            layout = ParamLayout(p.partition_dim, p.partition_parts) if split else ParamLayout()
+            out[id(p)] = Matrix(group, layout)
+    return out
+
+
+def adam_update(p, grad, state, lr, betas, eps, weight_decay) -> None:
+    """AdamW (decoupled decay, bias-corrected moments) on one parameter, states named as Adam's."""
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+    state["step"] += 1
+    g = grad.float()
+    state["exp_avg"].lerp_(g, 1 - betas[0])
+    state["exp_avg_sq"].mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+    step = state["step"]
+    denom = (state["exp_avg_sq"] / (1 - betas[1] ** step)).sqrt_().add_(eps)
+    update = state["exp_avg"] / (1 - betas[0] ** step) / denom
+    p.mul_(1 - lr * weight_decay)
+    p.add_(update.to(p.dtype), alpha=-lr)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the block matrices, AdamW on the rest (``muon_matrices``), as one optimizer with
+    DeepSpeed's ``MuonWithAuxAdam`` groups (``use_muon``) and keys. A group's ``lr`` is what the
+    learning-rate scheduler sets; ``lr_scale`` (``muon_lr`` or ``adam_lr`` over ``lr``) keeps each
+    half's own rate through any scheduler."""
+
+    def __init__(self, groups: list[dict], matrices: dict[int, Matrix], scale: str = "deepspeed",
+                 ns_dtype: str = "fp32") -> None:  # fmt: skip
+        super().__init__(groups, {})
+        self.matrices, self.scale, self.ns_dtype = matrices, scale, NS_DTYPES[ns_dtype]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every group: Muon's or AdamW's."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = group["lr"] * group.get("lr_scale", 1.0)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["use_muon"]:
+                    self._muon(p, group, lr)
+                else:
+                    adam_update(p, p.grad, self.state[p], lr, group["betas"], group["eps"],
+                                group["weight_decay"])  # fmt: skip
+        return loss
+
+    def _muon(self, p: torch.nn.Parameter, group: dict, lr: float) -> None:
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        beta, buf, g = group["momentum"], state["momentum_buffer"], p.grad.float()
+        buf.lerp_(g, 1 - beta)
+        lookahead = g.lerp(buf, beta)
+        how = self.matrices[id(p)]
+        full = how.whole(lookahead)
+        dim = how.layout.dim if how.layout.parts else 0
+        pieces = [newton_schulz(m, NS_STEPS, group["ns_method"], self.ns_dtype).float()
+                  * scale_of(m.shape[0], m.shape[1], self.scale) for m in how.pieces(full)]  # fmt: skip
+        update = how.shard(torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0])
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(update.to(p.dtype), alpha=-lr)
+
+
+def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: AxisGroup,
+          etp: AxisGroup | None, scale: str = "deepspeed", ns_dtype: str = "fp32") -> Muon:  # fmt: skip
+    """The optimizer of ``"optimizer": {"type": "Muon", "params": params}`` over mt3d's parameter groups
+    (``training.engine.param_groups``: each split into its Muon and AdamW halves, a group's own
+    ``weight_decay`` kept). Keys as DeepSpeed's: the shared ``lr``, ``weight_decay``; Muon's
+    ``momentum`` (0.95), ``ns_method`` ("gram"), ``muon_lr``; AdamW's ``betas`` ((0.9, 0.999)), ``eps``
+    (1e-8), ``adam_lr``."""
+    lr = float(params.get("lr", 1e-3))
+    shared = {"weight_decay": float(params.get("weight_decay", 0.0))}
+    halves = {
+        True: {"momentum": float(params.get("momentum", 0.95)), "ns_method": params.get("ns_method", "gram"),
+               "lr_scale": float(params.get("muon_lr", lr)) / lr},
+        False: {"betas": tuple(params.get("betas", (0.9, 0.999))), "eps": float(params.get("eps", 1e-8)),
+                "lr_scale": float(params.get("adam_lr", lr)) / lr},
+    }  # fmt: skip
+    matrices = muon_matrices(model, tp, etp)
+    groups = []
+    for group in param_groups:
+        own = {k: v for k, v in group.items() if k != "params"}
+        for use_muon, settings in halves.items():
+            half = [p for p in group["params"] if (id(p) in matrices) is use_muon]
+            if half:
+                groups.append({"params": half, "use_muon": use_muon, "lr": lr, **shared, **settings, **own})
+    return Muon(groups, matrices, scale, ns_dtype)

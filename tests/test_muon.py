@@ -1,0 +1,242 @@
+"""Muon (``"optimizer": {"type": "Muon"}``, ``mt3d.training.muon``): one process against a reference
+written here per HF matrix, the defining property of its updates, every layout it runs at against
+one process, and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import run_grouped, step_records, tiny_config
+
+HIDDEN, HEADS, KV, FFN, EXPERT, SHARED = 32, 4, 2, 64, 16, 32
+HEAD_DIM = HIDDEN // HEADS
+
+
+def _block():
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.model.config import ModelConfig
+    from mt3d.parallel.state import AxisGroup
+
+    moe = dict(experts=4, top_k=2, expert_ffn=EXPERT, shared_ffn=SHARED, shared_gate=True)
+    dims = dict(hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=KV, ffn=FFN, position="rope", norm="rmsnorm")
+    cfg = ModelConfig.from_dict(dict(**dims, mlp="swiglu", bias=False, moe=moe))
+    block = TransformerBlock(cfg, BuildContext(tp=AxisGroup.alone("tp"), seed=3), 0)
+    with torch.no_grad():
+        block.mlp.router.weight.mul_(10)  # routers not uniform
+    return block
+
+
+def hf_matrices(name: str, w: torch.Tensor) -> list[torch.Tensor] | None:
+    """The HF matrices a block weight holds (None: AdamW's), from the model's sizes alone: q, k, v of the
+    fused attention input; gate and up of a fused MLP input; the rest whole; routers and gates none."""
+    if w.ndim != 2 or "router" in name or "shared_gate" in name:
+        return None
+    if name == "attn.qkv.weight":
+        return list(w.split([HEADS * HEAD_DIM, KV * HEAD_DIM, KV * HEAD_DIM]))
+    if name.endswith("up.weight"):
+        return list(w.chunk(2))
+    return [w]
+
+
+def newton_schulz5(g: torch.Tensor) -> torch.Tensor:
+    """Keller Jordan's iteration, written out: X / ||X||, then 5 times X <- a X + (b A + c A^2) X."""
+    x = g.double()
+    if x.shape[0] > x.shape[1]:
+        return newton_schulz5(g.T).T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x
+
+
+def reference_step(params, grads, state, lr, adam_lr, wd, beta, betas=(0.9, 0.95), eps=1e-8):
+    """One step of Muon (per HF matrix, rate ``lr``) and AdamW (the rest, ``adam_lr``), in place on a
+    dict of plain tensors, in fp64; decay ``wd`` on 2-D weights only (mt3d's parameter groups)."""
+    for name, w in params.items():
+        g = grads[name].double()
+        st = state.setdefault(name, {})
+        decay = wd if w.ndim == 2 else 0.0
+        if hf_matrices(name, w) is not None:
+            m = st.setdefault("m", torch.zeros_like(g))
+            m.mul_(beta).add_((1 - beta) * g)
+            u = (1 - beta) * g + beta * m
+            ups = [
+                newton_schulz5(p) * math.sqrt(max(1, p.shape[0] / p.shape[1])) for p in hf_matrices(name, u)
+            ]
+            params[name] = w * (1 - lr * decay) - lr * torch.cat(ups)
+        else:
+            st["t"] = st.get("t", 0) + 1
+            m = st.setdefault("m", torch.zeros_like(g)).mul_(betas[0]).add_((1 - betas[0]) * g)
+            v = st.setdefault("v", torch.zeros_like(g)).mul_(betas[1]).add_((1 - betas[1]) * g * g)
+            mh, vh = m / (1 - betas[0] ** st["t"]), v / (1 - betas[1] ** st["t"])
+            params[name] = w * (1 - adam_lr * decay) - adam_lr * mh / (vh.sqrt() + eps)
+
+
+def test_newton_schulz_equalises_the_spectrum_both_ways():
+    """``newton_schulz``: "gram" (iterating on X X^T) equals "standard" and the written-out iteration;
+    a spread spectrum (singular values 1e-2 to 1) ends inside [0.5, 1.2], with either orientation."""
+    from mt3d.training.muon import newton_schulz
+
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(48, 16, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(16, 16, generator=g))
+    m = u @ torch.diag(torch.logspace(-2, 0, 16)) @ v.T
+    for x in (m, m.T):
+        a, b = newton_schulz(x, method="gram"), newton_schulz(x, method="standard")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.double(), newton_schulz5(x), rtol=1e-4, atol=1e-5)
+        s = torch.linalg.svdvals(a)
+        assert s.max() < 1.2 and s.min() > 0.5, s
+
+
+def test_one_process_equals_a_reference_muon_and_its_updates_are_orthogonal():
+    """Three steps of mt3d's Muon on a MoE block (fused q/k/v and gate/up, four experts, a gated shared
+    expert) equal the reference per HF matrix within 1e-6 per weight; after one step with weight decay
+    0 each Muon matrix's (W1 - W0) / lr / scale has its largest singular value near 1 and its median
+    above 0.5 (what Newton-Schulz does), and the router's (AdamW: its first step is a sign matrix)
+    does not."""
+    from mt3d.parallel.state import AxisGroup
+    from mt3d.training.engine import param_groups
+    from mt3d.training.muon import build
+
+    block = _block().double()
+    params = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "adam_lr": 0.01}
+    opt = build(params, param_groups(block), block, AxisGroup.alone("tp"), None)
+    assert {
+        n
+        for n, p in block.named_parameters()
+        if any(p is q for g in opt.param_groups if g["use_muon"] for q in g["params"])
+    } == {  # fmt: skip
+        n for n, p in block.named_parameters() if hf_matrices(n, p) is not None
+    }
+    ref = {n: p.detach().clone() for n, p in block.named_parameters()}
+    state = {}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        block.zero_grad()
+        x = torch.randn(2, 8, HIDDEN, generator=gen, dtype=torch.float64)
+        block(x)[0].pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+        reference_step(ref, grads, state, 0.02, 0.01, 0.1, 0.9)
+        opt.step()
+        for n, p in block.named_parameters():
+            torch.testing.assert_close(p.detach(), ref[n], rtol=0, atol=1e-6, msg=n)
+    _check_spectra()
+
+
+def _check_spectra():
+    from mt3d.parallel.state import AxisGroup
+    from mt3d.training.engine import param_groups
+    from mt3d.training.muon import build
+
+    block = _block().double()
+    opt = build({"lr": 1e-3, "weight_decay": 0.0}, param_groups(block), block, AxisGroup.alone("tp"), None)
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    x = torch.randn(4, 32, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    target = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (block(x)[0] - target).pow(2).mean().backward()  # 128 tokens, random targets: gradients of full rank
+    opt.step()
+    for n, p in block.named_parameters():
+        parts = hf_matrices(n, (p.detach() - before[n]) / -1e-3)
+        if parts is None:
+            continue
+        for u in parts:
+            s = torch.linalg.svdvals(u / math.sqrt(max(1, u.shape[0] / u.shape[1])))
+            assert 0.6 < s.max() < 1.25 and 0.5 < s.median(), (n, s)
+    s = torch.linalg.svdvals((block.mlp.router.weight.detach() - before["mlp.router.weight"]) / -1e-3)
+    assert s.max() > 2, s  # AdamW's first update: the gradient's signs, not an orthogonal matrix
+
+
+MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "adam_lr": 2e-3,
+                                   "betas": [0.9, 0.95]}}  # fmt: skip
+
+
+def muon_run(d, model=None, tp=1, steps=4, optimizer=MUON, save_interval=0, resume=None, **parallel):
+    train = {"save_interval": save_interval, **({"resume": resume} if resume else {})}
+    raw = tiny_config(
+        d, model=model or {"preset": "tiny-llama"}, tp=tp, steps=steps, zero=0, micro=2, **train
+    )
+    raw["optimizer"] = dict(optimizer)
+    raw["mt3d"]["parallel"].update(parallel)
+    return raw
+
+
+def test_every_layout_equals_one_process(tmp_path):
+    """4 steps, fp32: tp 2 with SP, cp 2, dp 2 of tiny-llama, ep 2 of tiny-mixtral and tp 2 of
+    tiny-deepseek-v3's latent projections equal one process (losses and grad norms within 1e-5):
+    every rank orthogonalises the whole matrix its shards form. AdamW's run differs from step 2."""
+    mix, ds3 = {"preset": "tiny-mixtral"}, {"preset": "tiny-deepseek-v3"}
+    runs = [(1, muon_run(tmp_path / "one")), (2, muon_run(tmp_path / "tp", tp=2, sequence_parallel=True)),
+            (2, muon_run(tmp_path / "cp", context=2)), (2, muon_run(tmp_path / "dp")),
+            (1, muon_run(tmp_path / "adam", optimizer=tiny_config(tmp_path)["optimizer"])),
+            (1, muon_run(tmp_path / "mix1", mix)), (2, muon_run(tmp_path / "mix2", mix, expert=2)),
+            (1, muon_run(tmp_path / "ds1", ds3)), (2, muon_run(tmp_path / "ds2", ds3, tp=2))]  # fmt: skip
+    one, tp, cp, dp, adam, mix1, mix2, ds1, ds2 = (step_records(r) for r in run_grouped(runs, timeout=900))
+    for want, got in ((one, tp), (one, cp), (one, dp), (mix1, mix2), (ds1, ds2)):
+        for a, b in zip(got, want, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert one[0]["loss"] == pytest.approx(adam[0]["loss"]) and one[1]["loss"] != pytest.approx(
+        adam[1]["loss"]
+    )
+    assert one[-1]["loss"] < one[0]["loss"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"zero": 1}, "mt3d runs it with ZeRO stage 0 in fp32"),
+    ({"bf16": True}, "mt3d runs it with ZeRO stage 0 in fp32"),
+    ({"params": {"ns_method": "svd"}}, "optimizer.params.ns_method must be one of gram, standard"),
+    ({"params": {"nesterov": False}}, "optimizer.params.nesterov is not a Muon key"),
+    ({"params": {"momentum": 1.0}}, "optimizer.params.momentum must be in [0, 1)"),
+    ({"muon": {"qk_clip": 0.0}}, "mt3d.train.muon.qk_clip must be positive"),
+    ({"muon": {"qk_clip": 100.0}}, "mt3d.train.muon.qk_clip (MuonClip) is not built yet"),
+    ({"muon": {"scale": "spectral"}}, "mt3d.train.muon.scale must be one of deepspeed, match_rms"),
+    ({"muon": {"ns_dtype": "fp16"}}, "mt3d.train.muon.ns_dtype must be one of fp32, bf16"),
+    ({"pipeline": 2}, "ZeRO stage 0 with pipeline > 1"),
+])  # fmt: skip
+def test_muon_bad_input_is_one_line(tmp_path, change, message):
+    from mt3d.config import ConfigError, from_dict, resolve_model, validate
+
+    raw = muon_run(tmp_path)
+    raw["optimizer"] = {"type": "Muon", "params": {**MUON["params"], **change.get("params", {})}}
+    if "zero" in change:
+        raw["zero_optimization"]["stage"] = change["zero"]
+    if "bf16" in change:
+        raw["bf16"] = {"enabled": True}
+    if "muon" in change:
+        raw["mt3d"]["train"]["muon"] = change["muon"]
+    if "pipeline" in change:
+        raw["mt3d"]["parallel"]["pipeline"] = change["pipeline"]
+    with pytest.raises(ConfigError) as err:
+        cfg = from_dict(raw)
+        validate(cfg, change.get("pipeline", 1), resolve_model(cfg.mt3d.model))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_muon_resumes_exactly(tmp_path):
+    """A Muon run at tp 2 with SP saved at step 2 resumes bit-exactly (the momentum buffers of each
+    rank's shards and the AdamW half's moments are in DeepSpeed's checkpoint of the client
+    optimizer); at one process it is refused in one line (exit 2): ZeRO-0 checkpoints do not reshard."""
+    from mt3d.parallel.spawn import spawn
+
+    from helpers import train_worker
+
+    def config(d, **kw):
+        return muon_run(d, tp=2, sequence_parallel=True, save_interval=2, **kw)
+
+    straight = spawn(train_worker, 2, config(tmp_path / "a"), timeout=300)[0]
+    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
+    again = spawn(train_worker, 2, config(tmp_path / "b", resume=str(step2)), timeout=300)[0]
+    key = lambda rs: [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(rs)]  # noqa: E731
+    assert key(again)[-2:] == key(straight)[2:]
+    # at another layout: refused up front (a ZeRO-0 checkpoint has no optimizer files to convert)
+    from mt3d.ds.universal import unsupported_reshard
+
+    from helpers import train_rc_worker
+
+    assert spawn(train_rc_worker, 1, muon_run(tmp_path / "c", resume=str(step2)), timeout=300)[0][0] == 2
+    saved = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 0}
+    why = unsupported_reshard(saved, {**saved, "tp": 1})
+    assert "saved without ZeRO" in why and "tensor=2, pipeline=1, dp=1" in why and "\n" not in why
