@@ -149,44 +149,73 @@ def _check_spectra():
     assert s.max() > 2, s  # AdamW's first update: the gradient's signs, not an orthogonal matrix
 
 
+ADAM = {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}}
 MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "adam_lr": 2e-3,
                                    "betas": [0.9, 0.95]}}  # fmt: skip
 
 
-def muon_run(d, model=None, tp=1, steps=4, optimizer=MUON, save_interval=0, resume=None, **parallel):
+def muon_run(d, model=None, tp=1, steps=4, optimizer=MUON, save_interval=0, resume=None, zero=0, bf16=False,
+             lora=None, **parallel):  # fmt: skip
     train = {"save_interval": save_interval, **({"resume": resume} if resume else {})}
     raw = tiny_config(
-        d, model=model or {"preset": "tiny-llama"}, tp=tp, steps=steps, zero=0, micro=2, **train
+        d, model=model or {"preset": "tiny-llama"}, tp=tp, steps=steps, zero=zero, micro=2, **train
     )
     raw["optimizer"] = dict(optimizer)
     raw["mt3d"]["parallel"].update(parallel)
+    if bf16:
+        raw["bf16"] = {"enabled": True}
+    if lora:
+        raw["mt3d"]["lora"] = lora
     return raw
 
 
+LORA = {"r": 8, "target_modules": "all-linear"}
+
+
 def test_every_layout_equals_one_process(tmp_path):
-    """4 steps, fp32: tp 2 with SP, cp 2, dp 2 of tiny-llama, ep 2 of tiny-mixtral and tp 2 of
-    tiny-deepseek-v3's latent projections equal one process (losses and grad norms within 1e-5):
-    every rank orthogonalises the whole matrix its shards form. AdamW's run differs from step 2."""
-    mix, ds3 = {"preset": "tiny-mixtral"}, {"preset": "tiny-deepseek-v3"}
-    runs = [(1, muon_run(tmp_path / "one")), (2, muon_run(tmp_path / "tp", tp=2, sequence_parallel=True)),
-            (2, muon_run(tmp_path / "cp", context=2)), (2, muon_run(tmp_path / "dp")),
-            (1, muon_run(tmp_path / "adam", optimizer=tiny_config(tmp_path)["optimizer"])),
-            (1, muon_run(tmp_path / "mix1", mix)), (2, muon_run(tmp_path / "mix2", mix, expert=2)),
-            (1, muon_run(tmp_path / "ds1", ds3)), (2, muon_run(tmp_path / "ds2", ds3, tp=2))]  # fmt: skip
-    one, tp, cp, dp, adam, mix1, mix2, ds1, ds2 = (step_records(r) for r in run_grouped(runs, timeout=900))
-    for want, got in ((one, tp), (one, cp), (one, dp), (mix1, mix2), (ds1, ds2)):
-        for a, b in zip(got, want, strict=True):
+    """4 steps: every layout equals one process (losses and grad norms within 1e-5 in fp32): without
+    ZeRO tp 2 with SP and cp 2; ZeRO-1 and ZeRO-2 at dp 2, pp 2 and tp 2 x pp 2 x dp 2 (flat
+    partitions: each rank orthogonalises the whole weights its partition overlaps); ep 2 of
+    tiny-mixtral, also folded over tp 2 (whole experts); tiny-deepseek-v3's latent projections at tp 2;
+    LoRA's adapters at tp 2. In bf16 (DeepSpeed's bf16 optimizer at ZeRO-1, its ZeRO optimizer at
+    ZeRO-2) dp 2 stays within bf16's layout noise (3e-3) of one process. AdamW's run differs from
+    step 2."""
+    mix, ds3, d = {"preset": "tiny-mixtral"}, {"preset": "tiny-deepseek-v3"}, tmp_path
+    runs = {
+        "one": (1, muon_run(d / "one")), "tp": (2, muon_run(d / "tp", tp=2, sequence_parallel=True)),
+        "cp": (2, muon_run(d / "cp", context=2)), "z1": (2, muon_run(d / "z1", zero=1)),
+        "z2": (2, muon_run(d / "z2", zero=2)), "pp": (2, muon_run(d / "pp", zero=1, pipeline=2)),
+        "3d": (8, muon_run(d / "3d", tp=2, zero=1, pipeline=2, sequence_parallel=True)),
+        "adam": (1, muon_run(d / "adam", optimizer=ADAM)),
+        "mix": (1, muon_run(d / "mix", mix)), "ep": (2, muon_run(d / "ep", mix, zero=1, expert=2)),
+        "fold": (2, muon_run(d / "fold", mix, tp=2, zero=1, sequence_parallel=True, expert=2,
+                             expert_tensor=1)),
+        "ds1": (1, muon_run(d / "ds1", ds3)), "ds2": (2, muon_run(d / "ds2", ds3, tp=2)),
+        "lora1": (1, muon_run(d / "lora1", lora=LORA)),
+        "lora2": (2, muon_run(d / "lora2", tp=2, zero=1, sequence_parallel=True, lora=LORA)),
+        "b1": (1, muon_run(d / "b1", zero=1, bf16=True)), "b2": (2, muon_run(d / "b2", zero=1, bf16=True)),
+        "b3": (2, muon_run(d / "b3", zero=2, bf16=True)),
+    }  # fmt: skip
+    got = dict(
+        zip(runs, (step_records(r) for r in run_grouped(list(runs.values()), timeout=900)), strict=True)
+    )
+    pairs = [("one", k, 1e-5) for k in ("tp", "cp", "z1", "z2", "pp", "3d")]
+    pairs += [("mix", "ep", 1e-5), ("mix", "fold", 1e-5), ("ds1", "ds2", 1e-5), ("lora1", "lora2", 1e-5)]
+    pairs += [("b1", "b2", 3e-3), ("b1", "b3", 3e-3)]
+    for want, name, rel in pairs:
+        for a, b in zip(got[name], got[want], strict=True):
             for key in ("loss", "grad_norm"):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+                assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (name, a["step"], key)
+    one, adam = got["one"], got["adam"]
     assert one[0]["loss"] == pytest.approx(adam[0]["loss"]) and one[1]["loss"] != pytest.approx(
         adam[1]["loss"]
     )
-    assert one[-1]["loss"] < one[0]["loss"]
+    assert one[-1]["loss"] < one[0]["loss"] and got["lora1"][-1]["loss"] < got["lora1"][0]["loss"]
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"zero": 1}, "mt3d runs it with ZeRO stage 0 in fp32"),
-    ({"bf16": True}, "mt3d runs it with ZeRO stage 0 in fp32"),
+    ({"zero": 3}, "mt3d runs Muon with ZeRO stage 0-2 in fp32 or stage 1-2 in bf16"),
+    ({"bf16": True}, "this run: stage 0, bf16"),
     ({"params": {"ns_method": "svd"}}, "optimizer.params.ns_method must be one of gram, standard"),
     ({"params": {"nesterov": False}}, "optimizer.params.nesterov is not a Muon key"),
     ({"params": {"momentum": 1.0}}, "optimizer.params.momentum must be in [0, 1)"),
@@ -215,28 +244,35 @@ def test_muon_bad_input_is_one_line(tmp_path, change, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_muon_resumes_exactly(tmp_path):
-    """A Muon run at tp 2 with SP saved at step 2 resumes bit-exactly (the momentum buffers of each
-    rank's shards and the AdamW half's moments are in DeepSpeed's checkpoint of the client
-    optimizer); at one process it is refused in one line (exit 2): ZeRO-0 checkpoints do not reshard."""
+def test_muon_resumes_exactly_in_its_layout(tmp_path):
+    """A Muon run at tp 2 with SP saved at step 2 resumes bit-exactly without ZeRO and with ZeRO-1 (the
+    momentum of each rank's shard or flat partition and the AdamW half's moments are in DeepSpeed's
+    checkpoint); at another layout, or with another optimizer, it is refused in one line (exit 2):
+    DeepSpeed's universal converter reads Adam's states only."""
+    from mt3d.config.optimizer_rules import optimizer_resume_conflict
+    from mt3d.ds.universal import unsupported_reshard
     from mt3d.parallel.spawn import spawn
 
-    from helpers import train_worker
+    from helpers import train_rc_worker, train_worker
 
     def config(d, **kw):
         return muon_run(d, tp=2, sequence_parallel=True, save_interval=2, **kw)
 
-    straight = spawn(train_worker, 2, config(tmp_path / "a"), timeout=300)[0]
-    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
-    again = spawn(train_worker, 2, config(tmp_path / "b", resume=str(step2)), timeout=300)[0]
     key = lambda rs: [(r["step"], r["loss"], r["grad_norm"]) for r in step_records(rs)]  # noqa: E731
-    assert key(again)[-2:] == key(straight)[2:]
-    # at another layout: refused up front (a ZeRO-0 checkpoint has no optimizer files to convert)
-    from mt3d.ds.universal import unsupported_reshard
-
-    from helpers import train_rc_worker
-
-    assert spawn(train_rc_worker, 1, muon_run(tmp_path / "c", resume=str(step2)), timeout=300)[0][0] == 2
+    for zero in (1, 0):
+        straight = spawn(train_worker, 2, config(tmp_path / f"a{zero}", zero=zero), timeout=300)[0]
+        step2 = str(tmp_path / f"a{zero}" / "checkpoints" / "step_00000002")
+        again = spawn(train_worker, 2, config(tmp_path / f"b{zero}", zero=zero, resume=step2), timeout=300)[0]
+        assert key(again)[-2:] == key(straight)[2:]
+    refused = [(1, muon_run(tmp_path / "c", zero=1, resume=step2.replace("a0", "a1"))),
+               (2, config(tmp_path / "d", resume=step2, optimizer=ADAM))]  # fmt: skip
+    for world, raw in refused:
+        assert spawn(train_rc_worker, world, raw, timeout=300)[0][0] == 2
     saved = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 0}
-    why = unsupported_reshard(saved, {**saved, "tp": 1})
+    why = unsupported_reshard(saved, {**saved, "tp": 1})  # any ZeRO-0 checkpoint, Muon's or Adam's
     assert "saved without ZeRO" in why and "tensor=2, pipeline=1, dp=1" in why and "\n" not in why
+    why = optimizer_resume_conflict("Muon", "muon", False, {**saved, "zero_stage": 1})
+    assert "resumes in the layout it was saved in (tp=2, pp=1, dp=1, zero_stage=1)" in why
+    assert "optimizer.type AdamW" in optimizer_resume_conflict("AdamW", "Muon", True, saved)
+    assert optimizer_resume_conflict("Muon", "muon", True, saved) is None
+    assert optimizer_resume_conflict("AdamW", "adam", False, saved) is None

@@ -35,12 +35,33 @@ def muon_conflict(ds, train, stage: int, precision: str) -> str | None:
     if muon is not None and muon.qk_clip is not None:
         why = "must be positive" if not muon.qk_clip > 0 else "(MuonClip) is not built yet; drop it"
         return f"mt3d.train.muon.qk_clip {why}"
-    if stage > 0 or precision != "fp32" or ds.offload.any:
+    if stage > 2 or precision == "fp16" or (precision == "bf16" and stage == 0) or ds.offload.any:
         return (
-            f"Muon orthogonalises whole matrices, which ZeRO's and DeepSpeed's bf16 optimizer's flat "
-            f"partitions split: mt3d runs it with ZeRO stage 0 in fp32 without offload so far (this run: "
-            f"stage {stage}, {precision}, offload {ds.offload.label})"
+            f"mt3d runs Muon with ZeRO stage 0-2 in fp32 or stage 1-2 in bf16, without offload (this run: "
+            f"stage {stage}, {precision}, offload {ds.offload.label}): ZeRO-3 and offloaded optimizers step "
+            "parameters no rank holds whole"
         )
     if train.optimizer_states != "fp32":
         return "mt3d.train.optimizer_states applies to DeepSpeed's optimizers, not Muon: drop it"
+    return None
+
+
+def optimizer_resume_conflict(saved: str, now: str, same_layout: bool, layout: dict) -> str | None:
+    """Why a checkpoint written with optimizer type ``saved`` cannot resume this run (``now``; None: it
+    can): Muon's and Adam's states differ, and DeepSpeed's universal converter (the reshard path)
+    reads Adam's moments only, so a Muon checkpoint resumes in the layout that wrote it."""
+    saved, now = saved or "none", now or "none"
+    way = "or export it with `mt3d export-hf` and continue from that directory with model.from_hf"
+    if (saved.lower() == "muon") != (now.lower() == "muon"):
+        return (
+            f"the checkpoint was trained with optimizer {saved} and this run uses {now}, whose states "
+            f"differ (Muon keeps one momentum per weight, Adam two moments): resume with optimizer.type "
+            f"{saved}, {way}"
+        )
+    if saved.lower() == "muon" and not same_layout:
+        where = ", ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "zero_stage") if k in layout)
+        return (
+            f"a Muon checkpoint resumes in the layout it was saved in ({where}) so far: DeepSpeed's "
+            f"universal converter, which reshards, reads Adam's moments only; {way}"
+        )
     return None

@@ -269,19 +269,22 @@ def install_safe_loading(engine) -> None:
 
 def initialize(
     model: torch.nn.Module,
-    param_groups: list[dict] | torch.optim.Optimizer,
+    param_groups: list[dict],
     config: dict,
     layout: Layout,
     mpu=None,
     state=None,
     overlap=None,
+    make_optimizer=None,
 ):
     """``deepspeed.initialize`` (mt3d's schedule engine for an ``InterleavedPipeline``); returns the
     engine, its checkpoint loads made safe and, without ZeRO, fp32 steps guarded. ``mpu``: mt3d's
     ParallelState for the regular engine (the pipeline engine uses the module's own grid); ``state``:
     the rank's ParallelState (``mt3d.ds.experts`` when its ep group has more than one rank);
     ``overlap``: ``mt3d.train.overlap`` (``mt3d.ds.overlap`` when its grad_reduce is on).
-    ``param_groups`` may be an optimizer mt3d built (Muon): DeepSpeed then steps it as a client's."""
+    ``make_optimizer``: builds mt3d's own optimizer over the final groups (Muon), which DeepSpeed steps as
+    a client's (under ZeRO or its bf16 optimizer: over flat partitions, whose layout ``muon.attach``
+    gives it)."""
     import deepspeed
 
     from . import experts
@@ -295,15 +298,21 @@ def initialize(
         if isinstance(model, InterleavedPipeline):  # v > 1, or overlap.p2p (training.engine.build_model)
             from .interleaved import initialize as initialize_interleaved
 
-            engine = initialize_interleaved(model, param_groups, config)  # its schedule: the model's
+            engine = initialize_interleaved(
+                model, param_groups, config, make_optimizer
+            )  # its schedule: the model's
             # the zero-bubble programs are made for posted transfers (``pipeline.zero_bubble``)
             engine.async_p2p = (overlap is not None and overlap.p2p) or layout.schedule != "1f1b"
         else:
             from .interleaved import client
 
             engine, _, _, _ = deepspeed.initialize(
-                model=model, config=config, mpu=mpu, **client(param_groups)
+                model=model, config=config, mpu=mpu, **client(param_groups, make_optimizer)
             )
+    if make_optimizer is not None:
+        from .muon import attach
+
+        attach(engine.optimizer)
     if expert_parallel:
         experts.install(engine, state, layout.zero_stage)
     if layout.zero_stage == 0 and layout.precision == "fp32":

@@ -414,14 +414,16 @@ class InterleavedPipelineEngine(PipelineEngine):
     }
 
 
-def client(groups: list[dict] | torch.optim.Optimizer) -> dict:
-    """``deepspeed.initialize``'s keywords for parameter groups, or for an optimizer mt3d built (Muon)."""
-    if isinstance(groups, torch.optim.Optimizer):
-        return {"optimizer": groups}
+def client(groups: list[dict], make_optimizer=None) -> dict:
+    """``deepspeed.initialize``'s keywords for parameter groups, or for the optimizer mt3d builds over
+    them (``make_optimizer(groups)``: Muon), which DeepSpeed then steps as a client's."""
+    if make_optimizer is not None:
+        return {"optimizer": make_optimizer(groups)}
     return {"model_parameters": groups}
 
 
-def initialize(model: InterleavedPipeline, model_parameters, config: dict) -> InterleavedPipelineEngine:
+def initialize(model: InterleavedPipeline, model_parameters, config: dict,
+               make_optimizer=None) -> InterleavedPipelineEngine:  # fmt: skip
     """``deepspeed.initialize`` building this engine instead of ``PipelineEngine``.
 
     DeepSpeed picks the pipeline engine class by name inside ``deepspeed.initialize``
@@ -435,7 +437,8 @@ def initialize(model: InterleavedPipeline, model_parameters, config: dict) -> In
     saved = deepspeed.PipelineEngine
     deepspeed.PipelineEngine = InterleavedPipelineEngine
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, config=config, **client(model_parameters))
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                               **client(model_parameters, make_optimizer))  # fmt: skip
     finally:
         deepspeed.PipelineEngine = saved
     if not isinstance(engine, InterleavedPipelineEngine):

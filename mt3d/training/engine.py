@@ -182,11 +182,13 @@ def initialize(
     if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     mpu = None if uses_pipeline_engine(layout) else rt.state
-    groups = param_groups(model)
+    make = None
     if ds.optimizer_type == "muon":  # mt3d's own (mt3d.training.muon), given to DeepSpeed as the client's
         from .muon import build
 
-        muon = train.muon
-        groups = build(config.pop("optimizer").get("params") or {}, groups, model, rt.state.tp, rt.state.etp,
-                       **({"scale": muon.scale, "ns_dtype": muon.ns_dtype} if muon else {}))  # fmt: skip
-    return ds_initialize(model, groups, config, layout, mpu=mpu, state=rt.state, overlap=train.overlap)
+        params, muon = config.pop("optimizer").get("params") or {}, train.muon
+        kw = {"scale": muon.scale, "ns_dtype": muon.ns_dtype} if muon else {}
+        make = lambda groups: build(params, groups, model, rt.state.tp, rt.state.etp, **kw)  # noqa: E731
+        config["zero_allow_untested_optimizer"] = True  # DeepSpeed's ZeRO knows only its own optimizers
+    return ds_initialize(model, param_groups(model), config, layout, mpu=mpu, state=rt.state,
+                         overlap=train.overlap, make_optimizer=make)  # fmt: skip

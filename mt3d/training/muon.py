@@ -20,10 +20,11 @@ Adam states it replaces) and only ``NS5`` needs the whole matrix: the look-ahead
 over the group that split the weight (tp, or etp for experts; ``marks.mark_tp``'s split dimension and
 parts, reassembled by ``sharding.from_shards``), every rank of the group orthogonalises the whole
 matrix and keeps its shard. Pipeline stages own their matrices; ep ranks their experts; data and
-context ranks hold replicas whose gradients DeepSpeed reduced before the step, so they compute the
-same update. ZeRO partitions flat buffers, in which no matrix is whole: Muon runs without ZeRO (and
-without DeepSpeed's bf16 optimizer, which partitions the same way), refused otherwise
-(``rules.muon_conflict``).
+context ranks hold replicas whose gradients DeepSpeed reduced before the step. Under ZeRO 1-2 and
+DeepSpeed's bf16 optimizer the client steps one flat partition per group: the partitions' look-aheads
+are all-gathered over the group's data-parallel ranks and each rank orthogonalises the weights its
+partition overlaps (``_flat_update``; ``mt3d.ds.muon`` says where they sit), so the work is spread over
+the data-parallel ranks. ZeRO-3 and offloaded optimizers are refused (``rules.muon_conflict``).
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ class Muon(torch.optim.Optimizer):
                  ns_dtype: str = "fp32") -> None:  # fmt: skip
         super().__init__(groups, {})
         self.matrices, self.scale, self.ns_dtype = matrices, scale, NS_DTYPES[ns_dtype]
+        self.flat: dict[int, object] = {}
+        """Under ZeRO 1-2 or DeepSpeed's bf16 optimizer: ``id`` of each flat partition it steps ->
+        its ``mt3d.ds.muon.FlatLayout`` (set by ``mt3d.ds.muon.attach``)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -178,19 +182,42 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, p: torch.nn.Parameter, group: dict, lr: float) -> None:
         state = self.state[p]
-        if not state:
+        if not state:  # momentum is linear: each rank keeps its shard's (or its flat partition's)
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         beta, buf, g = group["momentum"], state["momentum_buffer"], p.grad.float()
         buf.lerp_(g, 1 - beta)
         lookahead = g.lerp(buf, beta)
-        how = self.matrices[id(p)]
-        full = how.whole(lookahead)
-        dim = how.layout.dim if how.layout.parts else 0
-        pieces = [newton_schulz(m, NS_STEPS, group["ns_method"], self.ns_dtype).float()
-                  * scale_of(m.shape[0], m.shape[1], self.scale) for m in how.pieces(full)]  # fmt: skip
-        update = how.shard(torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0])
+        if id(p) in self.flat:
+            update = self._flat_update(lookahead, self.flat[id(p)], group["ns_method"])
+        else:
+            update = self._orthogonal(lookahead, self.matrices[id(p)], group["ns_method"])
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-lr)
+
+    def _orthogonal(self, shard: torch.Tensor, how: Matrix, method: str) -> torch.Tensor:
+        """This rank's shard of the update of the whole matrix whose shard is ``shard``: each HF
+        matrix of it orthogonalised and scaled on its own."""
+        pieces = [newton_schulz(m, NS_STEPS, method, self.ns_dtype).float() * scale_of(*m.shape, self.scale)
+                  for m in how.pieces(how.whole(shard))]  # fmt: skip
+        return how.shard(torch.cat(pieces, dim=how.layout.dim) if len(pieces) > 1 else pieces[0])
+
+    def _flat_update(self, lookahead: torch.Tensor, flat, method: str) -> torch.Tensor:
+        """The update of a flat partition: the partitions' look-aheads all-gathered over the
+        data-parallel group, and each weight that overlaps this partition orthogonalised whole (so
+        the ranks share the work: a weight is computed by the ranks whose partitions it spans)."""
+        parts = [torch.empty_like(lookahead) for _ in range(flat.world)]
+        dist.all_gather(parts, lookahead.contiguous(), group=flat.group)
+        full = torch.cat(parts)
+        lo, hi = flat.rank * flat.partition, (flat.rank + 1) * flat.partition
+        update = torch.zeros_like(lookahead)
+        for param, start in flat.params:
+            end = start + param.numel()
+            if end <= lo or start >= hi:
+                continue
+            whole = self._orthogonal(full[start:end].view(param.shape), self.matrices[id(param)], method)
+            a, b = max(start, lo), min(end, hi)
+            update[a - lo : b - lo] = whole.reshape(-1)[a - start : b - start]
+        return update
 
 
 def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: AxisGroup,

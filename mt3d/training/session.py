@@ -120,6 +120,13 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     load_dir, tag = None, None
     same_layout = plan is None or not plan.layout_changed(layout)
     if plan is not None:
+        from ..config.optimizer_rules import optimizer_resume_conflict
+        from ..errors import CheckpointError
+
+        saved = str(((plan.meta.get("config") or {}).get("optimizer") or {}).get("type", ""))
+        why = optimizer_resume_conflict(saved, run.deepspeed.optimizer_type, same_layout, plan.meta["layout"])
+        if why:
+            raise CheckpointError(f"cannot resume {plan.path}: {why}")
         convert = plan.check_offload(layout)
         load_dir, tag = plan.path.parent, plan.path.name
         if convert:  # NVMe-offloaded optimizer states into a run without: an ordinary checkpoint copy
