@@ -42,6 +42,7 @@ BENCHES = {
     "beside the schedule's prediction",
     "fp8": "training loss of FP8 linears (tensorwise, rowwise, blockwise, mxfp8) beside bf16 over N steps, "
     "and a plot",
+    "muon": "training loss of Muon beside AdamW over N steps, at their usual learning rates, and a plot",
     "lora": "optimizer and gradient bytes of a LoRA step vs a full fine-tune, measured beside the planner "
     "(mt3d plan --lora R)",
     "packing": "packed fine-tuning data: document-masked attention vs causal and a dense mask, packing "
@@ -224,6 +225,12 @@ def _add_model_parsers(sub) -> None:
     )
     f8.add_argument("--lr", type=positive_float, default=2e-3)
     f8.add_argument("--plot", default=None, help="write the curves to this PNG")
+    mu = sub.add_parser("muon", help=BENCHES["muon"])
+    mu.add_argument("--steps", type=positive_int, default=300)
+    mu.add_argument("--hidden", type=positive_int, default=128, help="the tiny Llama's width")
+    mu.add_argument("--adam-lr", type=positive_float, default=2e-3, help="AdamW's peak rate (both runs)")
+    mu.add_argument("--muon-lr", type=positive_float, default=2e-2, help="Muon's peak rate")
+    mu.add_argument("--plot", default=None, help="write the curves to this PNG")
     _add_packing_parser(sub)
     ae = sub.add_parser("autoep", help=BENCHES["autoep"])
     ae.add_argument("--pairs", type=positive_int, default=4, help="A/B pairs of runs")

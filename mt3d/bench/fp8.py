@@ -66,7 +66,8 @@ def run(args) -> dict:
                         "date": datetime.date.today().isoformat()})  # fmt: skip
 
 
-def plot(curves: dict[str, list[float]], path: str) -> None:
+def plot(curves: dict[str, list[float]], path: str,
+         title: str = "FP8 linears beside bf16 (tiny Llama, synthetic corpus, CPU)") -> None:  # fmt: skip
     """The loss curves, one line per run, to ``path`` (PNG)."""
     import matplotlib
 
@@ -78,7 +79,7 @@ def plot(curves: dict[str, list[float]], path: str) -> None:
         ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("FP8 linears beside bf16 (tiny Llama, synthetic corpus, CPU)")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -7,7 +7,7 @@ unpadded), cut it into equal partitions over the group's data-parallel ranks and
 optimizer one fp32 tensor per group: this rank's partition, whose ``.grad`` is the partition of the
 reduced, clipped gradient. ``attach`` records, per such tensor, the weights of its group with their
 offsets, the partition size and the group's data-parallel process group (``FlatLayout``); the client
-then all-gathers what it needs. Read from DeepSpeed 0.19.8's attributes, in this one place;
+then all-gathers what it needs. Read from the pinned DeepSpeed's attributes, in this one place;
 tests/test_muon.py trains every wrapper against one process, so a changed layout fails there.
 """
 
