@@ -1009,3 +1009,40 @@ def test_fp8_dispatch_counts_the_forward_dispatch_in_one_byte_plus_scales(tmp_pa
     assert result["fp8_dispatch"] and result["feasible"][0]["ep"] == 2
     conf = write_config(result, str(tmp_path / "plan.json"), moe)
     assert conf["mt3d"]["train"]["fp8"] == {"recipe": "mxfp8", "dispatch": True}
+
+
+def test_muon_counts_one_momentum_and_the_newton_schulz_gemms():
+    """``mt3d plan --optimizer muon``: the matrices Muon orthogonalises (llama-1b: q, k, v, o, gate, up
+    and down of every block, counted here from the dimensions) hold one fp32 momentum instead of two
+    moments; the step adds 5 (4 m^2 n + 2 m^3) FLOPs per matrix at the GEMM rate, over pp and, with ZeRO,
+    over the data-parallel ranks; ZeRO-3 and offload are rejected, and the written config is Muon's and
+    passes ``mt3d train --check``."""
+    import tempfile
+
+    from mt3d.planner.muon import muon_cost, ns_flops
+
+    cfg = resolve_model({"preset": "llama-1b"})
+    v, h, hd, f = cfg.vocab_size, cfg.hidden, cfg.head_dim, cfg.ffn
+    shapes = [(cfg.heads * hd, h), (cfg.kv_heads * hd, h), (cfg.kv_heads * hd, h), (h, cfg.heads * hd),
+              (f, h), (f, h), (h, f)]  # fmt: skip
+    cost = muon_cost(cfg, v)
+    assert cost.fraction == pytest.approx(cfg.layers * sum(r * c for r, c in shapes) / cfg.num_params(v))
+    assert cost.dense_flops == pytest.approx(cfg.layers * sum(ns_flops(r, c) for r, c in shapes))
+    assert cost.expert_flops == 0 and ns_flops(4, 8) == 5 * (4 * 16 * 8 + 2 * 64)
+    argv = ["--gpus", "8", "--gpu", "h100", "--global-batch", "64", "--seq-len", "2048", "--tensor", "1",
+            "--pipeline", "1", "--zero", "1", "--offload", "none", "--micro-batch", "1"]  # fmt: skip
+    adam, muon = (_planned(cfg.to_dict(), argv + ["--optimizer", o])["feasible"][0] for o in ("adamw", "muon"))
+    states = cfg.num_params(v) * cost.fraction * 4 / 8  # one fp32 momentum fewer, over dp 8
+    got = adam["memory"]["model_states"] - muon["memory"]["model_states"]
+    assert got == pytest.approx(states / 1e9, rel=1e-3)  # the stage's parameters: the vocabulary padded
+    from mt3d.planner.hardware import get_device
+
+    dev = get_device("h100")
+    ns = cost.dense_flops / 8 / (dev.gemm_tflops * 0.78 * 1e12)
+    assert muon["optimizer_s"] - adam["optimizer_s"] == pytest.approx(ns, rel=1e-6)
+    z3 = _planned(cfg.to_dict(), [*argv[:-6], "--zero", "3", "--micro-batch", "1", "--optimizer", "muon"])
+    assert not z3["feasible"] and any("Muon runs with ZeRO 0-2" in r["reason"] for r in z3["rejected"])
+    with tempfile.TemporaryDirectory() as d:
+        result = _planned(cfg.to_dict(), argv + ["--optimizer", "muon"])
+        conf = write_config(result, f"{d}/plan.json", {"preset": "llama-1b"}, cfg)
+    assert conf["optimizer"]["type"] == "Muon" and conf["optimizer"]["params"]["momentum"] == 0.95

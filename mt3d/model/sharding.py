@@ -37,6 +37,17 @@ class ParamLayout:
     vocab: int | None = None
 
 
+ROUTERS = (".router.", ".shared_gate.")
+"""Where a block's routing weights sit in its parameter names (``moe.Router`` modules)."""
+
+
+def orthogonalized(local_name: str, ndim: int) -> bool:
+    """Whether a transformer block's parameter (name inside the block) takes Muon's orthogonalised
+    update (``mt3d.training.muon``; the planner's ``planner.muon``): a 2-D weight that is not a
+    router's or the shared-expert gate's."""
+    return ndim == 2 and not any(r in "." + local_name for r in ROUTERS)
+
+
 def role_of(cfg: ModelConfig, layer: int) -> str:
     """'embed', 'pos', 'block', 'final_norm' or 'head' for a layer index."""
     if layer == 0:

@@ -118,6 +118,9 @@ def add_plan_stack(p) -> None:
 
 
 def _add_fp8_flags(p) -> None:
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: one momentum on the blocks' matrices instead of Adam's two moments, and "
+                   "Newton-Schulz's GEMMs in the step (the written config's optimizer)")  # fmt: skip
     p.add_argument("--fp8", choices=("tensorwise", "rowwise", "blockwise", "mxfp8"), default=None,
                    help="the blocks' linears in FP8 with this recipe (train.fp8; bf16 only)")  # fmt: skip
     p.add_argument("--fp8-dispatch", action="store_true",
@@ -179,6 +182,7 @@ def plan_inputs(args, cfg, defaults: dict | None = None) -> dict:
             args.fsdp,
             args.lora,
             args.fp8_dispatch,
+            args.optimizer,
         ),  # fmt: skip
     )
 

@@ -312,6 +312,9 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
     }
     overlap_rule = overlap_conflict(True, best["zero_stage"], best.get("ep", 1),
                                     Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
+    if result.get("optimizer") == "muon":  # Muon's usual rates; AdamW's on the rest
+        muon = {"lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": 0.1}
+        conf["optimizer"] = {"type": "Muon", "params": muon}
     if result.get("fp8"):
         conf["mt3d"]["train"]["fp8"] = {"recipe": result["fp8"]}
         if result.get("fp8_dispatch") and best.get("ep", 1) > 1:

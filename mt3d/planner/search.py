@@ -34,6 +34,7 @@ from .choices import RECOMPUTE  # its home imports nothing (the CLI parser reads
 from .costs import CPU_ADAM_ELEMENTS_PER_CORE_S, Layout, Precision, memory_bytes, step_time
 from .hardware import Device
 from .layout import fsdp_precision
+from .muon import muon_conflict, muon_cost, muon_precision
 from .offload import OFFLOAD_OPTIONS, offload_rule
 from .sparsity import attention_speedup
 from .timing import dispatch_hosts
@@ -360,6 +361,7 @@ class Stack:
     only beside the frozen weights (the step time is still a full step's, an upper bound)."""
     fp8_dispatch: bool = False
     """The expert dispatch in ``fp8``'s FP8 (``train.fp8.dispatch``; a tiled recipe)."""
+    optimizer: str = "adamw"  # or "muon" (planner.muon: its states and its Newton-Schulz time)
 
 
 def plan(
@@ -432,7 +434,7 @@ def plan(
         "overlap": list(stack.overlap),
         "optimizer_states": stack.optimizer_states,
         "grad_dtype": stack.grad_dtype,
-        **{k: getattr(stack, k) for k in ("fp8", "fp8_dispatch")},
+        **{k: getattr(stack, k) for k in ("fp8", "fp8_dispatch", "optimizer")},
         "efficiency": efficiency,
         "gemm_tflops": dev.gemm_tflops,
         "gemm_tflops_fp8": dev.gemm_tflops_fp8,
@@ -453,6 +455,8 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     prec = Precision.of(precision, lay.zero_stage, stack.optimizer_states, stack.grad_dtype)
     fsdp = stack.fsdp and lay.zero_stage == 3
     prec = fsdp_precision(prec) if fsdp else prec
+    if stack.optimizer == "muon":
+        prec = muon_precision(prec, muon_cost(cfg, vocab))
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
                        overlap=stack.overlap, attention_kernel=stack.attention_kernel,
                        mt3d_engine=stack.mt3d_rules, fsdp=fsdp, lora_rank=stack.lora)  # fmt: skip
@@ -461,6 +465,8 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
     if stack.lora and lay.zero_stage == 3 and stack.mt3d_rules:
         why = "mt3d.lora with ZeRO-3 is not supported (the adapters' states are small: ZeRO 1 or 2)"
+    if stack.optimizer == "muon" and not why:
+        why = muon_conflict(lay, precision)
     if stack.mt3d_rules and not why:
         off = Offload.from_label(lay.offload)
         grads = "fp32" if stack.grad_dtype == "fp32" else ""
@@ -474,7 +480,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
         attention_kernel=stack.attention_kernel, pp_scatter_gather=stack.pp_scatter_gather,
         gemm_fraction=stack.gemm_fraction, overlap=stack.overlap, mt3d_engine=stack.mt3d_rules,
         grad_dtype=stack.grad_dtype, fp8=stack.fp8, ep_dispatch=stack.ep_dispatch, fsdp=fsdp,
-        fp8_dispatch=stack.fp8_dispatch,
+        fp8_dispatch=stack.fp8_dispatch, optimizer_kind=stack.optimizer,
     )  # fmt: skip
     hosts = dispatch_hosts(bw, stack.ep_dispatch) if lay.ep > 1 else None
     if hosts:  # mt3d's dispatch over the hosts

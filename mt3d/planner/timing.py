@@ -12,6 +12,7 @@ from ..model.config import GATED_MLPS, ModelConfig
 from ..pipeline.zero_bubble import bubble_share
 from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
+from .muon import muon_seconds
 from .offload import offload_traffic
 from .traffic import cp_bytes, dp_bytes, ep_layer_traffic, ep_node_traffic, pp_bytes, ring_factor, tp_bytes
 
@@ -189,8 +190,8 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
               attention_fraction: float = 1.0, device=None, attention_kernel: str = "flash",
               pp_scatter_gather: bool = False, gemm_fraction: float | None = None,
               overlap: tuple[str, ...] = (), mt3d_engine: bool = True, grad_dtype: str = "param",
-              fp8: str | None = None, ep_dispatch: str = "whole",
-              fsdp: bool = False, fp8_dispatch: bool = False) -> dict[str, float]:  # fmt: skip
+              fp8: str | None = None, ep_dispatch: str = "whole", fsdp: bool = False,
+              fp8_dispatch: bool = False, optimizer_kind: str = "adamw") -> dict[str, float]:  # fmt: skip
     """Seconds per step by component (compute, bubble, TP/PP/DP communication, offload) and throughput.
 
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
@@ -213,7 +214,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
     stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears in FP8 (``compute.micro_batch_seconds``;
     the shape model only); TFLOP/s and MFU still count model FLOPs against ``peak_tflops`` (bf16's).
-    ``fp8_dispatch``: the expert dispatch in that recipe's FP8 (``ep_bytes``).
+    ``fp8_dispatch``: the dispatch in that FP8 (``ep_bytes``); ``optimizer_kind`` "muon": ``muon_seconds``.
     """
     gpus = lay.gpus
     tokens = global_batch * seq_len
@@ -227,6 +228,8 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
         device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
         gemm_fraction=gemm_fraction, fp8=fp8,
     )  # fmt: skip
+    optimizer += muon_seconds(cfg, vocab, lay, device, gemm_fraction, peak_tflops * (efficiency or 0.5)) \
+        if optimizer_kind == "muon" else 0.0  # fmt: skip
     bubble = compute * bubble_share(lay.schedule, lay.pp, m, v)  # PTD-P: interleaving divides it by v
     comm_bytes = prec.param
     act = seq_len // lay.cp * lay.micro_batch * cfg.hidden * comm_bytes
@@ -240,11 +243,9 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
     ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute,
                                 fp8 if fp8_dispatch else None)  # fmt: skip
-    # mt3d does not run overlap.grad_reduce with a mixture of experts at pipeline > 1
-    # (rules.overlap_moe_conflict)
-    hide_dp = "dp" in overlap and not (
-        mt3d_engine and cfg.moe is not None and overlap_moe_conflict(True, lay.pp)
-    )
+    # mt3d does not run overlap.grad_reduce with a MoE at pipeline > 1 (rules.overlap_moe_conflict)
+    moe_pp = mt3d_engine and cfg.moe is not None and overlap_moe_conflict(True, lay.pp)
+    hide_dp = "dp" in overlap and not moe_pp
     dp = _dp_seconds(lay, grads, prec, compute, bw, hide_dp, mt3d_engine, 2 if fsdp else None)
     offload = _offload_seconds(grads, lay, prec, bw)
     total = compute + bubble + tp + cp + ep + pp + dp + offload + optimizer

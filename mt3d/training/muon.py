@@ -114,13 +114,13 @@ def muon_matrices(model: torch.nn.Module, tp: AxisGroup, etp: AxisGroup | None =
     """``id(parameter)`` -> ``Matrix`` for every trainable parameter that takes Muon (module docstring):
     the 2-D weights inside transformer blocks, less the routers' and the shared-expert gate's."""
     from ..model.blocks import TransformerBlock
-    from ..model.moe import Router, expert_index
+    from ..model.moe import expert_index
+    from ..model.sharding import orthogonalized
 
     out: dict[int, Matrix] = {}
     for block in (m for m in model.modules() if isinstance(m, TransformerBlock)):
-        routers = {id(p) for m in block.modules() if isinstance(m, Router) for p in m.parameters()}
         for name, p in block.named_parameters():
-            if p.ndim != 2 or not p.requires_grad or id(p) in routers:
+            if not p.requires_grad or not orthogonalized(name, p.ndim):
                 continue
             split = getattr(p, "tensor_model_parallel", False)
             expert = etp is not None and expert_index(name) is not None
