@@ -46,22 +46,14 @@ def muon_conflict(ds, train, stage: int, precision: str) -> str | None:
     return None
 
 
-def optimizer_resume_conflict(saved: str, now: str, same_layout: bool, layout: dict) -> str | None:
+def optimizer_resume_conflict(saved: str, now: str) -> str | None:
     """Why a checkpoint written with optimizer type ``saved`` cannot resume this run (``now``; None: it
-    can): Muon's and Adam's states differ, and DeepSpeed's universal converter (the reshard path)
-    reads Adam's moments only, so a Muon checkpoint resumes in the layout that wrote it."""
+    can): Muon's states and Adam's differ."""
     saved, now = saved or "none", now or "none"
-    way = "or export it with `mt3d export-hf` and continue from that directory with model.from_hf"
     if (saved.lower() == "muon") != (now.lower() == "muon"):
         return (
             f"the checkpoint was trained with optimizer {saved} and this run uses {now}, whose states "
             f"differ (Muon keeps one momentum per weight, Adam two moments): resume with optimizer.type "
-            f"{saved}, {way}"
-        )
-    if saved.lower() == "muon" and not same_layout:
-        where = ", ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "zero_stage") if k in layout)
-        return (
-            f"a Muon checkpoint resumes in the layout it was saved in ({where}) so far: DeepSpeed's "
-            f"universal converter, which reshards, reads Adam's moments only; {way}"
+            f"{saved}, or export it with `mt3d export-hf` and continue from that directory with model.from_hf"
         )
     return None

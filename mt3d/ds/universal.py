@@ -43,10 +43,11 @@ def convert(source: Path, out: Path, workers: int = 1, layout: dict | None = Non
     pad_param_groups(out)
 
 
-GROUP_SLOTS = 4
+GROUP_SLOTS = 8
 """mt3d's optimizer groups, by position: dense with weight decay, dense without, then (under expert
 parallelism with ZeRO) experts with, experts without (``training.engine.param_groups``,
-``mt3d.ds.experts.expert_groups``); or there, with weight decay 0, dense and experts (at most four
+``mt3d.ds.experts.expert_groups``), each split in Muon's and AdamW's halves under Muon
+(``training.muon.build``); or there, with weight decay 0, dense and experts (at most eight
 either way: ``mt3d.config.layout.PARAM_GROUPS``)."""
 
 
@@ -70,9 +71,9 @@ def pad_param_groups(out: Path) -> None:
     torch.save(state, path)
 
 
-GROUP_IDENTITY = ("weight_decay", "moe", "name")
-"""What a parameter group is under mt3d's grouping (decay class, expert group), kept through a universal
-load (``own_group_settings``)."""
+GROUP_IDENTITY = ("weight_decay", "moe", "name", "use_muon", "momentum", "ns_method", "lr_scale")
+"""What a parameter group is under mt3d's grouping (decay class, expert group, Muon's half or AdamW's),
+kept through a universal load (``own_group_settings``)."""
 
 
 @contextmanager

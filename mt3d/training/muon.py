@@ -180,10 +180,28 @@ class Muon(torch.optim.Optimizer):
                                 group["weight_decay"])  # fmt: skip
         return loss
 
+    def state_dict(self) -> dict:
+        """torch's, with each Muon weight's momentum saved as Adam's ``exp_avg`` beside a zero
+        ``exp_avg_sq``: DeepSpeed's universal converter (the reshard path) reads those two keys of every
+        group's state and nothing else. ``_muon`` takes the momentum back, from a plain load or a
+        universal one alike."""
+        sd = super().state_dict()
+        for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+            for i in saved["params"] if group["use_muon"] else ():
+                st = sd["state"].get(i)
+                if st is not None and "momentum_buffer" in st:
+                    m = st["momentum_buffer"]
+                    sd["state"][i] = {"exp_avg": m, "exp_avg_sq": torch.zeros_like(m)}
+        return sd
+
     def _muon(self, p: torch.nn.Parameter, group: dict, lr: float) -> None:
         state = self.state[p]
-        if not state:  # momentum is linear: each rank keeps its shard's (or its flat partition's)
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        if "momentum_buffer" not in state:  # momentum is linear: each rank keeps its shard's (or flat
+            saved = state.pop("exp_avg", None)  # partition's); as saved by ``state_dict``
+            state.clear()
+            state["momentum_buffer"] = (
+                saved.float() if saved is not None else torch.zeros_like(p, dtype=torch.float32)
+            )
         beta, buf, g = group["momentum"], state["momentum_buffer"], p.grad.float()
         buf.lerp_(g, 1 - beta)
         lookahead = g.lerp(buf, beta)

@@ -124,7 +124,7 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
         from ..errors import CheckpointError
 
         saved = str(((plan.meta.get("config") or {}).get("optimizer") or {}).get("type", ""))
-        why = optimizer_resume_conflict(saved, run.deepspeed.optimizer_type, same_layout, plan.meta["layout"])
+        why = optimizer_resume_conflict(saved, run.deepspeed.optimizer_type)
         if why:
             raise CheckpointError(f"cannot resume {plan.path}: {why}")
         convert = plan.check_offload(layout)
