@@ -1019,7 +1019,7 @@ def test_muon_counts_one_momentum_and_the_newton_schulz_gemms():
     passes ``mt3d train --check``."""
     import tempfile
 
-    from mt3d.planner.muon import muon_cost, ns_flops
+    from mt3d.planner.muon import OPTIMIZERS, muon_cost, ns_flops
 
     cfg = resolve_model({"preset": "llama-1b"})
     v, h, hd, f = cfg.vocab_size, cfg.hidden, cfg.head_dim, cfg.ffn
@@ -1031,7 +1031,7 @@ def test_muon_counts_one_momentum_and_the_newton_schulz_gemms():
     assert cost.expert_flops == 0 and ns_flops(4, 8) == 5 * (4 * 16 * 8 + 2 * 64)
     argv = ["--gpus", "8", "--gpu", "h100", "--global-batch", "64", "--seq-len", "2048", "--tensor", "1",
             "--pipeline", "1", "--zero", "1", "--offload", "none", "--micro-batch", "1"]  # fmt: skip
-    adam, muon = (_planned(cfg.to_dict(), argv + ["--optimizer", o])["feasible"][0] for o in ("adamw", "muon"))
+    adam, muon = (_planned(cfg.to_dict(), [*argv, "--optimizer", o])["feasible"][0] for o in OPTIMIZERS)
     states = cfg.num_params(v) * cost.fraction * 4 / 8  # one fp32 momentum fewer, over dp 8
     got = adam["memory"]["model_states"] - muon["memory"]["model_states"]
     assert got == pytest.approx(states / 1e9, rel=1e-3)  # the stage's parameters: the vocabulary padded
