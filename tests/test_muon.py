@@ -321,3 +321,60 @@ def test_match_rms_scale_and_bf16_iterations():
 
     ref = newton_schulz(g.double(), dtype=torch.float64)
     assert (newton_schulz(g, dtype=torch.bfloat16).double() - ref).norm() / ref.norm() < 6e-2  # 4.8e-2
+
+
+def test_an_exported_step_is_orthogonal_per_hf_matrix(tmp_path):
+    """The defining property end to end: one Muon step at tp 2 with SP from an HF Qwen2-MoE checkpoint
+    (constant lr, weight decay 0), exported with ``mt3d export-hf``: (W0 - W1) / lr of every HF matrix of
+    the blocks (q, k, v, o; each expert's gate, up and down; the shared expert's; the dense layer's),
+    over its scale, has its largest singular value near 1 and its median above 0.5; the embedding's,
+    the routers' and the shared-expert gate's (AdamW's sign-like first step) do not."""
+    import subprocess
+    import sys
+
+    from test_hf import hf_configs
+    from transformers import AutoModelForCausalLM
+
+    from mt3d.data.corpora import stdlib_documents
+    from mt3d.data.tokenizer import train_bpe
+    from mt3d.parallel.spawn import spawn
+
+    from helpers import train_worker
+
+    tok = train_bpe([d for _, d in zip(range(400), stdlib_documents(), strict=False)], 512, tmp_path / "tok")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(hf_configs(tok.vocab_size, tok.eos_id)["qwen2_moe"])
+    base.save_pretrained(tmp_path / "hf")
+    for f in (tmp_path / "tok").iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    lr = 1e-3
+    raw = muon_run(tmp_path / "run", tp=2, steps=1, zero=1, sequence_parallel=True,
+                   optimizer={"type": "Muon", "params": {"lr": lr, "weight_decay": 0.0}})  # fmt: skip
+    raw["mt3d"]["model"] = {"from_hf": str(tmp_path / "hf")}
+    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32}
+    raw["mt3d"]["train"]["save_at_end"] = True
+    spawn(train_worker, 2, raw, timeout=300)
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    out = subprocess.run([sys.executable, "-m", "mt3d", "export-hf", "--checkpoint", str(step), "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    after = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
+    checked = {"muon": 0, "adamw": 0}
+    for name, w0 in base.named_parameters():
+        update = (w0.detach() - after[name].detach()).double() / lr
+        if w0.ndim < 2:
+            continue
+        if "layers." not in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            assert torch.linalg.svdvals(update).max() > 2, name  # AdamW: the gradient's signs
+            checked["adamw"] += 1
+            continue
+        mats = (
+            [m for e in update for m in (e.chunk(2) if "gate_up" in name else (e,))]
+            if w0.ndim == 3
+            else [update]
+        )
+        for m in mats:
+            s = torch.linalg.svdvals(m / math.sqrt(max(1, m.shape[0] / m.shape[1])))
+            assert 0.6 < s.max() < 1.25 and 0.5 < s.median(), (name, s)
+            checked["muon"] += 1
+    assert checked["muon"] >= 4 * 4 + 3 * 4 * 3 + 3 * 3 + 3 and checked["adamw"] >= 1 + 3 + 3
