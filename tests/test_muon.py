@@ -177,10 +177,12 @@ def test_every_layout_equals_one_process(tmp_path):
     ZeRO tp 2 with SP and cp 2; ZeRO-1 and ZeRO-2 at dp 2, pp 2 and tp 2 x pp 2 x dp 2 (flat
     partitions: each rank orthogonalises the whole weights its partition overlaps); ep 2 of
     tiny-mixtral, also folded over tp 2 (whole experts); tiny-deepseek-v3's latent projections at tp 2;
-    LoRA's adapters at tp 2. In bf16 (DeepSpeed's bf16 optimizer at ZeRO-1, its ZeRO optimizer at
-    ZeRO-2) dp 2 stays within bf16's layout noise (3e-3) of one process. AdamW's run differs from
-    step 2."""
+    LoRA's adapters at tp 2; ZB-V at pp 2 (whose ranks hold different AdamW weights: the optimizer's
+    groups are the same on every stage, as ZeRO's per-group norm collectives need). In bf16
+    (DeepSpeed's bf16 optimizer at ZeRO-1, its ZeRO optimizer at ZeRO-2) dp 2 stays within bf16's
+    layout noise (3e-3) of one process. AdamW's run differs from step 2."""
     mix, ds3, d = {"preset": "tiny-mixtral"}, {"preset": "tiny-deepseek-v3"}, tmp_path
+    four = {"preset": "tiny-llama", "layers": 4}
     runs = {
         "one": (1, muon_run(d / "one")), "tp": (2, muon_run(d / "tp", tp=2, sequence_parallel=True)),
         "cp": (2, muon_run(d / "cp", context=2)), "z1": (2, muon_run(d / "z1", zero=1)),
@@ -195,12 +197,15 @@ def test_every_layout_equals_one_process(tmp_path):
         "lora2": (2, muon_run(d / "lora2", tp=2, zero=1, sequence_parallel=True, lora=LORA)),
         "b1": (1, muon_run(d / "b1", zero=1, bf16=True)), "b2": (2, muon_run(d / "b2", zero=1, bf16=True)),
         "b3": (2, muon_run(d / "b3", zero=2, bf16=True)),
+        "four": (1, muon_run(d / "four", four)),  # ZB-V's second rank holds no embedding, head or router
+        "zbv": (2, muon_run(d / "zbv", four, zero=1, pipeline=2, schedule="zbv", virtual_stages=2)),
     }  # fmt: skip
     got = dict(
         zip(runs, (step_records(r) for r in run_grouped(list(runs.values()), timeout=900)), strict=True)
     )
     pairs = [("one", k, 1e-5) for k in ("tp", "cp", "z1", "z2", "pp", "3d")]
-    pairs += [("mix", "ep", 1e-5), ("mix", "fold", 1e-5), ("ds1", "ds2", 1e-5), ("lora1", "lora2", 1e-5)]
+    pairs += [("mix", "ep", 1e-5), ("mix", "fold", 1e-5), ("ds1", "ds2", 1e-5), ("lora1", "lora2", 1e-5),
+              ("four", "zbv", 1e-5)]  # fmt: skip
     pairs += [("b1", "b2", 3e-3), ("b1", "b3", 3e-3)]
     for want, name, rel in pairs:
         for a, b in zip(got[name], got[want], strict=True):

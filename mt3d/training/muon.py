@@ -153,10 +153,13 @@ class Muon(torch.optim.Optimizer):
     learning-rate scheduler sets; ``lr_scale`` (``muon_lr`` or ``adam_lr`` over ``lr``) keeps each
     half's own rate through any scheduler."""
 
-    def __init__(self, groups: list[dict], matrices: dict[int, Matrix], scale: str = "deepspeed",
-                 ns_dtype: str = "fp32") -> None:  # fmt: skip
+    def __init__(self, groups: list[dict], matrices: dict[int, Matrix], decays: dict[int, float],
+                 scale: str = "deepspeed", ns_dtype: str = "fp32") -> None:  # fmt: skip
         super().__init__(groups, {})
         self.matrices, self.scale, self.ns_dtype = matrices, scale, NS_DTYPES[ns_dtype]
+        self.decays = decays
+        """``id(weight)`` -> its weight decay (its parameter group's in ``training.engine.param_groups``)."""
+        self._flat_decays: dict[int, torch.Tensor] = {}
         self.flat: dict[int, object] = {}
         """Under ZeRO 1-2 or DeepSpeed's bf16 optimizer: ``id`` of each flat partition it steps ->
         its ``mt3d.ds.muon.FlatLayout`` (set by ``mt3d.ds.muon.attach``)."""
@@ -176,9 +179,23 @@ class Muon(torch.optim.Optimizer):
                 if group["use_muon"]:
                     self._muon(p, group, lr)
                 else:
-                    adam_update(p, p.grad, self.state[p], lr, group["betas"], group["eps"],
-                                group["weight_decay"])  # fmt: skip
+                    adam_update(p, p.grad, self.state[p], lr, group["betas"], group["eps"], self._decay(p))
         return loss
+
+    def _decay(self, p: torch.Tensor):
+        """The weight decay of ``p``: its own, or per element of a flat partition (``FlatLayout``)."""
+        if id(p) not in self.flat:
+            return self.decays[id(p)]
+        if id(p) not in self._flat_decays:
+            flat = self.flat[id(p)]
+            lo, hi = flat.rank * flat.partition, (flat.rank + 1) * flat.partition
+            vec = torch.zeros(flat.partition, dtype=torch.float32, device=p.device)
+            for param, start in flat.params:
+                a, b = max(start, lo), min(start + param.numel(), hi)
+                if a < b:
+                    vec[a - lo : b - lo] = self.decays[id(param)]
+            self._flat_decays[id(p)] = vec
+        return self._flat_decays[id(p)]
 
     def state_dict(self) -> dict:
         """torch's, with each Muon weight's momentum saved as Adam's ``exp_avg`` beside a zero
@@ -209,7 +226,7 @@ class Muon(torch.optim.Optimizer):
             update = self._flat_update(lookahead, self.flat[id(p)], group["ns_method"])
         else:
             update = self._orthogonal(lookahead, self.matrices[id(p)], group["ns_method"])
-        p.mul_(1 - lr * group["weight_decay"])
+        p.mul_(1 - lr * self._decay(p))
         p.add_(update.to(p.dtype), alpha=-lr)
 
     def _orthogonal(self, shard: torch.Tensor, how: Matrix, method: str) -> torch.Tensor:
@@ -241,12 +258,17 @@ class Muon(torch.optim.Optimizer):
 def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: AxisGroup,
           etp: AxisGroup | None, scale: str = "deepspeed", ns_dtype: str = "fp32") -> Muon:  # fmt: skip
     """The optimizer of ``"optimizer": {"type": "Muon", "params": params}`` over mt3d's parameter groups
-    (``training.engine.param_groups``: each split into its Muon and AdamW halves, a group's own
-    ``weight_decay`` kept). Keys as DeepSpeed's: the shared ``lr``, ``weight_decay``; Muon's
-    ``momentum`` (0.95), ``ns_method`` ("gram"), ``muon_lr``; AdamW's ``betas`` ((0.9, 0.999)), ``eps``
-    (1e-8), ``adam_lr``."""
+    (``training.engine.param_groups``, with ``mt3d.ds.experts``' expert groups under ep with ZeRO).
+    Keys as DeepSpeed's: the shared ``lr``, ``weight_decay``; Muon's ``momentum`` (0.95), ``ns_method``
+    ("gram"), ``muon_lr``; AdamW's ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``adam_lr``.
+
+    Two groups per expert class (dense, experts): Muon's and AdamW's, each weight keeping the weight
+    decay of the group it came from (``Muon.decays``). Not one half per incoming group: DeepSpeed's
+    ZeRO computes the gradient norm group by group with a collective each, so every pipeline stage
+    needs the same groups, and a stage without a 2-D AdamW weight (no embedding, head or router: the
+    middle of a pipeline, ZB-V's second rank) would have one group fewer and hang the others."""
     lr = float(params.get("lr", 1e-3))
-    shared = {"weight_decay": float(params.get("weight_decay", 0.0))}
+    shared = float(params.get("weight_decay", 0.0))
     halves = {
         True: {"momentum": float(params.get("momentum", 0.95)), "ns_method": params.get("ns_method", "gram"),
                "lr_scale": float(params.get("muon_lr", lr)) / lr},
@@ -254,11 +276,15 @@ def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: Ax
                 "lr_scale": float(params.get("adam_lr", lr)) / lr},
     }  # fmt: skip
     matrices = muon_matrices(model, tp, etp)
-    groups = []
+    classes: dict[tuple, dict] = {}  # (moe, name) -> {use_muon: [params]}, the groups' own marks
+    decays: dict[int, float] = {}
     for group in param_groups:
-        own = {k: v for k, v in group.items() if k != "params"}
-        for use_muon, settings in halves.items():
-            half = [p for p in group["params"] if (id(p) in matrices) is use_muon]
-            if half:
-                groups.append({"params": half, "use_muon": use_muon, "lr": lr, **shared, **settings, **own})
-    return Muon(groups, matrices, scale, ns_dtype)
+        marks = {k: group[k] for k in ("moe", "name") if k in group}
+        halves_of = classes.setdefault(tuple(marks.items()), {True: [], False: []})
+        for p in group["params"]:
+            halves_of[id(p) in matrices].append(p)
+            decays[id(p)] = float(group.get("weight_decay", shared))
+    base = {"lr": lr, "weight_decay": shared}
+    groups = [{"params": ps, "use_muon": use_muon, **base, **halves[use_muon], **dict(marks)}
+              for marks, by in classes.items() for use_muon, ps in by.items() if ps]  # fmt: skip
+    return Muon(groups, matrices, decays, scale, ns_dtype)
