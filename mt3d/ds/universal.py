@@ -442,7 +442,7 @@ def unsupported_reshard(saved: dict, target: dict) -> str | None:
             f"universal converter cannot read: resume it in the layout it was saved in "
             f"(tensor={saved['tp']}, pipeline={saved['pp']}, dp={saved['dp']}), {way}"
         )
-    if target["zero_stage"] != 3:
+    if saved["zero_stage"] != 3 and target["zero_stage"] != 3:
         return None
     if saved["zero_stage"] == 3:
         return (
