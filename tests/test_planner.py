@@ -1041,7 +1041,8 @@ def test_muon_counts_one_momentum_and_the_newton_schulz_gemms():
     ns = cost.dense_flops / 8 / (dev.gemm_tflops * 0.78 * 1e12)
     assert muon["optimizer_s"] - adam["optimizer_s"] == pytest.approx(ns, rel=1e-6)
     z3 = _planned(cfg.to_dict(), [*argv[:-6], "--zero", "3", "--micro-batch", "1", "--optimizer", "muon"])
-    assert not z3["feasible"] and any("Muon runs with ZeRO 0-2" in r["reason"] for r in z3["rejected"])
+    reasons = [r["reason"] for r in z3["rejected"]]
+    assert not z3["feasible"] and any("mt3d runs Muon with ZeRO stage 0-2" in r for r in reasons)
     with tempfile.TemporaryDirectory() as d:
         result = _planned(cfg.to_dict(), argv + ["--optimizer", "muon"])
         conf = write_config(result, f"{d}/plan.json", {"preset": "llama-1b"}, cfg)

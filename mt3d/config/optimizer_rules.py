@@ -35,14 +35,23 @@ def muon_conflict(ds, train, stage: int, precision: str) -> str | None:
     if muon is not None and muon.qk_clip is not None:
         why = "must be positive" if not muon.qk_clip > 0 else "(MuonClip) is not built yet; drop it"
         return f"mt3d.train.muon.qk_clip {why}"
-    if stage > 2 or precision == "fp16" or (precision == "bf16" and stage == 0) or ds.offload.any:
-        return (
-            f"mt3d runs Muon with ZeRO stage 0-2 in fp32 or stage 1-2 in bf16, without offload (this run: "
-            f"stage {stage}, {precision}, offload {ds.offload.label}): ZeRO-3 and offloaded optimizers step "
-            "parameters no rank holds whole"
-        )
+    why = muon_layout_conflict(stage, precision, ds.offload.label)
+    if why:
+        return why
     if train.optimizer_states != "fp32":
         return "mt3d.train.optimizer_states applies to DeepSpeed's optimizers, not Muon: drop it"
+    return None
+
+
+def muon_layout_conflict(stage: int, precision: str, offload: str) -> str | None:
+    """Why Muon cannot run at ZeRO ``stage``, ``precision`` and offload ``offload`` (an ``Offload``
+    label; None: it can): the one rule ``mt3d train`` and the planner (``planner.muon``) apply."""
+    if stage > 2 or precision == "fp16" or (precision == "bf16" and stage == 0) or offload != "none":
+        return (
+            f"mt3d runs Muon with ZeRO stage 0-2 in fp32 or stage 1-2 in bf16, without offload (this run: "
+            f"stage {stage}, {precision}, offload {offload}): ZeRO-3 and offloaded optimizers step "
+            "parameters no rank holds whole"
+        )
     return None
 
 

@@ -90,9 +90,7 @@ def muon_seconds(cfg: ModelConfig, vocab: int, lay, device, gemm_fraction: float
 
 
 def muon_conflict(lay, precision: str) -> str | None:
-    """Why mt3d would refuse Muon at this candidate (``config.optimizer_rules.muon_conflict``)."""
-    if lay.zero_stage > 2 or lay.offload != "none":
-        return "Muon runs with ZeRO 0-2 and no offload"
-    if precision != "fp32" and lay.zero_stage == 0:
-        return "Muon in 16-bit needs ZeRO 1-2"
-    return None
+    """Why mt3d would refuse Muon at this candidate (``config.optimizer_rules.muon_layout_conflict``)."""
+    from ..config.optimizer_rules import muon_layout_conflict
+
+    return muon_layout_conflict(lay.zero_stage, precision, lay.offload)
