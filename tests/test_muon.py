@@ -155,7 +155,7 @@ MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay":
 
 
 def muon_run(d, model=None, tp=1, steps=4, optimizer=MUON, save_interval=0, resume=None, zero=0, bf16=False,
-             lora=None, **parallel):  # fmt: skip
+             lora=None, qk_clip=None, **parallel):  # fmt: skip
     train = {"save_interval": save_interval, **({"resume": resume} if resume else {})}
     raw = tiny_config(
         d, model=model or {"preset": "tiny-llama"}, tp=tp, steps=steps, zero=zero, micro=2, **train
@@ -166,10 +166,14 @@ def muon_run(d, model=None, tp=1, steps=4, optimizer=MUON, save_interval=0, resu
         raw["bf16"] = {"enabled": True}
     if lora:
         raw["mt3d"]["lora"] = lora
+    if qk_clip:
+        raw["mt3d"]["train"]["muon"] = {"qk_clip": qk_clip}
     return raw
 
 
 LORA = {"r": 8, "target_modules": "all-linear"}
+TAU = 0.06
+"""QK-clip's tau for the tiny models' first steps, whose largest logits are 0.06-0.13."""
 
 
 def test_every_layout_equals_one_process(tmp_path):
@@ -199,6 +203,13 @@ def test_every_layout_equals_one_process(tmp_path):
         "b3": (2, muon_run(d / "b3", zero=2, bf16=True)),
         "four": (1, muon_run(d / "four", four)),  # ZB-V's second rank holds no embedding, head or router
         "zbv": (2, muon_run(d / "zbv", four, zero=1, pipeline=2, schedule="zbv", virtual_stages=2)),
+        # QK-clip: heads over tau in every step; the maxima of tp 2 x cp 2 (all-to-all: each cp rank
+        # sees half of its heads) reduced over cp, flat ZeRO partitions; latent attention at cp 2; a tau
+        # no logit reaches
+        "qc1": (1, muon_run(d / "qc1", qk_clip=TAU)), "qn1": (1, muon_run(d / "qn1", qk_clip=1e9)),
+        "qc2": (4, muon_run(d / "qc2", tp=2, zero=1, context=2, sequence_parallel=True, qk_clip=TAU)),
+        "qm1": (1, muon_run(d / "qm1", ds3, qk_clip=TAU)),
+        "qm2": (2, muon_run(d / "qm2", ds3, zero=1, context=2, qk_clip=TAU)),
     }  # fmt: skip
     got = dict(
         zip(runs, (step_records(r) for r in run_grouped(list(runs.values()), timeout=900)), strict=True)
@@ -206,11 +217,19 @@ def test_every_layout_equals_one_process(tmp_path):
     pairs = [("one", k, 1e-5) for k in ("tp", "cp", "z1", "z2", "pp", "3d")]
     pairs += [("mix", "ep", 1e-5), ("mix", "fold", 1e-5), ("ds1", "ds2", 1e-5), ("lora1", "lora2", 1e-5),
               ("four", "zbv", 1e-5)]  # fmt: skip
-    pairs += [("b1", "b2", 3e-3), ("b1", "b3", 3e-3)]
+    pairs += [("b1", "b2", 3e-3), ("b1", "b3", 3e-3), ("qc1", "qc2", 1e-5), ("qm1", "qm2", 1e-5)]
     for want, name, rel in pairs:
         for a, b in zip(got[name], got[want], strict=True):
-            for key in ("loss", "grad_norm"):
+            for key in ("loss", "grad_norm") + (("attn_logit_max",) if name[0] == "q" else ()):
                 assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (name, a["step"], key)
+            assert a.get("qk_clipped_heads") == b.get("qk_clipped_heads"), (name, a["step"])
+    for name in ("qc1", "qm1"):  # some heads clipped in every step, not all of them
+        assert all(0 < r["qk_clipped_heads"] < 16 for r in got[name][1:]), got[name]
+    # a tau no logit reaches: the maxima noted, nothing clipped, training unchanged bit for bit
+    assert [r["loss"] for r in got["qn1"]] == [r["loss"] for r in got["one"]]
+    assert all(r["qk_clipped_heads"] == 0 for r in got["qn1"])
+    assert got["qn1"][0]["attn_logit_max"] == got["qc1"][0]["attn_logit_max"] > TAU
+    assert all(a["attn_logit_max"] < b["attn_logit_max"] for a, b in zip(got["qc1"][1:], got["qn1"][1:]))
     one, adam = got["one"], got["adam"]
     assert one[0]["loss"] == pytest.approx(adam[0]["loss"]) and one[1]["loss"] != pytest.approx(
         adam[1]["loss"]
@@ -224,8 +243,10 @@ def test_every_layout_equals_one_process(tmp_path):
     ({"params": {"ns_method": "svd"}}, "optimizer.params.ns_method must be one of gram, standard"),
     ({"params": {"nesterov": False}}, "optimizer.params.nesterov is not a Muon key"),
     ({"params": {"momentum": 1.0}}, "optimizer.params.momentum must be in [0, 1)"),
-    ({"muon": {"qk_clip": 0.0}}, "mt3d.train.muon.qk_clip must be positive"),
-    ({"muon": {"qk_clip": 100.0}}, "mt3d.train.muon.qk_clip (MuonClip) is not built yet"),
+    ({"muon": {"qk_clip": 0.0}}, "mt3d.train.muon.qk_clip must be a positive number"),
+    ({"muon": {"qk_clip": "100"}}, "'mt3d.train.muon.qk_clip' must be float | None"),
+    ({"muon": {"qk_clip": 100.0}, "model": {"preset": "tiny-qwen3"}}, "its q/k norms (model.qk_norm) undo"),
+    ({"muon": {"qk_clip": 100.0}, "lora": LORA}, "which mt3d.lora freezes"),
     ({"muon": {"scale": "spectral"}}, "mt3d.train.muon.scale must be one of deepspeed, match_rms"),
     ({"muon": {"ns_dtype": "fp16"}}, "mt3d.train.muon.ns_dtype must be one of fp32, bf16"),
     ({"pipeline": 2}, "ZeRO stage 0 with pipeline > 1"),
@@ -233,7 +254,7 @@ def test_every_layout_equals_one_process(tmp_path):
 def test_muon_bad_input_is_one_line(tmp_path, change, message):
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
 
-    raw = muon_run(tmp_path)
+    raw = muon_run(tmp_path, change.get("model"), lora=change.get("lora"))
     raw["optimizer"] = {"type": "Muon", "params": {**MUON["params"], **change.get("params", {})}}
     if "zero" in change:
         raw["zero_optimization"]["stage"] = change["zero"]

@@ -229,6 +229,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
         if why:
             raise ConfigError(why)
     rules.check_train(train)
+    why = model is not None and rules.qk_clip_conflict(train.muon, model, run.mt3d.lora)
+    if why:
+        raise ConfigError(why)
     if run.mt3d.lora is not None:
         _check_lora(run.mt3d.lora, model, stage, here)
     if here:

@@ -32,14 +32,27 @@ def muon_conflict(ds, train, stage: int, precision: str) -> str | None:
         return f"mt3d.train.muon.scale must be one of {', '.join(SCALES)}, got {muon.scale!r}"
     if muon is not None and muon.ns_dtype not in NS_DTYPES:
         return f"mt3d.train.muon.ns_dtype must be one of {', '.join(NS_DTYPES)}, got {muon.ns_dtype!r}"
-    if muon is not None and muon.qk_clip is not None:
-        why = "must be positive" if not muon.qk_clip > 0 else "(MuonClip) is not built yet; drop it"
-        return f"mt3d.train.muon.qk_clip {why}"
+    if muon is not None and muon.qk_clip is not None and not muon.qk_clip > 0:
+        return f"mt3d.train.muon.qk_clip must be a positive number (tau, e.g. 100), got {muon.qk_clip!r}"
     why = muon_layout_conflict(stage, precision, ds.offload.label)
     if why:
         return why
     if train.optimizer_states != "fp32":
         return "mt3d.train.optimizer_states applies to DeepSpeed's optimizers, not Muon: drop it"
+    return None
+
+
+def qk_clip_conflict(muon, model, lora) -> str | None:
+    """Why QK-clip (``train.muon.qk_clip``) cannot run on ``model`` (None: it can, or it is off)."""
+    if muon is None or muon.qk_clip is None:
+        return None
+    if lora is not None:
+        return "mt3d.train.muon.qk_clip scales the query and key weights, which mt3d.lora freezes: drop one"
+    if model.qk_norm:
+        return (
+            "mt3d.train.muon.qk_clip cannot bound this model's logits: its q/k norms (model.qk_norm) undo "
+            "any scale of the query and key weights (and already bound the logits); drop qk_clip"
+        )
     return None
 
 

@@ -17,7 +17,7 @@ from .moe_rules import (  # noqa: F401 - the MoE rules, read from here too
     moe_conflict,
     overlap_moe_conflict,
 )
-from .optimizer_rules import muon_conflict  # noqa: F401 - read from here too
+from .optimizer_rules import muon_conflict, qk_clip_conflict  # noqa: F401 - read from here too
 from .pipeline_rules import (  # noqa: F401 - the pipeline's rules, read from here too
     p2p_conflict,
     schedule_conflict,

@@ -201,7 +201,8 @@ class MuonConfig:
     ns_dtype: str = "fp32"
     """The Newton-Schulz iterations' dtype: 'fp32' or 'bf16'."""
     qk_clip: float | None = None
-    """MuonClip's tau (Kimi K2): not built yet, refused."""
+    """MuonClip's tau (Kimi K2): after each step, every attention head whose largest pre-softmax logit
+    exceeded tau has its query and key weights scaled back to tau (``mt3d.training.qk_clip``; None: off)."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .logit_max import max_logits
 from .patterns import (  # noqa: F401 - re-exported: the patterns are part of this module's interface
     ATTENTION_KEYS,
     FULL,
@@ -361,6 +362,7 @@ def attend(
     n: int | None = None,
     documents: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    record=None,
 ) -> torch.Tensor:
     """Causal attention of queries at positions ``q_start + i`` over keys at ``k_start + j`` in a
     sequence of ``n`` tokens (default: it ends with the last query).
@@ -369,6 +371,7 @@ def attend(
     ``documents`` [b, n]: the document index of every position of the whole sequence (packed samples,
     ``mt3d.data.packing``): attention then stays inside each document (``attend_documents``).
     ``sinks`` [hq]: each query head's sink logit, joining every query's softmax once.
+    ``record``: called with each query head's largest logit of this call (``logit_max``: QK-clip).
     """
     if sinks is not None and softcap is not None:
         raise AttentionConfigError("attention sinks with soft-capped scores are not supported")
@@ -377,10 +380,12 @@ def attend(
 
         return attend_documents(attend, q, k, v, documents, pattern=pattern, scale=scale, softcap=softcap,
                                 dropout=dropout, q_start=q_start, k_start=k_start, block=block,
-                                kernel=kernel, sinks=sinks)  # fmt: skip
+                                kernel=kernel, sinks=sinks, record=record)  # fmt: skip
     d = q.shape[-1]
     s, t = q.shape[2], k.shape[2]
     n = q_start + s if n is None else n
+    if record is not None:
+        record(max_logits(q, k, pattern=pattern, scale=scale, q_start=q_start, k_start=k_start, n=n))
     whole = q_start == 0 and k_start == 0 and s == t == n
     if whole and pattern is not None and pattern.dilation == 1 and pattern.window >= s:
         pattern = None  # every window reaches the first token: global attention

@@ -34,6 +34,7 @@ from ..parallel.random import checkpoint
 from .attention import attend
 from .build import BuildContext  # noqa: F401 - the name layers and callers import from here
 from .config import ModelConfig
+from .logit_max import LogitMax, logit_record
 from .mlp import MLP  # noqa: F401
 from .norms import (  # noqa: F401
     RMSNorm,
@@ -78,6 +79,8 @@ class Attention(RopeTables, nn.Module):
         if cfg.qk_norm:
             self.q_norm = make_head_norm(cfg, ctx, self.heads)
             self.k_norm = make_head_norm(cfg, ctx, self.kv_heads)
+        self.logit_max: LogitMax | None = None
+        """Set by QK-clip (``mt3d.training.qk_clip``): every training forward notes its logits' maxima."""
         self.sinks = None
         if cfg.attn_sinks:  # one logit per query head, split over TP with the heads
             lo = ctx.tp.rank * self.heads
@@ -94,6 +97,17 @@ class Attention(RopeTables, nn.Module):
             device=ctx.device,
             gemms=ctx.gemms(layer),
         )
+
+    def qk_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """QK-clip's factor of every row of the fused q/k/v weight (and bias) for head factors ``gamma``
+        [heads] (``mt3d.training.qk_clip``): a key head shared by a group times sqrt of the group's
+        smallest, each query head the rest of its own; values unchanged."""
+        group, hd = self.heads // self.kv_heads, self.head_dim
+        shared = gamma.view(self.kv_heads, group).amin(dim=1).sqrt()
+        q = (gamma / shared.repeat_interleave(group)).repeat_interleave(hd)
+        k = shared.repeat_interleave(hd)
+        rows = torch.cat([q, k, torch.ones_like(k)])
+        return [(p, rows) for p in (self.qkv.weight, self.qkv.bias) if p is not None]
 
     def cp_kind(self, local_len: int) -> str:
         """This layer's context-parallel exchange for ``local_len`` local tokens (two chunks)."""
@@ -138,15 +152,18 @@ class Attention(RopeTables, nn.Module):
             k, v, k_start = cache.update(self, k, v, self.pattern)
         drop = self.cfg.attention_dropout if self.training else 0.0
         kernel = functools.partial(attend, block=self.block, kernel=self.kernel, documents=documents)
+        record = logit_record(self, cache)
         with self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext():
             if self.ctx.cp_size > 1 and cache is None:
                 o = context.attention(
                     q, k, v, self.ctx.cp, self.cp_kind(s), pattern=self.pattern, scale=self.scale,
                     softcap=self.cfg.attn_softcap, dropout=drop, attend=kernel, sinks=self.sinks,
+                    record=record,
                 )  # fmt: skip
             else:
                 o = kernel(q, k, v, pattern=self.pattern, scale=self.scale, softcap=self.cfg.attn_softcap,
-                           dropout=drop, q_start=past, k_start=k_start, sinks=self.sinks)  # fmt: skip
+                           dropout=drop, q_start=past, k_start=k_start, sinks=self.sinks,
+                           record=record)  # fmt: skip
         return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
 

@@ -46,7 +46,8 @@ def relative_positions(documents: torch.Tensor) -> torch.Tensor:
 
 def attend_documents(attend, q, k, v, documents: torch.Tensor, *, pattern, scale, softcap=None,
                      dropout=0.0, q_start: int = 0, k_start: int = 0, block=None,
-                     kernel: str = "auto", n: int | None = None, sinks=None) -> torch.Tensor:  # fmt: skip
+                     kernel: str = "auto", n: int | None = None, sinks=None,
+                     record=None) -> torch.Tensor:  # fmt: skip
     """``attend`` (``mt3d.model.attention.attend``) inside each document: for every sample and
     document, that document's queries see only its keys, at positions counted from the document's
     start (so local patterns, strides included, stop at a document's start as at a sequence's). Each
@@ -58,11 +59,12 @@ def attend_documents(attend, q, k, v, documents: torch.Tensor, *, pattern, scale
 
     q [b, hq, s, d] at positions ``q_start ...``, k/v [b, hk, t, d] at ``k_start ...`` (contiguous
     ranges of the whole sequence); ``documents`` [b, n] for every position of the sequence; ``sinks``: as
-    ``attend``'s (each document's queries see the sink once)."""
+    ``attend``'s (each document's queries see the sink once); ``record``: as ``attend``'s (each piece
+    notes its own maxima)."""
     if kernel == "auto" and pattern is not None and q.device.type == "cuda":
         kernel = "block-local"
     kw = dict(pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, block=block, kernel=kernel,
-              sinks=sinks)  # fmt: skip
+              sinks=sinks, record=record)  # fmt: skip
     # pieces by split, not slicing: a slice's backward writes a zero tensor of the whole input
     rows = []
     for spans, qi, ki, vi in zip(document_spans(documents), q.split(1), k.split(1), v.split(1), strict=True):

@@ -37,6 +37,7 @@ from ..parallel import context
 from ..parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..parallel.mappings import copy_to_tp, gather_from_sequence
 from .attention import attend
+from .logit_max import LogitMax, logit_record
 from .norms import RopeTables, make_norm, rope_params, rotate_half, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6
@@ -64,6 +65,7 @@ class LatentAttention(RopeTables, nn.Module):
         self.heads = cfg.heads // tp
         self.local = False  # global layers only (RopeTables reads it)
         self.scale = softmax_scale(cfg)
+        self.logit_max: LogitMax | None = None  # QK-clip's (``mt3d.training.qk_clip``)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers)
         common = dict(tp=ctx.tp, dtype=ctx.dtype, device=ctx.device)
         column = dict(
@@ -91,6 +93,20 @@ class LatentAttention(RopeTables, nn.Module):
         self.out = RowParallelLinear(cfg.heads * spec.v_head_dim, cfg.hidden, bias=cfg.bias,
                                      sequence_parallel=ctx.sp, init=ctx.init(layer, "attn.out", out_std),
                                      gemms=ctx.gemms(layer), **common)  # fmt: skip
+
+    def qk_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """QK-clip's row factors for head factors ``gamma`` [heads] (``mt3d.training.qk_clip``): each
+        head's position-free query and key rows times sqrt(gamma), its rotary query rows times gamma;
+        values and the shared rotary key unchanged."""
+        spec, root = self.spec, gamma.sqrt()[:, None]
+        q = torch.cat(
+            [root.expand(-1, spec.qk_nope_head_dim), gamma[:, None].expand(-1, spec.qk_rope_head_dim)], 1
+        )
+        kv = torch.cat(
+            [root.expand(-1, spec.qk_nope_head_dim), torch.ones_like(root).expand(-1, spec.v_head_dim)], 1
+        )
+        proj = self.q if spec.q_lora_rank is None else self.q_b
+        return [(proj.weight, q.reshape(-1)), (self.kv_b.weight, kv.reshape(-1))]
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """RoPE on the rotary columns; DeepSeek's interleaved pairs are first put in rotate_half's order
@@ -127,13 +143,14 @@ class LatentAttention(RopeTables, nn.Module):
         k = torch.cat([k_nope, k_rot.expand(-1, self.heads, -1, -1)], dim=-1)
         v = nn.functional.pad(v, (0, spec.qk_head_dim - spec.v_head_dim))
         drop = self.cfg.attention_dropout if self.training else 0.0
+        record = logit_record(self, cache)
         with self.ctx.tp_region_rng() if drop > 0 else contextlib.nullcontext():
             if self.ctx.cp_size > 1 and cache is None:
                 kernel = functools.partial(attend, documents=documents)
                 o = context.attention(q, k, v, cp, "whole", pattern=None, scale=self.scale, softcap=None,
-                                      dropout=drop, attend=kernel)  # fmt: skip
+                                      dropout=drop, attend=kernel, record=record)  # fmt: skip
             else:
                 o = attend(q, k, v, pattern=None, scale=self.scale, dropout=drop, q_start=past,
-                           k_start=k_start, documents=documents)  # fmt: skip
+                           k_start=k_start, documents=documents, record=record)  # fmt: skip
         o = o[..., : spec.v_head_dim].transpose(1, 2).reshape(b, s, self.heads * spec.v_head_dim)
         return self.out(o)

@@ -24,6 +24,8 @@ Attention sees the other ranks' tokens through one of three exchanges, chosen pe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -149,10 +151,11 @@ def halo(x: torch.Tensor, cp: AxisGroup, h: int) -> tuple[torch.Tensor, torch.Te
     return _Halo.apply(x, cp, h)
 
 
-def _ulysses_local(pattern, scale, softcap, dropout, cp: int, attend, sinks=None):
+def _ulysses_local(pattern, scale, softcap, dropout, cp: int, attend, sinks=None, record=None):
     """The attention DeepSpeed's DistributedAttention runs on each rank after its all-to-all:
     [b, n, heads/cp, d] over the whole sequence, whose chunks arrive in rank order (rank r's two
-    chunks at 2r, 2r+1): put in global order, attend, put back. ``sinks``: this rank's heads' sinks."""
+    chunks at 2r, 2r+1): put in global order, attend, put back. ``sinks``: this rank's heads' sinks;
+    ``record``: ``attend``'s, already told which heads these are."""
     order = _order(cp)
     back = [order.index(i) for i in range(2 * cp)]
 
@@ -162,17 +165,20 @@ def _ulysses_local(pattern, scale, softcap, dropout, cp: int, attend, sinks=None
             return torch.cat([chunks[i] for i in perm], dim=1)
 
         q, k, v = (reorder(t, order).transpose(1, 2) for t in (q, k, v))
-        out = attend(q, k, v, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks)
+        out = attend(q, k, v, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks,
+                     record=record)  # fmt: skip
         return reorder(out.transpose(1, 2), back)
 
     return local
 
 
-def ulysses(q, k, v, cp: AxisGroup, *, pattern, scale, softcap, dropout, attend, sinks=None) -> torch.Tensor:
+def ulysses(q, k, v, cp: AxisGroup, *, pattern, scale, softcap, dropout, attend, sinks=None,
+            record=None) -> torch.Tensor:  # fmt: skip
     """All-to-all attention with DeepSpeed's ``DistributedAttention``: q/k/v [b, heads, 2c, d] local
     -> output [b, heads, 2c, d]. Key/value heads fewer than cp are repeated up to cp first (their
     gradients sum back), so that every rank holds one. ``sinks`` [heads]: the all-to-all gives cp rank
-    r the r-th 1/cp of the heads, and with them their sinks."""
+    r the r-th 1/cp of the heads, and with them their sinks; ``record(maxima, first)``: their logits'
+    maxima, noted from head ``first`` on."""
     from deepspeed.sequence.layer import DistributedAttention
 
     hq, hk = q.shape[1], k.shape[1]
@@ -180,8 +186,10 @@ def ulysses(q, k, v, cp: AxisGroup, *, pattern, scale, softcap, dropout, attend,
         k, v = (t.repeat_interleave(cp.size // hk, dim=1) for t in (k, v))
     if sinks is not None:
         sinks = sinks.chunk(cp.size)[cp.rank]
+    if record is not None:
+        record = functools.partial(record, first=cp.rank * (hq // cp.size))
     dist_attn = DistributedAttention(
-        _ulysses_local(pattern, scale, softcap, dropout, cp.size, attend, sinks),
+        _ulysses_local(pattern, scale, softcap, dropout, cp.size, attend, sinks, record),
         cp.group,
         scatter_idx=2,
         gather_idx=1,
@@ -208,17 +216,17 @@ def ulysses_heads_ok(heads: int, kv_heads: int, cp: int) -> bool:
 
 
 def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dropout, attend,
-              sinks=None) -> torch.Tensor:  # fmt: skip
+              sinks=None, record=None) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries (q/k/v [b, heads, 2c, d], positions as ``local_positions``,
     RoPE already applied) over the whole sequence, by exchange ``kind``; ``attend`` is
     ``model.attention.attend``. Kind "whole": k and v already hold the whole sequence in global order
     (latent attention gathers its compressed latent and expands it: ``mt3d.model.mla``). ``sinks``
     [heads]: attention sinks, which join each query's softmax once (every kind calls ``attend`` once per
-    query: no chunk's partial softmax is merged)."""
+    query: no chunk's partial softmax is merged). ``record``: ``attend``'s (QK-clip's logit maxima)."""
     if kind == "alltoall":
         return ulysses(
             q, k, v, cp, pattern=pattern, scale=scale, softcap=softcap, dropout=dropout, attend=attend,
-            sinks=sinks,
+            sinks=sinks, record=record,
         )  # fmt: skip
     c = q.shape[SEQ] // 2
     n = 2 * cp.size * c
@@ -250,6 +258,7 @@ def attention(q, k, v, cp: AxisGroup, kind: str, *, pattern, scale, softcap, dro
             k_start=k0,
             n=n,
             sinks=sinks,
+            record=record,
         )  # fmt: skip
         for i, (kk, vv, k0) in enumerate(keys)
     ]

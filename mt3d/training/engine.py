@@ -188,6 +188,10 @@ def initialize(
 
         params, muon = config.pop("optimizer").get("params") or {}, train.muon
         kw = {"scale": muon.scale, "ns_dtype": muon.ns_dtype} if muon else {}
+        if muon and muon.qk_clip:  # the loop logs its figures (``model.qk_clip``)
+            from .qk_clip import QKClip
+
+            kw["clip"] = model.qk_clip = QKClip(model, muon.qk_clip, rt.state.dense)
         make = lambda groups: build(params, groups, model, rt.state.tp, rt.state.etp, **kw)  # noqa: E731
         config["zero_allow_untested_optimizer"] = True  # DeepSpeed's ZeRO knows only its own optimizers
     return ds_initialize(model, param_groups(model), config, layout, mpu=mpu, state=rt.state,

@@ -68,6 +68,9 @@ class Trainer:
         self.balancing = spec is not None and spec.bias_update_rate > 0
         self.router: dict = {}
         """The last step's router figures (sparse models)."""
+        self.qk_clip = getattr(engine.module, "qk_clip", None)
+        self.logits: dict = {}
+        """The last step's largest attention logit and clipped heads (QK-clip: ``train.muon.qk_clip``)."""
         self.packed = bool(data.info.get("packed"))
         self.targets: dict = {}
         """The last step's supervised tokens and packing efficiency (packed data)."""
@@ -228,6 +231,7 @@ class Trainer:
             **self.targets,
             **self.router,
             **self.preference,
+            **self.logits,
         }
         self.metrics.write(record, wandb_step=self.engine.global_samples)
         gn = record["grad_norm"]
@@ -252,6 +256,9 @@ class Trainer:
                 f" | aux {r['moe_aux_loss']:.3f} | expert load max/mean {r['expert_load_max_over_mean']:.2f}"
                 f" | dropped {r['dropped_tokens']}"
             )
+        if self.logits:
+            top, clipped = self.logits["attn_logit_max"], self.logits["qk_clipped_heads"]
+            line += f" | max logit {top:.2f} (clipped {clipped})"
         self._print(line)
 
     def _print(self, line: str) -> None:
@@ -281,6 +288,8 @@ class Trainer:
             balance_experts(self.engine.module, self.rt.state.dense, self.rt.state.tp, not skipped)
         if self.sparse:
             self.router = self._router_figures()
+        if self.qk_clip is not None:
+            self.logits = self.qk_clip.figures(self.rt.device)
         if self.dpo:
             from .dpo import dpo_figures
 

@@ -156,6 +156,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, groups: list[dict], matrices: dict[int, Matrix], decays: dict[int, float],
                  scale: str = "deepspeed", ns_dtype: str = "fp32") -> None:  # fmt: skip
         super().__init__(groups, {})
+        self._groups = len(self.param_groups)
         self.matrices, self.scale, self.ns_dtype = matrices, scale, NS_DTYPES[ns_dtype]
         self.decays = decays
         """``id(weight)`` -> its weight decay (its parameter group's in ``training.engine.param_groups``)."""
@@ -163,6 +164,11 @@ class Muon(torch.optim.Optimizer):
         self.flat: dict[int, object] = {}
         """Under ZeRO 1-2 or DeepSpeed's bf16 optimizer: ``id`` of each flat partition it steps ->
         its ``mt3d.ds.muon.FlatLayout`` (set by ``mt3d.ds.muon.attach``)."""
+        self.clip = None
+        """QK-clip (``mt3d.training.qk_clip.QKClip``; None: off): applied to each weight as it is stepped."""
+        self._clip_rows: dict[int, torch.Tensor] = {}
+        self._groups_left = 0
+        """Groups still to step in this optimizer step: ZeRO steps one group a call, the others all."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -171,6 +177,10 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.clip is not None:  # the step's maxima, once (a collective: the same count on every rank)
+            if self._groups_left <= 0:
+                self._clip_rows, self._groups_left = self.clip.row_scales(), self._groups
+            self._groups_left -= len(self.param_groups)
         for group in self.param_groups:
             lr = group["lr"] * group.get("lr_scale", 1.0)
             for p in group["params"]:
@@ -180,7 +190,26 @@ class Muon(torch.optim.Optimizer):
                     self._muon(p, group, lr)
                 else:
                     adam_update(p, p.grad, self.state[p], lr, group["betas"], group["eps"], self._decay(p))
+                if self._clip_rows:
+                    self._clip(p)
         return loss
+
+    def _clip(self, p: torch.Tensor) -> None:
+        """QK-clip's row factors (``_clip_rows``) on the weights stepped as ``p``: ``p`` itself, or
+        their elements inside this flat partition."""
+        rows = self._clip_rows
+        if id(p) not in self.flat:
+            if id(p) in rows:
+                p.mul_(rows[id(p)].view(-1, *[1] * (p.dim() - 1)).to(p.dtype))
+            return
+        flat = self.flat[id(p)]
+        lo, hi = flat.rank * flat.partition, (flat.rank + 1) * flat.partition
+        for param, start in flat.params:
+            a, b = max(start, lo), min(start + param.numel(), hi)
+            if id(param) not in rows or a >= b:
+                continue
+            row = torch.arange(a - start, b - start, device=p.device) // (param.numel() // param.shape[0])
+            p[a - lo : b - lo].mul_(rows[id(param)].to(p.device)[row].to(p.dtype))
 
     def _decay(self, p: torch.Tensor):
         """The weight decay of ``p``: its own, or per element of a flat partition (``FlatLayout``)."""
@@ -256,7 +285,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: AxisGroup,
-          etp: AxisGroup | None, scale: str = "deepspeed", ns_dtype: str = "fp32") -> Muon:  # fmt: skip
+          etp: AxisGroup | None, scale: str = "deepspeed", ns_dtype: str = "fp32",
+          clip=None) -> Muon:  # fmt: skip
     """The optimizer of ``"optimizer": {"type": "Muon", "params": params}`` over mt3d's parameter groups
     (``training.engine.param_groups``, with ``mt3d.ds.experts``' expert groups under ep with ZeRO).
     Keys as DeepSpeed's: the shared ``lr``, ``weight_decay``; Muon's ``momentum`` (0.95), ``ns_method``
@@ -266,7 +296,8 @@ def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: Ax
     decay of the group it came from (``Muon.decays``). Not one half per incoming group: DeepSpeed's
     ZeRO computes the gradient norm group by group with a collective each, so every pipeline stage
     needs the same groups, and a stage without a 2-D AdamW weight (no embedding, head or router: the
-    middle of a pipeline, ZB-V's second rank) would have one group fewer and hang the others."""
+    middle of a pipeline, ZB-V's second rank) would have one group fewer and hang the others.
+    ``clip``: QK-clip's ``QKClip`` (None: off)."""
     lr = float(params.get("lr", 1e-3))
     shared = float(params.get("weight_decay", 0.0))
     halves = {
@@ -287,4 +318,6 @@ def build(params: dict, param_groups: list[dict], model: torch.nn.Module, tp: Ax
     base = {"lr": lr, "weight_decay": shared}
     groups = [{"params": ps, "use_muon": use_muon, **base, **halves[use_muon], **dict(marks)}
               for marks, by in classes.items() for use_muon, ps in by.items() if ps]  # fmt: skip
-    return Muon(groups, matrices, decays, scale, ns_dtype)
+    muon = Muon(groups, matrices, decays, scale, ns_dtype)
+    muon.clip = clip
+    return muon
