@@ -32,7 +32,8 @@ BENCHES = {
     "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",
     "hfload": "load time and peak memory per rank of a ~1B HF model at tp 2 vs transformers.from_pretrained",
     "attention": "local vs global layers as n grows (n*W vs n^2), and each local pattern's kernel vs dense "
-    "causal beside its speed-of-light bound",
+    "causal beside its speed-of-light bound; --part sinks / qk-clip: the cost of sinks and of QK-clip's "
+    "logit maxima",
     "longctx": "one long sequence at cp 1/2/4 with and without sequence tiles: per-rank peak memory vs the "
     "planner, and one process vs cp 4 under an address-space cap",
     "planner": "the planner's predicted TFLOP/s at published layouts (PTD-P, ZeRO-3, MT-NLG) vs the papers",
@@ -183,7 +184,7 @@ def _add_model_parsers(sub) -> None:
     h.add_argument("--layers", type=positive_int, default=18)
     h.add_argument("--tmp", default=None, help="directory for the 4 GB model (default: system temp)")
     at = sub.add_parser("attention", help=BENCHES["attention"])
-    at.add_argument("--part", choices=["layers", "patterns", "both", "sinks"], default="both")
+    at.add_argument("--part", choices=["layers", "patterns", "both", "sinks", "qk-clip"], default="both")
     at.add_argument(
         "--seq-lens", type=positive_ints, default=(1024, 4096, 16384), help="layers: sequence lengths"
     )

@@ -16,6 +16,10 @@ GPU, CUDA's peak allocation):
   the sink column and key) and gpt-oss's 128-token window (block-local on CPUs, FlexAttention with the
   sink as key 0 on GPUs), GQA 64/8 heads of 64 on a GPU: the time ratio (its cost), and each
   kernel's largest error against transformers' way (a logit column) in fp32, forward and gradients.
+* **qk-clip**: the same attention with and without QK-clip's logit maxima noted (``train.muon.qk_clip``:
+  one more q.k product without autograd over the keys each query sees), its time ratio beside the
+  theory: 8/7 for a kernel whose forward and backward are 7 n x n GEMMs of one head (QK^T and PV, then
+  QK^T again, dV, dP, dQ, dK), the noting an eighth.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ import multiprocessing as mp
 from .common import emit, table
 
 
-def _setup():
+def _setup(memory: bool = True):
+    """torch, whether on CUDA, the device and dtype; ``memory``: freed CPU memory returned at once (for
+    peak figures; it makes every allocation a fresh mapping, which times of many small tensors feel)."""
     import ctypes
 
     import torch
 
     cuda = torch.cuda.is_available()
-    if not cuda:
+    if not cuda and memory:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed memory goes back
     return torch, cuda, ("cuda" if cuda else "cpu"), (torch.bfloat16 if cuda else torch.float32)
 
@@ -114,11 +120,16 @@ def pattern_case(
 
 
 def sink_case(n: int, window: int | None, heads: int, kv_heads: int, head_dim: int, reps: int,
-              sinks: bool, kernel: str = "auto") -> dict:  # fmt: skip
-    """Attention with GQA, forward + backward, with or without sinks; with sinks also the fp32 errors
-    of the same kernel (at 512 tokens) against ``reference_attention``'s logit column."""
-    torch, cuda, device, dtype = _setup()
+              sinks: bool, kernel: str = "auto", noted: bool = False,
+              memory: bool = True) -> dict:  # fmt: skip
+    """Attention with GQA, forward + backward, with or without sinks (and QK-clip's maxima noted:
+    ``noted``); with sinks also the fp32 errors of the same kernel (at 512 tokens) against
+    ``reference_attention``'s logit column. ``memory``: as ``_setup``'s."""
+    torch, cuda, device, dtype = _setup(memory)
     from ..model.attention import LocalPattern, attend, choose_kernel, reference_attention
+    from ..model.logit_max import LogitMax
+
+    record = LogitMax(heads).note if noted else None
 
     local = None if window is None else LocalPattern(window)
 
@@ -131,8 +142,9 @@ def sink_case(n: int, window: int | None, heads: int, kv_heads: int, head_dim: i
 
     def step():
         attend(
-            q, k, v, pattern=local, scale=head_dim**-0.5, sinks=s if sinks else None, kernel=kernel
-        ).sum().backward()
+            q, k, v, pattern=local, scale=head_dim**-0.5, sinks=s if sinks else None, kernel=kernel,
+            record=record,
+        ).sum().backward()  # fmt: skip
         q.grad = k.grad = v.grad = s.grad = None
 
     out = _measure(torch, cuda, step, reps)
@@ -165,6 +177,24 @@ def run_sinks(args) -> list[dict]:
                      "max_err": sunk["max_err"], "max_grad_err": sunk["max_grad_err"]})  # fmt: skip
     print(table(rows, ["n", "attention", "heads", "kernel", "ms", "ms_sinks", "sinks_vs_none", "max_err",
                        "max_grad_err"]))  # fmt: skip
+    return rows
+
+
+def run_qk_clip(args) -> list[dict]:
+    """Global and local attention with and without QK-clip's maxima noted: the time ratio beside 8/7."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    n, heads, kv, d = (4096, 64, 8, 128) if cuda else (2048, 8, 2, 64)
+    rows = []
+    for window in (None, 128):
+        plain = _isolated(sink_case, n, window, heads, kv, d, args.reps, False, "auto", False, False)
+        noted = _isolated(sink_case, n, window, heads, kv, d, args.reps, False, "auto", True, False)
+        rows.append({"n": n, "attention": "global" if window is None else f"local {window}",
+                     "heads": f"{heads}/{kv}", "kernel": noted["kernel"], "ms": plain["seconds"] * 1e3,
+                     "ms_noted": noted["seconds"] * 1e3, "noted_vs_none": noted["seconds"] / plain["seconds"],
+                     "theory": 8 / 7})  # fmt: skip
+    print(table(rows, ["n", "attention", "heads", "kernel", "ms", "ms_noted", "noted_vs_none", "theory"]))
     return rows
 
 
@@ -270,6 +300,8 @@ def run(args) -> None:
         emit("attention", {**common, "head_dim": args.head_dim, "patterns": run_patterns(args)})
     if args.part == "sinks":
         emit("attention", {"reps": args.reps, "sinks": run_sinks(args)})
+    if args.part == "qk-clip":
+        emit("attention", {"reps": args.reps, "qk_clip": run_qk_clip(args)})
 
 
 def markdown(r: dict) -> tuple[list[str], list[list]]:
@@ -282,6 +314,19 @@ def markdown(r: dict) -> tuple[list[str], list[list]]:
                 for x in r["sinks"]]  # fmt: skip
         return ["n", "attention", "heads", "kernel", "fwd+bwd ms", "with sinks ms", "sinks/none",
                 "max err (fp32)", "max grad err (rel)"], rows  # fmt: skip
+    if r.get("qk_clip"):
+        rows = [[x["n"], x["attention"], x["heads"], x["kernel"], _f(x["ms"]), _f(x["ms_noted"]),
+                 _f(x["noted_vs_none"]), _f(x["theory"])] for x in r["qk_clip"]]  # fmt: skip
+        return [
+            "n",
+            "attention",
+            "heads",
+            "kernel",
+            "fwd+bwd ms",
+            "maxima noted ms",
+            "noted/none",
+            "theory",
+        ], rows
     if r.get("rows"):
         rows = [
             [x["n"], x["attention"], _f(x["ms"]), _f(x["peak_mb"]), _f(x.get("time_x_per_4x_n")),

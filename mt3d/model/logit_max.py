@@ -26,27 +26,48 @@ def max_logits(q, k, *, pattern, scale: float, q_start: int = 0, k_start: int = 
                n: int | None = None) -> torch.Tensor:  # fmt: skip
     """[hq] fp32: each query head's largest logit over the keys its queries see, for queries at
     positions ``q_start ...`` (q [b, hq, s, d]) and keys at ``k_start ...`` (k [b, hk, t, d], hq a
-    multiple of hk, query head i on key head i // (hq / hk)) in a sequence of ``n`` tokens."""
+    multiple of hk, query head i on key head i // (hq / hk)) in a sequence of ``n`` tokens, computed in
+    q's dtype. A tile of queries meets, under global causal attention, keys every query of it sees
+    (taken without a mask) and its diagonal block (masked); under a local pattern only the keys within
+    its reach (masked)."""
     b, hq, s, d = q.shape
     hk, t = k.shape[1], k.shape[2]
+    g = hq // hk
     n = q_start + s if n is None else n
-    qg = q.reshape(b, hk, hq // hk, s, d)
+    qg = q.view(b, hk, g, s, d)
     reach = None if pattern is None else pattern.history()
-    rows = max(1, TILE_ELEMENTS // max(1, b * hq * t))
-    best = torch.full((hk, hq // hk), -math.inf, dtype=torch.float32, device=q.device)
+    # tiles of up to 256 queries, as tall as a local pattern's reach (the keys a tile meets: reach + rows)
+    tall = 256 if reach is None else min(256, max(32, reach + 1))
+    rows = max(1, min(tall, TILE_ELEMENTS // max(1, b * hq * t)))
+    best = torch.full((hk, g), -math.inf, dtype=torch.float32, device=q.device)
+
+    def fold(tile: torch.Tensor, keys: torch.Tensor, mask=None) -> None:
+        nonlocal best
+        scores = tile @ keys.transpose(-1, -2)  # [b, hk, g * rows, keys]
+        if mask is not None:  # in place: the scores are this function's own
+            bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
+                ~mask, -math.inf
+            )
+            scores.view(b, hk, g, -1, keys.shape[2]).add_(bias)
+        best = torch.maximum(best, scores.reshape(b, hk, g, -1).amax(dim=(0, 3)).float())
+
     for a in range(0, s, rows):
         e = min(s, a + rows)
         lo = 0 if reach is None else max(0, q_start + a - reach - k_start)
         hi = min(t, q_start + e - k_start)  # causal: no query sees a key after itself
         if hi <= lo:
             continue
-        scores = torch.einsum("bhgsd,bhtd->bhgst", qg[:, :, :, a:e].float(), k[:, :, lo:hi].float()) * scale
-        qpos = torch.arange(q_start + a, q_start + e, device=q.device)[:, None]
-        kpos = torch.arange(k_start + lo, k_start + hi, device=q.device)[None, :]
-        mask = (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos, n)
-        scores = scores.masked_fill(~mask, -math.inf)
-        best = torch.maximum(best, scores.amax(dim=(0, 3, 4)))
-    return best.reshape(hq)
+        tile = qg[:, :, :, a:e].reshape(b, hk, g * (e - a), d)
+        if reach is None:  # keys before the tile's first query: every query sees them
+            free = min(hi, max(lo, q_start + a - k_start))
+            if free > lo:
+                fold(tile, k[:, :, lo:free])
+            lo = free
+        if hi > lo:
+            qpos = torch.arange(q_start + a, q_start + e, device=q.device)[:, None]
+            kpos = torch.arange(k_start + lo, k_start + hi, device=q.device)[None, :]
+            fold(tile, k[:, :, lo:hi], (kpos <= qpos) if pattern is None else pattern.allowed(qpos, kpos, n))
+    return best.reshape(hq) * scale
 
 
 class LogitMax:
