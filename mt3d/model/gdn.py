@@ -1,0 +1,243 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5 (transformers'
+``Qwen3NextGatedDeltaNet``), heads split over tensor parallelism.
+
+Per value head, a state S (key_head_dim x value_head_dim) is carried along the sequence. Token t
+decays it by exp(g_t) and writes its value with the delta rule (the part the state already predicts
+for its key is replaced, at rate beta_t), and reads it with its query::
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
+
+with q and k L2-normalised per head (q also times key_head_dim^-0.5), beta = sigmoid(b) and
+g = -exp(A_log) softplus(a + dt_bias). q, k, v first pass a short causal depthwise convolution
+(``conv_kernel`` taps, SiLU); the output is normalised per head and gated by SiLU(z) (``GatedRMSNorm``)
+before the output projection. Key heads are fewer than value heads: each key head serves
+value_heads / key_heads consecutive value heads.
+
+``gated_delta_rule`` computes the recurrence in chunks (default 64 tokens): inside a chunk the updates
+are solved at once as a unit lower-triangular system (the WY form of a product of Householder-like
+factors: T = I + strictly_lower((beta k) k^T * decay gaps)), so only one state update per chunk is
+sequential. It takes and returns the state, so a sequence can be continued (generation, context
+parallelism).
+
+Layout and tensor parallelism: ``in_qkvz`` holds, per key head, [q, k, v of its value heads, z of its
+value heads] (HF's ``in_proj_qkvz``), and ``in_ba`` per key head [b, a of its value heads]
+(``in_proj_ba``), so a contiguous split of their rows over tp gives each rank whole key heads with their
+value heads: both are column-parallel without parts. The convolution's channels are [q of all heads, k
+of all heads, v of all heads] (three parts split each), ``dt_bias`` and ``A_log`` one per value head;
+the gated norm's weight (value_head_dim) is shared by every head, its gradient summed over tp; the
+output projection is row-parallel. tp must divide the key heads.
+
+Packed documents (``documents``): the convolution window and the state restart at every document
+start, so a packed sequence equals its documents run one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_tp
+from ..parallel.marks import mark_tp_partial_grad
+from .options import ModelConfigError
+
+CHUNK = 64
+"""Tokens per chunk of ``gated_delta_rule`` (the fla kernels' and transformers' size)."""
+
+
+@dataclass(frozen=True)
+class GdnSpec:
+    """A Gated DeltaNet layer's shape (HF's ``linear_*`` keys)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head."""
+        return self.value_heads // self.key_heads
+
+    @property
+    def key_dim(self) -> int:
+        """Query (and key) channels of all heads."""
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Value channels of all heads."""
+        return self.value_heads * self.value_head_dim
+
+    def check(self, tp: int = 1) -> None:
+        """Raise ModelConfigError when the shape cannot run (at ``tp``)."""
+        for key in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelConfigError(
+                    f"model.linear_attention.{key} must be a positive integer, got {value!r}"
+                )
+        if self.value_heads % self.key_heads:
+            raise ModelConfigError(
+                f"model.linear_attention.value_heads {self.value_heads} must be a multiple of key_heads "
+                f"{self.key_heads}"
+            )
+        if self.key_heads % tp:
+            raise ModelConfigError(
+                f"tensor parallelism {tp} must divide the linear-attention key heads ({self.key_heads})"
+            )
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (fla's and transformers' form)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK):
+    """The gated delta rule over a sequence in fp32 (fp64 inputs in fp64): q, k [b, h, t, dk] (normalised
+    and scaled), v [b, h, t, dv], g (log decay, <= 0) and beta [b, h, t]; ``state`` [b, h, dk, dv] the
+    state before the first token (None: zeros). Returns the outputs [b, h, t, dv] and the state after the
+    last token."""
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    f = torch.promote_types(q.dtype, torch.float32)
+    pad = (-t) % chunk  # padded tokens write nothing (beta 0) and decay nothing (g 0)
+    q, k, v = (F.pad(x.to(f), (0, 0, 0, pad)).view(b, h, -1, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = (F.pad(x.to(f), (0, pad)).view(b, h, -1, chunk) for x in (g, beta))
+    decay = g.cumsum(-1)  # log decay from the chunk's start to each token
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    gaps = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    kb = k * beta[..., None]
+    # the chunk's updates at once: T u = beta v, T w = beta k exp(decay), T unit lower triangular
+    system = (kb @ k.transpose(-1, -2) * gaps).tril(-1) + torch.eye(chunk, dtype=f, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * decay.exp()[..., None], upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * gaps  # each query over its chunk's keys up to itself
+    q_in = q * decay.exp()[..., None]  # reading the state of the chunk's start
+    k_out = k * (decay[..., -1:] - decay).exp()[..., None]  # writing the state of the chunk's end
+    fade = decay[..., -1].exp()[..., None, None]
+    s = torch.zeros(b, h, dk, dv, dtype=f, device=q.device) if state is None else state.to(f)
+    outs = []
+    for i in range(q.shape[2]):
+        fresh = u[:, :, i] - w[:, :, i] @ s  # what the chunk writes, less what the state already predicts
+        outs.append(q_in[:, :, i] @ s + inner[:, :, i] @ fresh)
+        s = s * fade[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ fresh
+    out = torch.stack(outs, dim=2).view(b, h, -1, dv)[:, :, :t]
+    return out, s
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise convolution with SiLU: x [b, t, c], weight [c, taps] -> [b, t, c]."""
+    taps = weight.shape[1]
+    y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), padding=taps - 1, groups=x.shape[2])
+    return F.silu(y[..., : x.shape[1]]).transpose(1, 2).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (weight shared by all heads), then times SiLU(z) (HF's
+    ``Qwen3NextRMSNormGated``: the norm in fp32, the weight applied in the input's dtype)."""
+
+    def __init__(self, dim: int, eps: float, dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x, z [..., dim]."""
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * y.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet layer (module docstring) in place of attention: [b, s, h] -> [b, s, h] (with
+    sequence parallelism the rank's sequence shard in and out)."""
+
+    def __init__(self, spec: GdnSpec, cfg, ctx, layer: int) -> None:
+        super().__init__()
+        tp = ctx.tp.size
+        spec.check(tp)
+        self.spec, self.ctx = spec, ctx
+        self.key_heads, self.value_heads = spec.key_heads // tp, spec.value_heads // tp
+        common = dict(tp=ctx.tp, dtype=ctx.dtype, device=ctx.device, gemms=ctx.gemms(layer))
+        std = cfg.init_std
+        self.in_qkvz = ColumnParallelLinear(
+            cfg.hidden, 2 * spec.key_dim + 2 * spec.value_dim, bias=False, sequence_parallel=ctx.sp,
+            keep_gathered=ctx.keep_gathered, init=ctx.init(layer, "gdn.qkvz", std), **common,
+        )  # fmt: skip
+        self.in_ba = ColumnParallelLinear(
+            cfg.hidden, 2 * spec.value_heads, bias=False, sequence_parallel=ctx.sp,
+            keep_gathered=ctx.keep_gathered, init=ctx.init(layer, "gdn.ba", std), **common,
+        )  # fmt: skip
+        parts = (spec.key_dim, spec.key_dim, spec.value_dim)
+        init = ctx.init(layer, "gdn.conv", spec.conv_kernel**-0.5)
+        r = ctx.tp.rank
+        conv = [init.part(i).rows(r * n // tp, (r + 1) * n // tp, spec.conv_kernel, ctx.dtype)
+                for i, n in enumerate(parts)]  # fmt: skip
+        self.conv = mark_tp(nn.Parameter(torch.cat(conv).to(ctx.device)), 0, parts)
+        heads = slice(ctx.tp.rank * self.value_heads, (ctx.tp.rank + 1) * self.value_heads)
+        a = torch.log(1 + 15 * (torch.arange(spec.value_heads) + 0.5) / spec.value_heads)  # A in (1, 16)
+        self.A_log = mark_tp(nn.Parameter(a[heads].to(ctx.dtype).to(ctx.device)), 0)
+        self.dt_bias = mark_tp(
+            nn.Parameter(torch.ones(self.value_heads, dtype=ctx.dtype, device=ctx.device)), 0
+        )
+        self.norm = GatedRMSNorm(spec.value_head_dim, cfg.norm_eps, ctx.dtype, ctx.device)
+        mark_tp_partial_grad(self.norm.weight, ctx.tp)
+        self.out = RowParallelLinear(
+            spec.value_dim, cfg.hidden, bias=False, sequence_parallel=ctx.sp,
+            init=ctx.init(layer, "gdn.out", std / math.sqrt(2 * cfg.layers)), **common,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h] (SP: [b, s / tp, h]); ``documents`` [b, s]: packed samples' document index of every
+        position. Generation caches are not built for these layers."""
+        if cache is not None:
+            raise NotImplementedError("generation with Gated DeltaNet layers is not built")
+        spec, kh, vh = self.spec, self.key_heads, self.value_heads
+        qkvz, ba = self.in_qkvz(x), self.in_ba(x)
+        b, s, _ = qkvz.shape
+        qkvz = qkvz.view(b, s, kh, -1)
+        q, k, v, z = qkvz.split([spec.key_head_dim] * 2 + [spec.group * spec.value_head_dim] * 2, dim=-1)
+        beta, a = ba.view(b, s, kh, 2 * spec.group).split([spec.group] * 2, dim=-1)
+        mixed = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        beta = beta.reshape(b, s, vh).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(b, s, vh).float() + self.dt_bias)
+        spans = [(i, 0, s) for i in range(b)] if documents is None else _spans(documents)
+        outs = [self._mix(mixed[i : i + 1, lo:hi], g[i : i + 1, lo:hi], beta[i : i + 1, lo:hi])
+                for i, lo, hi in spans]  # fmt: skip
+        o = outs[0] if len(outs) == 1 else _join(outs, spans, b)
+        o = self.norm(o.view(b, s, vh, spec.value_head_dim), z.reshape(b, s, vh, spec.value_head_dim))
+        return self.out(o.reshape(b, s, -1))
+
+    def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """One sequence (or document) [1, t, conv channels] through the convolution and the delta rule
+        from a zero state: [1, t, value heads, value_head_dim]."""
+        spec, kh, vh = self.spec, self.key_heads, self.value_heads
+        t = mixed.shape[1]
+        q, k, v = short_conv(mixed, self.conv).split(
+            [kh * spec.key_head_dim] * 2 + [vh * spec.value_head_dim], -1
+        )
+        q, k = (l2_normalize(x.float().view(1, t, kh, -1)).repeat_interleave(spec.group, 2) for x in (q, k))
+        q = q * spec.key_head_dim**-0.5
+        heads = lambda x: x.transpose(1, 2)  # noqa: E731 - [1, t, h, d] -> [1, h, t, d]
+        o, _ = gated_delta_rule(heads(q), heads(k), heads(v.view(1, t, vh, -1)), g.transpose(1, 2),
+                                beta.transpose(1, 2))  # fmt: skip
+        return o.transpose(1, 2).to(mixed.dtype)
+
+
+def _spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(sample, start, end) of every document run, padding (-1) included (its rows are never read)."""
+    from .documents import document_spans
+
+    return [(i, lo, hi) for i, row in enumerate(document_spans(documents)) for lo, hi, _ in row]
+
+
+def _join(outs: list[torch.Tensor], spans, b: int) -> torch.Tensor:
+    """The documents' outputs back into [b, s, ...] order (spans are in sample, then position, order)."""
+    rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    for o, (i, _, _) in zip(outs, spans, strict=True):
+        rows[i].append(o)
+    return torch.cat([torch.cat(r, dim=1) for r in rows], dim=0)

@@ -1,0 +1,140 @@
+"""Gated DeltaNet (``mt3d.model.gdn``, Qwen3-Next's linear attention) against transformers: the chunked
+delta rule against its recurrent and chunked references, the layer (forward and every gradient) at tp 1
+and tp 2, and packed documents against the same documents run one at a time."""
+
+import pytest
+import torch
+
+from mt3d.parallel.spawn import spawn
+
+HIDDEN, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 64, 4, 8, 16, 8
+
+
+def _hf_layer(seed: int = 0):
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    cfg = Qwen3NextConfig(
+        hidden_size=HIDDEN, linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS,
+        linear_key_head_dim=KEY_DIM, linear_value_head_dim=VALUE_DIM, linear_conv_kernel_dim=4,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    layer = Qwen3NextGatedDeltaNet(cfg, 0).double()
+    with torch.no_grad():  # every feature exercised: decays apart, gates and norm weights not 1
+        layer.A_log.copy_(torch.linspace(-1, 2, VALUE_HEADS))
+        layer.dt_bias.copy_(torch.linspace(-0.5, 0.5, VALUE_HEADS))
+        layer.norm.weight.copy_(torch.linspace(0.5, 1.5, VALUE_DIM))
+    return layer
+
+
+def _hf_tensors(hf, grads: bool = False) -> dict:
+    """transformers' layer's tensors (or their gradients) under mt3d's names."""
+    named = {"in_qkvz.weight": hf.in_proj_qkvz.weight, "in_ba.weight": hf.in_proj_ba.weight,
+             "conv": hf.conv1d.weight, "A_log": hf.A_log, "dt_bias": hf.dt_bias,
+             "norm.weight": hf.norm.weight, "out.weight": hf.out_proj.weight}  # fmt: skip
+    out = {k: (p.grad if grads else p).detach() for k, p in named.items()}
+    out["conv"] = out["conv"].squeeze(1)  # [c, 1, taps] -> [c, taps]
+    return out
+
+
+def _mt3d_layer(hf, tp, sp=False):
+    from mt3d.model.blocks import BuildContext
+    from mt3d.model.config import ModelConfig
+    from mt3d.model.gdn import GatedDeltaNet, GdnSpec
+    from mt3d.parallel.marks import shard_of
+
+    spec = GdnSpec(KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, 4)
+    cfg = ModelConfig.from_dict(dict(hidden=HIDDEN, layers=1, heads=4, norm="rmsnorm", norm_eps=1e-6))
+    layer = GatedDeltaNet(spec, cfg, BuildContext(tp=tp, dtype=torch.float64, sequence_parallel=sp), 0)
+    full = _hf_tensors(hf)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(shard_of(full[name], p, tp.rank, tp.size))
+    return layer
+
+
+def test_the_chunked_rule_equals_transformers_recurrence():
+    """100 tokens (not a multiple of the chunk), from a given state: outputs and the final state equal
+    transformers' token-by-token recurrence and its chunked form, at chunks of 64 and 16."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    from mt3d.model.gdn import gated_delta_rule, l2_normalize
+
+    g = torch.Generator().manual_seed(0)
+    b, t, h, dk, dv = 2, 100, 3, 8, 6
+    q, k = (torch.randn(b, t, h, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=g, dtype=torch.float64)
+    decay = -torch.rand(b, t, h, generator=g, dtype=torch.float64) * 0.5
+    beta = torch.rand(b, t, h, generator=g, dtype=torch.float64)
+    state = torch.randn(b, h, dk, dv, generator=g, dtype=torch.float64)
+    args = dict(
+        g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    want, want_state = hf.torch_recurrent_gated_delta_rule(q, k, v, **args)
+    chunked, _ = hf.torch_chunk_gated_delta_rule(q, k, v, **args)
+    torch.testing.assert_close(chunked, want, rtol=1e-5, atol=1e-6)  # both compute in fp32
+    heads = lambda x: x.transpose(1, 2)  # noqa: E731
+    for chunk in (64, 16):
+        out, final = gated_delta_rule(heads(l2_normalize(q)) * dk**-0.5, heads(l2_normalize(k)), heads(v),
+                                      heads(decay), heads(beta), state, chunk=chunk)  # fmt: skip
+        torch.testing.assert_close(heads(out).double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final, want_state.double(), rtol=1e-5, atol=1e-5)
+
+
+def _layer_worker(world: int, sp: bool):
+    import torch.distributed as dist
+
+    from mt3d.parallel.marks import shard_of
+    from mt3d.parallel.state import AxisGroup
+
+    me = dist.get_rank() if world > 1 else 0
+    tp = AxisGroup("tp", tuple(range(world)), me, dist.new_group(list(range(world))) if world > 1 else None)
+    hf = _hf_layer()
+    layer = _mt3d_layer(hf, tp, sp)
+    x = torch.randn(2, 80, HIDDEN, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mine = slice(me * 80 // world, (me + 1) * 80 // world) if sp else slice(None)  # SP: the rank's shard
+    x1, x2 = x.clone().requires_grad_(), x[:, mine].clone().requires_grad_()
+    want = hf(x1)
+    got = layer(x2)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (want * w).sum().backward()
+    (got * w[:, mine]).sum().backward()
+    errors = {"out": float((got - want[:, mine]).abs().max() / want.abs().max()),
+              "input": float((x2.grad - x1.grad[:, mine]).abs().max() / x1.grad.abs().max())}  # fmt: skip
+    grads = _hf_tensors(hf, grads=True)
+    for name, p in layer.named_parameters():
+        ref = shard_of(grads[name], p, me, world)
+        errors[name] = float((p.grad - ref).abs().max() / ref.abs().max())
+    return errors
+
+
+@pytest.mark.parametrize("world,sp", [(1, False), (2, True)], ids=["one", "tp2-sp"])
+def test_the_layer_equals_transformers(world, sp):
+    """Qwen3NextGatedDeltaNet (4 key heads, 8 value heads, decays, gates and norm weights set apart) with
+    mt3d's layer holding the same weights: the output, the input's gradient and every weight's gradient
+    within 1e-5 (transformers' rule computes in fp32; most to 1e-7), one process and each rank of tp 2
+    with sequence parallelism (its key heads and value heads, its sequence shard in and out)."""
+    for errors in spawn(_layer_worker, world, world, sp, timeout=120):
+        assert max(errors.values()) < 1e-5, errors
+
+
+def test_packed_documents_equal_each_document_alone():
+    """Three documents packed in one sample (and padding) through the layer equal each document run
+    alone, outputs and the input's gradient: the convolution and the state restart at every start."""
+    from mt3d.parallel.state import AxisGroup
+
+    layer = _mt3d_layer(_hf_layer(), AxisGroup.alone("tp"))
+    x = torch.randn(1, 60, HIDDEN, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    docs = torch.tensor([[0] * 25 + [1] * 3 + [2] * 27 + [-1] * 5])
+    packed = x.clone().requires_grad_()
+    out = layer(packed, documents=docs)
+    out.sum().backward()
+    for lo, hi in ((0, 25), (25, 28), (28, 55)):
+        alone = x[:, lo:hi].clone().requires_grad_()
+        want = layer(alone)
+        want.sum().backward()
+        torch.testing.assert_close(out[:, lo:hi], want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(packed.grad[:, lo:hi], alone.grad, rtol=1e-12, atol=1e-12)
+    whole = layer(x)
+    assert (whole[:, 25:55] - out[:, 25:55]).abs().max() > 1e-3  # without documents the state carries over
