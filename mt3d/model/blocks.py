@@ -62,16 +62,18 @@ class Attention(RopeTables, nn.Module):
         spec = cfg.attention or {}
         self.block, self.kernel = spec.get("block"), spec.get("kernel", "auto")
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.gated = cfg.attn_output_gate  # each head's query, then its output gate (Qwen3-Next)
+        self.q_width = cfg.q_size * (2 if self.gated else 1)
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         self.qkv = ColumnParallelLinear(
             cfg.hidden,
-            cfg.q_size + 2 * cfg.kv_size,
+            self.q_width + 2 * cfg.kv_size,
             tp=ctx.tp,
             bias=cfg.qkv_bias,
             sequence_parallel=ctx.sp,
             keep_gathered=ctx.keep_gathered,
             init=ctx.init(layer, "attn.qkv", cfg.init_std),
-            parts=(cfg.q_size, cfg.kv_size, cfg.kv_size),
+            parts=(self.q_width, cfg.kv_size, cfg.kv_size),
             dtype=ctx.dtype,
             device=ctx.device,
             gemms=ctx.gemms(layer),
@@ -105,6 +107,8 @@ class Attention(RopeTables, nn.Module):
         group, hd = self.heads // self.kv_heads, self.head_dim
         shared = gamma.view(self.kv_heads, group).amin(dim=1).sqrt()
         q = (gamma / shared.repeat_interleave(group)).repeat_interleave(hd)
+        if self.gated:  # each head's gate rows follow its query rows, unscaled
+            q = torch.stack([q.view(self.heads, hd), torch.ones_like(q).view(self.heads, hd)], 1).view(-1)
         k = shared.repeat_interleave(hd)
         rows = torch.cat([q, k, torch.ones_like(k)])
         return [(p, rows) for p in (self.qkv.weight, self.qkv.bias) if p is not None]
@@ -137,8 +141,11 @@ class Attention(RopeTables, nn.Module):
         ``documents``: as ``forward``'s."""
         b, s, _ = qkv.shape
         kv = self.kv_heads * self.head_dim
-        q, k, v = qkv.split([self.heads * self.head_dim, kv, kv], dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim)
+        q, k, v = qkv.split([self.q_width // self.ctx.tp.size, kv, kv], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, s, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = q.reshape(b, s, self.heads, self.head_dim)
         k = k.view(b, s, self.kv_heads, self.head_dim)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -164,7 +171,8 @@ class Attention(RopeTables, nn.Module):
                 o = kernel(q, k, v, pattern=self.pattern, scale=self.scale, softcap=self.cfg.attn_softcap,
                            dropout=drop, q_start=past, k_start=k_start, sinks=self.sinks,
                            record=record)  # fmt: skip
-        return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return o if gate is None else o * torch.sigmoid(gate.reshape(b, s, -1))
 
 
 def split_stream(x) -> tuple[torch.Tensor, tuple | None, torch.Tensor | None]:
@@ -194,7 +202,11 @@ class TransformerBlock(nn.Module):
         self.ctx, self.layer = ctx, layer
         self.p = cfg.hidden_dropout
         self.norm1 = make_norm(cfg, ctx)
-        if cfg.mla is not None:  # multi-head latent attention (DeepSeek-V2/V3)
+        if cfg.is_linear(layer):  # Gated DeltaNet (Qwen3-Next, Qwen3.5)
+            from .gdn import GatedDeltaNet
+
+            self.attn = GatedDeltaNet(cfg.gdn_spec, cfg, ctx, layer)
+        elif cfg.mla is not None:  # multi-head latent attention (DeepSeek-V2/V3)
             from .mla import LatentAttention
 
             self.attn = LatentAttention(cfg, ctx, layer)

@@ -85,6 +85,14 @@ class ModelConfig:
     """Multi-head latent attention (``mt3d.model.mla_spec.LatentSpec``, DeepSeek-V2/V3): {"kv_lora_rank",
     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"} plus optional "q_lora_rank" and
     "rope_interleave"; head_dim is then qk_nope_head_dim + qk_rope_head_dim. None: standard attention."""
+    linear_attention: dict | None = None
+    """Gated DeltaNet layers in place of attention (``mt3d.model.gdn.GdnSpec``; Qwen3-Next / Qwen3.5):
+    {"key_heads", "value_heads", "key_head_dim", "value_head_dim"} plus "conv_kernel" (4) and which
+    blocks keep full attention: "full_every": k (every k-th) or "layer_types" (HF's per-block
+    'linear_attention' / 'full_attention'); neither: every block. None: attention everywhere."""
+    attn_output_gate: bool = False
+    """A sigmoid gate on each attention output channel, computed with the query (Qwen3-Next: q_proj holds
+    each head's query, then its gate)."""
     moe: dict | None = None
     """Mixture-of-experts MLPs (``mt3d.model.moe.MoESpec``): {"experts": E, "top_k": k, "expert_ffn": f}
     plus optional "norm_topk_prob", "shared_ffn", "sparse_step", "dense_layers", "aux_loss_coef",
@@ -189,6 +197,10 @@ class ModelConfig:
                 )
         if self.moe is not None:
             self.moe_spec.check_layers(self.layers)
+        if self.linear_attention is not None:
+            self.gdn_spec.check_layers(self.layers)
+            if self.mla is not None:
+                raise ModelConfigError("model.linear_attention does not combine with model.mla")
         if self.mla is not None:
             spec = self.mla_spec
             if self.head_dim != spec.qk_head_dim:
@@ -240,6 +252,18 @@ class ModelConfig:
 
         return self._parsed("moe", MoESpec.parse)
 
+    @property
+    def gdn_spec(self):
+        """The parsed ``linear_attention`` option (``GdnSpec``), or None."""
+        from .gdn import GdnSpec
+
+        return self._parsed("linear_attention", GdnSpec.parse)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether block ``layer`` is a Gated DeltaNet layer (``linear_attention``)."""
+        spec = self.gdn_spec
+        return spec is not None and spec.linear(layer)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture-of-experts MLP."""
         spec = self.moe_spec
@@ -276,6 +300,8 @@ class ModelConfig:
             )
         if self.ffn % tp:
             raise ModelConfigError(f"ffn size ({self.ffn}) is not divisible by tp={tp}")
+        if self.gdn_spec is not None:
+            self.gdn_spec.check(tp)
         spec = self.moe_spec
         for key in ("expert_ffn", "shared_ffn"):
             if spec is not None and getattr(spec, key) % tp:
@@ -317,10 +343,12 @@ class ModelConfig:
                 total += (self.layers - n) * self.block_params(sparse.index(False), active, ep)
             return round(total / self.layers)
         h = self.hidden
-        qkv = self.q_size + 2 * self.kv_size
+        qkv = self.q_size * (1 + self.attn_output_gate) + 2 * self.kv_size
         attn = h * qkv + self.qkv_bias * qkv + self.q_size * h + self.bias * h + self.attn_sinks * self.heads
         if self.mla is not None:
             attn = self.mla_spec.params(h, self.heads, self.qkv_bias) + self.bias * h
+        if self.is_linear(layer):
+            attn = self.gdn_spec.params(h)
         spec = self.moe_spec
         if spec is not None and spec.sparse(layer):
             used = spec.top_k if active else spec.experts // ep
@@ -331,7 +359,8 @@ class ModelConfig:
         else:
             mlp = self.mlp_params()
         per_norm = h * (2 if self.norm == "layernorm" else 1)
-        norms = per_norm * (4 if self.post_norms else 2) + self.qk_norm_params
+        qk_norms = 0 if self.is_linear(layer) else self.qk_norm_params
+        norms = per_norm * (4 if self.post_norms else 2) + qk_norms
         return attn + mlp + norms
 
     @property
@@ -435,10 +464,16 @@ class ModelConfig:
             mlp += n * 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn))
             mlp += n * 2 * h * bool(spec.shared_ffn and spec.shared_gate)
         attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * core
+        if self.attn_output_gate:
+            dense += 2 * h * self.q_size
         logits = 2 * h * v
+        linear = sum(map(self.is_linear, range(self.layers)))  # Gated DeltaNet blocks instead
+        full = self.layers - linear
+        dense_all = full * dense + (linear and linear * self.gdn_spec.weight_flops(h))
+        core_all = full * attn + (linear and linear * self.gdn_spec.core_flops())
         if adapters is not None:
-            return 2.0 * (self.layers * dense + mlp + logits) + 3.0 * self.layers * attn + 6.0 * adapters
-        return 3.0 * (self.layers * (dense + attn) + mlp + logits)
+            return 2.0 * (dense_all + mlp + logits) + 3.0 * core_all + 6.0 * adapters
+        return 3.0 * (dense_all + core_all + mlp + logits)
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-serialisable) of every field."""

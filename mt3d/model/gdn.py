@@ -42,8 +42,10 @@ from torch import nn
 
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_tp
 from ..parallel.marks import mark_tp_partial_grad
-from .options import ModelConfigError
+from .options import ModelConfigError, option_fields
 
+LINEAR, FULL = "linear_attention", "full_attention"
+"""HF's ``layer_types`` names."""
 CHUNK = 64
 """Tokens per chunk of ``gated_delta_rule`` (the fla kernels' and transformers' size)."""
 
@@ -57,6 +59,68 @@ class GdnSpec:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int = 4
+    full_every: int | None = None
+    """Every full_every-th block keeps full attention (HF's ``full_attention_interval``: 4)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per block, HF's 'linear_attention' or 'full_attention' (instead of ``full_every``)."""
+
+    @classmethod
+    def parse(cls, d: dict) -> GdnSpec:
+        """``model.linear_attention`` (one-line errors naming the key)."""
+        kw = option_fields(
+            cls, d, "linear_attention", ("key_heads", "value_heads", "key_head_dim", "value_head_dim")
+        )
+        if kw.get("layer_types") is not None:
+            kw["layer_types"] = tuple(kw["layer_types"])
+        spec = cls(**kw)
+        spec.check()
+        return spec
+
+    def params(self, hidden: int) -> int:
+        """Parameters of one layer: the projections, the convolution, A_log, dt_bias, the gated norm."""
+        qkvz, ba, conv = (
+            2 * self.key_dim + 2 * self.value_dim,
+            2 * self.value_heads,
+            2 * self.key_dim + self.value_dim,
+        )
+        return (
+            hidden * (qkvz + ba)
+            + conv * self.conv_kernel
+            + 2 * self.value_heads
+            + self.value_head_dim
+            + (self.value_dim * hidden)
+        )
+
+    def weight_flops(self, hidden: int) -> float:
+        """Forward FLOPs per token of the layer's projections and convolution."""
+        qkvz, ba, conv = (
+            2 * self.key_dim + 2 * self.value_dim,
+            2 * self.value_heads,
+            2 * self.key_dim + self.value_dim,
+        )
+        return 2 * (hidden * (qkvz + ba) + self.value_dim * hidden + conv * self.conv_kernel)
+
+    def core_flops(self, chunk: int = CHUNK) -> float:
+        """Forward FLOPs per token of ``gated_delta_rule`` per the products it computes, per value head:
+        (beta k) k^T and q k^T over its chunk (2 C dk), the two triangular solves (C (dk + dv) / 2), the
+        chunk's outputs over its keys (C dv), and three products with the state (3 dk dv)."""
+        dk, dv, c = self.key_head_dim, self.value_head_dim, chunk
+        return self.value_heads * 2 * (2 * c * dk + c * (dk + dv) / 2 + c * dv + 3 * dk * dv)
+
+    def linear(self, layer: int) -> bool:
+        """Whether block ``layer`` is a Gated DeltaNet layer (else full attention)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer] == LINEAR
+        return self.full_every is None or (layer + 1) % self.full_every != 0
+
+    def check_layers(self, layers: int) -> None:
+        """Raise ModelConfigError when the layer pattern does not fit ``layers`` blocks."""
+        kinds = self.layer_types
+        if kinds is not None and (len(kinds) != layers or set(kinds) - {LINEAR, FULL}):
+            raise ModelConfigError(
+                f"model.linear_attention.layer_types must list {layers} of {LINEAR!r} / {FULL!r}, got "
+                f"{list(kinds)}"
+            )
 
     @property
     def group(self) -> int:
@@ -75,8 +139,19 @@ class GdnSpec:
 
     def check(self, tp: int = 1) -> None:
         """Raise ModelConfigError when the shape cannot run (at ``tp``)."""
-        for key in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+        if self.full_every is not None and self.layer_types is not None:
+            raise ModelConfigError("model.linear_attention: give full_every or layer_types, not both")
+        for key in (
+            "key_heads",
+            "value_heads",
+            "key_head_dim",
+            "value_head_dim",
+            "conv_kernel",
+            "full_every",
+        ):
             value = getattr(self, key)
+            if value is None and key == "full_every":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ModelConfigError(
                     f"model.linear_attention.{key} must be a positive integer, got {value!r}"

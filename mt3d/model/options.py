@@ -32,6 +32,8 @@ BLOCK_OPTIONS = (
     "mla",
     "tie_embeddings",
     "moe",
+    "linear_attention",
+    "attn_output_gate",
 )
 
 
