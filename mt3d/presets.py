@@ -3,7 +3,7 @@
 Sizes follow the published configurations: GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020,
 Table 2.1), Megatron-LM 8.3B (Shoeybi et al. 2019), MT-NLG 530B (Smith et al. 2022), Llama 2
 (Touvron et al. 2023), and the released HF configs of Mistral 7B v0.1, Qwen2.5-7B, Qwen3-8B,
-Gemma 2 9B, Gemma 3 27B, Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B. Each names its
+Gemma 2 9B, Gemma 3 27B, Mixtral 8x7B, Qwen3-30B-A3B, Qwen3-235B-A22B and Qwen3-Next-80B-A3B. Each names its
 ``family``, whose block options fill the keys it does not give.
 ``tiny`` is the CPU demo model; ``tiny-<family>`` are CPU variants of each family.
 """
@@ -97,6 +97,15 @@ PRESETS: dict[str, dict] = {
         rotary_fraction=0.5, qk_norm="all", bias=False, tie_embeddings=False, norm_eps=1e-6,
         moe=dict(experts=8, top_k=2, expert_ffn=32, scoring="sigmoid", correction_bias=True,
                  norm_topk_prob=True, bias_update_rate=1e-3),
+    ),
+    # Qwen3-Next's blocks at CPU size: Gated DeltaNet in blocks 0 and 2 (sequences past one 64-token
+    # chunk), gated attention in 1 and 3, a gated shared expert, block 1 dense
+    "tiny-qwen3-next": dict(
+        family="qwen3_next", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, max_seq_len=256,
+        rotary_fraction=0.25, linear_attention=dict(key_heads=2, value_heads=4, key_head_dim=16,
+                                                    value_head_dim=16, full_every=2),
+        moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=64, dense_layers=[1], norm_topk_prob=True,
+                 aux_loss_coef=0.02),
     ),
     "tiny-qwen3-moe": dict(
         family="qwen3_moe", head_dim=32, moe=dict(experts=4, top_k=2, expert_ffn=32, norm_topk_prob=True,
@@ -211,6 +220,16 @@ PRESETS: dict[str, dict] = {
         family="qwen3_moe", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=6144,
         vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
         moe=dict(experts=128, top_k=8, expert_ffn=768, norm_topk_prob=True, aux_loss_coef=0.001),
+    ),
+    # Qwen3-Next-80B-A3B (Qwen team 2025): Gated DeltaNet in 3 of 4 blocks, 512 experts top-10 with a
+    # gated shared expert
+    "qwen3-next-80b-a3b": dict(
+        family="qwen3_next", hidden=2048, layers=48, heads=16, kv_heads=2, head_dim=256, ffn=5120,
+        vocab_size=151936, max_seq_len=262144, rope_theta=1e7, rotary_fraction=0.25,
+        linear_attention=dict(key_heads=16, value_heads=32, key_head_dim=128, value_head_dim=128,
+                              full_every=4),
+        moe=dict(experts=512, top_k=10, expert_ffn=512, shared_ffn=512, norm_topk_prob=True,
+                 aux_loss_coef=0.001),
     ),
     "qwen3-235b-a22b": dict(
         family="qwen3_moe", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128, ffn=12288,

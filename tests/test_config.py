@@ -328,6 +328,17 @@ def test_presets_of_every_family_and_their_published_sizes():
     held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     assert cfg.num_params() == held and cfg.family == "minimax_m2" and cfg.rotary_dim == 64
     assert abs((cfg.active_params() - 2 * cfg.embedding_params()) / 1e9 - 10.0) / 10.0 < 0.02
+    # Qwen3-Next-80B-A3B: transformers' model of the published config; 3.25B active without the embedding
+    # and the output layer (published: "3B activated")
+    from transformers import Qwen3NextConfig
+
+    hf = Qwen3NextConfig(vocab_size=151936, num_experts=512, num_experts_per_tok=10, intermediate_size=5120,
+                         max_position_embeddings=262144)  # fmt: skip
+    cfg = resolve_model({"preset": "qwen3-next-80b-a3b"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters()) and cfg.family == "qwen3_next"
+    assert abs((cfg.active_params() - 2 * cfg.embedding_params()) / 1e9 - 3.25) < 0.01
     kimi = resolve_model({"preset": "kimi-k2"})
     assert abs(kimi.num_params() / 1e12 - 1.03) < 0.01 and abs(kimi.active_params() / 1e9 - 32.9) < 0.1
     # a preset's family is a default: overrides it cannot express make the model 'custom'

@@ -34,7 +34,6 @@ def _hf_tensors(hf, grads: bool = False) -> dict:
              "conv": hf.conv1d.weight, "A_log": hf.A_log, "dt_bias": hf.dt_bias,
              "norm.weight": hf.norm.weight, "out.weight": hf.out_proj.weight}  # fmt: skip
     out = {k: (p.grad if grads else p).detach() for k, p in named.items()}
-    out["conv"] = out["conv"].squeeze(1)  # [c, 1, taps] -> [c, taps]
     return out
 
 

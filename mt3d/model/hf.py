@@ -179,8 +179,8 @@ class SafetensorsFile:
 
     def region(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None,
                index: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Rows x columns of a 1-D or 2-D tensor (of matrix ``index`` of a stacked 2-D or 3-D one), read
-        straight into the result (no extra copy).
+        """Rows x columns of a 1-D or 2-D tensor (of matrix ``index`` of a stacked 2-D or 3-D one), or rows
+        of a 3-D one (an unstacked convolution weight), read straight into the result (no extra copy).
 
         Full-width rows are one read; a column range is one read per row (its part of the row).
         """
@@ -194,10 +194,10 @@ class SafetensorsFile:
         if index is not None:  # one matrix of a stack: its bytes are contiguous
             shape = shape[1:]
             begin += index * math.prod(shape) * item
-        width = shape[1] if len(shape) == 2 else 1
+        width = math.prod(shape[1:])  # a 3-D tensor's rows are its trailing dims (a convolution's [c, 1, k])
         c0, c1 = cols or (0, width)
         nrows = rows[1] - rows[0]
-        out = torch.empty((nrows, c1 - c0) if len(shape) == 2 else (nrows,), dtype=dtype)
+        out = torch.empty((nrows, c1 - c0) if len(shape) >= 2 else (nrows,), dtype=dtype)
         raw = out.view(torch.uint8).view(nrows, -1) if nrows else None
         if nrows and (c0, c1) == (0, width):
             got = os.preadv(self.fd, [raw.numpy()], begin + rows[0] * width * item)
@@ -208,7 +208,7 @@ class SafetensorsFile:
                 off = begin + ((rows[0] + i) * width + c0) * item
                 if os.preadv(self.fd, [raw[i].numpy()], off) != raw.shape[1]:
                     raise HFError(f"{self.path}: short read in {name} (truncated file?)")
-        return out
+        return out.view(nrows, *shape[1:]) if len(shape) > 2 and cols is None else out
 
 
 class HFReader:
@@ -310,11 +310,14 @@ def read_shard(
             out[: hi - lo] = reader.read(ps[0], rows=(lo, hi))
         return out
     if layout.dim == 0:
-        chunks = []
-        for p in ps:
-            n = reader.shape(p)[0]
-            chunks.append(reader.read(p, rows=(rank * n // world, (rank + 1) * n // world)))
-        return torch.cat(chunks)
+        # each fused part splits on its own: one HF tensor per part, or one HF tensor holding them all
+        # (a convolution over [q, k, v] channels)
+        spans = [(p, 0, reader.shape(p)[0]) for p in ps]
+        if len(ps) == 1 and layout.parts and len(layout.parts) > 1:
+            starts = [sum(layout.parts[:i]) for i in range(len(layout.parts))]
+            spans = [(ps[0], a, n) for a, n in zip(starts, layout.parts, strict=True)]
+        return torch.cat([reader.read(p, rows=(a + rank * n // world, a + (rank + 1) * n // world))
+                          for p, a, n in spans])  # fmt: skip
     (p,) = ps
     n = reader.shape(p)[1]
     return reader.read(p, cols=(rank * n // world, (rank + 1) * n // world))

@@ -101,6 +101,10 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, cp: 
         return f"shared expert ffn {spec.shared_ffn} not divisible by tp {tp}"
     if pp > cfg.layers:
         return f"{cfg.layers} layers cannot fill {pp} stages"
+    if cfg.gdn_spec is not None and cfg.gdn_spec.key_heads % tp:
+        return f"{cfg.gdn_spec.key_heads} linear-attention key heads not divisible by tp {tp}"
+    if cfg.gdn_spec is not None and cp > 1:
+        return "context parallelism with Gated DeltaNet layers is not built yet"
     if seq_len is not None:
         return _short(context_sequence_conflict(cp, tp, seq_len, False))
     return None
