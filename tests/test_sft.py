@@ -315,6 +315,30 @@ def test_packed_eval_equals_transformers_one_document_at_a_time(sft, tp, pp, cp)
         assert 0.5 < res["packing_efficiency"] <= 1.0
 
 
+def test_packed_eval_of_a_gated_deltanet_model_equals_transformers(sft):
+    """Qwen3-Next (Gated DeltaNet in blocks 0 and 2): packed evaluation, where the convolution and the
+    state restart at every document (96-token sequences of short conversations, past one 64-token
+    chunk), equals transformers one document at a time, at one process and at tp 2 x pp 2."""
+    from transformers import Qwen3NextConfig
+
+    tok = sft["tok"]
+    config = Qwen3NextConfig(
+        hidden_size=32, num_hidden_layers=4, intermediate_size=64, vocab_size=tok.vocab_size,
+        max_position_embeddings=128, bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=32, full_attention_interval=2,
+    )  # fmt: skip
+    path = save_hf_model(config, 11, sft["base"] / "qwen3_next", sft["base"] / "tok")
+    prefix = str(sft["base"] / "chat")
+    nll, count, _ = reference_nll(path, prefix, SEQ)
+    for tp, pp in ((1, 1), (2, 2)):
+        flags = [str(f) for f in ("--tp", tp, "--pp", pp)]
+        res = spawn(eval_worker, tp * pp, {"q": str(path)}, prefix, flags, timeout=300)[0]["q"]
+        assert res["tokens"] == count and res["documents"] == len(sft["convs"])
+        assert abs(res["loss"] - nll / count) <= 1e-5 * nll / count, (tp, pp, res["loss"], nll / count)
+
+
 # --- training --------------------------------------------------------------------------------------
 
 
