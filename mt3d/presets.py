@@ -107,6 +107,19 @@ PRESETS: dict[str, dict] = {
         moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=64, dense_layers=[1], norm_topk_prob=True,
                  aux_loss_coef=0.02),
     ),
+    # Qwen3.5 and Qwen3.5-MoE's blocks at CPU size (Qwen3-Next's with separate DeltaNet projections;
+    # every block of the MoE sparse)
+    "tiny-qwen3.5": dict(
+        family="qwen3_5", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, max_seq_len=256,
+        rotary_fraction=0.25, linear_attention=dict(key_heads=2, value_heads=4, key_head_dim=16,
+                                                    value_head_dim=16, full_every=2, fused=False),
+    ),
+    "tiny-qwen3.5-moe": dict(
+        family="qwen3_5_moe", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, max_seq_len=256,
+        rotary_fraction=0.25, linear_attention=dict(key_heads=2, value_heads=4, key_head_dim=16,
+                                                    value_head_dim=16, full_every=2, fused=False),
+        moe=dict(experts=4, top_k=2, expert_ffn=32, shared_ffn=64, norm_topk_prob=True, aux_loss_coef=0.02),
+    ),
     "tiny-qwen3-moe": dict(
         family="qwen3_moe", head_dim=32, moe=dict(experts=4, top_k=2, expert_ffn=32, norm_topk_prob=True,
                                                  aux_loss_coef=0.02), **_TINY,

@@ -30,6 +30,8 @@ from transformers import (
     MixtralConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
@@ -61,8 +63,11 @@ FAMILIES = [
     "glm4_moe",
     "minimax_m2",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
 ]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_next"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_next",
+       "qwen3_5_moe"]  # fmt: skip
 WINDOWED = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 WINDOW = 8
 
@@ -166,7 +171,21 @@ def hf_configs(vocab, eos):
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
             mlp_only_layers=[1], full_attention_interval=2, **small,
         ),
+        # Qwen3.5: the same hybrid with separate q/k/v, z, b and a projections, dense MLPs; Qwen3.5-MoE:
+        # every block sparse with a gated shared expert
+        "qwen3_5": Qwen3_5TextConfig(**QWEN35, **small),
+        "qwen3_5_moe": Qwen3_5MoeTextConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, **QWEN35, **small,
+        ),
     }  # fmt: skip
+
+
+QWEN35 = dict(
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    layer_types=["linear_attention", "full_attention"] * 2,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -506,7 +525,7 @@ def generate_worker(dirs, prompt, n):
     return out
 
 
-RECURRENT = ["qwen3_next"]
+RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 """Families with Gated DeltaNet layers, whose generation (a recurrent-state cache) is not built."""
 
 

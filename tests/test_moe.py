@@ -456,6 +456,9 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-glm4-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),
     # MiniMax-M2: q/k norms over all heads (sums of squares added over TP), sigmoid routing; folded, SP
     ("tiny-minimax-m2", 4, dict(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
+    # Qwen3-Next: Gated DeltaNet blocks, gated attention, a gated shared expert, a dense block; tp 2 x pp 2 x
+    # dp 2 with ep 2 and SP
+    ("tiny-qwen3-next", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
     # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2)),
     # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP

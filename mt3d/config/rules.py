@@ -449,11 +449,8 @@ def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int,
     )
     if why:
         return why
-    if model is not None and model.linear_attention is not None:
-        return (
-            "context parallelism with Gated DeltaNet layers (model.linear_attention) is not built yet: "
-            "use mt3d.parallel.context 1"
-        )
+    if model is not None and model.gdn_spec is not None:
+        return model.gdn_spec.parallel_conflict(1, cp)
     if model is not None and par.context_exchange == "alltoall":
         heads, kv = model.heads // tp, model.kv_heads // tp
         if not ulysses_heads_ok(heads, kv, cp):

@@ -60,6 +60,9 @@ class GdnSpec:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int = 4
+    fused: bool = True
+    """Qwen3-Next's projections (``in_qkvz`` and ``in_ba``, laid out per key head); False: Qwen3.5's
+    (``in_qkv`` [q, k, v of all heads], ``in_z``, ``in_b``, ``in_a``)."""
     full_every: int | None = None
     """Every full_every-th block keeps full attention (HF's ``full_attention_interval``: 4)."""
     layer_types: tuple[str, ...] | None = None
@@ -76,6 +79,18 @@ class GdnSpec:
         spec = cls(**kw)
         spec.check()
         return spec
+
+    def parallel_conflict(self, tp: int, cp: int = 1) -> str | None:
+        """Why these layers cannot run at tensor parallelism ``tp`` and context parallelism ``cp`` (None:
+        they can): the one rule ``mt3d train`` and the planner apply."""
+        if self.key_heads % tp:
+            return f"tensor parallelism {tp} must divide the linear-attention key heads ({self.key_heads})"
+        if cp > 1:
+            return (
+                "context parallelism with Gated DeltaNet layers (model.linear_attention) is not built yet: "
+                "use mt3d.parallel.context 1"
+            )
+        return None
 
     def params(self, hidden: int) -> int:
         """Parameters of one layer: the projections, the convolution, A_log, dt_bias, the gated norm."""
@@ -140,6 +155,8 @@ class GdnSpec:
 
     def check(self, tp: int = 1) -> None:
         """Raise ModelConfigError when the shape cannot run (at ``tp``)."""
+        if not isinstance(self.fused, bool):
+            raise ModelConfigError(f"model.linear_attention.fused must be true or false, got {self.fused!r}")
         if self.full_every is not None and self.layer_types is not None:
             raise ModelConfigError("model.linear_attention: give full_every or layer_types, not both")
         for key in (
@@ -162,10 +179,9 @@ class GdnSpec:
                 f"model.linear_attention.value_heads {self.value_heads} must be a multiple of key_heads "
                 f"{self.key_heads}"
             )
-        if self.key_heads % tp:
-            raise ModelConfigError(
-                f"tensor parallelism {tp} must divide the linear-attention key heads ({self.key_heads})"
-            )
+        why = self.parallel_conflict(tp)
+        if why:
+            raise ModelConfigError(why)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -241,15 +257,20 @@ class GatedDeltaNet(nn.Module):
         # FP8 recipes do not reach these projections yet (their shapes are not in rules.fp8_shape_conflict)
         common = dict(tp=ctx.tp, dtype=ctx.dtype, device=ctx.device, gemms=PLAIN)
         std = cfg.init_std
-        self.in_qkvz = ColumnParallelLinear(
-            cfg.hidden, 2 * spec.key_dim + 2 * spec.value_dim, bias=False, sequence_parallel=ctx.sp,
-            keep_gathered=ctx.keep_gathered, init=ctx.init(layer, "gdn.qkvz", std), **common,
-        )  # fmt: skip
-        self.in_ba = ColumnParallelLinear(
-            cfg.hidden, 2 * spec.value_heads, bias=False, sequence_parallel=ctx.sp,
-            keep_gathered=ctx.keep_gathered, init=ctx.init(layer, "gdn.ba", std), **common,
-        )  # fmt: skip
         parts = (spec.key_dim, spec.key_dim, spec.value_dim)
+
+        def column(name: str, width: int, split=None) -> ColumnParallelLinear:
+            init = ctx.init(layer, f"gdn.{name}", std)
+            return ColumnParallelLinear(cfg.hidden, width, bias=False, sequence_parallel=ctx.sp,
+                                        keep_gathered=ctx.keep_gathered, init=init, parts=split,
+                                        **common)  # fmt: skip
+
+        if spec.fused:  # per key head: [q, k, v, z] and [b, a] of its value heads (rows split contiguously)
+            self.in_qkvz = column("qkvz", 2 * spec.key_dim + 2 * spec.value_dim)
+            self.in_ba = column("ba", 2 * spec.value_heads)
+        else:
+            self.in_qkv, self.in_z = column("qkv", sum(parts), parts), column("z", spec.value_dim)
+            self.in_b, self.in_a = column("b", spec.value_heads), column("a", spec.value_heads)
         init = ctx.init(layer, "gdn.conv", spec.conv_kernel**-0.5)
         r = ctx.tp.rank
         conv = [init.part(i).rows(r * n // tp, (r + 1) * n // tp, spec.conv_kernel, ctx.dtype)
@@ -275,13 +296,9 @@ class GatedDeltaNet(nn.Module):
         position. Generation caches are not built for these layers."""
         if cache is not None:
             raise NotImplementedError("generation with Gated DeltaNet layers is not built")
-        spec, kh, vh = self.spec, self.key_heads, self.value_heads
-        qkvz, ba = self.in_qkvz(x), self.in_ba(x)
-        b, s, _ = qkvz.shape
-        qkvz = qkvz.view(b, s, kh, -1)
-        q, k, v, z = qkvz.split([spec.key_head_dim] * 2 + [spec.group * spec.value_head_dim] * 2, dim=-1)
-        beta, a = ba.view(b, s, kh, 2 * spec.group).split([spec.group] * 2, dim=-1)
-        mixed = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        spec, vh = self.spec, self.value_heads
+        mixed, z, beta, a = self._project(x)
+        b, s, _ = mixed.shape
         beta = beta.reshape(b, s, vh).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(b, s, vh).float() + self.dt_bias)
         spans = [(i, 0, s) for i in range(b)] if documents is None else _spans(documents)
@@ -290,6 +307,19 @@ class GatedDeltaNet(nn.Module):
         o = outs[0] if len(outs) == 1 else _join(outs, spans, b)
         o = self.norm(o.view(b, s, vh, spec.value_head_dim), z.reshape(b, s, vh, spec.value_head_dim))
         return self.out(o.reshape(b, s, -1))
+
+    def _project(self, x: torch.Tensor):
+        """(q, k, v of all the rank's heads [b, s, conv channels], z, b, a), from either layout."""
+        spec, kh = self.spec, self.key_heads
+        if not spec.fused:
+            return self.in_qkv(x), self.in_z(x), self.in_b(x), self.in_a(x)
+        qkvz, ba = self.in_qkvz(x), self.in_ba(x)
+        b, s, _ = qkvz.shape
+        q, k, v, z = qkvz.view(b, s, kh, -1).split(
+            [spec.key_head_dim] * 2 + [spec.group * spec.value_head_dim] * 2, -1
+        )
+        beta, a = ba.view(b, s, kh, 2 * spec.group).split([spec.group] * 2, dim=-1)
+        return torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1), z, beta, a
 
     def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """One sequence (or document) [1, t, conv channels] through the convolution and the delta rule

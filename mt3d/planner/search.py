@@ -96,18 +96,14 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, cp: 
         return f"{cfg.kv_heads} kv heads not divisible by tp {tp}"
     if cfg.ffn % tp:
         return f"ffn {cfg.ffn} not divisible by tp {tp}"
-    spec = cfg.moe_spec
-    if spec is not None and spec.shared_ffn % tp:
-        return f"shared expert ffn {spec.shared_ffn} not divisible by tp {tp}"
+    if cfg.moe_spec is not None and cfg.moe_spec.shared_ffn % tp:
+        return f"shared expert ffn {cfg.moe_spec.shared_ffn} not divisible by tp {tp}"
     if pp > cfg.layers:
         return f"{cfg.layers} layers cannot fill {pp} stages"
-    if cfg.gdn_spec is not None and cfg.gdn_spec.key_heads % tp:
-        return f"{cfg.gdn_spec.key_heads} linear-attention key heads not divisible by tp {tp}"
-    if cfg.gdn_spec is not None and cp > 1:
-        return "context parallelism with Gated DeltaNet layers is not built yet"
-    if seq_len is not None:
-        return _short(context_sequence_conflict(cp, tp, seq_len, False))
-    return None
+    why = cfg.gdn_spec.parallel_conflict(tp, cp) if cfg.gdn_spec is not None else None  # Gated DeltaNet
+    if why or seq_len is None:
+        return _short(why)
+    return _short(context_sequence_conflict(cp, tp, seq_len, False))
 
 
 def _degrees(cfg: ModelConfig, cluster: Cluster, seq_len: int, reject,
