@@ -150,9 +150,9 @@ q/k norms and RoPE over a quarter of each head in blocks 1 and 3."""
 
 
 def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
-    """5 steps of the tiny hybrid: tp 2 x pp 2 with SP (world 4) and dp 2 with ZeRO-1 equal one
-    process within 1e-5 (losses and grad norms), and it learns; bad input (cp, LoRA, key heads tp does not
-    divide) is one line."""
+    """5 steps of the tiny hybrid: tp 2 x pp 2 with SP (world 4), dp 2 with ZeRO-1 and cp 2 x tp 2 with SP
+    equal one process within 1e-5 (losses and grad norms), and it learns; bad input (cp chunks shorter than
+    the convolution reads, LoRA, key heads tp does not divide) is one line."""
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
 
     from helpers import run_grouped, step_records, tiny_config
@@ -162,22 +162,24 @@ def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
         raw["mt3d"]["parallel"].update(parallel)
         return raw
 
-    runs = [(1, run("one")), (4, run("tp-pp", tensor=2, pipeline=2, sequence_parallel=True)),
-            (2, run("dp", zero=1))]  # fmt: skip
-    one, tp_pp, dp = (step_records(r) for r in run_grouped(runs, timeout=600))
-    for got in (tp_pp, dp):
+    runs = [(1, run("one")), (4, run("tp-pp", tensor=2, pipeline=2, sequence_parallel=True)), (2, run("dp")),
+            (4, run("cp-tp", context=2, tensor=2, sequence_parallel=True))]  # fmt: skip
+    one, tp_pp, dp, cp_tp = (step_records(r) for r in run_grouped(runs, timeout=600))
+    for got in (tp_pp, dp, cp_tp):
         for a, b in zip(got, one, strict=True):
             for key in ("loss", "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
     assert one[-1]["loss"] < one[0]["loss"]
     one_key = dict(HYBRID, linear_attention=dict(HYBRID["linear_attention"], key_heads=1, value_heads=2))
     for model, change, message in (
-        (HYBRID, dict(context=2), "context parallelism with Gated DeltaNet layers"),
+        (HYBRID, dict(context=2, seq_len=8), "shorter than the linear attention's convolution reads"),
         (one_key, dict(tensor=2), "tensor parallelism 2 must divide the linear-attention key heads (1)"),
         (HYBRID, dict(lora={"r": 4}), "mt3d.lora on Gated DeltaNet layers"),
     ):
-        lora = change.pop("lora", None)
+        lora, seq_len = change.pop("lora", None), change.pop("seq_len", None)
         raw = run("bad", **change)
+        if seq_len:
+            raw["mt3d"]["data"]["seq_len"] = seq_len
         raw["mt3d"]["model"] = model
         if lora:
             raw["mt3d"]["lora"] = lora
@@ -185,3 +187,59 @@ def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
             cfg = from_dict(raw)
             validate(cfg, 4, resolve_model(cfg.mt3d.model), here=False)
         assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _cp_worker(docs):
+    import torch.distributed as dist
+
+    from mt3d.model.blocks import BuildContext
+    from mt3d.model.config import ModelConfig
+    from mt3d.model.gdn import GatedDeltaNet, GdnSpec
+    from mt3d.parallel.context import split_sequence
+    from mt3d.parallel.state import AxisGroup
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    cp = AxisGroup("cp", tuple(range(world)), me, dist.new_group(list(range(world))))
+    spec = GdnSpec(KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, 4)
+    cfg = ModelConfig.from_dict(dict(hidden=HIDDEN, layers=1, heads=4, norm="rmsnorm", norm_eps=1e-6))
+    alone = AxisGroup.alone("tp")
+    one = GatedDeltaNet(spec, cfg, BuildContext(tp=alone, dtype=torch.float64), 0)
+    mine = GatedDeltaNet(spec, cfg, BuildContext(tp=alone, cp=cp, dtype=torch.float64), 0)
+    with torch.no_grad():
+        for p, q in zip(one.parameters(), mine.parameters(), strict=True):
+            p.normal_(generator=torch.Generator().manual_seed(p.numel())).mul_(0.3)
+            q.copy_(p)
+    x = torch.randn(2, 96, HIDDEN, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    w = torch.randn(2, 96, HIDDEN, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    documents = torch.tensor(docs) if docs else None
+    x1, x2 = x.clone().requires_grad_(), split_sequence(x, cp).clone().requires_grad_()
+    want = one(x1, documents=documents)
+    got = mine(x2, documents=documents)
+    (want * w).sum().backward()
+    (got * split_sequence(w, cp)).sum().backward()
+    errors = {"out": float((got - split_sequence(want, cp)).abs().max()),
+              "input": float((x2.grad - split_sequence(x1.grad, cp)).abs().max())}  # fmt: skip
+    for (name, p), q in zip(one.named_parameters(), mine.parameters(), strict=True):
+        total = q.grad.clone()
+        dist.all_reduce(total)  # cp ranks hold parts of every weight's gradient
+        errors[name] = float((total - p.grad).abs().max() / p.grad.abs().max())
+    return errors
+
+
+@pytest.mark.parametrize(
+    "docs",
+    [
+        None,  # 4 chunks of 24 over 2 ranks in the load-balanced order
+        # a document from inside chunk 0 across chunks 1 and 2; one starting exactly at chunk 3 (48 + 24);
+        # one starting 2 tokens before chunk 2 (the convolution's halo cut to it); padding at the end
+        [[0] * 10 + [1] * 36 + [2] * 26 + [3] * 20 + [-1] * 4, [0] * 46 + [1] * 50],
+    ],
+    ids=["whole", "packed"],
+)
+def test_context_parallel_layer_equals_one_process(docs):
+    """cp 2: each rank's two chunks through the layer (the convolution's halo from the previous chunk's
+    rank, the chunks' state maps all-gathered and chained) equal one process on the whole sequence,
+    outputs and input gradients, and the weight gradients summed over the cp ranks (fp64, 1e-10), also
+    with packed documents whose starts fall inside, at and just before chunk boundaries."""
+    for errors in spawn(_cp_worker, 2, docs, timeout=120):
+        assert max(errors.values()) < 1e-10, errors

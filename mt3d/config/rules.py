@@ -449,8 +449,9 @@ def context_conflict(par: ParallelConfig, degrees: dict[str, int], seq_len: int,
     )
     if why:
         return why
-    if model is not None and model.gdn_spec is not None:
-        return model.gdn_spec.parallel_conflict(1, cp)
+    why = model.gdn_spec.parallel_conflict(1, cp, seq_len) if model is not None and model.gdn_spec else None
+    if why:
+        return why
     if model is not None and par.context_exchange == "alltoall":
         heads, kv = model.heads // tp, model.kv_heads // tp
         if not ulysses_heads_ok(heads, kv, cp):

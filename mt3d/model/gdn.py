@@ -80,15 +80,16 @@ class GdnSpec:
         spec.check()
         return spec
 
-    def parallel_conflict(self, tp: int, cp: int = 1) -> str | None:
-        """Why these layers cannot run at tensor parallelism ``tp`` and context parallelism ``cp`` (None:
-        they can): the one rule ``mt3d train`` and the planner apply."""
+    def parallel_conflict(self, tp: int, cp: int = 1, seq_len: int | None = None) -> str | None:
+        """Why these layers cannot run at tensor parallelism ``tp`` and context parallelism ``cp`` on
+        sequences of ``seq_len`` (None: they can): the one rule ``mt3d train`` and the planner apply."""
         if self.key_heads % tp:
             return f"tensor parallelism {tp} must divide the linear-attention key heads ({self.key_heads})"
-        if cp > 1:
+        if cp > 1 and seq_len is not None and seq_len // (2 * cp) < self.conv_kernel - 1:
             return (
-                "context parallelism with Gated DeltaNet layers (model.linear_attention) is not built yet: "
-                "use mt3d.parallel.context 1"
+                f"context parallelism {cp} cuts {seq_len} tokens into chunks of {seq_len // (2 * cp)}, "
+                f"shorter than the linear attention's convolution reads ({self.conv_kernel - 1} tokens "
+                "before each): use a lower cp or longer sequences"
             )
         return None
 
@@ -300,11 +301,17 @@ class GatedDeltaNet(nn.Module):
         mixed, z, beta, a = self._project(x)
         b, s, _ = mixed.shape
         beta = beta.reshape(b, s, vh).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(b, s, vh).float() + self.dt_bias)
-        spans = [(i, 0, s) for i in range(b)] if documents is None else _spans(documents)
-        outs = [self._mix(mixed[i : i + 1, lo:hi], g[i : i + 1, lo:hi], beta[i : i + 1, lo:hi])
-                for i, lo, hi in spans]  # fmt: skip
-        o = outs[0] if len(outs) == 1 else _join(outs, spans, b)
+        f = torch.promote_types(a.dtype, torch.float32)  # fp32 as transformers (fp64 kept)
+        g = -self.A_log.to(f).exp() * F.softplus(a.reshape(b, s, vh).to(f) + self.dt_bias)
+        if self.ctx.cp_size > 1:
+            from .gdn_context import context_mix
+
+            o = context_mix(self, mixed, g, beta, documents, self.ctx.cp)
+        else:
+            spans = [(i, 0, s) for i in range(b)] if documents is None else _spans(documents)
+            outs = [self._mix(mixed[i : i + 1, lo:hi], g[i : i + 1, lo:hi], beta[i : i + 1, lo:hi])
+                    for i, lo, hi in spans]  # fmt: skip
+            o = outs[0] if len(outs) == 1 else _join(outs, spans, b)
         o = self.norm(o.view(b, s, vh, spec.value_head_dim), z.reshape(b, s, vh, spec.value_head_dim))
         return self.out(o.reshape(b, s, -1))
 
@@ -324,17 +331,29 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """One sequence (or document) [1, t, conv channels] through the convolution and the delta rule
         from a zero state: [1, t, value heads, value_head_dim]."""
+        return self.run(mixed, g, beta)[0]
+
+    def run(self, mixed, g, beta, prefix=None, state=None, transition: bool = False):
+        """Tokens [1, t, conv channels] of one document through the convolution (after ``prefix`` [1, p,
+        channels]: the document's tokens before them, which only feed the convolution) and the delta
+        rule from ``state`` [1, value heads, dk, dv] (None: zeros). Returns (the outputs [1, t, value
+        heads, dv], the state after the last token, and with ``transition`` the linear map M of the
+        state through these tokens [1, value heads, dk, dk]: final = M state + final from zero)."""
         spec, kh, vh = self.spec, self.key_heads, self.value_heads
         t = mixed.shape[1]
-        q, k, v = short_conv(mixed, self.conv).split(
-            [kh * spec.key_head_dim] * 2 + [vh * spec.value_head_dim], -1
-        )
-        q, k = (l2_normalize(x.float().view(1, t, kh, -1)).repeat_interleave(spec.group, 2) for x in (q, k))
+        conv = short_conv(mixed if prefix is None else torch.cat([prefix, mixed], dim=1), self.conv)[:, -t:]
+        q, k, v = conv.split([kh * spec.key_head_dim] * 2 + [vh * spec.value_head_dim], -1)
+        f = torch.promote_types(conv.dtype, torch.float32)  # as the rule: fp32, fp64 kept
+        q, k = (l2_normalize(x.to(f).view(1, t, kh, -1)).repeat_interleave(spec.group, 2) for x in (q, k))
         q = q * spec.key_head_dim**-0.5
         heads = lambda x: x.transpose(1, 2)  # noqa: E731 - [1, t, h, d] -> [1, h, t, d]
-        o, _ = gated_delta_rule(heads(q), heads(k), heads(v.view(1, t, vh, -1)), g.transpose(1, 2),
-                                beta.transpose(1, 2))  # fmt: skip
-        return o.transpose(1, 2).to(mixed.dtype)
+        q, k, v, g, beta = heads(q), heads(k), heads(v.view(1, t, vh, -1)), heads(g), heads(beta)
+        o, final = gated_delta_rule(q, k, v, g, beta, state)
+        out = (o.transpose(1, 2).to(mixed.dtype), final)
+        if transition:  # the state is linear in its start: from I with zero values, the end is M
+            eye = torch.eye(spec.key_head_dim, dtype=final.dtype, device=final.device).expand(1, vh, -1, -1)
+            out += (gated_delta_rule(q, k, torch.zeros_like(k), g, beta, eye)[1],)
+        return out
 
 
 def _spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:

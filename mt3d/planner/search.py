@@ -100,7 +100,7 @@ def structural_reason(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, cp: 
         return f"shared expert ffn {cfg.moe_spec.shared_ffn} not divisible by tp {tp}"
     if pp > cfg.layers:
         return f"{cfg.layers} layers cannot fill {pp} stages"
-    why = cfg.gdn_spec.parallel_conflict(tp, cp) if cfg.gdn_spec is not None else None  # Gated DeltaNet
+    why = cfg.gdn_spec.parallel_conflict(tp, cp, seq_len) if cfg.gdn_spec is not None else None  # DeltaNet
     if why or seq_len is None:
         return _short(why)
     return _short(context_sequence_conflict(cp, tp, seq_len, False))
