@@ -318,7 +318,8 @@ def test_packed_eval_equals_transformers_one_document_at_a_time(sft, tp, pp, cp)
 def test_packed_eval_of_a_gated_deltanet_model_equals_transformers(sft):
     """Qwen3-Next (Gated DeltaNet in blocks 0 and 2): packed evaluation, where the convolution and the
     state restart at every document (96-token sequences of short conversations, past one 64-token
-    chunk), equals transformers one document at a time, at one process and at tp 2 x pp 2."""
+    chunk), equals transformers one document at a time, at one process, tp 2 x pp 2 and tp 2 x cp 2 (the
+    chunks' states chained over the cp ranks)."""
     from transformers import Qwen3NextConfig
 
     tok = sft["tok"]
@@ -332,11 +333,11 @@ def test_packed_eval_of_a_gated_deltanet_model_equals_transformers(sft):
     path = save_hf_model(config, 11, sft["base"] / "qwen3_next", sft["base"] / "tok")
     prefix = str(sft["base"] / "chat")
     nll, count, _ = reference_nll(path, prefix, SEQ)
-    for tp, pp in ((1, 1), (2, 2)):
-        flags = [str(f) for f in ("--tp", tp, "--pp", pp)]
-        res = spawn(eval_worker, tp * pp, {"q": str(path)}, prefix, flags, timeout=300)[0]["q"]
+    for tp, pp, cp in ((1, 1, 1), (2, 2, 1), (2, 1, 2)):
+        flags = [str(f) for f in ("--tp", tp, "--pp", pp, "--cp", cp)]
+        res = spawn(eval_worker, tp * pp * cp, {"q": str(path)}, prefix, flags, timeout=300)[0]["q"]
         assert res["tokens"] == count and res["documents"] == len(sft["convs"])
-        assert abs(res["loss"] - nll / count) <= 1e-5 * nll / count, (tp, pp, res["loss"], nll / count)
+        assert abs(res["loss"] - nll / count) <= 1e-5 * nll / count, (tp, pp, cp, res["loss"], nll / count)
 
 
 # --- training --------------------------------------------------------------------------------------
