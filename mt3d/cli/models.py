@@ -268,8 +268,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..checkpoint.loading import open_source
 
     source = open_source(args.model, verify=False, adapter=args.adapter)  # checked before any weight is read
-    if source.cfg.linear_attention is not None:
-        raise UsageError("generation with Gated DeltaNet layers (the recurrent state cache) is not built yet")
     tok = _tokenizer_for(source, source.vocab)
     ids = _chat_prompt(args, tok) if args.chat else tok.encode(args.prompt, eos=False)
     if not ids:

@@ -294,16 +294,17 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """x [b, s, h] (SP: [b, s / tp, h]); ``documents`` [b, s]: packed samples' document index of every
-        position. Generation caches are not built for these layers."""
-        if cache is not None:
-            raise NotImplementedError("generation with Gated DeltaNet layers is not built")
+        position; ``cache`` (generation, ``inference.KVCache``): continue from the cached convolution tail
+        and state, and cache them again."""
         spec, vh = self.spec, self.value_heads
         mixed, z, beta, a = self._project(x)
         b, s, _ = mixed.shape
         beta = beta.reshape(b, s, vh).sigmoid()
         f = torch.promote_types(a.dtype, torch.float32)  # fp32 as transformers (fp64 kept)
         g = -self.A_log.to(f).exp() * F.softplus(a.reshape(b, s, vh).to(f) + self.dt_bias)
-        if self.ctx.cp_size > 1:
+        if cache is not None:
+            o = cache.step(self, lambda tail, state: self._continue(mixed, g, beta, tail, state))
+        elif self.ctx.cp_size > 1:
             from .gdn_context import context_mix
 
             o = context_mix(self, mixed, g, beta, documents, self.ctx.cp)
@@ -332,6 +333,21 @@ class GatedDeltaNet(nn.Module):
         """One sequence (or document) [1, t, conv channels] through the convolution and the delta rule
         from a zero state: [1, t, value heads, value_head_dim]."""
         return self.run(mixed, g, beta)[0]
+
+    def _continue(self, mixed, g, beta, tail, state):
+        """Generation: every row [b, t, channels] from its cached convolution tail and state (None: the
+        sequence starts here); returns (outputs, the new tails, the new states)."""
+        keep = self.spec.conv_kernel - 1
+        outs, tails, states = [], [], []
+        for r in range(mixed.shape[0]):
+            prefix = None if tail is None else tail[r : r + 1]
+            o, final = self.run(mixed[r : r + 1], g[r : r + 1], beta[r : r + 1], prefix,
+                                None if state is None else state[r : r + 1])  # fmt: skip
+            seen = mixed[r : r + 1] if prefix is None else torch.cat([prefix, mixed[r : r + 1]], dim=1)
+            outs.append(o), states.append(final)
+            padded = F.pad(seen, (0, 0, max(0, keep - seen.shape[1]), 0))  # zeros: the conv's own padding
+            tails.append(padded[:, padded.shape[1] - keep :])
+        return torch.cat(outs), torch.cat(tails), torch.cat(states)
 
     def run(self, mixed, g, beta, prefix=None, state=None, transition: bool = False):
         """Tokens [1, t, conv channels] of one document through the convolution (after ``prefix`` [1, p,

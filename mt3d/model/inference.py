@@ -237,6 +237,9 @@ class KVCache:
     def __init__(self) -> None:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.length = 0
+        self.recurrent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """A Gated DeltaNet layer's (by id) convolution tail [b, taps - 1, channels] and state [b, value
+        heads, dk, dv] after the tokens so far (``mt3d.model.gdn``): constant in the generated length."""
 
     def update(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, pattern=None):
         """Add the new keys/values of ``layer``; returns (keys, values, position of the first key)
@@ -250,6 +253,13 @@ class KVCache:
         drop = k.shape[2] - keep
         self.kv[key] = (k[:, :, drop:], v[:, :, drop:], start + drop)
         return k, v, start
+
+    def step(self, layer, run) -> torch.Tensor:
+        """``run(tail, state)`` of a Gated DeltaNet layer from its cached tail and state (None at first);
+        it returns (outputs, new tail, new state), which are kept."""
+        out, tail, state = run(*self.recurrent.get(id(layer), (None, None)))
+        self.recurrent[id(layer)] = (tail, state)
+        return out
 
     def keys_held(self) -> dict[int, int]:
         """Keys held per layer (by layer id): what the cache costs."""
