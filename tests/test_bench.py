@@ -67,14 +67,16 @@ def test_comm_benchmark_matches_megatron_theory():
 
 def test_comm_benchmark_measures_each_context_exchange_at_its_volume():
     """The elements each cp rank sends per layer equal the planner's volumes (planner.traffic), and the
-    halo's do not grow with the sequence."""
+    halo's and the Gated DeltaNet layers' (state maps and the convolution's halo) do not grow with the
+    sequence."""
     rec, text = bench("comm", "--tp", "", "--cp", "2")
     rows = rec["cp_rows"]
     assert [(r["kind"], r["seq_len"]) for r in rows] == [
-        ("alltoall", 64), ("allgather", 64), ("halo", 64), ("halo", 128)
+        ("alltoall", 64), ("allgather", 64), ("halo", 64), ("halo", 128), ("gdn", 64), ("gdn", 128)
     ]  # fmt: skip
     assert all(r["ratio"] == 1.0 and r["elements_per_layer"] > 0 for r in rows), rows
     assert rows[2]["elements_per_layer"] == rows[3]["elements_per_layer"] < rows[1]["elements_per_layer"]
+    assert rows[4]["elements_per_layer"] == rows[5]["elements_per_layer"]
     assert rows[0]["calls_per_layer_per_micro"] == "all_to_all_single:8"  # q, k, v, out; each way
     assert "| 2 | halo | 128 |" in render([rec])
 

@@ -26,7 +26,7 @@ BENCHES = {
     "bubble": "measured pipeline idle fraction per stage vs theory: 1F1B, interleaved, zero-bubble",
     "preprocess": "mt3d preprocess MB/s and tokens/s with 1 and 2 workers vs raw tokenizers batch encoding",
     "comm": "calls and bytes of every TP collective per layer vs 8*b*s*h*(t-1)/t (tp 2/4, with/without SP); "
-    "with --cp, each context-parallel exchange (all-to-all, all-gather, halo) vs its volume",
+    "with --cp, each context-parallel exchange (all-to-all, all-gather, halo, Gated DeltaNet) vs its volume",
     "memory": "measured peak memory per rank vs the planner's prediction (ZeRO, tp, pp, recompute, offload)",
     "gpu": "one-GPU bf16 throughput and MFU of gpt3-1.3b / llama-1b vs transformers+DeepSpeed (--smoke: CPU)",
     "checkpoint": "checkpoint save/load time and bytes beside the raw disk write speed (tiny, 100m, 1b)",

@@ -13,7 +13,9 @@ blocks (embedding, LM head, loss, gradient reduction) are listed per step.
 Context parallelism (``--cp``): per layer and micro-batch, the elements each cp rank sends (mean
 over the ranks) for each exchange, beside ``planner.traffic.cp_layer_elements`` (the planner's
 volumes): all-to-all 2 f (b s/cp)(2q + 2kv') d, all-gather 4 f b s kv d, halo 8 f b (W d - 1) kv d,
-f = (cp-1)/cp; the halo is measured at two sequence lengths (its volume does not grow with s).
+f = (cp-1)/cp; the halo is measured at two sequence lengths (its volume does not grow with s). "gdn":
+a model of Gated DeltaNet layers, whose chunks' state maps and convolution halo are exchanged
+(``planner.traffic.cp_gdn_elements``), also at two lengths.
 
 Expert parallelism (``--ep``): one MoE layer's forward and backward at ep ranks (the layer alone),
 tokens built so that every expert gets the same number of assignments, its all-to-all elements per
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from ..planner.traffic import cp_layer_elements, ep_layer_elements
+from ..planner.traffic import cp_gdn_elements, cp_layer_elements, ep_layer_elements
 from .common import bench_run_config, build_engine, emit, table
 
 
@@ -53,7 +55,9 @@ def moved(op: str, numel: int, n: int) -> float:
 
 CP_MODEL = dict(preset="tiny-llama", hidden=64, heads=8, kv_heads=2, ffn=128)  # head_dim 8, GQA
 CP_WINDOW = 4  # the halo rows' model: every layer local with W = 4, so W d - 1 = 3 keys
-CP_KINDS = ("alltoall", "allgather", "halo")
+CP_KINDS = ("alltoall", "allgather", "halo", "gdn")
+CP_GDN = dict(key_heads=2, value_heads=4, key_head_dim=16, value_head_dim=16)
+"""The "gdn" rows' model: every block a Gated DeltaNet layer (``traffic.cp_gdn_elements``)."""
 CP_OPS = ("all_to_all_single", "all_gather", "all_gather_single", "all_gather_into_tensor",
           "reduce_scatter_single", "reduce_scatter_tensor", "isend", "irecv")  # fmt: skip
 
@@ -66,8 +70,10 @@ def cp_worker(kind: str, cp: int, layers: int, seq: int, micro: int, accum: int)
     model = {**CP_MODEL, "layers": layers}
     if kind == "halo":
         model["attention"] = {"window": CP_WINDOW}
+    if kind == "gdn":
+        model["linear_attention"] = CP_GDN
     raw = bench_run_config(model=model, seq_len=seq, micro=micro, global_batch=micro * accum, zero=0,
-                           context=cp, exchange="auto" if kind == "halo" else kind)  # fmt: skip
+                           context=cp, exchange="auto" if kind in ("halo", "gdn") else kind)  # fmt: skip
     _, layout, rt, engine, data, cfg = build_engine(raw)
 
     def step(k):
@@ -94,7 +100,9 @@ def cp_rows(args) -> list[dict]:
     rows = []
     for cp in args.cp:
         for kind in CP_KINDS:
-            for s in (args.cp_seq_len, 2 * args.cp_seq_len) if kind == "halo" else (args.cp_seq_len,):
+            for s in (
+                (args.cp_seq_len, 2 * args.cp_seq_len) if kind in ("halo", "gdn") else (args.cp_seq_len,)
+            ):
                 rows.append(_cp_row(kind, cp, s, args.micro, args.accum, args.layers))
     return rows
 
@@ -108,7 +116,12 @@ def _cp_row(kind: str, cp: int, s: int, b: int, m: int, layers: int) -> dict:
     per_layer = (sent[2 * layers] - sent[layers]) / (layers * m)
     info = res[layers][0]
     q, kv = CP_MODEL["heads"], CP_MODEL["kv_heads"]
-    theory = cp_layer_elements(kind, cp, b, s, q, kv, info["head_dim"], info["history"])
+    if kind == "gdn":
+        from ..model.gdn import GdnSpec
+
+        theory = cp_gdn_elements(cp, b, GdnSpec(**CP_GDN))
+    else:
+        theory = cp_layer_elements(kind, cp, b, s, q, kv, info["head_dim"], info["history"])
     calls = [Counter(op for op, _ in res[n][0]["calls"]) for n in (layers, 2 * layers)]
     per_call = " ".join(f"{k}:{v / (layers * m):g}" for k, v in sorted((calls[1] - calls[0]).items()))
     return {"cp": cp, "kind": kind, "seq_len": s, "elements_per_layer": per_layer, "theory": theory,

@@ -59,6 +59,21 @@ def cp_layer_elements(
     raise ValueError(f"unknown context-parallel exchange {kind!r}")
 
 
+def cp_gdn_elements(cp: int, b: int, spec, tp: int = 1) -> float:
+    """Elements one rank sends per Gated DeltaNet layer and micro-batch (forward + backward) under
+    context parallelism (``mt3d.model.gdn_context``), f = (cp-1)/cp: every chunk's state map (M, N),
+    key_head_dim x (key_head_dim + value_head_dim) per value head, all-gathered over the 2 cp chunks and
+    reduce-scattered back, 4 f cp b (vh / tp) dk (dk + dv); and the convolution's halo of conv_kernel -
+    1 tokens of its channels before each chunk, and its gradient back, 4 f b (k - 1)(2 kd + vd) / tp.
+    Neither grows with the sequence."""
+    if cp <= 1:
+        return 0.0
+    f = (cp - 1) / cp
+    dk, dv = spec.key_head_dim, spec.value_head_dim
+    maps = 4 * f * cp * b * spec.value_heads / tp * dk * (dk + dv)
+    return maps + 4 * f * b * (spec.conv_kernel - 1) * (2 * spec.key_dim + spec.value_dim) / tp
+
+
 def ep_ranks_per_token(ep: int, experts: int, top_k: int, groups: int = 1, topk_group: int = 1) -> float:
     """The distinct ep ranks (or hosts: any ``ep`` equal bins of consecutive experts) a token's
     top-``top_k`` experts live on, in expectation over routings that choose every k-subset of the
@@ -135,7 +150,10 @@ def cp_bytes(cfg, seq_len: int, b: int, tp: int, cp: int, micro_batches: int, el
         return per_layer * blocks * micro_batches * elem_bytes * (1.5 if recompute else 1.0)
     q, kv, chunk = cfg.heads // tp, cfg.kv_heads // tp, seq_len // (2 * cp)
     total = 0.0
-    for pattern in cfg.patterns:
+    for layer, pattern in enumerate(cfg.patterns):
+        if cfg.is_linear(layer):  # a Gated DeltaNet layer: its chunks' state maps and convolution halo
+            total += cp_gdn_elements(cp, b, cfg.gdn_spec, tp)
+            continue
         kind = exchange_for(exchange, pattern, chunk, q, kv, cp)
         history = pattern.history() if kind == "halo" else 0
         total += cp_layer_elements(kind, cp, b, seq_len, q, kv, cfg.head_dim, history)
