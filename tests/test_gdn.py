@@ -151,8 +151,9 @@ q/k norms and RoPE over a quarter of each head in blocks 1 and 3."""
 
 def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
     """5 steps of the tiny hybrid: tp 2 x pp 2 with SP (world 4), dp 2 with ZeRO-1 and cp 2 x tp 2 with SP
-    equal one process within 1e-5 (losses and grad norms), and it learns; bad input (cp chunks shorter than
-    the convolution reads, LoRA, key heads tp does not divide) is one line."""
+    equal one process within 1e-5 (losses and grad norms), as LoRA on every linear of tiny Qwen3.5 (the
+    DeltaNet projections too) at tp 2 with SP does, and both learn; bad input (cp chunks shorter than the
+    convolution reads, key heads tp does not divide) is one line."""
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
 
     from helpers import run_grouped, step_records, tiny_config
@@ -162,27 +163,32 @@ def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
         raw["mt3d"]["parallel"].update(parallel)
         return raw
 
+    def adapted(name, **parallel):
+        """Qwen3.5's separate projections, every linear adapted (in_proj_qkv's three parts in one tensor)."""
+        raw = run(name, **parallel)
+        raw["mt3d"]["model"] = {"preset": "tiny-qwen3.5"}
+        raw["mt3d"]["lora"] = {"r": 4, "target_modules": "all-linear"}
+        return raw
+
     runs = [(1, run("one")), (4, run("tp-pp", tensor=2, pipeline=2, sequence_parallel=True)), (2, run("dp")),
-            (4, run("cp-tp", context=2, tensor=2, sequence_parallel=True))]  # fmt: skip
-    one, tp_pp, dp, cp_tp = (step_records(r) for r in run_grouped(runs, timeout=600))
-    for got in (tp_pp, dp, cp_tp):
-        for a, b in zip(got, one, strict=True):
+            (4, run("cp-tp", context=2, tensor=2, sequence_parallel=True)), (1, adapted("lora1")),
+            (2, adapted("lora2", tensor=2, sequence_parallel=True))]  # fmt: skip
+    one, tp_pp, dp, cp_tp, lora1, lora2 = (step_records(r) for r in run_grouped(runs, timeout=600))
+    for got, want in ((tp_pp, one), (dp, one), (cp_tp, one), (lora2, lora1)):
+        for a, b in zip(got, want, strict=True):
             for key in ("loss", "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
-    assert one[-1]["loss"] < one[0]["loss"]
+    assert one[-1]["loss"] < one[0]["loss"] and lora1[-1]["loss"] < lora1[0]["loss"]
     one_key = dict(HYBRID, linear_attention=dict(HYBRID["linear_attention"], key_heads=1, value_heads=2))
     for model, change, message in (
         (HYBRID, dict(context=2, seq_len=8), "shorter than the linear attention's convolution reads"),
         (one_key, dict(tensor=2), "tensor parallelism 2 must divide the linear-attention key heads (1)"),
-        (HYBRID, dict(lora={"r": 4}), "mt3d.lora on Gated DeltaNet layers"),
     ):
-        lora, seq_len = change.pop("lora", None), change.pop("seq_len", None)
+        seq_len = change.pop("seq_len", None)
         raw = run("bad", **change)
         if seq_len:
             raw["mt3d"]["data"]["seq_len"] = seq_len
         raw["mt3d"]["model"] = model
-        if lora:
-            raw["mt3d"]["lora"] = lora
         with pytest.raises(ConfigError) as err:
             cfg = from_dict(raw)
             validate(cfg, 4, resolve_model(cfg.mt3d.model), here=False)

@@ -33,15 +33,15 @@ MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj"
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """Tiny random Llama (llama3 rope scaling), GPT-2 and Qwen2-MoE (shared expert, a dense layer) with a
-    BPE tokenizer; norms and biases randomised, routers sharpened."""
+    """Tiny random Llama (llama3 rope scaling), GPT-2, Qwen2-MoE (shared expert, a dense layer) and Qwen3.5
+    (Gated DeltaNet) with a BPE tokenizer; norms and biases randomised, routers sharpened."""
     base = tmp_path_factory.mktemp("hf-lora")
     tok = train_bpe([d for _, d in zip(range(400), stdlib_documents())], 512, base / "tok")
     configs = hf_configs(tok.vocab_size, tok.eos_id)
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):  # GPT-2's dropouts off: parity runs compare
         setattr(configs["gpt2"], key, 0.0)
     out = {}
-    for i, name in enumerate(("llama", "gpt2", "qwen2_moe")):
+    for i, name in enumerate(("llama", "gpt2", "qwen2_moe", "qwen3_5")):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(configs[name])
         with torch.no_grad():
@@ -299,10 +299,11 @@ def adapter_logits_worker(cases, ids):
 
 def test_peft_adapters_load_at_tp2_with_peft_logits(hf_dirs, tmp_path):
     """Adapters made by peft on the HF model (Llama q/k/v/o/gate/up/down, GPT-2's fused Conv1D c_attn and
-    c_proj) read through --adapter at tp 2 give peft's logits within 1e-5."""
+    c_proj, Qwen3.5's DeltaNet projections with in_proj_qkv's q/k/v split over tp) read through
+    --adapter at tp 2 give peft's logits within 1e-5."""
     ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(4))
     cases, want = {}, {}
-    for name, targets in (("llama", "all-linear"), ("gpt2", ["c_attn", "c_proj"])):
+    for name, targets in (("llama", "all-linear"), ("gpt2", ["c_attn", "c_proj"]), ("qwen3_5", "all-linear")):
         model = peft_adapter(hf_dirs[name], tmp_path / name, targets)
         with torch.no_grad():
             want[name] = model(ids).logits
@@ -319,6 +320,7 @@ def test_peft_adapters_load_at_tp2_with_peft_logits(hf_dirs, tmp_path):
         ("llama", ["q_proj", "v_proj"]),
         ("gpt2", "all-linear"),
         ("qwen2_moe", MOE_TARGETS),
+        ("qwen3_5", "all-linear"),
     ],
 )
 def test_trainable_counts_equal_peft(hf_dirs, name, targets):

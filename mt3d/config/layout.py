@@ -195,10 +195,6 @@ def _check_lora(lora, model: ModelConfig | None, stage: int, here: bool) -> None
         )
     if model is None:
         return
-    if model.linear_attention is not None:
-        raise ConfigError(
-            "mt3d.lora on Gated DeltaNet layers (model.linear_attention) is not built yet: drop mt3d.lora"
-        )
     from ..model.peft import plan, read_adapter
 
     spec, targets = plan(lora, model, model.vocab_size or 128)

@@ -107,12 +107,14 @@ def _catalog(key: str, vocab: int) -> Catalog:
         if not isinstance(m, ColumnParallelLinear | RowParallelLinear):
             continue
         got = pieces(cfg, name + ".weight")
+        base_parts = m.parts if isinstance(m, ColumnParallelLinear) else (m.out_features,)
+        if len(got) == 1 < len(base_parts):  # one HF tensor holding every part (Qwen3.5's in_proj_qkv)
+            got = got * len(base_parts)
         if expert_index(name) is not None:
             for p in got:
                 refused[p.name.rsplit(".", 1)[0]] = "a routed expert (LoRA on routed experts is not built)"
             continue
         column = isinstance(m, ColumnParallelLinear)
-        base_parts = m.parts if column else (m.out_features,)
         if len(got) != len(base_parts):
             raise LoraError(f"{name}: {len(got)} HF tensors for {len(base_parts)} fused parts")
         groups: dict[str, list[int]] = {}
