@@ -220,7 +220,7 @@ def universal_info(cfg: ModelConfig, tp: int, vocab: int, etp: int | None = None
         name = next(n for n in fused if re.match(pattern, n))
         spec = table[name]
         parts = tuple(spec.layout.parts)  # DeepSpeed recognises the split dimension by its tuple
-        shape = (parts, -1) if len(spec.shape) == 2 else (parts,)
+        shape = (parts, -1) if len(spec.shape) >= 2 else (parts,)  # 3-D: a convolution's [c, 1, taps]
         sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": spec.layout.dim})
         split = etp if etp is not None and expert_index(name) is not None else tp
         widths[pattern] = [[size // split] * split for size in parts]
