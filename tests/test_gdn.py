@@ -270,3 +270,22 @@ def test_a_gated_deltanet_checkpoint_resumes_and_reshards(tmp_path):
     one = key(spawn(train_worker, 1, config(tmp_path / "c", 1, resume=step2), timeout=300)[0])
     for got, want in zip(one[-2:], straight[2:], strict=True):
         assert got[0] == want[0] and got[1:] == pytest.approx(want[1:], rel=1e-5)
+
+
+def test_muon_orthogonalises_each_hf_matrix_of_a_qwen35_block():
+    """Muon's unit is the HF matrix: Qwen3.5's in_proj_qkv is one (its q/k/v parts are only the TP split),
+    while the attention block's fused q/k/v weight is three."""
+    from mt3d.model.blocks import BuildContext, TransformerBlock
+    from mt3d.parallel.state import AxisGroup
+    from mt3d.presets import get_preset
+    from mt3d.training.muon import muon_matrices
+
+    cfg, tp = get_preset("tiny-qwen3.5"), AxisGroup.alone("tp")
+    for layer, name, count in (
+        (0, "attn.in_qkv.weight", 1),
+        (1, "attn.qkv.weight", 3),
+        (0, "attn.in_z.weight", 1),
+    ):
+        block = TransformerBlock(cfg, BuildContext(tp=tp), layer)
+        p = dict(block.named_parameters())[name]
+        assert len(muon_matrices(block, tp)[id(p)].pieces(p.detach())) == count, name

@@ -271,6 +271,7 @@ class GatedDeltaNet(nn.Module):
             self.in_ba = column("ba", 2 * spec.value_heads)
         else:
             self.in_qkv, self.in_z = column("qkv", sum(parts), parts), column("z", spec.value_dim)
+            self.in_qkv.weight.one_matrix = True  # one HF matrix (Muon's unit); the parts are TP's split
             self.in_b, self.in_a = column("b", spec.value_heads), column("a", spec.value_heads)
         init = ctx.init(layer, "gdn.conv", spec.conv_kernel**-0.5)
         r = ctx.tp.rank

@@ -84,10 +84,12 @@ def scale_of(rows: int, cols: int, rule: str) -> float:
 @dataclass(frozen=True)
 class Matrix:
     """How a Muon parameter is whole: the group that split it (None: it is whole here), its split
-    dimension and its fused parts (each an HF matrix of its own)."""
+    dimension and its fused parts (each an HF matrix of its own, unless ``one``)."""
 
     group: AxisGroup | None
     layout: ParamLayout
+    one: bool = False
+    """The parts split over TP but make one HF matrix (``one_matrix``: Qwen3.5's ``in_proj_qkv``)."""
 
     def whole(self, shard: torch.Tensor) -> torch.Tensor:
         """The whole weight from this rank's shard (all-gathered over the group)."""
@@ -105,7 +107,7 @@ class Matrix:
 
     def pieces(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The HF matrices of the whole weight."""
-        if self.layout.parts:
+        if self.layout.parts and not self.one:
             return list(full.split(list(self.layout.parts), dim=self.layout.dim))
         return [full]
 
@@ -126,7 +128,7 @@ def muon_matrices(model: torch.nn.Module, tp: AxisGroup, etp: AxisGroup | None =
             expert = etp is not None and expert_index(name) is not None
             group = (etp if expert else tp) if split else None
             layout = ParamLayout(p.partition_dim, p.partition_parts) if split else ParamLayout()
-            out[id(p)] = Matrix(group, layout)
+            out[id(p)] = Matrix(group, layout, getattr(p, "one_matrix", False))
     return out
 
 
