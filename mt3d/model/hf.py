@@ -41,8 +41,18 @@ def read_hf_config(path: str | Path) -> dict:
         raise HFError(f"{f} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise HFError(f"{f} must hold a JSON object, got {type(cfg).__name__}")
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and not _readable(cfg) and _readable(text):
+        # a vision-language checkpoint (Qwen3.5's): its language model's config, as a text model's
+        cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
     family_for_hf(cfg, str(d))
     return cfg
+
+
+def _readable(hf: dict) -> bool:
+    from .families import families
+
+    return any(f.reads(hf) for f in families())
 
 
 def config_from_hf(path: str | Path) -> ModelConfig:
@@ -211,6 +221,11 @@ class SafetensorsFile:
         return out.view(nrows, *shape[1:]) if len(shape) > 2 and cols is None else out
 
 
+LANGUAGE_MODEL = "model.language_model."
+"""Where a vision-language checkpoint (Qwen3.5's, Gemma 3's) keeps its language model's tensors (model.* in
+a text model's); its vision tower's are left unused."""
+
+
 class HFReader:
     """Slice-wise access to the safetensors files of an HF directory (rows read with pread)."""
 
@@ -235,6 +250,12 @@ class HFReader:
             raise HFError(
                 f"{self.dir}: no model.safetensors(.index.json); save the model with safe_serialization"
             )
+        self.stored = {name: name for name in self.where}
+        """Tensor name as the families name it -> as the files store it."""
+        if not any(k.startswith("model.layers.") for k in self.where):  # a vision-language checkpoint keeps
+            for k in [k for k in self.where if k.startswith(LANGUAGE_MODEL)]:  # its language model apart
+                alias = "model." + k[len(LANGUAGE_MODEL) :]
+                self.where[alias], self.stored[alias] = self.where.pop(k), self.stored.pop(k)
         self._open: dict[Path, SafetensorsFile] = {}
 
     def close(self) -> None:
@@ -255,7 +276,7 @@ class HFReader:
 
     def _stored(self, piece: Piece) -> list[int]:
         """The stored shape of the piece's tensor (of one matrix of a stacked one)."""
-        shape = self._file(piece.name).shape(piece.name)
+        shape = self._file(piece.name).shape(self.stored[piece.name])
         if piece.index is not None:
             if not shape or not 0 <= piece.index < shape[0]:
                 raise HFError(f"{self.dir}: tensor {piece.name} {tuple(shape)} has no entry {piece.index}")
@@ -276,17 +297,17 @@ class HFReader:
     def read(self, piece: Piece, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
         """The piece (mt3d orientation), restricted to ``rows`` / ``cols`` ranges; reads only those bytes
         (of an interleaved piece: the span of its rows, then every ``step``-th)."""
-        f = self._file(piece.name)
+        f, name = self._file(piece.name), self.stored[piece.name]
         stored = self._stored(piece)
         r0, r1 = rows or (0, self.shape(piece)[0])
         a, step = piece.start + r0 * piece.step, piece.step
         rows = (a, a + (r1 - r0 - 1) * step + 1) if r1 > r0 else (a, a)
         if len(stored) == 1:
-            return f.region(piece.name, rows, index=piece.index)[::step]
+            return f.region(name, rows, index=piece.index)[::step]
         if piece.transpose:  # mt3d rows are the stored columns
-            out = f.region(piece.name, cols or (0, stored[0]), rows, index=piece.index)[:, ::step]
+            out = f.region(name, cols or (0, stored[0]), rows, index=piece.index)[:, ::step]
             return out.t()  # copied into place by the caller
-        return f.region(piece.name, rows, cols, index=piece.index)[::step]
+        return f.region(name, rows, cols, index=piece.index)[::step]
 
 
 def read_shard(
@@ -381,7 +402,7 @@ def check_weights(reader: HFReader, cfg: ModelConfig, vocab: int, where: str) ->
     used |= _check_tied_head(reader, cfg, where)
     unused = sorted(set(reader.where) - used)
     if cfg.family:
-        stored = lambda name: reader._file(name).shape(name)  # noqa: E731 - a stored tensor's shape
+        stored = lambda name: reader._file(name).shape(reader.stored[name])  # noqa: E731 - its stored shape
         get_family(cfg.family).check_unused(unused, stored, cfg, where)
     return unused
 
@@ -391,7 +412,7 @@ def _check_dtype(reader: HFReader, cfg: ModelConfig, where: str) -> None:
     read as the other give wrong numbers without an error): refused."""
     hf = cfg.extra.get("hf_config") or {}
     named = _CONFIG_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"))
-    stored = {reader._file(n).entries[n]["dtype"] for n in reader.where}
+    stored = {reader._file(n).entries[reader.stored[n]]["dtype"] for n in reader.where}
     floats = stored & set(_CONFIG_DTYPES.values())
     if named in ("F16", "BF16") and floats and named not in floats and floats <= {"F16", "BF16"}:
         raise HFError(
