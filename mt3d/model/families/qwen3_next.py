@@ -10,8 +10,8 @@ The DeltaNet tensors map one to one: Qwen3-Next's ``linear_attn.in_proj_qkvz`` a
 transformers' per-key-head layouts (``GdnSpec.fused``), Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` /
 ``in_proj_b`` / ``in_proj_a``; both with ``conv1d``, ``A_log``, ``dt_bias``, ``norm`` and ``out_proj``.
 Which blocks are which: ``layer_types`` (written on export), or ``full_attention_interval`` (default 4).
-Qwen3.5's vision-language checkpoints (model_types ``qwen3_5`` / ``qwen3_5_moe``, the language model
-under ``model.language_model``) are not read yet.
+Qwen3.5's vision-language checkpoints (model_types ``qwen3_5`` / ``qwen3_5_moe``) are read as their language
+model (``hf.read_hf_config`` takes ``text_config``, ``hf.HFReader`` the ``model.language_model`` tensors).
 """
 
 from __future__ import annotations
