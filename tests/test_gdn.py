@@ -150,10 +150,11 @@ q/k norms and RoPE over a quarter of each head in blocks 1 and 3."""
 
 
 def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
-    """5 steps of the tiny hybrid: tp 2 x pp 2 with SP (world 4), dp 2 with ZeRO-1 and cp 2 x tp 2 with SP
-    equal one process within 1e-5 (losses and grad norms), as LoRA on every linear of tiny Qwen3.5 (the
-    DeltaNet projections too) at tp 2 with SP does, and both learn; bad input (cp chunks shorter than the
-    convolution reads, key heads tp does not divide) is one line."""
+    """5 steps of the tiny hybrid: tp 2 x pp 2 with SP (world 4), dp 2 with ZeRO-1, cp 2 x tp 2 with SP and
+    ZB-V at pp 2 (the DeltaNet's own weights' gradients in B, its linears' in W) equal one process within
+    1e-5 (losses and grad norms), as LoRA on every linear of tiny Qwen3.5 (the DeltaNet projections too)
+    at tp 2 with SP does, and both learn; bad input (cp chunks shorter than the convolution reads, key
+    heads tp does not divide) is one line."""
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
 
     from helpers import run_grouped, step_records, tiny_config
@@ -172,9 +173,10 @@ def test_a_hybrid_model_trains_as_one_process_at_every_layout(tmp_path):
 
     runs = [(1, run("one")), (4, run("tp-pp", tensor=2, pipeline=2, sequence_parallel=True)), (2, run("dp")),
             (4, run("cp-tp", context=2, tensor=2, sequence_parallel=True)), (1, adapted("lora1")),
-            (2, adapted("lora2", tensor=2, sequence_parallel=True))]  # fmt: skip
-    one, tp_pp, dp, cp_tp, lora1, lora2 = (step_records(r) for r in run_grouped(runs, timeout=600))
-    for got, want in ((tp_pp, one), (dp, one), (cp_tp, one), (lora2, lora1)):
+            (2, adapted("lora2", tensor=2, sequence_parallel=True)),
+            (2, run("zbv", pipeline=2, schedule="zbv", virtual_stages=2))]  # fmt: skip
+    one, tp_pp, dp, cp_tp, lora1, lora2, zbv = (step_records(r) for r in run_grouped(runs, timeout=600))
+    for got, want in ((tp_pp, one), (dp, one), (cp_tp, one), (lora2, lora1), (zbv, one)):
         for a, b in zip(got, want, strict=True):
             for key in ("loss", "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
