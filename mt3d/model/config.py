@@ -372,32 +372,25 @@ class ModelConfig:
 
     def attn_widths(self, tp: int = 1) -> tuple[float, float]:
         """(input, output) widths of one TP rank's attention projections per token, as the planner's
-        GEMMs over the hidden size see them: QKV's (q + 2 kv) / tp and the output's q / tp; latent
-        attention's down and up projections folded into an input width of the same FLOPs (the down
-        projections replicated on every rank)."""
-        if self.mla is None:
-            return (self.q_size + 2 * self.kv_size) / tp, self.q_size / tp
-        m, h, a = self.mla_spec, self.hidden, self.heads
-        q = (
-            h * a * m.qk_head_dim / tp
-            if m.q_lora_rank is None
-            else m.q_lora_rank * (h + a * m.qk_head_dim / tp)
-        )
-        kv = (
-            h * (m.kv_lora_rank + m.qk_rope_head_dim)
-            + m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim) / tp
-        )
-        return (q + kv) / h, a * m.v_head_dim / tp
+        GEMMs over the hidden size see them: QKV's (q + 2 kv) / tp (and the output gate's q) and the
+        output's q / tp; latent attention's ``LatentSpec.widths``; Gated DeltaNet blocks' averaged in."""
+        from .gdn import per_kind
+
+        full = (self.q_size * (1 + self.attn_output_gate) + 2 * self.kv_size) / tp, self.q_size / tp
+        if self.mla is not None:
+            full = self.mla_spec.widths(self.hidden, self.heads, tp)
+        return per_kind(self, full, lambda spec: spec.widths(tp))
 
     def attn_activation_width(self, tp: int = 1) -> float:
         """Per token, the attention activations one TP rank keeps for the backward: q, k, v and the
-        core's output (latent attention: q, k and the padded v at the qk head width, the output, and the
-        latents, replicated)."""
-        if self.mla is None:
-            return (2 * self.q_size + 2 * self.kv_size) / tp
-        m = self.mla_spec
-        latents = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
-        return self.heads * (3 * m.qk_head_dim + m.v_head_dim) / tp + latents
+        core's output (latent attention's ``LatentSpec.activation_width``); Gated DeltaNet blocks'
+        (``GdnSpec.activation_width``) averaged in."""
+        from .gdn import per_kind
+
+        full = (2 * self.q_size + 2 * self.kv_size) / tp
+        if self.mla is not None:
+            full = self.mla_spec.activation_width(self.heads, tp)
+        return per_kind(self, full, lambda spec: spec.activation_width(tp))
 
     def mlp_token_width(self) -> float:
         """Inner MLP width one token passes through, averaged over blocks: ffn for a dense block,

@@ -124,6 +124,20 @@ class GdnSpec:
         dk, dv, c = self.key_head_dim, self.value_head_dim, chunk
         return self.value_heads * 2 * (2 * c * dk + c * (dk + dv) / 2 + c * dv + 3 * dk * dv)
 
+    def widths(self, tp: int = 1) -> tuple[float, float]:
+        """(input, output) widths of one TP rank's projections per token (``ModelConfig.attn_widths``):
+        q, k, v, z, beta and a in, the values out."""
+        return (2 * self.key_dim + 2 * self.value_dim + 2 * self.value_heads) / tp, self.value_dim / tp
+
+    def activation_width(self, tp: int = 1, chunk: int = CHUNK) -> float:
+        """Per token, what one TP rank keeps for the backward (``ModelConfig.attn_activation_width``): the
+        projections and the convolution's output; per value head the normalised q and k, the chunk's
+        solved values and keys, its two chunk x chunk matrices, the output, and the chunk's state (dk dv
+        over its tokens); the gated norm's output."""
+        dk, dv, vh = self.key_head_dim, self.value_head_dim, self.value_heads / tp
+        projections = self.widths(tp)[0] + (2 * self.key_dim + self.value_dim) / tp + self.value_dim / tp
+        return projections + vh * (3 * dk + 3 * dv + 2 * chunk + dk * dv / chunk)
+
     def linear(self, layer: int) -> bool:
         """Whether block ``layer`` is a Gated DeltaNet layer (else full attention)."""
         if self.layer_types is not None:
@@ -183,6 +197,19 @@ class GdnSpec:
         why = self.parallel_conflict(tp)
         if why:
             raise ModelConfigError(why)
+
+
+def per_kind(cfg, full, linear):
+    """A per-block figure of ``cfg`` averaged over its blocks: ``full`` for attention blocks and
+    ``linear(gdn_spec)`` for Gated DeltaNet ones (a number or a tuple of numbers)."""
+    spec = cfg.gdn_spec
+    if spec is None:
+        return full
+    share = sum(map(cfg.is_linear, range(cfg.layers))) / cfg.layers
+    other = linear(spec)
+    if isinstance(full, tuple):
+        return tuple((1 - share) * a + share * b for a, b in zip(full, other, strict=True))
+    return (1 - share) * full + share * other
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

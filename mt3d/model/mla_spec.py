@@ -69,3 +69,20 @@ class LatentSpec:
         kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + heads * self.v_head_dim * hidden
+
+    def widths(self, hidden: int, heads: int, tp: int = 1) -> tuple[float, float]:
+        """(input, output) widths per token of one TP rank's projections as GEMMs over the hidden size
+        (``ModelConfig.attn_widths``): the down and up projections folded into an input width of the same
+        FLOPs (the down projections replicated on every rank), the values out."""
+        q = hidden * heads * self.qk_head_dim / tp
+        if self.q_lora_rank is not None:
+            q = self.q_lora_rank * (hidden + heads * self.qk_head_dim / tp)
+        kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim) / tp
+        return (q + kv) / hidden, heads * self.v_head_dim / tp
+
+    def activation_width(self, heads: int, tp: int = 1) -> float:
+        """Per token, what one TP rank keeps for the backward: q, k and the padded v at the qk head width,
+        the output, and the latents (replicated)."""
+        latents = (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim
+        return heads * (3 * self.qk_head_dim + self.v_head_dim) / tp + latents
