@@ -336,9 +336,11 @@ class GatedDeltaNet(nn.Module):
             from .gdn_context import context_mix
 
             o = context_mix(self, mixed, g, beta, documents, self.ctx.cp)
+        elif documents is None:  # the whole batch at once
+            o = self.run(mixed, g, beta)[0]
         else:
-            spans = [(i, 0, s) for i in range(b)] if documents is None else _spans(documents)
-            outs = [self._mix(mixed[i : i + 1, lo:hi], g[i : i + 1, lo:hi], beta[i : i + 1, lo:hi])
+            spans = _spans(documents)
+            outs = [self.run(mixed[i : i + 1, lo:hi], g[i : i + 1, lo:hi], beta[i : i + 1, lo:hi])[0]
                     for i, lo, hi in spans]  # fmt: skip
             o = outs[0] if len(outs) == 1 else _join(outs, spans, b)
         o = self.norm(o.view(b, s, vh, spec.value_head_dim), z.reshape(b, s, vh, spec.value_head_dim))
@@ -357,45 +359,35 @@ class GatedDeltaNet(nn.Module):
         beta, a = ba.view(b, s, kh, 2 * spec.group).split([spec.group] * 2, dim=-1)
         return torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1), z, beta, a
 
-    def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """One sequence (or document) [1, t, conv channels] through the convolution and the delta rule
-        from a zero state: [1, t, value heads, value_head_dim]."""
-        return self.run(mixed, g, beta)[0]
-
     def _continue(self, mixed, g, beta, tail, state):
-        """Generation: every row [b, t, channels] from its cached convolution tail and state (None: the
-        sequence starts here); returns (outputs, the new tails, the new states)."""
+        """Generation: the rows [b, t, channels] from their cached convolution tails and states (None: the
+        sequences start here); returns (outputs, the new tails, the new states)."""
         keep = self.spec.conv_kernel - 1
-        outs, tails, states = [], [], []
-        for r in range(mixed.shape[0]):
-            prefix = None if tail is None else tail[r : r + 1]
-            o, final = self.run(mixed[r : r + 1], g[r : r + 1], beta[r : r + 1], prefix,
-                                None if state is None else state[r : r + 1])  # fmt: skip
-            seen = mixed[r : r + 1] if prefix is None else torch.cat([prefix, mixed[r : r + 1]], dim=1)
-            outs.append(o), states.append(final)
-            padded = F.pad(seen, (0, 0, max(0, keep - seen.shape[1]), 0))  # zeros: the conv's own padding
-            tails.append(padded[:, padded.shape[1] - keep :])
-        return torch.cat(outs), torch.cat(tails), torch.cat(states)
+        o, final = self.run(mixed, g, beta, tail, state)
+        seen = mixed if tail is None else torch.cat([tail, mixed], dim=1)
+        padded = F.pad(seen, (0, 0, max(0, keep - seen.shape[1]), 0))  # zeros: the conv's own padding
+        return o, padded[:, padded.shape[1] - keep :], final
 
     def run(self, mixed, g, beta, prefix=None, state=None, transition: bool = False):
-        """Tokens [1, t, conv channels] of one document through the convolution (after ``prefix`` [1, p,
-        channels]: the document's tokens before them, which only feed the convolution) and the delta
-        rule from ``state`` [1, value heads, dk, dv] (None: zeros). Returns (the outputs [1, t, value
-        heads, dv], the state after the last token, and with ``transition`` the linear map M of the
-        state through these tokens [1, value heads, dk, dk]: final = M state + final from zero)."""
+        """Tokens [b, t, conv channels] (each row one document or sequence) through the convolution
+        (after ``prefix`` [b, p, channels]: the rows' tokens before them, which only feed the
+        convolution) and the delta rule from ``state`` [b, value heads, dk, dv] (None: zeros). Returns
+        (the outputs [b, t, value heads, dv], the state after the last token, and with ``transition`` the
+        linear map M of the state through these tokens [b, value heads, dk, dk]: final = M state + final
+        from zero)."""
         spec, kh, vh = self.spec, self.key_heads, self.value_heads
-        t = mixed.shape[1]
+        b, t = mixed.shape[:2]
         conv = short_conv(mixed if prefix is None else torch.cat([prefix, mixed], dim=1), self.conv)[:, -t:]
         q, k, v = conv.split([kh * spec.key_head_dim] * 2 + [vh * spec.value_head_dim], -1)
         f = torch.promote_types(conv.dtype, torch.float32)  # as the rule: fp32, fp64 kept
-        q, k = (l2_normalize(x.to(f).view(1, t, kh, -1)).repeat_interleave(spec.group, 2) for x in (q, k))
+        q, k = (l2_normalize(x.to(f).view(b, t, kh, -1)).repeat_interleave(spec.group, 2) for x in (q, k))
         q = q * spec.key_head_dim**-0.5
-        heads = lambda x: x.transpose(1, 2)  # noqa: E731 - [1, t, h, d] -> [1, h, t, d]
-        q, k, v, g, beta = heads(q), heads(k), heads(v.view(1, t, vh, -1)), heads(g), heads(beta)
+        heads = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, t, h, d] -> [b, h, t, d]
+        q, k, v, g, beta = heads(q), heads(k), heads(v.view(b, t, vh, -1)), heads(g), heads(beta)
         o, final = gated_delta_rule(q, k, v, g, beta, state)
         out = (o.transpose(1, 2).to(mixed.dtype), final)
         if transition:  # the state is linear in its start: from I with zero values, the end is M
-            eye = torch.eye(spec.key_head_dim, dtype=final.dtype, device=final.device).expand(1, vh, -1, -1)
+            eye = torch.eye(spec.key_head_dim, dtype=final.dtype, device=final.device).expand(b, vh, -1, -1)
             out += (gated_delta_rule(q, k, torch.zeros_like(k), g, beta, eye)[1],)
         return out
 

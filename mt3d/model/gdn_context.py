@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.context import chunk_starts, gather_sequence, halo
+from .documents import document_spans
 
 
 def _runs(documents, row: int, start: int, c: int) -> tuple[list[tuple[int, int]], bool]:
@@ -32,10 +33,9 @@ def _runs(documents, row: int, start: int, c: int) -> tuple[list[tuple[int, int]
     whether its first run continues a document from before the chunk."""
     if documents is None:
         return [(0, c)], start > 0
-    docs = documents[row, start : start + c].tolist()
-    cuts = [0] + [i for i in range(1, c) if docs[i] != docs[i - 1]] + [c]
-    cont = start > 0 and int(documents[row, start - 1]) == docs[0] and docs[0] >= 0
-    return list(zip(cuts[:-1], cuts[1:], strict=True)), cont
+    spans = [(a, e, doc) for a, e, doc in document_spans(documents)[row] if a < start + c and e > start]
+    runs = [(max(a, start) - start, min(e, start + c) - start) for a, e, _ in spans]
+    return runs, spans[0][0] < start and spans[0][2] >= 0
 
 
 def context_mix(layer, mixed, g, beta, documents, cp) -> torch.Tensor:
