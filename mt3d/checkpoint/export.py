@@ -30,6 +30,42 @@ def _checkpoint_dir(path: str | Path) -> Path:
     return found
 
 
+MTP_FILE = "model-mtp.safetensors"
+"""Where an export keeps the multi-token-prediction layers (``model.mtp``), listed in the index beside
+transformers' files: transformers' models have no such modules, so their ``save_pretrained`` cannot
+write them (vLLM and SGLang read them from the index's files)."""
+
+
+def mtp_tensor_names(cfg, vocab: int) -> list[str]:
+    """The HF names of the MTP layers' tensors (none without ``model.mtp``)."""
+    from ..model.hf import pieces
+    from ..model.sharding import role_of, split_name
+
+    names = [n for n in global_names(cfg, vocab) if role_of(cfg, split_name(n)[0]) == "mtp"]
+    return list(dict.fromkeys(p.name for n in names for p in pieces(cfg, n)))
+
+
+def add_tensors(out: Path, tensors: dict, file_name: str) -> None:
+    """Write ``tensors`` to ``out / file_name`` and list them in the safetensors index (made when
+    ``save_pretrained`` wrote one file)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / file_name), metadata={"format": "pt"}
+    )
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+    else:
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            data = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    data["weight_map"].update(dict.fromkeys(tensors, file_name))
+    index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "5GB",
               adapter_only: bool = False) -> Path:  # fmt: skip
     """Write an HF directory (config.json, safetensors, tokenizer) from an mt3d checkpoint of any layout;
@@ -56,7 +92,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         eos = load_tokenizer(source.tokenizer_dir).eos_id
     cfg_dict = hf_config_dict(cfg, vocab, eos)  # refuses a family with no HF form before any read
     full = {name: source.full(name) for name in global_names(cfg, vocab)}
-    state = get_family(cfg.family).in_memory(cfg, hf_state_dict(cfg, vocab, full))
+    family = get_family(cfg.family)
+    state = family.in_memory(cfg, hf_state_dict(cfg, vocab, full))
+    mtp = {name: state.pop(name) for name in mtp_tensor_names(cfg, vocab)}  # not in transformers' model
+    mtp.update(family.mtp_copies(cfg, state))
     kind = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(kind, **{k: v for k, v in cfg_dict.items() if k != "transformers_version"})
     with torch.device("meta"):
@@ -71,6 +110,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        if mtp:
+            add_tensors(tmp, mtp, MTP_FILE)
         if source.tokenizer_dir and Path(source.tokenizer_dir).is_dir():
             from ..data.tokenizer import copy_tokenizer
 

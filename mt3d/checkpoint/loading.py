@@ -19,7 +19,7 @@ from ..model.blocks import BuildContext
 from ..model.config import ModelConfig
 from ..model.hf import HFError, HFReader, check_weights, config_from_hf, pieces, read_shard
 from ..model.moe import expert_index
-from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
+from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs, post_layers
 from ..parallel.state import AxisGroup, ParallelState
 
 log = logging.getLogger("mt3d")
@@ -71,11 +71,13 @@ def _has_tokenizer(d: Path) -> bool:
     return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
 
 
-def open_source(path: str | Path, verify: bool = True, adapter: str | Path | None = None) -> WeightSource:
+def open_source(path: str | Path, verify: bool = True, adapter: str | Path | None = None,
+                cfg: ModelConfig | None = None) -> WeightSource:  # fmt: skip
     """An HF model directory, or an mt3d checkpoint (a ``step_XXXXXXXX`` dir, or a run dir: its newest).
     A LoRA run's checkpoint reads as its base with the adapters merged in; ``adapter``: a PEFT adapter
-    directory merged into the weights the same way."""
-    source = _open(path, verify)
+    directory merged into the weights the same way. ``cfg``: the model to read an HF directory as (its
+    config.json's with ``model.mtp``: the multi-token-prediction layers are read too)."""
+    source = _open(path, verify, cfg)
     if adapter is not None:
         from .lora import from_peft
 
@@ -85,12 +87,12 @@ def open_source(path: str | Path, verify: bool = True, adapter: str | Path | Non
     return source
 
 
-def _open(path: str | Path, verify: bool) -> WeightSource:
+def _open(path: str | Path, verify: bool, cfg: ModelConfig | None = None) -> WeightSource:
     p = Path(path)
     if not p.exists():
         raise UserError(f"model not found: {p}")
     if (p / "config.json").is_file():
-        cfg = config_from_hf(p)
+        cfg = cfg or config_from_hf(p)
         reader = HFReader(p)
         unused = check_weights(reader, cfg, cfg.vocab_size, str(p))
         if unused:
@@ -189,7 +191,9 @@ def build_model(
         from ..ds.pipe import Mt3dPipeline
 
         blocks = stage_blocks or default_stage_blocks(cfg.layers, state.pp.size)
-        model = Mt3dPipeline(specs, topology=state.topology, loss_fn=loss, stage_blocks=blocks)
+        model = Mt3dPipeline(
+            specs, topology=state.topology, loss_fn=loss, stage_blocks=blocks, post_layers=post_layers(cfg)
+        )
     return model.to(device=device, dtype=dtype)
 
 

@@ -22,6 +22,21 @@ def _with_preset_family(cfg: dict) -> ModelConfig:
         return ModelConfig.from_dict(free)  # raises again if the problem was not the family
 
 
+def with_mtp(cfg: ModelConfig, mtp, src) -> ModelConfig:
+    """An HF model with ``model.mtp`` (its checkpoint must hold that many MTP layers)."""
+    import dataclasses
+
+    from ..model.families import get_family
+
+    out = dataclasses.replace(cfg, mtp=mtp)  # checks the spec and the family's format
+    held = get_family(out.family).mtp_count(out.extra.get("hf_config") or {})
+    if held < out.mtp_spec.layers:
+        asked = out.mtp_spec.layers
+        raise ConfigError(f"mt3d.model.mtp: {src} holds {held} multi-token-prediction layers, "
+                          f"model.mtp.layers asks {asked}; lower it or drop model.mtp")  # fmt: skip
+    return out
+
+
 def resolve_model(section: dict) -> ModelConfig:
     """The ModelConfig named by the model section (preset + overrides, HF dir, or dimensions)."""
     from ..presets import PRESETS, get_preset
@@ -31,10 +46,11 @@ def resolve_model(section: dict) -> ModelConfig:
         if "from_hf" in section:
             from ..model.hf import config_from_hf
 
-            src = section.pop("from_hf")
+            src, mtp = section.pop("from_hf"), section.pop("mtp", None)
             if section:
-                raise ConfigError(f"mt3d.model.from_hf takes no other keys, got {sorted(section)}")
-            return config_from_hf(src)
+                raise ConfigError(f"mt3d.model.from_hf takes no other keys but mtp, got {sorted(section)}")
+            cfg = config_from_hf(src)
+            return cfg if mtp is None else with_mtp(cfg, mtp, src)
         base = section.pop("preset", None)
         if base is not None:
             get_preset(base)  # a clear error for unknown names

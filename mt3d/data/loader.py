@@ -17,7 +17,7 @@ import torch
 
 from .corpora import builtin_corpus, cache_root, synthetic_corpus
 from .indexed import IndexedDataset
-from .packing import Packed, PackedDocuments, packed_batch, packs, pairs_in, supervised_and_real
+from .packing import IGNORE, Packed, PackedDocuments, packed_batch, packs, pairs_in, supervised_and_real
 from .samples import BlendedSamples, DataError, PackedSamples, split_documents
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -111,6 +111,25 @@ def to_batch(samples: list) -> tuple:
     return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
 
 
+def mtp_batch(ids: torch.Tensor, labels: torch.Tensor, documents, depths: int):
+    """(ids [b, s, D], labels [b, s, D]) of multi-token prediction's D depths (``mt3d.model.mtp``) for a
+    batch of whole sequences: depth k's input at position i is token i + k and its target label i + k
+    (token i + k + 1), where position i + k is in the sequence and in i's document (``documents`` [b, s]
+    of packed samples; None: one stream); elsewhere id 0 and the ignored label."""
+    b, s = ids.shape
+    out_ids = ids.new_zeros(b, s, depths)
+    out_labels = labels.new_full((b, s, depths), IGNORE)
+    for k in range(1, depths + 1):
+        if k >= s:
+            break
+        keep = torch.ones(b, s - k, dtype=torch.bool)
+        if documents is not None:
+            keep = documents[:, k:] == documents[:, :-k]
+        out_ids[:, : s - k, k - 1] = torch.where(keep, ids[:, k:], 0)
+        out_labels[:, : s - k, k - 1] = torch.where(keep, labels[:, k:], IGNORE)
+    return out_ids, out_labels
+
+
 def step_targets(samples, step: int, global_batch: int) -> tuple[int, int, int]:
     """(supervised targets, real tokens, preference pairs) of the whole global batch of ``step`` (every
     rank reads it: the loss of packed data is normalised by the first, DPO's by the third,
@@ -140,8 +159,10 @@ class StepBatches:
         start_step: int = 0,
         device: str | torch.device = "cpu",
         cp=None,
+        mtp: int = 0,
     ) -> None:
         self.samples = samples
+        self.mtp = mtp  # model.mtp's depths: their ids and labels go with the labels (``mtp_batch``)
         self.kw = dict(
             global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum, dp_rank=dp_rank
         )
@@ -161,12 +182,13 @@ class StepBatches:
         docs = None
         if isinstance(x, tuple):  # packed documents: the ids of the whole sequence go with every chunk
             x, docs = x
+        y = (y, *mtp_batch(x, y, docs, self.mtp)) if self.mtp else (y,)
         if self.cp is not None and self.cp.size > 1:
             from ..parallel.context import split_sequence
 
-            x, y = split_sequence(x, self.cp), split_sequence(y, self.cp)
-        x, y = _to(x, self.device), _to(y, self.device)
-        return ((x, _to(docs, self.device)) if docs is not None else x), y
+            x, y = split_sequence(x, self.cp), tuple(split_sequence(t, self.cp) for t in y)
+        x, y = _to(x, self.device), tuple(_to(t, self.device) for t in y)
+        return ((x, _to(docs, self.device)) if docs is not None else x), (y if self.mtp else y[0])
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:

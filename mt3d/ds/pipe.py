@@ -34,7 +34,7 @@ import logging
 import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from ..model.pipeline import LossFn, run_layers, stage_bounds
+from ..model.pipeline import POST_LAYERS, LossFn, run_layers, stage_bounds
 from ..parallel.random import checkpoint
 from ..pipeline import zero_bubble
 
@@ -53,8 +53,10 @@ class Mt3dPipeline(PipelineModule):
         stage_blocks: list[int],
         recompute_interval: int = 0,
         ckpt=None,
+        post_layers: int = POST_LAYERS,
     ) -> None:
         self._stage_blocks = list(stage_blocks)
+        self._post = post_layers  # layers after the last block (``model.pipeline.post_layers``)
         self.recompute_interval = recompute_interval
         self._ckpt = ckpt or checkpoint
         super().__init__(
@@ -68,7 +70,7 @@ class Mt3dPipeline(PipelineModule):
     def _partition_layers(self, method="mt3d-blocks"):
         # DeepSpeed's methods balance by type or parameters; mt3d cuts by explicit block counts so
         # uneven first/last stages can be configured.
-        self.parts = stage_bounds(self._stage_blocks)
+        self.parts = stage_bounds(self._stage_blocks, self._post)
         if len(self.parts) != self.num_stages + 1 or self.parts[-1] != len(self._layer_specs):
             raise ValueError(f"stage_blocks {self._stage_blocks} do not fit {len(self._layer_specs)} layers")
         stage = self._topo.get_coord(self.global_rank).pipe
@@ -118,7 +120,7 @@ class InterleavedPipeline(Mt3dPipeline):
         p, v = self.num_stages, self.virtual_stages
         self.placement = zero_bubble.stages(self.schedule, p, v)
         """(pipeline rank, chunk) of each virtual stage."""
-        self.parts = stage_bounds(self._stage_blocks)
+        self.parts = stage_bounds(self._stage_blocks, self._post)
         if len(self.parts) != p * v + 1 or self.parts[-1] != len(self._layer_specs):
             raise ValueError(f"stage_blocks {self._stage_blocks} do not fit {p} stages x {v} chunks")
         if len(self.placement) != p * v:

@@ -57,7 +57,7 @@ class Attention(RopeTables, nn.Module):
         cfg.check_parallel(tp, 1)
         self.cfg, self.ctx = cfg, ctx
         self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
-        self.pattern = cfg.patterns[layer]
+        self.pattern = cfg.patterns[layer] if layer < cfg.layers else None  # MTP's blocks: global
         self.local = self.pattern is not None  # its RoPE: cfg.rope_local where set (Gemma 3)
         spec = cfg.attention or {}
         self.block, self.kernel = spec.get("block"), spec.get("kernel", "auto")
@@ -394,9 +394,9 @@ class FinalNorm(nn.Module):
         self.norm = make_norm(cfg, ctx)
 
     def forward(self, x):
-        """Normalise the residual stream (router statistics pass through)."""
-        x, stats, _ = split_stream(x)
-        return join_stream(self.norm(x), stats)
+        """Normalise the residual stream (router statistics and document ids pass through)."""
+        x, stats, documents = split_stream(x)
+        return join_stream(self.norm(x), stats, documents)
 
 
 __all__ = [

@@ -97,6 +97,8 @@ class ModelConfig:
     """Mixture-of-experts MLPs (``mt3d.model.moe.MoESpec``): {"experts": E, "top_k": k, "expert_ffn": f}
     plus optional "norm_topk_prob", "shared_ffn", "sparse_step", "dense_layers", "aux_loss_coef",
     "z_loss_coef", "capacity_factor". None: every MLP dense."""
+    mtp: dict | None = None
+    """Multi-token prediction (``mt3d.model.mtp_spec``): {"layers": D, "loss_weight": w}. None: off."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     rope_theta: float = 10000.0
@@ -259,10 +261,17 @@ class ModelConfig:
 
         return self._parsed("linear_attention", GdnSpec.parse)
 
+    @property
+    def mtp_spec(self):
+        """The parsed ``mtp`` option (``mt3d.model.mtp_spec.MtpSpec``), or None."""
+        from .mtp_spec import MtpSpec
+
+        return self._parsed("mtp", MtpSpec.parse)
+
     def is_linear(self, layer: int) -> bool:
-        """Whether block ``layer`` is a Gated DeltaNet layer (``linear_attention``)."""
+        """Whether block ``layer`` is a Gated DeltaNet layer (``linear_attention``; MTP's are not)."""
         spec = self.gdn_spec
-        return spec is not None and spec.linear(layer)
+        return spec is not None and layer < self.layers and spec.linear(layer)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture-of-experts MLP."""
@@ -413,7 +422,8 @@ class ModelConfig:
         final_norm = self.hidden * (2 if self.norm == "layernorm" else 1)
         head = 0 if self.tie_embeddings else v * self.hidden
         blocks = sum(self.block_params(i) for i in range(self.layers))
-        return self.embedding_params(v) + blocks + final_norm + head
+        mtp = self.mtp_spec.params(self) if self.mtp else 0  # model.mtp's depths
+        return self.embedding_params(v) + blocks + final_norm + head + mtp
 
     def active_params(self, vocab: int | None = None) -> int:
         """Parameters one token uses (dense models: all of them; MoE: top-k experts plus shared)."""

@@ -80,6 +80,10 @@ def hf_config_dict(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict:
         **family.hf_config(cfg, vocab),
     }
     out = {**base, **new}
+    if family.mtp_count_keys:  # the MTP layers the export holds
+        for key in family.mtp_count_keys[1:]:
+            out.pop(key, None)
+        out[family.mtp_count_keys[0]] = cfg.mtp_spec.layers if cfg.mtp is not None else 0
     if eos_id is not None and not base:
         out.update(bos_token_id=eos_id, eos_token_id=eos_id)
     out.setdefault("dtype", "float32")
@@ -91,6 +95,8 @@ def pieces(cfg: ModelConfig, name: str) -> list[Piece]:
     """The HF tensors (and row ranges) that make up mt3d parameter ``name``."""
     layer, local = split_name(name)
     role = role_of(cfg, layer)
+    if role == "mtp":
+        return get_family(cfg.family).mtp_pieces(cfg, local)
     return get_family(cfg.family).pieces(cfg, role, layer - 2, local)
 
 

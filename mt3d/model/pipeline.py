@@ -34,6 +34,7 @@ from .blocks import (
 )
 from .config import ModelConfig
 from .moe import Routed, router_losses
+from .mtp import MtpHead, MtpLayers, MtpPending, attach_embedding, head_output, pending
 from .tiled import tile_count, tiled
 
 log = logging.getLogger("mt3d")
@@ -47,10 +48,21 @@ def tied_logits(module: WordEmbedding, x: torch.Tensor) -> torch.Tensor:
     return module.logits(x)
 
 
+def tied_logits_mtp(module: WordEmbedding, x) -> MtpPending:
+    """``tied_logits`` of a model with multi-token prediction (``mt3d.model.mtp``)."""
+    return pending(module.logits(x), x, module.weight)
+
+
+def post_layers(cfg: ModelConfig) -> int:
+    """Layers after the last block: the final norm and the head, then with ``model.mtp`` the shared
+    embedding and the depths (``mt3d.model.mtp``)."""
+    return POST_LAYERS + (2 if cfg.mtp is not None else 0)
+
+
 def layer_specs(cfg: ModelConfig, ctx: BuildContext, vocab_size: int) -> list:
     """The model as a list of DeepSpeed layer specs (built lazily, only on the owning stage)."""
     specs: list = []
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings or cfg.mtp is not None:  # with MTP the last stage embeds too
         specs.append(
             TiedLayerSpec("embed", WordEmbedding, cfg, ctx, vocab_size, tied_weight_attr=["embed.weight"])
         )
@@ -59,20 +71,15 @@ def layer_specs(cfg: ModelConfig, ctx: BuildContext, vocab_size: int) -> list:
     specs.append(LayerSpec(PositionsAndDropout, cfg, ctx))
     specs += [LayerSpec(TransformerBlock, cfg, ctx, i) for i in range(cfg.layers)]
     specs.append(LayerSpec(FinalNorm, cfg, ctx))
+    mtp = cfg.mtp is not None
+    tied = functools.partial(TiedLayerSpec, "embed", WordEmbedding, cfg, ctx, vocab_size,
+                             tied_weight_attr=["embed.weight"])  # fmt: skip
     if cfg.tie_embeddings:
-        specs.append(
-            TiedLayerSpec(
-                "embed",
-                WordEmbedding,
-                cfg,
-                ctx,
-                vocab_size,
-                forward_fn=tied_logits,
-                tied_weight_attr=["embed.weight"],
-            )
-        )
+        specs.append(tied(forward_fn=tied_logits_mtp if mtp else tied_logits))
     else:
-        specs.append(LayerSpec(LMHead, cfg, ctx, vocab_size))
+        specs.append(LayerSpec(MtpHead if mtp else LMHead, cfg, ctx, vocab_size))
+    if mtp:
+        specs += [tied(forward_fn=attach_embedding), LayerSpec(MtpLayers, cfg, ctx)]
     return specs
 
 
@@ -90,12 +97,13 @@ def default_stage_blocks(layers: int, stages: int) -> list[int]:
     return counts
 
 
-def stage_bounds(stage_blocks: list[int]) -> list[int]:
-    """Layer-index boundaries of each stage in the ``layer_specs`` list (len = stages + 1)."""
+def stage_bounds(stage_blocks: list[int], post: int = POST_LAYERS) -> list[int]:
+    """Layer-index boundaries of each stage in the ``layer_specs`` list (len = stages + 1); ``post``
+    layers after the last block (``post_layers``)."""
     parts = [0]
     last = len(stage_blocks) - 1
     for s, n in enumerate(stage_blocks):
-        parts.append(parts[-1] + n + (PRE_LAYERS if s == 0 else 0) + (POST_LAYERS if s == last else 0))
+        parts.append(parts[-1] + n + (PRE_LAYERS if s == 0 else 0) + (post if s == last else 0))
     return parts
 
 
@@ -138,6 +146,8 @@ class LossFn:
         """P / N of the current global batch of packed data (class docstring); None: per micro-batch."""
         self.router_log: list[dict] = []
         """Per training micro-batch of a sparse model: aux, z, tokens per expert, dropped (metrics)."""
+        self.mtp_log: list[torch.Tensor] = []
+        """Per training micro-batch of a model with MTP: each depth's loss (metrics)."""
 
     @classmethod
     def of(
@@ -159,9 +169,25 @@ class LossFn:
 
         return tiled(tile, hidden, [weight], tile_count(hidden.shape[1], self.tile_len), aux=labels)
 
-    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits, labels) -> torch.Tensor:
         """Scalar loss (identical on every TP rank). A sparse model's training loss adds the router's
-        load-balancing and z losses (``mt3d.model.moe``); evaluation reports the language-model loss."""
+        load-balancing and z losses (``mt3d.model.moe``), a model with multi-token prediction its depths'
+        (``mt3d.model.mtp``: ``labels`` is then (labels, the depths' ids, their labels)); evaluation
+        reports the language-model loss."""
+        pending = logits if isinstance(logits, MtpPending) else None
+        depths = None
+        if isinstance(labels, tuple):
+            labels, *depths = labels
+        loss = self._main(head_output(logits), labels)
+        if pending is None or depths is None or not torch.is_grad_enabled():
+            return loss
+        outs = pending.mtp.outputs(pending, depths[0])
+        per = [self.objective(out, depths[1][..., k].contiguous()) for k, out in enumerate(outs)]
+        self.mtp_log.append(torch.stack([p.detach() for p in per]))
+        return loss + pending.mtp.weight / len(per) * sum(per)
+
+    def _main(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        """The language-model loss, plus a sparse model's router losses in training."""
         routed = logits if isinstance(logits, Routed) else None
         if routed is not None:
             logits = routed.out
@@ -261,4 +287,5 @@ class StackedModel(nn.Module):
         logits = run_layers(self.forward_funcs, ids, self.recompute_interval, self._ckpt)
         if labels is not None:
             return self.loss_fn(logits, labels)
+        logits = head_output(logits)
         return logits.out if isinstance(logits, Routed) else logits

@@ -8,7 +8,8 @@ resharding, and DeepSpeed's universal-checkpoint patterns (``universal_info``).
 
 Global names follow the PipelineModule: ``<layer index>.<local name>``, with the tied embedding
 under ``tied_modules.embed.<local name>``. Layer indices: 0 word embedding, 1 positions/dropout,
-2 .. layers+1 transformer blocks, layers+2 final norm, layers+3 LM head.
+2 .. layers+1 transformer blocks, layers+2 final norm, layers+3 LM head; with ``model.mtp``, layers+4
+the tied embedding again and layers+5 the depths (``mt3d.model.mtp``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def orthogonalized(local_name: str, ndim: int) -> bool:
 
 
 def role_of(cfg: ModelConfig, layer: int) -> str:
-    """'embed', 'pos', 'block', 'final_norm' or 'head' for a layer index."""
+    """'embed', 'pos', 'block', 'final_norm', 'head' or 'mtp' (``model.mtp``'s depths) for a layer index."""
     if layer == 0:
         return "embed"
     if layer == 1:
@@ -60,6 +61,8 @@ def role_of(cfg: ModelConfig, layer: int) -> str:
         return "final_norm"
     if layer == cfg.layers + 3:
         return "head"
+    if layer == cfg.layers + 5 and cfg.mtp is not None:
+        return "mtp"
     raise ValueError(f"layer index {layer} is outside a {cfg.layers}-block model")
 
 

@@ -16,7 +16,7 @@ from ..config import DeepSpeedSection, Layout, TrainConfig
 from ..config.rules import uses_pipeline_engine
 from ..model.blocks import BuildContext
 from ..model.config import ModelConfig
-from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs
+from ..model.pipeline import LossFn, StackedModel, default_stage_blocks, layer_specs, post_layers
 from ..model.sharding import universal_info
 from ..parallel.axes import expert_layout
 from ..parallel.random import checkpoint
@@ -97,6 +97,7 @@ def build_model(
             stage_blocks=blocks,
             recompute_interval=rec.interval,
             ckpt=ckpt,
+            post_layers=post_layers(cfg),
         )
         if v > 1 or train.overlap.p2p or layout.schedule != "1f1b":  # mt3d's schedule engine (ds.interleaved)
             model = InterleavedPipeline(specs, virtual_stages=v, schedule=layout.schedule, **kwargs)

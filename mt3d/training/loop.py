@@ -15,7 +15,7 @@ from ..config.rules import uses_pipeline_engine
 from ..data.loader import DataBundle, StepBatches, step_targets
 from ..model.config import ModelConfig
 from ..parallel.mappings import all_reduce
-from .metrics import MetricsLog, device_peak_tflops, peak_memory_gb, router_figures, step_figures
+from .metrics import MetricsLog, device_peak_tflops, mtp_figures, peak_memory_gb, router_figures, step_figures
 from .runtime import Runtime
 
 
@@ -64,6 +64,10 @@ class Trainer:
             self.peak_source += f"; FP8 {self.train_cfg.fp8.recipe} linears counted against it"
         self.bar = None
         self.sparse = model_cfg.moe is not None
+        self.mtp = model_cfg.mtp_spec.layers if model_cfg.mtp is not None else 0
+        """Multi-token prediction's depths (their ids and labels go with the labels)."""
+        self.depth_losses: dict = {}
+        """The last step's MTP losses (``metrics.mtp_figures``)."""
         spec = model_cfg.moe_spec if self.sparse else None  # aux-loss-free balancing after each step
         self.balancing = spec is not None and spec.bias_update_rate > 0
         self.router: dict = {}
@@ -96,6 +100,7 @@ class Trainer:
             start_step=step,
             device=self.rt.device,
             cp=self.rt.state.cp,
+            mtp=self.mtp,
         )
 
     @property
@@ -232,6 +237,7 @@ class Trainer:
             **self.router,
             **self.preference,
             **self.logits,
+            **self.depth_losses,
         }
         self.metrics.write(record, wandb_step=self.engine.global_samples)
         gn = record["grad_norm"]
@@ -290,6 +296,12 @@ class Trainer:
             self.router = self._router_figures()
         if self.qk_clip is not None:
             self.logits = self.qk_clip.figures(self.rt.device)
+        if self.mtp:
+            state, pipelined = self.rt.state, hasattr(self.engine, "is_last_stage")
+            holder = (
+                self.engine.is_last_stage() if pipelined else state.is_last_stage
+            ) and state.tp.rank == 0
+            self.depth_losses = mtp_figures(self.engine.module.loss_fn, holder, self.rt.device, self.mtp)
         if self.dpo:
             from .dpo import dpo_figures
 

@@ -92,6 +92,23 @@ def router_figures(loss_fn, contributes: bool, device) -> dict:
     }
 
 
+def mtp_figures(loss_fn, contributes: bool, device, depths: int) -> dict:
+    """Multi-token prediction's losses for one training step (a collective over all ranks): each depth's
+    cross entropy, averaged over micro-batches and data-parallel and cp ranks (``contributes``: this
+    rank's ``loss_fn`` holds some: TP rank 0 of the loss's stage). ``mtp_loss`` is their mean."""
+    import torch.distributed as dist
+
+    totals = torch.zeros(depths + 1, dtype=torch.float64, device=device)
+    for entry in loss_fn.mtp_log if contributes else []:
+        totals[:depths] += entry.to(device=device, dtype=torch.float64)
+        totals[depths] += 1
+    loss_fn.mtp_log.clear()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    per = (totals[:depths] / totals[depths].clamp(min=1)).tolist()
+    return {"mtp_loss": sum(per) / depths, **{f"mtp_loss_{k + 1}": v for k, v in enumerate(per)}}
+
+
 def _clean(v):
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
         return None

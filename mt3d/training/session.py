@@ -150,7 +150,8 @@ def build_engine(run: RunConfig, layout: Layout, rt, cfg: ModelConfig, vocab: in
     if hf_path and (plan is None or lora is not None):
         from ..checkpoint.loading import load_weights, open_source
 
-        load_weights(model, open_source(hf_path), rt.state.tp, rt.state.etp)
+        load_weights(model, open_source(hf_path, cfg=cfg if cfg.mtp is not None else None), rt.state.tp,
+                     rt.state.etp)  # fmt: skip
     if lora is not None:
         from .engine import add_adapters
 

@@ -90,6 +90,12 @@ class Family:
     (``keys.py``; tests/test_hf.py checks the table against transformers' source)."""
     transformers_module: ClassVar[str | None] = None
     """The transformers model package whose modeling file the table is checked against."""
+    mtp_format: ClassVar[str | None] = None
+    """Where its checkpoints keep multi-token-prediction layers (``model.mtp``): "nextn" (DeepSeek-V3's
+    ``model.layers.{layers + k}`` with enorm / hnorm / eh_proj / shared_head), "qwen" (Qwen3-Next's
+    ``mtp.*``: one depth), "any" (no HF form); None: the family has none."""
+    mtp_count_keys: ClassVar[tuple[str, ...]] = ()
+    """Its HF config keys saying how many MTP layers a checkpoint holds (the first is written)."""
 
     def reads(self, hf: dict) -> bool:
         """Whether this family reads the HF config ``hf`` (by its ``model_type``)."""
@@ -124,13 +130,64 @@ class Family:
                 f"({self.architecture} has plain sliding windows); drop 'family' (the model is then "
                 "'custom': trained, not exported)"
             )
-        why = self.limits(cfg)
+        why = self.limits(cfg) or self.mtp_limits(cfg)
         if why:
             raise ModelConfigError(f"family {self.name!r} ({self.architecture}): {why}")
 
     def limits(self, cfg: ModelConfig) -> str | None:
         """Family-specific constraints between options (None: none violated)."""
         return None
+
+    def mtp_limits(self, cfg: ModelConfig) -> str | None:
+        """Why ``model.mtp`` does not fit this family's format (None: it does, or it is off)."""
+        if cfg.mtp is None or cfg.mtp_spec is None:  # (parsing raises on bad values)
+            return None
+        if self.mtp_format is None:
+            return ("has no multi-token-prediction layers (deepseek_v3, glm4_moe, qwen3_next, qwen3_5 and "
+                    "qwen3_5_moe have); drop model.mtp")  # fmt: skip
+        if self.mtp_format == "qwen" and cfg.mtp_spec.layers != 1:
+            return f"its checkpoints hold one MTP module (mtp.*), model.mtp.layers is {cfg.mtp_spec.layers}"
+        return None
+
+    def mtp_count(self, hf: dict) -> int:
+        """How many MTP layers the HF config ``hf`` says its checkpoint holds."""
+        return max([int(hf.get(key) or 0) for key in self.mtp_count_keys] or [0])
+
+    def mtp_pieces(self, cfg: ModelConfig, local: str) -> list[Piece]:
+        """The HF tensors of an MTP parameter (``depth.{k}.<name>`` inside ``mt3d.model.mtp.MtpLayers``)."""
+        _, k, name = local.split(".", 2)
+        k = int(k)
+        if self.mtp_format == "nextn":
+            at = f"model.layers.{cfg.layers + k}."
+            own = {m: at + m for m in ("enorm", "hnorm", "eh_proj")} | {"norm": at + "shared_head.norm"}
+        elif self.mtp_format == "qwen":
+            at = f"mtp.layers.{k}."
+            own = {"enorm": "mtp.pre_fc_norm_embedding", "hnorm": "mtp.pre_fc_norm_hidden",
+                   "eh_proj": "mtp.fc", "norm": "mtp.norm"}  # fmt: skip
+        else:
+            raise HFError(f"{self.architecture} has no checkpoint form for MTP parameter {local!r}")
+        module, _, leaf = name.rpartition(".")
+        if module in own:
+            return [Piece(f"{own[module]}.{leaf}")]
+        if not name.startswith("block."):
+            raise HFError(f"{self.architecture} has no tensor for MTP parameter {local!r}")
+        ps = self.pieces(cfg, "block", cfg.layers + k, name[len("block.") :])
+        main = f"model.layers.{cfg.layers + k}."
+        return [dataclasses.replace(p, name=at + p.name[len(main) :]) for p in ps]
+
+    def mtp_copies(self, cfg: ModelConfig, state: dict) -> dict:
+        """The HF tensors a checkpoint keeps beside the MTP layers' own: DeepSeek-V3's format stores each
+        depth's copies of the embedding and the head (``embed_tokens``, ``shared_head.head``)."""
+        if self.mtp_format != "nextn" or cfg.mtp is None:
+            return {}
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        out = {}
+        for k in range(cfg.mtp_spec.layers):
+            out[f"model.layers.{cfg.layers + k}.embed_tokens.weight"] = state[
+                "model.embed_tokens.weight"
+            ].clone()
+            out[f"model.layers.{cfg.layers + k}.shared_head.head.weight"] = head.clone()
+        return out
 
     # --- HF config <-> ModelConfig -------------------------------------------------------------
     def config_kwargs(self, hf: dict, where: str) -> dict:

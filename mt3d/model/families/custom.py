@@ -17,6 +17,7 @@ class Custom(Family):
     infer_rank = 1000
     any_pattern = True
     variable = frozenset(BLOCK_OPTIONS)
+    mtp_format = "any"  # trained; no checkpoint form
 
     def _none(self, *args, **kwargs):
         names = ", ".join(sorted(f.name for f in _REGISTRY.values() if f.model_types))

@@ -49,6 +49,8 @@ class DeepseekV3(MoEFamily):
     variable = frozenset({"bias", "qkv_bias", "tie_embeddings", "moe", "mla"})
     hf_defaults = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
     transformers_module = "deepseek_v3"
+    mtp_format = "nextn"
+    mtp_count_keys = ("num_nextn_predict_layers", "num_mtp_layers")
     experts_keys = ("n_routed_experts", "num_local_experts")
     block_modules = _ATTN
     expert_modules = {
@@ -86,7 +88,7 @@ class DeepseekV3(MoEFamily):
         "attention_bias": read("bool"),
         "scoring_func": refused("softmax expert scores in a DeepSeek-V3 config", None, "sigmoid"),
         "topk_method": refused("expert selection other than noaux_tc", None, "noaux_tc"),
-        "num_nextn_predict_layers": read("int0+"),  # MTP layers: reported as unused tensors, skipped
+        "num_nextn_predict_layers": read("int0+"),  # MTP layers: built with model.mtp, else skipped
         "num_mtp_layers": read("int0+"),
         "quantization_config": refused("quantized (FP8 block-scaled) weights; dequantize to bf16 first"),
     }

@@ -34,6 +34,8 @@ class Glm4Moe(MoEFamily):
     variable = frozenset({"qkv_bias", "qk_norm", "rotary_fraction", "tie_embeddings", "moe"})
     hf_defaults = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     transformers_module = "glm4_moe"
+    mtp_format = "nextn"
+    mtp_count_keys = ("num_nextn_predict_layers", "num_mtp_layers")
     experts_keys = ("n_routed_experts", "num_local_experts")
     block_modules = LLAMA_BLOCK
     expert_modules = DeepseekV3.expert_modules

@@ -38,8 +38,8 @@ _HYBRID_KEYS = {
     "partial_rotary_factor": read("num+"), "layer_types": read("strs"),
     "full_attention_interval": read("int+"),
     **{k: read("int+") for k in GDN_KEYS},
-    "mtp_num_hidden_layers": inert("multi-token-prediction layers: not built (their tensors skipped)"),
-    "mtp_use_dedicated_embeddings": inert("multi-token-prediction layers: not built"),
+    "mtp_num_hidden_layers": read("int0+"),  # MTP layers: built with model.mtp, else skipped
+    "mtp_use_dedicated_embeddings": read("bool"),  # refused with model.mtp (``mtp_count``)
 }  # fmt: skip
 _VISION = inert("the vision tower's (vision_config): not built")
 
@@ -48,6 +48,16 @@ class GatedDeltaNetFamily(LlamaLike):
     """What the hybrids share: the DeltaNet keys and tensors, gated attention, (1 + w) norms."""
 
     gdn_tensors: ClassVar[dict[str, str]] = {}
+    mtp_format = "qwen"
+    mtp_count_keys = ("mtp_num_hidden_layers",)
+
+    def mtp_count(self, hf):
+        """The MTP layers held; refused where they have embeddings of their own (mt3d's share the model's)."""
+        if hf.get("mtp_use_dedicated_embeddings"):
+            raise HFError("config.json: mtp_use_dedicated_embeddings is true; mt3d's MTP layers share the "
+                          "model's embedding: drop model.mtp")  # fmt: skip
+        return super().mtp_count(hf)
+
     """A DeltaNet block's mt3d parameters -> their HF tensors under model.layers.{i}."""
     fused: ClassVar[bool] = True
     """``GdnSpec.fused``: the family's projection layout."""

@@ -1,0 +1,226 @@
+"""Multi-token prediction (``model.mtp``): DeepSeek-V3's, GLM-4.5's and Qwen3-Next's MTP layers read from
+their checkpoints' tensors give the loss a reference built from transformers' own decoder layers gives,
+training with them at tp 2 x pp 2 (SP) and at cp 2 equals one process, and export writes them back."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Qwen3NextConfig
+
+from mt3d.config.models import with_mtp
+from mt3d.data.corpora import stdlib_documents
+from mt3d.data.loader import mtp_batch
+from mt3d.data.tokenizer import train_bpe
+
+from helpers import run_grouped, tiny_config
+
+LAYERS = 4  # the main model's; the checkpoints' fifth block is the MTP layer's
+
+
+def configs(vocab):
+    """Five-block tiny models; block 4 becomes the MTP layer (sparse, full attention)."""
+    small = dict(hidden_size=64, num_hidden_layers=LAYERS + 1, intermediate_size=128, vocab_size=vocab,
+                 max_position_embeddings=128)  # fmt: skip
+    return {
+        "deepseek_v3": DeepseekV3Config(
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+            **small,
+        ),
+        "glm4_moe": Glm4MoeConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+            attention_bias=True, use_qk_norm=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            **small,
+        ),
+        "qwen3_next": Qwen3NextConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            mlp_only_layers=[1], layer_types=["linear_attention", "full_attention"] * 2 + ["full_attention"],
+            **small,
+        ),
+    }  # fmt: skip
+
+
+def mtp_names(name):
+    """(the MTP block's prefix, its own tensors' names: enorm, hnorm, eh_proj, norm), as the family names
+    them."""
+    if name == "qwen3_next":
+        own = ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm")
+        return "mtp.layers.0.", [f"{n}.weight" for n in own]
+    at = f"model.layers.{LAYERS}."
+    return at, [f"{at}{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")]
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory):
+    """Per family: (checkpoint dir with an MTP layer, the five-block transformers model it came from)."""
+    base = tmp_path_factory.mktemp("mtp")
+    docs = [d for _, d in zip(range(800), stdlib_documents())]
+    tok = train_bpe(docs, 384, base / "tok")
+    out = {}
+    for i, (name, config) in enumerate(configs(tok.vocab_size).items()):
+        torch.manual_seed(i)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.ndim == 1:  # norms and biases: non-trivial
+                    p.add_(torch.randn_like(p) * 0.2)
+                elif pname.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    p.mul_(30)  # routers far from uniform
+        model.save_pretrained(base / f"{name}-five")
+        tensors = load_file(base / f"{name}-five" / "model.safetensors")
+        prefix, own = mtp_names(name)
+        state = {}
+        for k, v in tensors.items():
+            block = k.startswith(f"model.layers.{LAYERS}.")
+            state[prefix + k[len(f"model.layers.{LAYERS}.") :] if block else k] = v
+        g = torch.Generator().manual_seed(10 + i)
+        h = config.hidden_size
+        offset = 0.0 if name == "qwen3_next" else 1.0  # Qwen3-Next's norms scale by (1 + w)
+        for n in own[:2] + own[3:]:
+            state[n] = offset + 0.2 * torch.randn(h, generator=g)
+        state[own[2]] = torch.randn(h, 2 * h, generator=g) * 0.05
+        if name != "qwen3_next":  # DeepSeek's format keeps copies of the shared embedding and head
+            state[f"{prefix}embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+            state[f"{prefix}shared_head.head.weight"] = state["lm_head.weight"].clone()
+        d = base / name
+        d.mkdir()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"),
+                  metadata={"format": "pt"})  # fmt: skip
+        hf = json.loads((base / f"{name}-five" / "config.json").read_text())
+        hf["num_hidden_layers"] = LAYERS
+        if name == "qwen3_next":
+            hf.update(layer_types=hf["layer_types"][:LAYERS], mtp_num_hidden_layers=1)
+        else:
+            hf["num_nextn_predict_layers"] = 1
+        (d / "config.json").write_text(json.dumps(hf))
+        for f in (base / "tok").iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        out[name] = (d, model)
+    return out
+
+
+def reference_losses(name, d, five, ids):
+    """(main loss, MTP depth-1 loss) built from transformers' modules: the four-block model's normalised
+    output, the MTP tensors' norms and projection, the fifth block as transformers runs it, the head."""
+    four = AutoModelForCausalLM.from_pretrained(d).eval()
+    tensors = load_file(d / "model.safetensors")
+    _, (enorm, hnorm, eh, norm) = mtp_names(name)
+    norm_cls, eps = type(four.model.norm), four.config.rms_norm_eps
+    h_size = four.config.hidden_size
+
+    def rms(key):
+        m = norm_cls(h_size, eps=eps)
+        m.weight.data.copy_(tensors[key])
+        return m
+
+    x, y = ids[:, :-1], ids[:, 1:]
+    with torch.no_grad():
+        h = four.model(x).last_hidden_state
+        main = F.cross_entropy(four.lm_head(h).flatten(0, 1), y.flatten())
+        e = four.model.embed_tokens(x[:, 1:])  # token i + 1 at position i
+        z = F.linear(torch.cat([rms(enorm)(e), rms(hnorm)(h[:, :-1])], -1), tensors[eh])
+        n = z.shape[1]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), -math.inf).triu(1)[None, None]
+        z = five.model.layers[LAYERS](z, attention_mask=mask, position_ids=pos,
+                                      position_embeddings=five.model.rotary_emb(z, pos))  # fmt: skip
+        z = z[0] if isinstance(z, tuple) else z
+        mtp = F.cross_entropy(four.lm_head(rms(norm)(z)).flatten(0, 1), y[:, 1:].flatten())
+    return float(main), float(mtp)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe", "qwen3_next"])
+def test_mtp_layers_read_from_the_checkpoint_give_the_reference_loss(mtp_dirs, name):
+    from mt3d.checkpoint.loading import build_model, load_weights, open_source
+    from mt3d.model.hf import config_from_hf
+    from mt3d.parallel.state import ParallelState
+
+    d, five = mtp_dirs[name]
+    ids = torch.randint(0, 300, (2, 21), generator=torch.Generator().manual_seed(3))
+    main, mtp = reference_losses(name, d, five, ids)
+    cfg = with_mtp(config_from_hf(d), {"layers": 1, "loss_weight": 0.5}, d)
+    source = open_source(d, cfg=cfg)
+    state = ParallelState.single()
+    model = build_model(cfg, source.vocab, state, skip_init=True)
+    load_weights(model, source, state.tp)
+    x, y = ids[:, :-1], ids[:, 1:]
+    with torch.no_grad():
+        assert abs(float(model.eval()(x, y)) - main) < 1e-5
+    loss = model.train()(x, (y, *mtp_batch(x, y, None, 1)))
+    (got,) = model.loss_fn.mtp_log[-1].tolist()
+    assert abs(got - mtp) < 1e-5, (got, mtp)
+    assert abs(float(loss.detach()) - (main + 0.5 * mtp)) < 1e-5  # no router loss in these configs
+    assert abs(mtp - main) > 1e-3  # the depth's own loss, not the main one again
+
+
+def test_mtp_batch_shifts_within_documents():
+    """Depth k at position i: token i + k in, label i + k out, inside i's document only."""
+    ids = torch.arange(10, 18)[None]
+    labels = torch.tensor([[11, -100, 13, -100, 15, 16, 17, -100]])  # a prompt token; document ends
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    mi, ml = mtp_batch(ids, labels, docs, 2)
+    assert mi[0, :, 0].tolist() == [11, 12, 13, 0, 15, 16, 17, 0]
+    assert ml[0, :, 0].tolist() == [-100, 13, -100, -100, 16, 17, -100, -100]
+    assert mi[0, :, 1].tolist() == [12, 13, 0, 0, 16, 17, 0, 0]
+    assert ml[0, :, 1].tolist() == [13, -100, -100, -100, 17, -100, -100, -100]
+    mi, ml = mtp_batch(ids, labels, None, 1)
+    assert ml[0, :, 0].tolist() == [-100, 13, -100, 15, 16, 17, -100, -100]
+
+
+def fine_tune(save_dir, hf_dir, *, tp=1, pp=1, **parallel):
+    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=4, save_at_end=True)
+    raw["mt3d"]["model"] = {"from_hf": str(hf_dir), "mtp": {"layers": 1, "loss_weight": 0.3}}
+    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32}
+    raw["mt3d"]["parallel"].update(parallel)
+    raw["optimizer"]["params"]["lr"] = 3e-3
+    return raw
+
+
+def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp_dirs, tmp_path):
+    from mt3d.checkpoint.export import MTP_FILE, export_hf
+    from mt3d.checkpoint.loading import open_source
+    from mt3d.model.sharding import global_names
+
+    runs = [
+        (1, fine_tune(tmp_path / "ds-ref", mtp_dirs["deepseek_v3"][0])),
+        (1, fine_tune(tmp_path / "qn-ref", mtp_dirs["qwen3_next"][0])),
+        (
+            4,
+            fine_tune(tmp_path / "ds-tp2pp2", mtp_dirs["deepseek_v3"][0], tp=2, pp=2, sequence_parallel=True),
+        ),
+        (2, fine_tune(tmp_path / "qn-cp2", mtp_dirs["qwen3_next"][0], context=2)),
+    ]
+    ds_ref, qn_ref, ds_par, qn_cp = run_grouped(runs, timeout=600)
+    for got, ref, what in ((ds_par, ds_ref, "tp 2 x pp 2"), (qn_cp, qn_ref, "cp 2")):
+        assert len(got) == len(ref) == 4
+        for a, b in zip(got, ref):
+            for key in ("loss", "grad_norm", "mtp_loss"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (what, a["step"], key, a[key], b[key])
+        assert ref[-1]["mtp_loss"] < ref[0]["mtp_loss"]
+        assert all(r["loss"] > r["mtp_loss"] * 0.3 for r in ref)  # the depth's loss is in the total
+    # the tp 2 x pp 2 run's checkpoint exports its MTP layer, which reads back as the same tensors
+    out = export_hf(tmp_path / "ds-tp2pp2", tmp_path / "export")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index[f"model.layers.{LAYERS}.eh_proj.weight"] == MTP_FILE
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    trained = open_source(tmp_path / "ds-tp2pp2")
+    back = open_source(out, cfg=trained.cfg)
+    names = global_names(trained.cfg, trained.vocab)
+    assert any(".depth.0.block." in n for n in names)
+    for n in names:
+        assert torch.equal(trained.full(n), back.full(n)), n
+    exported = load_file(out / MTP_FILE)  # with DeepSeek's copies of the shared embedding and head
+    assert torch.equal(
+        exported[f"model.layers.{LAYERS}.shared_head.head.weight"], trained.full(f"{LAYERS + 3}.weight")
+    )
+    assert torch.equal(exported[f"model.layers.{LAYERS}.embed_tokens.weight"],
+                       trained.full("tied_modules.embed.embed.weight"))  # fmt: skip
