@@ -218,9 +218,60 @@ def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp
     assert any(".depth.0.block." in n for n in names)
     for n in names:
         assert torch.equal(trained.full(n), back.full(n)), n
+    # inference reads the main model of the run (its embedding under the name a model without MTP gives
+    # it) and the export's main model is transformers' with the same logits
+    from mt3d.checkpoint.loading import from_pretrained
+    from mt3d.model.inference import logits
+
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(4))
+    model = from_pretrained(tmp_path / "ds-tp2pp2")
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+    assert model.config.mtp is None and (logits(model, ids, model.state, 64) - want).abs().max() < 1e-5
     exported = load_file(out / MTP_FILE)  # with DeepSeek's copies of the shared embedding and head
     assert torch.equal(
         exported[f"model.layers.{LAYERS}.shared_head.head.weight"], trained.full(f"{LAYERS + 3}.weight")
     )
     assert torch.equal(exported[f"model.layers.{LAYERS}.embed_tokens.weight"],
                        trained.full("tied_modules.embed.embed.weight"))  # fmt: skip
+
+
+def test_bad_mtp_input_is_one_line_before_any_process_group(mtp_dirs, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mt3d.config import ConfigError, from_dict, resolve_model, validate
+
+    ds, qn = str(mtp_dirs["deepseek_v3"][0]), str(mtp_dirs["qwen3_next"][0])
+    one = {"from_hf": ds, "mtp": {"layers": 1}}
+    cases = [
+        ({"from_hf": ds, "mtp": {"layers": 2}}, "", "holds 1 multi-token-prediction layers, model.mtp.layers asks 2"),
+        ({"from_hf": qn, "mtp": {"layers": 2}}, "", "its checkpoints hold one MTP module (mtp.*)"),
+        ({"preset": "tiny-llama", "family": "llama", "mtp": {"layers": 1}}, "",
+         "has no multi-token-prediction layers (deepseek_v3, glm4_moe"),
+        ({"from_hf": ds, "mtp": {"layers": 1, "depth": 2}}, "", "model.mtp: unknown keys ['depth']"),
+        ({"from_hf": ds, "mtp": {"layers": 0}}, "", "model.mtp.layers must be an integer >= 1, got 0"),
+        ({"from_hf": ds, "mtp": {"layers": 1, "loss_weight": -1}}, "", "model.mtp.loss_weight must be a"),
+        (one, "dpo", "model.mtp trains next-token objectives"),
+        (one, "lora", "mt3d.lora does not combine with model.mtp"),
+    ]  # fmt: skip
+    for model, change, message in cases:
+        raw = tiny_config(tmp_path / "bad")
+        raw["mt3d"]["model"] = model
+        if change == "dpo":
+            raw["mt3d"]["train"]["objective"] = "dpo"
+        if change == "lora":
+            raw["mt3d"]["lora"] = {"r": 4}
+        with pytest.raises(ConfigError) as err:
+            cfg = from_dict(raw)
+            validate(cfg, 1, resolve_model(cfg.mt3d.model), here=False)
+        assert message in str(err.value) and "\n" not in str(err.value), (model, str(err.value))
+    raw = fine_tune(tmp_path / "bad", ds)  # and through the command: exit 2, one line
+    raw["mt3d"]["model"]["mtp"]["layers"] = 2
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    out = subprocess.run([sys.executable, "-m", "mt3d", "train", "--config", str(path), "--check"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "model.mtp.layers asks 2" in out.stderr

@@ -7,6 +7,7 @@ fills a built module (a pipeline stage or a whole StackedModel) with this rank's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,14 +246,16 @@ def from_pretrained(
     from ..config.rules import expert_conflict
 
     source = open_source(path, adapter=adapter)
-    source.cfg.check_parallel(tp, pp)
+    cfg = source.cfg  # the main model: multi-token prediction's depths only train
+    cfg = cfg if cfg.mtp is None else dataclasses.replace(cfg, mtp=None)
+    cfg.check_parallel(tp, pp)
     why = expert_conflict(source.cfg.moe_spec, ep)
     if why:
         raise UserError(why.replace("parallel.expert", "--ep"))
     if state is None:
         state = ParallelState.single() if tp * pp * cp * ep == 1 else inference_state(tp, pp, cp, ep)
-    model = build_model(source.cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
+    model = build_model(cfg, source.vocab, state, dtype=dtype, device=device, skip_init=True)
     load_weights(model, source, state.tp, state.etp)
-    model.config, model.state, model.tokenizer_dir = source.cfg, state, source.tokenizer_dir
+    model.config, model.state, model.tokenizer_dir = cfg, state, source.tokenizer_dir
     model.vocab_size = source.vocab
     return model.eval()

@@ -21,7 +21,7 @@ import torch
 from ..ds.safe import safe_torch_load
 from ..model.config import ModelConfig
 from ..model.moe import expert_index
-from ..model.sharding import from_shards, layout_of, split_name, to_shard
+from ..model.sharding import from_shards, layout_of, named_as, split_name, to_shard
 from ..parallel.axes import expert_layout
 from .manifest import CheckpointError, check_sizes, read_manifest, verify_files
 
@@ -141,10 +141,12 @@ class CheckpointReader:
         return state[key]
 
     def full(self, name: str) -> torch.Tensor:
-        """The unsharded tensor of global parameter ``name`` (vocabulary padding removed)."""
+        """The unsharded tensor of global parameter ``name`` (vocabulary padding removed; the word
+        embedding by either of its names, ``sharding.named_as``)."""
+        name = named_as(self.cfg, name)
         layout = layout_of(self.cfg, self.vocab, name)
         return from_shards([self._local(name, r) for r in range(self._shards(name))], layout)
 
     def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
         """TP rank ``rank`` of ``world``'s shard of ``name`` (any world size: resharded on the fly)."""
-        return to_shard(self.full(name), layout_of(self.cfg, self.vocab, name), rank, world)
+        return to_shard(self.full(name), layout_of(self.cfg, self.vocab, named_as(self.cfg, name)), rank, world)

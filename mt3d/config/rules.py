@@ -467,6 +467,8 @@ def objective_conflict(train, model: dict | None = None) -> str | None:
     run's ``mt3d.model`` (a reference 'model' defaults to its ``from_hf``)."""
     if train.objective not in ("lm", "dpo"):
         return f"mt3d.train.objective must be 'lm' or 'dpo', got {train.objective!r}"
+    if train.objective == "dpo" and (model or {}).get("mtp") is not None:
+        return "mt3d.model.mtp trains next-token objectives, not DPO: drop model.mtp for this run"
     dpo = train.dpo
     if dpo is None:
         return None

@@ -76,6 +76,16 @@ def split_name(name: str) -> tuple[int, str]:
     return int(head), rest
 
 
+def named_as(cfg: ModelConfig, name: str) -> str:
+    """``name`` as ``cfg``'s model calls it: the word embedding is the tied module when the head or
+    multi-token prediction's depths share it (``tied_modules.embed.``), else layer 0; the same weight
+    under either name (a run with ``model.mtp`` read by a model without it)."""
+    layer, local = split_name(name)
+    if layer != 0:
+        return name
+    return (TIED_PREFIX if cfg.tie_embeddings or cfg.mtp is not None else "0.") + local
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter of the unsharded model: its TP layout and full shape."""
