@@ -246,7 +246,7 @@ def test_bad_mtp_input_is_one_line_before_any_process_group(mtp_dirs, tmp_path):
     ds, qn = str(mtp_dirs["deepseek_v3"][0]), str(mtp_dirs["qwen3_next"][0])
     one = {"from_hf": ds, "mtp": {"layers": 1}}
     cases = [
-        ({"from_hf": ds, "mtp": {"layers": 2}}, "", "holds 1 multi-token-prediction layers, model.mtp.layers"),
+        ({"from_hf": ds, "mtp": {"layers": 2}}, "", "holds 1 multi-token-prediction layers, model.mtp"),
         ({"from_hf": qn, "mtp": {"layers": 2}}, "", "its checkpoints hold one MTP module (mtp.*)"),
         ({"preset": "tiny-llama", "family": "llama", "mtp": {"layers": 1}}, "",
          "has no multi-token-prediction layers (deepseek_v3, glm4_moe"),
