@@ -276,3 +276,25 @@ def test_bad_mtp_input_is_one_line_before_any_process_group(mtp_dirs, tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=root)  # fmt: skip
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert "model.mtp.layers asks 2" in out.stderr
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-qwen3-next"])
+def test_counts_include_the_depths_the_model_builds(preset):
+    """num_params and the planner's last stage grow by what the built depths hold."""
+    from mt3d.config.models import resolve_model
+    from mt3d.model.blocks import BuildContext
+    from mt3d.model.pipeline import StackedModel, layer_specs
+    from mt3d.parallel.state import AxisGroup
+    from mt3d.planner.layout import stage_params
+
+    plain, mtp = resolve_model({"preset": preset}), resolve_model({"preset": preset, "mtp": {"layers": 1}})
+    ctx = BuildContext(tp=AxisGroup.alone("tp"), skip_init=True)
+    with torch.device("meta"):
+        built = [
+            sum(p.numel() for p in StackedModel(layer_specs(c, ctx, 256)).parameters()) for c in (plain, mtp)
+        ]
+    assert (
+        mtp.family == plain.family and built[1] - built[0] == mtp.num_params(256) - plain.num_params(256) > 0
+    )
+    assert stage_params(mtp, 256, 1, 1) - stage_params(plain, 256, 1, 1) == built[1] - built[0]
+    assert mtp.flops_per_token(64, 256) > plain.flops_per_token(64, 256)

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from .options import BLOCK_OPTIONS, ModelConfigError  # noqa: F401 - re-exported
-
-GATED_MLPS = ("swiglu", "geglu")
-"""MLPs with a gate and an up projection (fused as one column-parallel linear)."""
+from .options import BLOCK_OPTIONS, GATED_MLPS, ModelConfigError  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -439,44 +436,10 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int, vocab: int | None = None, attended: float | None = None,
                         adapters: int | None = None) -> float:  # fmt: skip
-        """Training FLOPs per token without recompute (Narayanan et al. 2021, FORMULAS.md).
+        """Training FLOPs per token without recompute (Narayanan et al. 2021, FORMULAS.md; ``counts``)."""
+        from .counts import flops_per_token
 
-        ``adapters``: the LoRA adapter parameters of a run whose other weights are frozen: their
-        weight-gradient GEMMs are never computed (each weight GEMM counts its forward and input
-        gradient, 2 of its 3), the attention core counts 3 as before, the adapters 6 per parameter.
-
-        72 * s * l * h^2 * (1 + s/(6h) + V/(12 l h)) per sequence for GPT-style blocks, with
-        the dense terms taken from the actual attention/MLP shapes (GQA, gated MLPs) so that the
-        GPT-2 case reduces exactly to the closed form. Local-attention layers count the keys
-        they attend to (the window), not s. ``attended`` overrides the keys per query averaged over
-        layers (the planner passes what a tiled kernel executes).
-        """
-        v = vocab or self.vocab_size or 0
-        h = self.hidden
-        # forward matmul FLOPs per token per layer: 2 * (weights) + attention scores/values 4*keys*q
-        dense = 2 * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
-        core = self.q_size  # per key: q.k over head_dim and p.v over head_dim, per head
-        if self.mla is not None:
-            dense = 2 * self.mla_spec.matmul_params(h, self.heads)
-            core = self.heads * (self.head_dim + self.mla_spec.v_head_dim) / 2
-        mats = 3 if self.mlp in GATED_MLPS else 2
-        spec = self.moe_spec
-        n = self.sparse_layers  # MoE layers: the router, the k experts a token visits, the shared one
-        mlp = (self.layers - n) * 2 * mats * h * self.ffn
-        if n:
-            mlp += n * 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn))
-            mlp += n * 2 * h * bool(spec.shared_ffn and spec.shared_gate)
-        attn = 2 * 2 * (self.attended_keys(seq_len) if attended is None else attended) * core
-        if self.attn_output_gate:
-            dense += 2 * h * self.q_size
-        logits = 2 * h * v
-        linear = sum(map(self.is_linear, range(self.layers)))  # Gated DeltaNet blocks instead
-        full = self.layers - linear
-        dense_all = full * dense + (linear and linear * self.gdn_spec.weight_flops(h))
-        core_all = full * attn + (linear and linear * self.gdn_spec.core_flops())
-        if adapters is not None:
-            return 2.0 * (dense_all + mlp + logits) + 3.0 * core_all + 6.0 * adapters
-        return 3.0 * (dense_all + core_all + mlp + logits)
+        return flops_per_token(self, seq_len, vocab, attended, adapters)
 
     def to_dict(self) -> dict:
         """Plain dict (JSON-serialisable) of every field."""

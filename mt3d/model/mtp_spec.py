@@ -32,9 +32,8 @@ class MtpSpec:
             raise ModelConfigError(f"model.mtp.loss_weight must be a positive number, got {w!r}")
         return cls(layers, float(w))
 
-    def params(self, cfg) -> int:
-        """Parameters of the D depths (the shared embedding and head not counted again)."""
-        norms = 3 * cfg.hidden * (2 if cfg.norm == "layernorm" else 1)
-        return sum(
-            2 * cfg.hidden * cfg.hidden + norms + cfg.block_params(cfg.layers + k) for k in range(self.layers)
-        )
+    def params(self, cfg, ep: int = 1) -> int:
+        """Parameters of the D depths (the shared embedding and head not counted again; with ``ep`` the
+        routed experts one expert-parallel rank holds)."""
+        one = 2 * cfg.hidden * cfg.hidden + 3 * cfg.hidden * (2 if cfg.norm == "layernorm" else 1)
+        return sum(one + cfg.block_params(cfg.layers + k, ep=ep) for k in range(self.layers))

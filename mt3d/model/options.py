@@ -10,6 +10,10 @@ class ModelConfigError(UserError):
     """An architecture that cannot be built (or cannot be split as asked)."""
 
 
+GATED_MLPS = ("swiglu", "geglu")
+"""MLPs with a gate and an up projection (fused as one column-parallel linear)."""
+
+
 # Fields that shape the block (as opposed to sizes, dropout and init): a family fixes some of them
 # and lets its HF config set others (``Family.check``).
 BLOCK_OPTIONS = (

@@ -182,4 +182,11 @@ def stage_params(cfg: ModelConfig, vocab: int, tp: int, pp: int, ep: int = 1,
     head = padded * cfg.hidden / tp
     first = blocks * per_block + embed + (head if pp == 1 and not cfg.tie_embeddings else 0)
     last = blocks * per_block + cfg.hidden * 2 + (head if (not cfg.tie_embeddings or pp > 1) else 0)
+    if cfg.mtp is not None:  # the depths on the last stage (eh_proj counted as split: a small undercount),
+        depths = cfg.mtp_spec.params(cfg, ep) / tp  # with its copy of an untied embedding
+        first, last = (
+            (first + depths, last)
+            if pp == 1
+            else (first, last + depths + (0 if cfg.tie_embeddings else embed))
+        )
     return max(first, last)
