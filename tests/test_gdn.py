@@ -291,3 +291,50 @@ def test_muon_orthogonalises_each_hf_matrix_of_a_qwen35_block():
         block = TransformerBlock(cfg, BuildContext(tp=tp), layer)
         p = dict(block.named_parameters())[name]
         assert len(muon_matrices(block, tp)[id(p)].pieces(p.detach())) == count, name
+
+
+def test_the_planner_times_the_scan_not_attention_in_deltanet_blocks():
+    """The shape model's attention time: the full-attention blocks' share at every length, the DeltaNet
+    blocks' share as the chunked scan (linear in the length), three scans a pass under cp."""
+    from mt3d.config import resolve_model
+    from mt3d.planner.compute import micro_batch_seconds
+    from mt3d.planner.hardware import get_device
+
+    dev = get_device("h100")
+    hybrid = resolve_model({"preset": "qwen3-next-80b-a3b"})
+    full = resolve_model({"preset": "qwen3-next-80b-a3b", "linear_attention": None})
+    args = (151936, 32768, 1, 4, 12, dev)
+    one, three = (micro_batch_seconds(hybrid, *args, scans=s)["attention_s"] for s in (1, 3))
+    dense = micro_batch_seconds(full, *args)["attention_s"]
+    scan = (three - one) / 2  # the DeltaNet share's one scan
+    assert abs((one - scan) - dense / 4) < 1e-9 * dense  # a quarter of the blocks keep attention
+    assert 0 < scan < dense / 20
+    longer = micro_batch_seconds(hybrid, 151936, 65536, 1, 4, 12, dev, scans=3)["attention_s"]
+    full_long = micro_batch_seconds(full, 151936, 65536, 1, 4, 12, dev)["attention_s"]
+    assert abs((longer - full_long / 4) / (three - dense / 4) - 2) < 1e-6  # the scan: twice the tokens
+
+
+@pytest.mark.parametrize("kh, vh, dk, dv", [(1, 2, 32, 16), (2, 4, 16, 48), (1, 1, 96, 16), (4, 8, 64, 16)])
+def test_the_planners_activation_estimate_holds_against_the_saved_tensors(kh, vh, dk, dv):
+    """GdnSpec.activation_width against what the layer's autograd graph keeps (unique storages)."""
+    from mt3d.model.blocks import BuildContext
+    from mt3d.model.config import ModelConfig
+    from mt3d.model.gdn import GatedDeltaNet
+    from mt3d.parallel.state import AxisGroup
+
+    s = 256
+    lin = {"key_heads": kh, "value_heads": vh, "key_head_dim": dk, "value_head_dim": dv}
+    cfg = ModelConfig.from_dict(dict(hidden=64, layers=1, heads=4, norm="rmsnorm", linear_attention=lin))
+    layer = GatedDeltaNet(cfg.gdn_spec, cfg, BuildContext(tp=AxisGroup.alone("tp")), 0)
+    x = torch.randn(1, s, 64, requires_grad=True)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+    measured = sum(n for ptr, n in kept.items() if ptr not in skip) / (4 * s)
+    assert 0.8 < measured / cfg.gdn_spec.activation_width() < 1.1, (measured, cfg.gdn_spec.activation_width())

@@ -1,6 +1,7 @@
 """Multi-token prediction (``model.mtp``): DeepSeek-V3's, GLM-4.5's and Qwen3-Next's MTP layers read from
 their checkpoints' tensors give the loss a reference built from transformers' own decoder layers gives,
-training with them at tp 2 x pp 2 (SP) and at cp 2 equals one process, and export writes them back."""
+training with them at tp 2 x pp 2 (SP) and at cp 2 over packed documents equals one process, and export
+writes them back."""
 
 import json
 import math
@@ -176,10 +177,10 @@ def test_mtp_batch_shifts_within_documents():
     assert ml[0, :, 0].tolist() == [-100, 13, -100, 15, 16, 17, -100, -100]
 
 
-def fine_tune(save_dir, hf_dir, *, tp=1, pp=1, **parallel):
+def fine_tune(save_dir, hf_dir, *, tp=1, pp=1, packed=False, **parallel):
     raw = tiny_config(save_dir, tp=tp, pp=pp, steps=4, save_at_end=True)
     raw["mt3d"]["model"] = {"from_hf": str(hf_dir), "mtp": {"layers": 1, "loss_weight": 0.3}}
-    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32}
+    raw["mt3d"]["data"] = {"corpus": "builtin", "seq_len": 32, "document_mask": packed}
     raw["mt3d"]["parallel"].update(parallel)
     raw["optimizer"]["params"]["lr"] = 3e-3
     return raw
@@ -192,15 +193,15 @@ def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp
 
     runs = [
         (1, fine_tune(tmp_path / "ds-ref", mtp_dirs["deepseek_v3"][0])),
-        (1, fine_tune(tmp_path / "qn-ref", mtp_dirs["qwen3_next"][0])),
+        (1, fine_tune(tmp_path / "qn-ref", mtp_dirs["qwen3_next"][0], packed=True)),
         (
             4,
             fine_tune(tmp_path / "ds-tp2pp2", mtp_dirs["deepseek_v3"][0], tp=2, pp=2, sequence_parallel=True),
         ),
-        (2, fine_tune(tmp_path / "qn-cp2", mtp_dirs["qwen3_next"][0], context=2)),
+        (2, fine_tune(tmp_path / "qn-cp2", mtp_dirs["qwen3_next"][0], packed=True, context=2)),
     ]
     ds_ref, qn_ref, ds_par, qn_cp = run_grouped(runs, timeout=600)
-    for got, ref, what in ((ds_par, ds_ref, "tp 2 x pp 2"), (qn_cp, qn_ref, "cp 2")):
+    for got, ref, what in ((ds_par, ds_ref, "tp 2 x pp 2"), (qn_cp, qn_ref, "cp 2, packed")):
         assert len(got) == len(ref) == 4
         for a, b in zip(got, ref):
             for key in ("loss", "grad_norm", "mtp_loss"):

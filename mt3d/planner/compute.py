@@ -200,6 +200,7 @@ def micro_batch_seconds(
     fraction: float = GEMM_FRACTION,
     fp8: str | None = None,
     experts: tuple[int, int] | None = None,
+    scans: int = 1,
 ) -> dict[str, float]:
     """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
     GPU, split into GEMMs, attention and elementwise work; ``with_logits`` adds the output layer.
@@ -208,7 +209,9 @@ def micro_batch_seconds(
     only the MLP's activation is recomputed), no GEMM. ``fp8`` (a ``train.fp8`` recipe): the blocks'
     linears at the device's FP8 GEMM ceiling with one-byte operands, plus their casts
     (``fp8_cast_seconds``, counted as elementwise work); the output layer stays 16-bit. ``experts``
-    (ep, etp): a mixture of experts' MLP GEMMs as its experts run them (``expert_gemms``)."""
+    (ep, etp): a mixture of experts' MLP GEMMs as its experts run them (``expert_gemms``). Gated DeltaNet
+    blocks (``model.linear_attention``) run the chunked scan instead of attention, ``scans`` times a pass
+    (3 under context parallelism: ``mt3d.model.gdn_context``), timed as attention's kernels are."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     tokens = seq_len * micro_batch
@@ -238,6 +241,11 @@ def micro_batch_seconds(
         # causal attention down to the local patterns' tiles
         flops = 4.0 * tokens * keys * causal_share(seq_len) * cfg.q_size / tp
         attn = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
+    if cfg.gdn_spec is not None:  # the DeltaNet blocks' share runs the scan
+        share = sum(map(cfg.is_linear, range(cfg.layers))) / cfg.layers
+        flops = scans * tokens * cfg.gdn_spec.core_flops() / tp
+        scan = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
+        attn = (1 - share) * attn + share * scan
     per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
     mem = (fwd_passes + again + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
     if fp8:

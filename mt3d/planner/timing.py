@@ -388,6 +388,7 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
             fraction=fraction,
             fp8=fp8,
             experts=(lay.ep, lay.expert_tp),
+            scans=3 if lay.cp > 1 else 1,
         )["total_s"]  # fmt: skip
         optimizer = 0.0
         if lay.offload == "none":
@@ -402,6 +403,9 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
             seq_len, vocab, attended=0
         )
         executed += core * tokens / 3
+    if cfg.gdn_spec is not None and lay.cp > 1:  # the DeltaNet scan runs three times a pass under cp
+        linear = sum(map(cfg.is_linear, range(cfg.layers)))
+        executed += 2 * 3 * linear * cfg.gdn_spec.core_flops() * tokens * (4 / 3 if lay.recompute else 1)
     return executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5)), 0.0
 
 
