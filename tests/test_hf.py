@@ -400,8 +400,11 @@ def test_eval_under_tp_and_pp_matches(hf_dirs, tmp_path):
     want = {name: hf_window_loss(hf_model(d), ids[name], 64, 64)[0] for name, d in hf_dirs.items()}
     dirs = {name: str(d) for name, d in hf_dirs.items()}
     sparse = {name: d for name, d in dirs.items() if name in MOE}
-    # windows, per-type RoPE and sinks over cp chunks (sinks' heads over the all-to-all)
-    local = {name: dirs[name] for name in ("gemma2", "gemma3", "gpt_oss", "deepseek_v3")}
+    # windows, per-type RoPE and sinks over cp chunks (sinks' heads over the all-to-all); the 2026 families
+    # at cp 2 x tp 2: partial RoPE, q/k norms over all heads, DeltaNet states chained over the cp ranks
+    local = ("gemma2", "gemma3", "gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5",
+             "qwen3_5_moe")  # fmt: skip
+    local = {name: dirs[name] for name in local}
     runs = (
         spawn(eval_worker, 4, dirs, ids, timeout=300)
         + spawn(eval_worker, 4, sparse, ids, 1, 2, 2, timeout=300)

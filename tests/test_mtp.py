@@ -1,7 +1,7 @@
 """Multi-token prediction (``model.mtp``): DeepSeek-V3's, GLM-4.5's and Qwen3-Next's MTP layers read from
 their checkpoints' tensors give the loss a reference built from transformers' own decoder layers gives,
-training with them at tp 2 x pp 2 (SP) and at cp 2 over packed documents equals one process, and export
-writes them back."""
+training with them at tp 2 x pp 2 (SP), under ZB-V and at cp 2 over packed documents equals one process,
+and export writes them back."""
 
 import json
 import math
@@ -199,9 +199,20 @@ def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp
             fine_tune(tmp_path / "ds-tp2pp2", mtp_dirs["deepseek_v3"][0], tp=2, pp=2, sequence_parallel=True),
         ),
         (2, fine_tune(tmp_path / "qn-cp2", mtp_dirs["qwen3_next"][0], packed=True, context=2)),
+        (
+            2,
+            fine_tune(
+                tmp_path / "ds-zbv", mtp_dirs["deepseek_v3"][0], pp=2, virtual_stages=2, schedule="zbv"
+            ),
+        ),
     ]
-    ds_ref, qn_ref, ds_par, qn_cp = run_grouped(runs, timeout=600)
-    for got, ref, what in ((ds_par, ds_ref, "tp 2 x pp 2"), (qn_cp, qn_ref, "cp 2, packed")):
+    ds_ref, qn_ref, ds_par, qn_cp, ds_zbv = run_grouped(runs, timeout=600)
+    checks = (
+        (ds_par, ds_ref, "tp 2 x pp 2"),
+        (qn_cp, qn_ref, "cp 2, packed"),
+        (ds_zbv, ds_ref, "ZB-V at pp 2"),
+    )
+    for got, ref, what in checks:
         assert len(got) == len(ref) == 4
         for a, b in zip(got, ref):
             for key in ("loss", "grad_norm", "mtp_loss"):

@@ -41,12 +41,16 @@ def ns_flops(rows: int, cols: int, steps: int = NS_STEPS) -> float:
 
 
 def hf_matrices(cfg: ModelConfig, vocab: int) -> list[tuple[int, int, bool]]:
-    """(rows, cols, routed expert's) of every matrix Muon orthogonalises on its own: the blocks'
-    weights (``sharding.orthogonalized``), fused ones split into their parts."""
+    """(rows, cols, routed expert's) of every matrix Muon orthogonalises on its own: the blocks' (and
+    multi-token prediction's blocks') weights (``sharding.orthogonalized``), fused ones split into their
+    parts."""
     out = []
     for name, spec in sharding_table(cfg, vocab).items():
         layer, local = split_name(name)
-        if role_of(cfg, layer) != "block" or not spec.optimized or not orthogonalized(local, len(spec.shape)):
+        role = role_of(cfg, layer)
+        if role == "mtp":  # multi-token prediction's depths: their blocks take Muon, eh_proj AdamW
+            role, local = ("block", local.split(".block.", 1)[1]) if ".block." in local else (role, local)
+        if role != "block" or not spec.optimized or not orthogonalized(local, len(spec.shape)):
             continue
         rows, cols = spec.shape
         dim = spec.layout.dim or 0
