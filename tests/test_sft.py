@@ -316,28 +316,44 @@ def test_packed_eval_equals_transformers_one_document_at_a_time(sft, tp, pp, cp)
 
 
 def test_packed_eval_of_a_gated_deltanet_model_equals_transformers(sft):
-    """Qwen3-Next (Gated DeltaNet in blocks 0 and 2): packed evaluation, where the convolution and the
-    state restart at every document (96-token sequences of short conversations, past one 64-token
-    chunk), equals transformers one document at a time, at one process, tp 2 x pp 2 and tp 2 x cp 2 (the
-    chunks' states chained over the cp ranks)."""
-    from transformers import Qwen3NextConfig
+    """Qwen3-Next (Gated DeltaNet in blocks 0 and 2) and Qwen3.5-MoE (separate DeltaNet projections, every
+    block sparse): packed evaluation, where the convolution and the state restart at every document
+    (96-token sequences of short conversations, past one 64-token chunk), equals transformers one
+    document at a time, at one process, tp 2 x pp 2 and tp 2 x cp 2 (the chunks' states chained over the
+    cp ranks)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
     tok = sft["tok"]
-    config = Qwen3NextConfig(
+    shared = dict(
         hidden_size=32, num_hidden_layers=4, intermediate_size=64, vocab_size=tok.vocab_size,
         max_position_embeddings=128, bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=32, full_attention_interval=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=32,
     )  # fmt: skip
-    path = save_hf_model(config, 11, sft["base"] / "qwen3_next", sft["base"] / "tok")
+    kinds = ["linear_attention", "full_attention"] * 2
+    configs = {"q": Qwen3NextConfig(full_attention_interval=2, **shared),
+               "m": Qwen3_5MoeTextConfig(layer_types=kinds, **shared)}  # fmt: skip
+    paths = {
+        k: str(save_hf_model(c, 11, sft["base"] / f"gdn-{k}", sft["base"] / "tok"))
+        for k, c in configs.items()
+    }
     prefix = str(sft["base"] / "chat")
-    nll, count, _ = reference_nll(path, prefix, SEQ)
+    want = {k: reference_nll(p, prefix, SEQ)[:2] for k, p in paths.items()}
     for tp, pp, cp in ((1, 1, 1), (2, 2, 1), (2, 1, 2)):
         flags = [str(f) for f in ("--tp", tp, "--pp", pp, "--cp", cp)]
-        res = spawn(eval_worker, tp * pp * cp, {"q": str(path)}, prefix, flags, timeout=300)[0]["q"]
-        assert res["tokens"] == count and res["documents"] == len(sft["convs"])
-        assert abs(res["loss"] - nll / count) <= 1e-5 * nll / count, (tp, pp, cp, res["loss"], nll / count)
+        got = spawn(eval_worker, tp * pp * cp, paths, prefix, flags, timeout=300)[0]
+        for k, (nll, count) in want.items():
+            res = got[k]
+            assert res["tokens"] == count and res["documents"] == len(sft["convs"])
+            assert abs(res["loss"] - nll / count) <= 1e-5 * nll / count, (
+                k,
+                tp,
+                pp,
+                cp,
+                res["loss"],
+                nll / count,
+            )
 
 
 # --- training --------------------------------------------------------------------------------------
@@ -353,6 +369,9 @@ def sft_config(sft, d, model=None, tp=1, pp=1, micro=2, train=None, **parallel):
 
 
 MOE = {"preset": "tiny-qwen2-moe"}
+QWEN3_NEXT_MTP = {"preset": "tiny-qwen3-next", "mtp": {"layers": 1}}
+"""Gated DeltaNet, gated attention, experts and multi-token prediction over packed, prompt-masked
+conversations (each depth's inputs and targets inside its document)."""
 
 
 def compare(got, ref, what, first=1):
@@ -381,13 +400,20 @@ def sft_reference(sft, tmp_path_factory):
                "--output-prefix", d / "plain")[0] == 0  # fmt: skip
     plain = sft_config(sft, d / "plain")
     plain["mt3d"]["data"].update(prefixes=[str(d / "plain")], document_mask=True)
-    records = run_all(1, [dense, moe, plain])
+    hybrid = sft_config(sft, d / "qwen3-next", model=QWEN3_NEXT_MTP)
+    records = run_all(1, [dense, moe, plain, hybrid])
     step3 = d / "llama" / "checkpoints" / "step_00000003"
-    return {"llama": records[0], "moe": records[1], "plain": records[2], "step3": str(step3)}
+    return {"llama": records[0], "moe": records[1], "plain": records[2], "qwen3_next": records[3],
+            "step3": str(step3)}  # fmt: skip
 
 
 def test_packed_training_is_normalised_over_the_global_batch(sft_reference):
-    for steps in (sft_reference["llama"], sft_reference["moe"], sft_reference["plain"]):
+    for steps in (
+        sft_reference["llama"],
+        sft_reference["moe"],
+        sft_reference["plain"],
+        sft_reference["qwen3_next"],
+    ):
         assert len(steps) == 5 and steps[-1]["loss"] < steps[0]["loss"]
         supervised = [r["supervised_tokens"] for r in steps]
         assert len(set(supervised)) > 1 and all(0.5 < r["packing_efficiency"] <= 1 for r in steps)
@@ -411,6 +437,10 @@ CASES = {
         (dict(pp=2, virtual_stages=2), None, {"resume": "{run0}/checkpoints/step_00000003"}, 4),
     ], "llama"),
     "MoE ep 2": (2, [(dict(expert=2), MOE, {}, 1)], "moe"),
+    "Qwen3-Next with MTP, tp 2 x cp 2 and tp 2 x pp 2 with SP": (4, [
+        (dict(tp=2, context=2, sequence_parallel=True), QWEN3_NEXT_MTP, {}, 1),
+        (dict(tp=2, pp=2, sequence_parallel=True), QWEN3_NEXT_MTP, {}, 1),
+    ], "qwen3_next"),
 }  # fmt: skip
 
 

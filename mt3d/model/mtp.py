@@ -21,9 +21,9 @@ on whole sequences before context parallelism cuts them), so they travel with th
 Tensor parallelism: ``eh_proj`` is replicated (2h x h per rank; with SP each rank projects its sequence
 shard and the gradient is summed over TP), the block is a normal block at layer index ``layers + k - 1``
 (its init, FP8 choice and HF name follow that index), and the head is vocab-parallel as the main one.
-A sparse depth block routes as the main blocks do; its router statistics stay out of the main model's
-load-balancing loss (whose denominators count the main sparse layers), while aux-loss-free balancing
-moves its own correction bias.
+A sparse depth block routes as the main blocks do but keeps no router statistics: it stays out of the
+load-balancing and z losses (their denominators count the main sparse layers), while aux-loss-free
+balancing moves its own correction bias.
 """
 
 from __future__ import annotations
@@ -86,17 +86,11 @@ class MtpDepth(nn.Module):
                                         device=ctx.device)  # fmt: skip
         self.block = TransformerBlock(cfg, ctx, layer)
         self.norm = make_norm(cfg, ctx)
-        self.moe = cfg.moe_spec if self.block.sparse else None
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, documents) -> torch.Tensor:
         """h^{k-1} and the embedded tokens i + k ([b, s, h], sequence shards with SP) -> h^k."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        stats = None
-        if self.moe is not None:  # statistics of its own, left out of the main aux loss
-            from .moe import start_stats
-
-            stats = start_stats(self.moe, x)
-        x, _, _ = split_stream(self.block(join_stream(x, stats, documents)))
+        x, _, _ = split_stream(self.block(join_stream(x, None, documents)))  # no router statistics
         return self.norm(x)
 
 
