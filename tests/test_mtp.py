@@ -186,38 +186,40 @@ def fine_tune(save_dir, hf_dir, *, tp=1, pp=1, packed=False, **parallel):
     return raw
 
 
+def two_depths(save_dir, tp=1, pp=1, **parallel):
+    """Two depths on a preset (random weights): depth 2 reads depth 1's output."""
+    raw = tiny_config(save_dir, tp=tp, pp=pp, steps=4)
+    raw["mt3d"]["model"] = {"preset": "tiny-deepseek-v3", "mtp": {"layers": 2}}
+    raw["mt3d"]["parallel"].update(parallel)
+    return raw
+
+
 def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp_dirs, tmp_path):
     from mt3d.checkpoint.export import MTP_FILE, export_hf
     from mt3d.checkpoint.loading import open_source
     from mt3d.model.sharding import global_names
 
+    ds, qn = mtp_dirs["deepseek_v3"][0], mtp_dirs["qwen3_next"][0]
     runs = [
-        (1, fine_tune(tmp_path / "ds-ref", mtp_dirs["deepseek_v3"][0])),
-        (1, fine_tune(tmp_path / "qn-ref", mtp_dirs["qwen3_next"][0], packed=True)),
-        (
-            4,
-            fine_tune(tmp_path / "ds-tp2pp2", mtp_dirs["deepseek_v3"][0], tp=2, pp=2, sequence_parallel=True),
-        ),
-        (2, fine_tune(tmp_path / "qn-cp2", mtp_dirs["qwen3_next"][0], packed=True, context=2)),
-        (
-            2,
-            fine_tune(
-                tmp_path / "ds-zbv", mtp_dirs["deepseek_v3"][0], pp=2, virtual_stages=2, schedule="zbv"
-            ),
-        ),
+        (1, fine_tune(tmp_path / "ds-ref", ds)),
+        (1, fine_tune(tmp_path / "qn-ref", qn, packed=True)),
+        (4, fine_tune(tmp_path / "ds-tp2pp2", ds, tp=2, pp=2, sequence_parallel=True)),
+        (2, fine_tune(tmp_path / "qn-cp2", qn, packed=True, context=2)),
+        (2, fine_tune(tmp_path / "ds-zbv", ds, pp=2, virtual_stages=2, schedule="zbv")),
+        (1, two_depths(tmp_path / "d2-ref")),
+        (4, two_depths(tmp_path / "d2-tp2pp2", tp=2, pp=2, sequence_parallel=True)),
     ]
-    ds_ref, qn_ref, ds_par, qn_cp, ds_zbv = run_grouped(runs, timeout=600)
-    checks = (
-        (ds_par, ds_ref, "tp 2 x pp 2"),
-        (qn_cp, qn_ref, "cp 2, packed"),
-        (ds_zbv, ds_ref, "ZB-V at pp 2"),
-    )
+    ds_ref, qn_ref, ds_par, qn_cp, ds_zbv, d2_ref, d2_par = run_grouped(runs, timeout=600)
+    checks = ((ds_par, ds_ref, "tp 2 x pp 2"), (qn_cp, qn_ref, "cp 2, packed"),
+              (ds_zbv, ds_ref, "ZB-V at pp 2"), (d2_par, d2_ref, "two depths, tp 2 x pp 2"))  # fmt: skip
     for got, ref, what in checks:
         assert len(got) == len(ref) == 4
         for a, b in zip(got, ref):
             for key in ("loss", "grad_norm", "mtp_loss"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (what, a["step"], key, a[key], b[key])
         assert ref[-1]["mtp_loss"] < ref[0]["mtp_loss"]
+        depths = [k for k in ref[0] if k.startswith("mtp_loss_")]
+        assert ref[0]["mtp_loss"] == pytest.approx(sum(ref[0][k] for k in depths) / len(depths))
         assert all(r["loss"] > r["mtp_loss"] * 0.3 for r in ref)  # the depth's loss is in the total
     # the tp 2 x pp 2 run's checkpoint exports its MTP layer, which reads back as the same tensors
     out = export_hf(tmp_path / "ds-tp2pp2", tmp_path / "export")
