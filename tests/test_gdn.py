@@ -338,3 +338,34 @@ def test_the_planners_activation_estimate_holds_against_the_saved_tensors(kh, vh
     skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
     measured = sum(n for ptr, n in kept.items() if ptr not in skip) / (4 * s)
     assert 0.8 < measured / cfg.gdn_spec.activation_width() < 1.1, (measured, cfg.gdn_spec.activation_width())
+
+
+def test_fp8_reaches_the_deltanet_projections(monkeypatch):
+    """train.fp8 runs the q/k/v/z projections and the output in FP8 (forward, input and weight
+    gradients: 3 GEMMs each), beta's and the decay's in bf16; the layer's output stays near bf16's."""
+    from mt3d.model.blocks import BuildContext
+    from mt3d.model.config import ModelConfig
+    from mt3d.model.gdn import GatedDeltaNet
+    from mt3d.parallel.state import AxisGroup
+
+    cfg = ModelConfig.from_dict(dict(HYBRID, family=None))
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    outs, counts, count, real = [], [], [0], torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    for fp8 in (None, "tensorwise"):
+        count[0] = 0
+        ctx = BuildContext(tp=AxisGroup.alone("tp"), dtype=torch.bfloat16, fp8=fp8)
+        layer = GatedDeltaNet(cfg.gdn_spec, cfg, ctx, 0)
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.float().square().sum().backward()
+        outs.append(y.float())
+        counts.append(count[0])
+    assert counts == [0, 6]
+    err = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert 0 < err < 0.25, err  # e4m3 keeps 3 mantissa bits; a wrong scale or shard is off by 1 or more

@@ -261,7 +261,9 @@ def fp8_shape_conflict(model, tp: int, tokens: int, recipe: str = "tensorwise", 
     need = RECIPES[recipe].multiple
     dims = {"hidden": model.hidden, "q heads x head_dim / tp": model.q_size // tp,
             "kv heads x head_dim / tp": model.kv_size // tp, "ffn / tp": model.ffn // tp}  # fmt: skip
-    spec = model.moe_spec
+    spec, gdn = model.moe_spec, model.gdn_spec
+    if gdn is not None:  # the DeltaNet's q/k/v/z projections and its output
+        dims.update({"linear key_dim / tp": gdn.key_dim // tp, "linear value_dim / tp": gdn.value_dim // tp})
     if spec is not None and spec.shared_ffn:
         dims["shared_ffn / tp"] = spec.shared_ffn // tp
     for key, on in (("dispatch", dispatch), ("experts", experts)):

@@ -287,24 +287,28 @@ class GatedDeltaNet(nn.Module):
         spec.check(tp)
         self.spec, self.ctx = spec, ctx
         self.key_heads, self.value_heads = spec.key_heads // tp, spec.value_heads // tp
-        # FP8 recipes do not reach these projections yet (their shapes are not in rules.fp8_shape_conflict)
-        common = dict(tp=ctx.tp, dtype=ctx.dtype, device=ctx.device, gemms=PLAIN)
+        # train.fp8 reaches the q/k/v/z projections and the output (rules.fp8_shape_conflict checks their
+        # widths); beta's and the decay's, a few columns per value head, stay in the parameters' dtype
+        common = dict(tp=ctx.tp, dtype=ctx.dtype, device=ctx.device, gemms=ctx.gemms(layer))
         std = cfg.init_std
         parts = (spec.key_dim, spec.key_dim, spec.value_dim)
 
-        def column(name: str, width: int, split=None) -> ColumnParallelLinear:
+        def column(name: str, width: int, split=None, gemms=common["gemms"]) -> ColumnParallelLinear:
             init = ctx.init(layer, f"gdn.{name}", std)
             return ColumnParallelLinear(cfg.hidden, width, bias=False, sequence_parallel=ctx.sp,
                                         keep_gathered=ctx.keep_gathered, init=init, parts=split,
-                                        **common)  # fmt: skip
+                                        **{**common, "gemms": gemms})  # fmt: skip
 
         if spec.fused:  # per key head: [q, k, v, z] and [b, a] of its value heads (rows split contiguously)
             self.in_qkvz = column("qkvz", 2 * spec.key_dim + 2 * spec.value_dim)
-            self.in_ba = column("ba", 2 * spec.value_heads)
+            self.in_ba = column("ba", 2 * spec.value_heads, gemms=PLAIN)
         else:
             self.in_qkv, self.in_z = column("qkv", sum(parts), parts), column("z", spec.value_dim)
             self.in_qkv.weight.one_matrix = True  # one HF matrix (Muon's unit); the parts are TP's split
-            self.in_b, self.in_a = column("b", spec.value_heads), column("a", spec.value_heads)
+            self.in_b, self.in_a = (
+                column("b", spec.value_heads, gemms=PLAIN),
+                column("a", spec.value_heads, gemms=PLAIN),
+            )
         init = ctx.init(layer, "gdn.conv", spec.conv_kernel**-0.5)
         r = ctx.tp.rank
         conv = [init.part(i).rows(r * n // tp, (r + 1) * n // tp, spec.conv_kernel, ctx.dtype)
