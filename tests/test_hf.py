@@ -255,35 +255,48 @@ def test_logits_match_transformers_at_every_layout(hf_dirs):
 
 
 def test_the_language_model_of_a_vision_language_checkpoint(hf_dirs, tmp_path, caplog):
-    """A Qwen3.5 vision-language checkpoint (``Qwen3_5ForConditionalGeneration``: the text model's config
-    under text_config, its tensors under model.language_model, a vision tower): mt3d reads the language
-    model as a qwen3_5 text model, reports the vision tensors as unused, and its logits on text equal the
-    vision-language model's at one process and tp 2."""
-    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+    """Vision-language checkpoints of Qwen3.5 (``Qwen3_5ForConditionalGeneration``: the text model's
+    config under text_config, its tensors under model.language_model) and Gemma 3
+    (``Gemma3ForConditionalGeneration``: under language_model.model, its head tied), each with a vision
+    tower: mt3d reads the language model as a text model of the family, reports the vision tensors as
+    unused, and its logits on text equal the vision-language model's at one process and tp 2."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen3_5Config
 
-    text = {k: v for k, v in hf_model(hf_dirs["qwen3_5"]).config.to_dict().items() if k != "architectures"}
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=4, num_position_embeddings=16)  # fmt: skip
-    torch.manual_seed(3)
-    model = AutoModelForImageTextToText.from_config(Qwen3_5Config(text_config=text, vision_config=vision))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(tmp_path / "vlm")
-    for f in (hf_dirs["qwen3_5"]).iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-            (tmp_path / "vlm" / f.name).write_bytes(f.read_bytes())
-    ids = sample_ids()
-    with torch.no_grad():
-        want = model.eval()(input_ids=ids).logits
-    with caplog.at_level(logging.WARNING):
-        assert config_from_hf(tmp_path / "vlm").family == "qwen3_5"
-        got = logits_worker({"vlm": str(tmp_path / "vlm")}, 1, 1, ids)["vlm"]
-    assert "model.visual." in caplog.text and "ignored" in caplog.text
-    assert (got - want).abs().max() <= 1e-4
-    for got in spawn(logits_worker, 2, {"vlm": str(tmp_path / "vlm")}, 2, 1, ids, timeout=300):
-        assert (got["vlm"] - want).abs().max() <= 1e-4
+    small = dict(hidden_size=32, intermediate_size=64)
+    vlms = {  # (config class, where the unused tensors are, the vision tower's config)
+        "qwen3_5": (Qwen3_5Config, "model.visual.", dict(depth=1, num_heads=2, out_hidden_size=64,
+                                                          patch_size=4, num_position_embeddings=16, **small)),
+        "gemma3": (Gemma3Config, "multi_modal_projector.", dict(num_hidden_layers=1, num_attention_heads=2,
+                                                                 image_size=16, patch_size=4, **small)),
+    }  # fmt: skip
+    ids, want, dirs = sample_ids(), {}, {}
+    for name, (config, tower, vision) in vlms.items():
+        text = {k: v for k, v in hf_model(hf_dirs[name]).config.to_dict().items() if k != "architectures"}
+        torch.manual_seed(3)
+        extra = {"mm_tokens_per_image": 4} if name == "gemma3" else {}
+        model = AutoModelForImageTextToText.from_config(
+            config(text_config=text, vision_config=vision, **extra)
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
+        d = dirs[name] = tmp_path / name
+        model.save_pretrained(d)
+        for f in (hf_dirs[name]).iterdir():
+            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                (d / f.name).write_bytes(f.read_bytes())
+        with torch.no_grad():
+            want[name] = model.eval()(input_ids=ids).logits
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert config_from_hf(d).family == name
+            got = logits_worker({name: str(d)}, 1, 1, ids)[name]
+        assert tower in caplog.text and "ignored" in caplog.text, name
+        assert (got - want[name]).abs().max() <= 1e-4, name
+    for got in spawn(logits_worker, 2, {k: str(d) for k, d in dirs.items()}, 2, 1, ids, timeout=300):
+        for name in dirs:
+            assert (got[name] - want[name]).abs().max() <= 1e-4, name
 
 
 @pytest.mark.parametrize("name", WINDOWED)

@@ -227,9 +227,11 @@ class SafetensorsFile:
         return out.view(nrows, *shape[1:]) if len(shape) > 2 and cols is None else out
 
 
-LANGUAGE_MODEL = "model.language_model."
-"""Where a vision-language checkpoint (Qwen3.5's, Gemma 3's) keeps its language model's tensors (model.* in
-a text model's); its vision tower's are left unused."""
+LANGUAGE_MODEL = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}  # fmt: skip
+"""Where vision-language checkpoints keep their language model's tensors -> where a text model keeps them:
+Qwen3.5's (and transformers 5's saves) under ``model.language_model``, Gemma 3's published ones under
+``language_model.model`` (and ``language_model.lm_head``); the vision tower's are left unused."""
 
 
 class HFReader:
@@ -259,9 +261,11 @@ class HFReader:
         self.stored = {name: name for name in self.where}
         """Tensor name as the families name it -> as the files store it."""
         if not any(k.startswith("model.layers.") for k in self.where):  # a vision-language checkpoint keeps
-            for k in [k for k in self.where if k.startswith(LANGUAGE_MODEL)]:  # its language model apart
-                alias = "model." + k[len(LANGUAGE_MODEL) :]
-                self.where[alias], self.stored[alias] = self.where.pop(k), self.stored.pop(k)
+            for k in list(self.where):  # its language model apart
+                prefix = next((p for p in LANGUAGE_MODEL if k.startswith(p)), None)
+                if prefix is not None:
+                    alias = LANGUAGE_MODEL[prefix] + k[len(prefix) :]
+                    self.where[alias], self.stored[alias] = self.where.pop(k), self.stored.pop(k)
         self._open: dict[Path, SafetensorsFile] = {}
 
     def close(self) -> None:
