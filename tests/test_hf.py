@@ -297,6 +297,16 @@ def test_the_language_model_of_a_vision_language_checkpoint(hf_dirs, tmp_path, c
     for got in spawn(logits_worker, 2, {k: str(d) for k, d in dirs.items()}, 2, 1, ids, timeout=300):
         for name in dirs:
             assert (got[name] - want[name]).abs().max() <= 1e-4, name
+    # a run from each exports the text model, which transformers loads silently with the VLM's logits
+    run_grouped(
+        [(1, fine_tune_config(tmp_path / f"run-{k}", d, 0, 1, 1, save_at_end=True)) for k, d in dirs.items()]
+    )
+    for name in dirs:
+        assert run_export(tmp_path / f"run-{name}", tmp_path / f"text-{name}").returncode == 0
+        model = loads_without_warnings(tmp_path / f"text-{name}", caplog)
+        assert type(model).__name__.endswith("ForCausalLM"), type(model)
+        with torch.no_grad():
+            assert (model(ids).logits - want[name]).abs().max() <= 1e-4, name
 
 
 @pytest.mark.parametrize("name", WINDOWED)
