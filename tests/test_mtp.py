@@ -194,6 +194,15 @@ def two_depths(save_dir, tp=1, pp=1, **parallel):
     return raw
 
 
+def dense_mtp(save_dir, tp=1, pp=1, zero=1, steps=4, **train):
+    """Qwen3.5 (dense, untied) with MTP over a 4096-token vocabulary: each stage's copy of the embedding is
+    split over dp in DeepSpeed's universal format (resharding reads them as one tied weight)."""
+    raw = tiny_config(save_dir, tp=tp, pp=pp, zero=zero, steps=steps, **train)
+    raw["mt3d"]["model"] = {"preset": "tiny-qwen3.5", "mtp": {"layers": 1}}
+    raw["mt3d"]["data"]["vocab_size"] = 4096
+    return raw
+
+
 def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp_dirs, tmp_path):
     from mt3d.checkpoint.export import MTP_FILE, export_hf
     from mt3d.checkpoint.loading import open_source
@@ -208,19 +217,26 @@ def test_training_with_mtp_at_tp2_pp2_and_cp2_equals_one_process_and_exports(mtp
         (2, fine_tune(tmp_path / "ds-zbv", ds, pp=2, virtual_stages=2, schedule="zbv")),
         (1, two_depths(tmp_path / "d2-ref")),
         (4, two_depths(tmp_path / "d2-tp2pp2", tp=2, pp=2, sequence_parallel=True)),
+        (1, dense_mtp(tmp_path / "q35-ref")),
+        (4, dense_mtp(tmp_path / "q35-pp2dp2", pp=2, steps=2, save_at_end=True)),
+        (2, dense_mtp(tmp_path / "q35-resumed", pp=2, resume=str(tmp_path / "q35-pp2dp2"))),
+        (2, dense_mtp(tmp_path / "q35-zero3", zero=3)),
     ]
-    ds_ref, qn_ref, ds_par, qn_cp, ds_zbv, d2_ref, d2_par = run_grouped(runs, timeout=600)
+    ds_ref, qn_ref, ds_par, qn_cp, ds_zbv, d2_ref, d2_par, q35_ref, _, q35_resumed, q35_z3 = run_grouped(runs)
     checks = ((ds_par, ds_ref, "tp 2 x pp 2"), (qn_cp, qn_ref, "cp 2, packed"),
-              (ds_zbv, ds_ref, "ZB-V at pp 2"), (d2_par, d2_ref, "two depths, tp 2 x pp 2"))  # fmt: skip
+              (ds_zbv, ds_ref, "ZB-V at pp 2"), (d2_par, d2_ref, "two depths, tp 2 x pp 2"),
+              (q35_resumed, q35_ref[2:], "saved at pp 2 x dp 2, resumed at pp 2"),
+              (q35_z3, q35_ref, "ZeRO-3 at dp 2"))  # fmt: skip
     for got, ref, what in checks:
-        assert len(got) == len(ref) == 4
+        assert len(got) == len(ref) > 0
         for a, b in zip(got, ref):
+            assert a["step"] == b["step"], what
             for key in ("loss", "grad_norm", "mtp_loss"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (what, a["step"], key, a[key], b[key])
-        assert ref[-1]["mtp_loss"] < ref[0]["mtp_loss"]
         depths = [k for k in ref[0] if k.startswith("mtp_loss_")]
         assert ref[0]["mtp_loss"] == pytest.approx(sum(ref[0][k] for k in depths) / len(depths))
         assert all(r["loss"] > r["mtp_loss"] * 0.3 for r in ref)  # the depth's loss is in the total
+    assert all(ref[-1]["mtp_loss"] < ref[0]["mtp_loss"] for ref in (ds_ref, qn_ref, d2_ref))  # it learns
     # the tp 2 x pp 2 run's checkpoint exports its MTP layer, which reads back as the same tensors
     out = export_hf(tmp_path / "ds-tp2pp2", tmp_path / "export")
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -268,7 +284,7 @@ def test_bad_mtp_input_is_one_line_before_any_process_group(mtp_dirs, tmp_path):
         ({"from_hf": ds, "mtp": {"layers": 0}}, "", "model.mtp.layers must be an integer >= 1, got 0"),
         ({"from_hf": ds, "mtp": {"layers": 1, "loss_weight": -1}}, "", "model.mtp.loss_weight must be a"),
         (one, "dpo", "model.mtp trains next-token objectives"),
-        (one, "lora", "mt3d.lora does not combine with model.mtp"),
+        (one, "lora", "model.mtp does not combine with mt3d.lora"),
     ]  # fmt: skip
     for model, change, message in cases:
         raw = tiny_config(tmp_path / "bad")

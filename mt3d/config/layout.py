@@ -232,9 +232,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     why = model is not None and rules.qk_clip_conflict(train.muon, model, run.mt3d.lora)
     if why:
         raise ConfigError(why)
+    if model is not None and model.mtp is not None and run.mt3d.lora is not None:
+        raise ConfigError("model.mtp does not combine with mt3d.lora (its depths train whole): drop one")
     if run.mt3d.lora is not None:
-        if model is not None and model.mtp is not None:
-            raise ConfigError("mt3d.lora does not combine with model.mtp (its depths train whole): drop one")
         _check_lora(run.mt3d.lora, model, stage, here)
     if here:
         preflight.check_inputs(train, data, model.extra.get("hf_path") if model is not None else None)

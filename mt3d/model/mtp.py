@@ -36,9 +36,9 @@ from .blocks import LMHead, TransformerBlock, join_stream, lm_logits, split_stre
 
 class MtpPending:
     """What the LM head of a model with MTP returns: its usual output ``out`` (logits, tiles' inputs,
-    or a ``Routed``) and what the depths need; ``LossFn`` finishes it (``losses``)."""
-
-    __slots__ = ("out", "hidden", "weight", "documents", "embed", "mtp")
+    or a ``Routed``) and what the depths need; ``LossFn`` finishes it (``MtpLayers.outputs``). A plain
+    object: ZeRO-3's post-forward hook walks ``vars()`` of a module's output to keep the tensors it holds
+    (the head's weight among them) gathered."""
 
     def __init__(self, out, hidden: torch.Tensor, documents, weight: torch.Tensor) -> None:
         self.out, self.hidden, self.weight, self.documents = out, hidden, weight, documents

@@ -179,8 +179,11 @@ class LossFn:
         if isinstance(labels, tuple):
             labels, *depths = labels
         loss = self._main(head_output(logits), labels)
-        if pending is None or depths is None or not torch.is_grad_enabled():
+        if pending is None or not torch.is_grad_enabled():
             return loss
+        if depths is None:
+            raise RuntimeError("a model with model.mtp trains on (labels, the depths' ids, their labels): "
+                               "build its batches with StepBatches(mtp=D)")  # fmt: skip
         outs = pending.mtp.outputs(pending, depths[0])
         per = [self.objective(out, depths[1][..., k].contiguous()) for k, out in enumerate(outs)]
         self.mtp_log.append(torch.stack([p.detach() for p in per]))

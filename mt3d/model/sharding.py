@@ -76,6 +76,12 @@ def split_name(name: str) -> tuple[int, str]:
     return int(head), rest
 
 
+def shared_embedding(cfg: ModelConfig) -> bool:
+    """Whether the word embedding is a tied module, copied on the first and the last stage: the head is
+    tied to it, or multi-token prediction's depths embed with it."""
+    return cfg.tie_embeddings or cfg.mtp is not None
+
+
 def named_as(cfg: ModelConfig, name: str) -> str:
     """``name`` as ``cfg``'s model calls it: the word embedding is the tied module when the head or
     multi-token prediction's depths share it (``tied_modules.embed.``), else layer 0; the same weight
@@ -83,7 +89,7 @@ def named_as(cfg: ModelConfig, name: str) -> str:
     layer, local = split_name(name)
     if layer != 0:
         return name
-    return (TIED_PREFIX if cfg.tie_embeddings or cfg.mtp is not None else "0.") + local
+    return (TIED_PREFIX if shared_embedding(cfg) else "0.") + local
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,8 @@ def universal_info(cfg: ModelConfig, tp: int, vocab: int, etp: int | None = None
         "universal_checkpoint_version": 0.4,
         "original_vocab_size": vocab,
         "vocabulary_parameter_patterns": select(lambda lay: lay.vocab is not None),
-        "pipeline_replicated_parameter_patterns": [re.escape(TIED_PREFIX)] if cfg.tie_embeddings else [],
+        # the tied embedding's copies on the first and last stage (a tied head, or MTP's embedding)
+        "pipeline_replicated_parameter_patterns": [re.escape(TIED_PREFIX)] if shared_embedding(cfg) else [],
         "tp_replicated_parameter_patterns": select(lambda lay: lay.dim is None),
         "parameter_with_row_parallelism_patterns": select(lambda lay: lay.dim == 1),
         "parameter_with_sub_params": sub_params,
