@@ -149,6 +149,5 @@ class CheckpointReader:
 
     def shard(self, name: str, rank: int, world: int) -> torch.Tensor:
         """TP rank ``rank`` of ``world``'s shard of ``name`` (any world size: resharded on the fly)."""
-        return to_shard(
-            self.full(name), layout_of(self.cfg, self.vocab, named_as(self.cfg, name)), rank, world
-        )
+        name = named_as(self.cfg, name)
+        return to_shard(self.full(name), layout_of(self.cfg, self.vocab, name), rank, world)

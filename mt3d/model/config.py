@@ -270,6 +270,11 @@ class ModelConfig:
         spec = self.gdn_spec
         return spec is not None and layer < self.layers and spec.linear(layer)
 
+    @property
+    def linear_blocks(self) -> int:
+        """How many blocks are Gated DeltaNet layers."""
+        return sum(map(self.is_linear, range(self.layers)))
+
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture-of-experts MLP."""
         spec = self.moe_spec

@@ -210,7 +210,7 @@ def per_kind(cfg, full, linear):
     spec = cfg.gdn_spec
     if spec is None:
         return full
-    share = sum(map(cfg.is_linear, range(cfg.layers))) / cfg.layers
+    share = cfg.linear_blocks / cfg.layers
     other = linear(spec)
     if isinstance(full, tuple):
         return tuple((1 - share) * a + share * b for a, b in zip(full, other, strict=True))

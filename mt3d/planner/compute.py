@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from ..model.config import GATED_MLPS, ModelConfig
+from ..model.gdn import per_kind
 from ..parallel.layers import pad_vocab
 from .choices import ATTENTION_KERNELS  # its home imports nothing (the CLI parser reads it)
 
@@ -241,11 +242,10 @@ def micro_batch_seconds(
         # causal attention down to the local patterns' tiles
         flops = 4.0 * tokens * keys * causal_share(seq_len) * cfg.q_size / tp
         attn = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
-    if cfg.gdn_spec is not None:  # the DeltaNet blocks' share runs the scan
-        share = sum(map(cfg.is_linear, range(cfg.layers))) / cfg.layers
-        flops = scans * tokens * cfg.gdn_spec.core_flops() / tp
-        scan = (fwd_passes + again + 2) * flops / (dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION)
-        attn = (1 - share) * attn + share * scan
+    rate = dev.gemm_tflops * fraction * 1e12 * FLASH_FRACTION  # the DeltaNet blocks' share runs the scan
+    attn = per_kind(
+        cfg, attn, lambda spec: (fwd_passes + again + 2) * scans * tokens * spec.core_flops() / tp / rate
+    )
     per_token = elementwise_elements(cfg, seq_len, keys, tp, sp, attention)
     mem = (fwd_passes + again + 2) * per_token * tokens * elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
     if fp8:

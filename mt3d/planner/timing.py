@@ -404,8 +404,9 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
         )
         executed += core * tokens / 3
     if cfg.gdn_spec is not None and lay.cp > 1:  # the DeltaNet scan runs three times a pass under cp
-        linear = sum(map(cfg.is_linear, range(cfg.layers)))
-        executed += 2 * 3 * linear * cfg.gdn_spec.core_flops() * tokens * (4 / 3 if lay.recompute else 1)
+        executed += (
+            2 * 3 * cfg.linear_blocks * cfg.gdn_spec.core_flops() * tokens * (4 / 3 if lay.recompute else 1)
+        )
     return executed / gpus / (peak_tflops * 1e12 * (efficiency or 0.5)), 0.0
 
 

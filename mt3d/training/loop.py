@@ -206,10 +206,15 @@ class Trainer:
     def _figures_holder(self) -> bool:
         """Whether this rank's loss holds its data-parallel replica's (cp-summed) figures: TP and cp
         rank 0 of the loss's stage (the last pipeline rank's, or the V's rank 0: the engine knows)."""
-        state = self.rt.state
-        pipelined = hasattr(self.engine, "is_last_stage")
-        loss_rank = self.engine.is_last_stage() if pipelined else state.is_last_stage
-        return loss_rank and state.tp.rank == 0 and state.cp.rank == 0
+        return self._loss_stage and self.rt.state.tp.rank == 0 and self.rt.state.cp.rank == 0
+
+    @property
+    def _loss_stage(self) -> bool:
+        """Whether this rank computes the loss: the last pipeline rank's, or the V's rank 0 (the engine
+        knows)."""
+        if hasattr(self.engine, "is_last_stage"):
+            return self.engine.is_last_stage()
+        return self.rt.state.is_last_stage
 
     def _router_figures(self) -> dict:
         return router_figures(self.engine.module.loss_fn, self._figures_holder, self.rt.device)
@@ -296,11 +301,8 @@ class Trainer:
             self.router = self._router_figures()
         if self.qk_clip is not None:
             self.logits = self.qk_clip.figures(self.rt.device)
-        if self.mtp:
-            state, pipelined = self.rt.state, hasattr(self.engine, "is_last_stage")
-            holder = (
-                self.engine.is_last_stage() if pipelined else state.is_last_stage
-            ) and state.tp.rank == 0
+        if self.mtp:  # every cp rank's loss holds a share of the depths'
+            holder = self._loss_stage and self.rt.state.tp.rank == 0
             self.depth_losses = mtp_figures(self.engine.module.loss_fn, holder, self.rt.device, self.mtp)
         if self.dpo:
             from .dpo import dpo_figures
