@@ -242,9 +242,11 @@ def _ep_worker(tp, ep, capacity, bias):
     t, e = me % tp, me // tp
     block = _ep_block(tp, ep, t, e, (tp_groups[e], ep_groups[t]), capacity, bias).double()
     runs = []
-    for dedup in (True, False):  # each token once per rank, or once per (token, expert)
+    # each token once per rank, or once per (token, expert); then once per rank in 3 chunks of tokens,
+    # pipelined and one after another (train.overlap.dispatch_chunks)
+    for dedup, chunks, pipelined in ((True, 1, True), (False, 1, True), (True, 3, True), (True, 3, False)):
         block.zero_grad(set_to_none=True)
-        block.mlp.dedup = dedup
+        block.mlp.dedup, block.mlp.chunks, block.mlp.pipelined = dedup, chunks, pipelined
         x = _ep_batch(e).requires_grad_()
         with CollectiveLog() as log:
             out = block(x)
@@ -291,6 +293,8 @@ def test_expert_parallel_dispatch_equals_one_process(tp, ep, capacity, bias):
                 torch.testing.assert_close(g, shard_of(full, params[name], t, tp), msg=name, **tol)
         # top-2 of 4 experts on 2 ranks: some tokens have both experts on one rank, sent once
         assert runs[0][3] < runs[1][3], (runs[0][3], runs[1][3])
+        # chunks send the same rows: only the one counts exchange grows, by (3 - 1) x ep integers
+        assert runs[2][3] == runs[3][3] == runs[0][3] + 2 * ep, [r[3] for r in runs]
 
 
 def _node_dispatch_worker():
@@ -310,8 +314,8 @@ def _node_dispatch_worker():
     hosts = (AxisGroup("ep_rail", (place, 2 + place), host, rails[place]),
              AxisGroup("ep_node", (2 * host, 2 * host + 1), place, nodes[host]), (0, 0, 1, 1))  # fmt: skip
     runs = []
-    for how in (hosts, None):
-        block = _ep_block(1, 4, 0, me, (None, everyone), hosts=how).double()
+    for how, chunks in ((hosts, 1), (None, 1), (hosts, 2)):
+        block = _ep_block(1, 4, 0, me, (None, everyone), hosts=how, dispatch_chunks=chunks).double()
         seen = []
         block.mlp.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(a[0].detach()))
         x = _ep_batch(me).requires_grad_()
@@ -346,9 +350,15 @@ def test_node_dispatch_crosses_to_each_host_once_per_token():
         want.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in ref.named_parameters()}))
     per_row = 4 * 32 + 4 * 2
     totals = {"node": [0, 0], "rank": [0, 0]}
-    for rank, (node, one_hop) in enumerate(spawn(_node_dispatch_worker, 4, timeout=120)):
+    for rank, (node, one_hop, chunked) in enumerate(spawn(_node_dispatch_worker, 4, timeout=120)):
         w_out, w_dx, w_grads = want[rank]
-        for (out, dx, grads, crossing, experts), how in ((node, "node"), (one_hop, "rank")):
+        # two chunks of tokens, each over both hops: the same rows cross, and the one counts exchange
+        # (2 chunks' integers to the other host's member, which the counts filter keeps at 2 chunks)
+        assert chunked[3] == node[3] + 2, (chunked[3], node[3])
+        for (out, dx, grads, crossing, experts), how in ((node, "node"), (one_hop, "rank"), (chunked, None)):
+            if how is None:  # the chunked node dispatch: its outputs and gradients are checked, not counted
+                torch.testing.assert_close(out, w_out), torch.testing.assert_close(dx, w_dx)
+                continue
             torch.testing.assert_close(out, w_out), torch.testing.assert_close(dx, w_dx)
             for name, g in grads.items():  # an expert's gradient: every rank's tokens it took
                 full = sum(w[2][name] for w in want) if ".experts." in name else w_grads[name]

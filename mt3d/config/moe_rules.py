@@ -71,6 +71,17 @@ def dispatch_conflict(dispatch: str, ep: int, model=None) -> str | None:
     return None
 
 
+def chunks_conflict(chunks: int, ep: int, model=None) -> str | None:
+    """Why ``mt3d.train.overlap.dispatch_chunks`` cannot run as configured (None: it can)."""
+    key = "mt3d.train.overlap.dispatch_chunks"
+    if chunks < 1:
+        return f"{key} must be >= 1, got {chunks}"
+    if chunks > 1 and (ep == 1 or (model is not None and model.moe is None)):
+        return (f"{key} {chunks} pipelines the expert-parallel all-to-all: it needs a model with experts and "
+                "parallel.expert > 1; set it to 1 (or leave it out)")  # fmt: skip
+    return None
+
+
 def dispatch_hosts_conflict(dispatch: str, placement) -> str | None:
     """Why ``expert_dispatch`` cannot route over the hosts of ``placement`` (a
     ``parallel.topology.Placement``; None: it can): "node" splits each ep group by host evenly."""

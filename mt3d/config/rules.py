@@ -10,6 +10,7 @@ from .deepspeed import Offload
 from .errors import ConfigError
 from .moe_rules import (  # noqa: F401 - the MoE rules, read from here too
     DISPATCHES,
+    chunks_conflict,
     dispatch_conflict,
     dispatch_hosts_conflict,
     expert_conflict,

@@ -54,6 +54,12 @@ class OverlapConfig:
     for right before the pass that reads it, sends complete behind the compute that follows. Runs the
     pipeline on mt3d's schedule engine (``mt3d.ds.interleaved``, also at virtual_stages 1), which needs
     micro-batches per step to be a multiple of pp."""
+    dispatch_chunks: int = 1
+    """Cut each MoE layer's routed tokens into this many chunks and pipeline them over the expert
+    all-to-all (Tutel's pipelining degree): chunk i+1's dispatch and chunk i-1's combine travel while
+    chunk i's experts compute, and the backward mirrors it; the shared expert hides the first chunk's
+    dispatch. Every token still goes once to each rank holding any of its experts; 1: one dispatch and
+    one combine per layer. Needs expert parallelism (parallel.expert >= 2)."""
     bucket_elements: int = 40_000_000
     """Gradient elements per bucket (Megatron-Core's default size): smaller buckets start sooner and
     leave less of the reduction after the backward, larger ones cost fewer collective launches."""

@@ -53,6 +53,8 @@ class BuildContext:
             column-parallel inputs in FP8; ``fp8_skip``: block indices whose linears stay plain;
             ``fp8_experts``: the routed experts' GEMMs in FP8 too; ``fp8_dispatch``: the expert
             dispatch's rows in FP8.
+        dispatch_chunks: pipeline each MoE layer's expert all-to-all over this many chunks of its
+            tokens (``train.overlap.dispatch_chunks``).
     """
 
     tp: AxisGroup
@@ -77,6 +79,7 @@ class BuildContext:
     fp8_skip: frozenset[int] = frozenset()
     fp8_experts: bool = False
     fp8_dispatch: bool = False
+    dispatch_chunks: int = 1
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""

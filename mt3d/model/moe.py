@@ -61,7 +61,7 @@ from ..parallel.mappings import (
 from ..parallel.marks import mark_tp_partial_grad
 from ..parallel.random import recomputing
 from .grouped import grouped_gemm_works, grouped_linear
-from .moe_routing import earlier_in_sequence, hops
+from .moe_routing import earlier_in_sequence, hops, routes
 from .moe_spec import EXPERT_NAME, MoEConfigError, MoESpec, expert_index  # noqa: F401 - re-exported
 
 
@@ -180,6 +180,9 @@ class SparseMoE(nn.Module):
         """Under ep, send each token once per rank that holds any of its experts (``_dispatch_once``);
         False: once per (token, expert) assignment (``_run``; ``MoESpec.dispatch_once``), and the
         dispatch benchmark's comparison."""
+        self.chunks, self.pipelined = ctx.dispatch_chunks, True
+        """``_exchange``'s chunks (``train.overlap.dispatch_chunks``), pipelined or (the benchmark's
+        serial baseline) not."""
         self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
         if spec.experts % ep:
@@ -317,7 +320,7 @@ class SparseMoE(nn.Module):
             counts = torch.bincount(flat[order], minlength=e)
             if self.tpo is not None:  # each segment's drops once (an etp group's ranks drop alike)
                 dropped = all_reduce(dropped, self.tpo)
-        if self.ep is not None and self.dedup:
+        if self.ep is not None and (self.dedup or self.chunks > 1):
             return (*self._dispatch_once(x, flat, order, weights, during), dropped)
         rows = order // k
         ys = self._run(x[rows], counts) * weights.flatten()[order].unsqueeze(-1)
@@ -333,47 +336,54 @@ class SparseMoE(nn.Module):
         t, k = weights.shape
         ids = torch.full((t * k,), -1, dtype=torch.long, device=x.device)
         ids[order] = flat[order]
-        return self._exchange(x, weights, ids.view(t, k), 0, during)
+        return self._exchange(x, weights, ids.view(t, k), 0, during, self.chunks)
 
-    def _exchange(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, hop: int, during=None):
+    def _exchange(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, hop: int, during=None,
+                  chunks: int = 1):  # fmt: skip
         """Rows x [R, h] whose slots name experts ``ids`` [R, k] (-1: none) with weights ``w``: each row
         travels once to each member of hop ``hop``'s group that its experts' rows go to, with its k slots'
-        weights and experts (-1: another member's) in one [rows, 2k] fp32 tensor (fp32 rows carry it as
+        weights and experts in one [rows, 2k] fp32 tensor (``moe_routing.routes``; fp32 rows carry it as
         columns: one transfer each way); there the next hop takes the rows on, or the rank runs every
         local expert a row names and sums their weighted outputs; one row comes back per row sent, which
-        the source adds to its row. The counts exchange is per member (group-size integers). Elements
-        per off-rank row of one hop: 4 h + 4 k over the forward and backward
-        (``planner.traffic.ep_layer_elements``). ``during`` (the shared expert) runs while the first
-        hop's rows and metadata travel, and its backward while their gradients travel back
-        (``mappings.start_all_to_all_rows``); returns (combined rows like x, what ``during`` returned)."""
+        the source adds to its row. Elements per off-rank row of one hop: 4 h + 4 k over the forward and
+        backward (``planner.traffic.ep_layer_elements``). ``chunks`` (``train.overlap.dispatch_chunks``):
+        runs of rows pipelined, chunk c + 1's rows posted before chunk c's experts run and every combine
+        waited for at the end (``self.pipelined`` False: one chunk after another, the same work without
+        overlap, for the benchmark). ``during`` (the shared expert) runs while the first chunk's rows
+        travel, and its backward while their gradients travel back (``mappings.start_all_to_all_rows``,
+        which mirrors each overlap in the backward); returns (combined rows like x, what ``during``
+        returned)."""
         group, _ = self.hops[hop]
-        r, k = ids.shape
-        row, slot = (ids >= 0).nonzero(as_tuple=True)
-        expert = ids[row, slot]
-        dest = self._target(hop, x.device)[expert]
-        pairs, which = torch.unique(dest * r + row, return_inverse=True)  # sorted: by member, then row
-        src = pairs % r
-        with torch.no_grad():
-            names = torch.full((pairs.numel(), k), -1.0, device=x.device)
-            names[which, slot] = expert.float()
-            send = torch.bincount(pairs // r, minlength=group.size)
-            recv = all_to_all_counts(send.view(group.size, 1), group).view(-1)
-        ws = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=x.device)
-        ws = ws.index_put((which, slot), w[row, slot].float())
-        send, recv = send.tolist(), recv.tolist()
-        meta = torch.cat([ws, names], dim=1)
-        if x.dtype == torch.float32 and self.codec is None:  # one transfer each way: metadata as 2k columns
-            posted = [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, group)]
-        else:
-            posted = [start_all_to_all_rows(x[src], send, recv, group, self.codec),
-                      start_all_to_all_rows(meta, send, recv, group)]  # fmt: skip
+        k, n = ids.shape[1], max(1, min(chunks, ids.shape[0]))
+        way = routes(w, ids, self._target(hop, x.device), group, n)
+
+        def post(c: int):  # chunk c's rows and metadata on their way
+            part, send, recv = slice(way.starts[c], way.starts[c + 1]), way.send[c], way.recv[c]
+            src, meta = way.src[part], way.meta[part]
+            if x.dtype == torch.float32 and self.codec is None:
+                return src, [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, group)]
+            return src, [start_all_to_all_rows(x[src], send, recv, group, self.codec),
+                         start_all_to_all_rows(meta, send, recv, group)]  # fmt: skip
+
+        def finish(c: int, src: torch.Tensor, posted: list):  # chunk c's experts; its combine posted
+            got = [wait() for wait in posted]
+            xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
+            wr, idr = meta[:, :k], meta[:, k:].detach().long()
+            last = hop + 1 == len(self.hops)
+            yr = self._at_experts(xr, wr, idr) if last else self._exchange(xr, wr, idr, hop + 1)[0]
+            back = start_all_to_all_rows(yr, way.recv[c], way.send[c], group)
+            return src, back if self.pipelined else (lambda y: lambda: y)(back())
+
+        pending, done = post(0), []
         side = during() if during is not None else None  # the shared expert, while the rows travel
-        got = [wait() for wait in posted]
-        xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
-        wr, idr = meta[:, :k], meta[:, k:].detach().long()
-        last = hop + 1 == len(self.hops)
-        yr = self._at_experts(xr, wr, idr) if last else self._exchange(xr, wr, idr, hop + 1)[0]
-        return torch.zeros_like(x).index_add(0, src, all_to_all_rows(yr, recv, send, group)), side
+        for c in range(n):
+            ahead = post(c + 1) if self.pipelined and c + 1 < n else None
+            done.append(finish(c, *pending))
+            pending = ahead if self.pipelined or c + 1 == n else post(c + 1)
+        out = torch.zeros_like(x)
+        for src, back in done:
+            out = out.index_add(0, src, back())
+        return out, side
 
     def _target(self, hop: int, device: torch.device) -> torch.Tensor:
         """Hop ``hop``'s member for each expert, on ``device`` (made once per device)."""

@@ -4,9 +4,11 @@ process's token order when several ranks route parts of the same sequences."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ..parallel.mappings import start_gather
+from ..parallel.mappings import all_to_all_counts, start_gather
 from ..parallel.state import AxisGroup
 
 
@@ -68,3 +70,41 @@ def earlier_in_sequence(flat: torch.Tensor, order: torch.Tensor, samples: int, e
     shift = g_before - l_before  # [samples, 2, E]
     sb = block[order]
     return shift[sb // 2, sb % 2, flat[order]]
+
+
+class Routes(NamedTuple):
+    """One hop of a deduplicated dispatch (``moe.SparseMoE._exchange``), cut into chunks of rows: the
+    pairs (member, row) are sorted by chunk, then member, then row."""
+
+    src: torch.Tensor
+    """The row each pair sends."""
+    meta: torch.Tensor
+    """[pairs, 2k] fp32: each pair's k slots' weights (0: another member's) and global experts (-1)."""
+    starts: list[int]
+    """Where each chunk's pairs begin (and, last, their count)."""
+    send: list[list[int]]
+    """[chunk][member]: the pairs this rank sends."""
+    recv: list[list[int]]
+    """[chunk][member]: the pairs each member sends this rank."""
+
+
+def routes(w: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, group: AxisGroup, chunks: int) -> Routes:
+    """Rows whose slots name experts ``ids`` [R, k] (-1: none) with weights ``w``, going to the members
+    ``target`` [experts] of ``group``, cut into ``chunks`` runs of consecutive rows: each row once to
+    each member holding any of its experts; one counts exchange for every chunk (chunks x members
+    integers a rank)."""
+    r, k = ids.shape
+    row, slot = (ids >= 0).nonzero(as_tuple=True)
+    expert = ids[row, slot]
+    of_row = torch.arange(r, device=ids.device) * chunks // max(r, 1)
+    key = (of_row[row] * group.size + target[expert]) * r + row
+    pairs, which = torch.unique(key, return_inverse=True)  # sorted: by chunk, member, then row
+    with torch.no_grad():
+        names = torch.full((pairs.numel(), k), -1.0, device=ids.device)
+        names[which, slot] = expert.float()
+        send = torch.bincount(pairs // r, minlength=chunks * group.size).view(chunks, group.size)
+        recv = all_to_all_counts(send.t().contiguous(), group).t()
+    ws = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=ids.device)
+    ws = ws.index_put((which, slot), w[row, slot].float())
+    starts = [0, *send.sum(1).cumsum(0).tolist()]
+    return Routes(pairs % r, torch.cat([ws, names], dim=1), starts, send.tolist(), recv.tolist())

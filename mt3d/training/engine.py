@@ -74,6 +74,7 @@ def build_model(
         ep_hosts=rt.state.ep_hosts() if expert_dispatch == "node" else None,
         keep_gathered=rec.gathered_sp_inputs,
         selective=rec.granularity == "selective",
+        dispatch_chunks=train.overlap.dispatch_chunks,
         **fp8_context(train.fp8, cfg.layers),
     )
     specs = layer_specs(cfg, ctx, vocab_size)
