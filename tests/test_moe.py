@@ -372,7 +372,8 @@ def test_node_dispatch_crosses_to_each_host_once_per_token():
 
 def test_bad_expert_dispatch_is_one_line(tmp_path):
     """An unknown ``expert_dispatch``, "node" without expert parallelism (before any process group),
-    and "node" where an ep group has different numbers of ranks on its hosts (once the hosts are known)."""
+    ``dispatch_chunks`` below 1 or without expert parallelism, and "node" where an ep group has
+    different numbers of ranks on its hosts (once the hosts are known)."""
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
     from mt3d.config.rules import dispatch_hosts_conflict
     from mt3d.ds.topology import map_ranks
@@ -380,11 +381,15 @@ def test_bad_expert_dispatch_is_one_line(tmp_path):
 
     from helpers import tiny_config
 
-    bad = (("nodes", 2, "expert_dispatch must be one of rank, node, got 'nodes'"),
-           ("node", 1, "it needs a model with experts and parallel.expert > 1"))  # fmt: skip
-    for dispatch, ep, message in bad:
+    bad = (("nodes", 2, 1, "expert_dispatch must be one of rank, node, got 'nodes'"),
+           ("node", 1, 1, "it needs a model with experts and parallel.expert > 1"),
+           ("rank", 2, 0, "mt3d.train.overlap.dispatch_chunks must be >= 1, got 0"),
+           ("rank", 1, 2, "dispatch_chunks 2 pipelines the expert-parallel all-to-all: it needs a model with "
+                          "experts and parallel.expert > 1"))  # fmt: skip
+    for dispatch, ep, chunks, message in bad:
         raw = tiny_config(tmp_path, model={"preset": "tiny-mixtral"})
         raw["mt3d"]["parallel"].update(expert=ep, expert_dispatch=dispatch)
+        raw["mt3d"]["train"]["overlap"] = {"dispatch_chunks": chunks}
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(from_dict(raw), 2, resolve_model(raw["mt3d"]["model"]))
 
@@ -459,9 +464,14 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-mixtral", 2, dict(context=2, expert=2, expert_tensor=1)),
     ("tiny-qwen2-moe", 4, dict(tensor=2, expert=2, expert_tensor=1)),  # the shared expert under folding
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, zero=2)),  # folded on the regular engine
-    ("tiny-qwen3-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),  # SP, edp 1
-    # group-limited sigmoid routing, correction biases, a shared expert, a dense layer, MLA; edp 2
-    ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1)),
+    # SP, edp 1; the dispatch pipelined in 2 chunks of tokens (train.overlap.dispatch_chunks)
+    (
+        "tiny-qwen3-moe",
+        4,
+        dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True, dispatch_chunks=2),
+    ),  # fmt: skip
+    # group-limited sigmoid routing, correction biases, a shared expert, a dense layer, MLA; edp 2; 3 chunks
+    ("tiny-deepseek-v3", 4, dict(tensor=2, expert=2, expert_tensor=1, dispatch_chunks=3)),
     # GLM-4.5: q/k/v biases, q/k norms, RoPE over half of each head, DeepSeek's router; folded under SP
     ("tiny-glm4-moe", 4, dict(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)),
     # MiniMax-M2: q/k norms over all heads (sums of squares added over TP), sigmoid routing; folded, SP
@@ -471,11 +481,12 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-qwen3-next", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
     # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2)),
-    # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP
+    # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP; the kept
+    # assignments dispatched in 2 chunks
     (
         "tiny-mixtral-capacity",
         4,
-        dict(tensor=2, context=2, expert=2, expert_tensor=1, sequence_parallel=True),
+        dict(tensor=2, context=2, expert=2, expert_tensor=1, sequence_parallel=True, dispatch_chunks=2),
     ),  # fmt: skip
 ]
 
@@ -485,13 +496,14 @@ CAPACITY = {"preset": "tiny-mixtral", "moe": {"experts": 4, "top_k": 2, "expert_
 """tiny-mixtral with half its experts' fair share: assignments drop in every step."""
 
 
-def _train(tmp_path, name, world, preset, recompute=0, zero=1, hosts=None, **parallel):
+def _train(tmp_path, name, world, preset, recompute=0, zero=1, hosts=None, dispatch_chunks=1, **parallel):
     """``hosts``: split the ranks evenly over that many hosts (a hostfile)."""
     from helpers import step_records, tiny_config, train_worker
 
     model = CAPACITY if preset == "tiny-mixtral-capacity" else {"preset": preset}
     raw = tiny_config(tmp_path / name, model=model, recompute={"interval": recompute}, zero=zero)
     raw["mt3d"]["parallel"].update(parallel)
+    raw["mt3d"]["train"].setdefault("overlap", {})["dispatch_chunks"] = dispatch_chunks
     if hosts:
         hostfile = tmp_path / f"{name}-hosts"
         hostfile.write_text("".join(f"node{i} slots={world // hosts}\n" for i in range(hosts)))
