@@ -925,6 +925,44 @@ def test_the_shared_expert_hides_what_it_overlaps_of_the_dispatch():
     assert ep_bytes(top1, 4096, 1, 8, 2, top1.layers, False) == (pytest.approx(top1.layers * per_layer), 0.0)
 
 
+def test_dispatch_chunks_hide_the_all_to_all_behind_the_routed_experts(tmp_path):
+    """``--overlap ep`` (``train.overlap.dispatch_chunks`` at ``DISPATCH_CHUNKS``): all but 1/n of the
+    expert all-to-all hides behind the routed experts' compute (6 k h e_ffn x 3 FLOPs a token per sparse
+    layer), the shared expert behind 1/(2n) of it; the experts' GEMMs run in n chunks of the rows (same
+    FLOPs). DeepSeek-V3 at Megatron-Bridge's layout with whole experts (1,024 H100s, tp 2 pp 8 ep 64 etp
+    1): >= 300 TFLOP/s predicted (issue 46's target), and the written config carries the chunks."""
+    from mt3d.planner.choices import DISPATCH_CHUNKS
+    from mt3d.planner.compute import expert_gemms
+    from mt3d.planner.search import bandwidths
+
+    n = DISPATCH_CHUNKS
+    ds = resolve_model({"preset": "deepseek-v3"})
+    flops = [sum(w * g.flops for g, w in expert_gemms(ds, 4096, 2, 64, 1, c)) for c in (1, n)]
+    assert flops[1] == pytest.approx(flops[0], rel=1e-12)
+    dev = get_device("h100")
+    lay = Layout(2, 8, 64, 1, 128, 1, True, True, ep=64, etp=1, virtual_stages=4)
+    kw = dict(peak_tflops=dev.peak_tflops, efficiency=None, device=dev,
+              bw=bandwidths(Cluster(1024, 8, dev), 2, 8, ep=64, expert_tensor=1))  # fmt: skip
+    plain, chunked = (step_time(ds, 129280, 4096, 8192, lay, **kw, overlap=o) for o in ((), ("ep",)))
+    assert (plain["dispatch_chunks"], chunked["dispatch_chunks"]) == (1, n)
+    sent = chunked["ep_comm_s"] + chunked["ep_hidden_s"]
+    assert sent == pytest.approx(plain["ep_comm_s"] + plain["ep_hidden_s"])
+    spec, per_token = ds.moe_spec, 18 * ds.hidden * ds.sparse_layers / ds.flops_per_token(4096, 129280)
+    routed = min(sent * (1 - 1 / n), per_token * spec.top_k * spec.expert_ffn * chunked["compute_s"])
+    shared = min(sent / (2 * n), per_token * spec.shared_ffn * chunked["compute_s"])
+    assert chunked["ep_hidden_s"] == pytest.approx(routed + shared)
+    assert chunked["ep_comm_s"] < 0.25 * plain["ep_comm_s"]
+    assert plain["tflops_per_gpu"] < 300 <= chunked["tflops_per_gpu"], (plain, chunked)
+    moe = {**get_preset("tiny-mixtral").to_dict(), "vocab_size": 512, "kv_heads": 4}
+    argv = ["--gpus", "2", "--gpu", "h100", "--global-batch", "8", "--seq-len", "256", "--expert", "2",
+            "--overlap", "ep"]  # fmt: skip
+    conf = write_config(_planned(moe, argv), str(tmp_path / "plan.json"), moe)
+    assert conf["mt3d"]["train"]["overlap"] == {"dispatch_chunks": n}
+    argv[argv.index("--expert") + 1] = "1"
+    conf = write_config(_planned(moe, argv), str(tmp_path / "plan1.json"), moe)
+    assert "overlap" not in conf["mt3d"]["train"]  # ep 1: nothing to pipeline, nothing written
+
+
 def test_the_planner_folds_whole_experts_over_tensor_and_data():
     """Expert-tensor degree etp (mt3d.parallel.expert_tensor): the experts' states split over etp and
     partitioned over edp = tp x cp x dp / (etp x ep); the routed GEMMs run as grouped GEMMs of the

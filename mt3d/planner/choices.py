@@ -19,14 +19,21 @@ RECOMPUTE = ("none", "full", "selective")
 """Recompute modes the planner tries: none, whole blocks (``Layout.recompute``), or the attention
 core and the MLP's activation of every block (``Layout.selective``)."""
 
-OVERLAPS = ("dp", "tp", "pp", "tp-comm")
+OVERLAPS = ("dp", "tp", "pp", "tp-comm", "ep")
 """Transfers the planner can count as overlapped with compute (``--overlap``): dp, the data-parallel
 gradient reduction during the last micro-batch's backward (``mt3d.train.overlap.grad_reduce``); tp,
 each column-parallel linear's backward transfers behind its GEMMs (what mt3d's layers always do:
 the input gradient's all-reduce, or with sequence parallelism its reduce-scatter and the input
 shard's all-gather); pp, pipeline transfers posted ahead of need (``mt3d.train.overlap.p2p``);
 tp-comm, another stack's: every TP transfer of a sequence-parallel layout pipelined with the GEMM
-beside it, forward and backward (Megatron-Core's --tp-comm-overlap; mt3d does not do it)."""
+beside it, forward and backward (Megatron-Core's --tp-comm-overlap; mt3d does not do it); ep, the
+expert all-to-all pipelined with the routed experts in ``DISPATCH_CHUNKS`` chunks of each layer's
+tokens (``mt3d.train.overlap.dispatch_chunks``)."""
+
+DISPATCH_CHUNKS = 4
+"""Chunks of each MoE layer's tokens the planner pipelines over the expert all-to-all with ``--overlap
+ep`` (and writes as ``mt3d.train.overlap.dispatch_chunks``): all but one chunk's dispatch and combine
+hide behind the routed experts' compute (``timing.dispatch_hidden``), for GEMMs of 1/4 the rows."""
 
 DEFAULT_OVERLAP = ("tp",)
 """What ``mt3d plan`` counts as overlapped unless ``--overlap`` says otherwise: what mt3d always

@@ -103,13 +103,15 @@ def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     ]
 
 
-def expert_gemms(cfg: ModelConfig, tokens: int, tp: int, ep: int, etp: int) -> list[tuple[Gemm, float]]:
+def expert_gemms(cfg: ModelConfig, tokens: int, tp: int, ep: int, etp: int,
+                 chunks: int = 1) -> list[tuple[Gemm, float]]:  # fmt: skip
     """The MLP GEMMs of one block on one rank of a mixture of experts as they run, each with the share
     of blocks that runs it: a dense block's MLP (1 - s of them), a sparse block's shared expert and its
     routed experts (s) as one grouped GEMM per projection: experts / ep of them on the rank, each over
     the rows routed to it (every rank dispatches its ``tokens`` / (tp / etp): ``tp / etp`` TP ranks
     share a token's dispatch; k assignments a token, balanced over the experts) and 1/etp of its inner
-    size. The FLOPs equal ``block_gemms``' MLP part; the shapes are what whole experts (etp 1) change."""
+    size; ``chunks`` (``train.overlap.dispatch_chunks``): each expert's rows in that many GEMMs. The FLOPs
+    equal ``block_gemms``' MLP part; the shapes are what whole experts (etp 1) and chunks change."""
     spec, h = cfg.moe_spec, cfg.hidden
     ins = 2 if cfg.mlp in GATED_MLPS else 1
     share = cfg.sparse_layers / cfg.layers
@@ -121,7 +123,7 @@ def expert_gemms(cfg: ModelConfig, tokens: int, tp: int, ep: int, etp: int) -> l
     if spec.shared_ffn:
         out += [(g, share) for g in mlp(spec.shared_ffn, tokens, tp)]
     rows = tokens / (tp // etp) * spec.top_k * ep / spec.experts
-    return out + [(g, share) for g in mlp(spec.expert_ffn, rows, etp, spec.experts // ep)]
+    return out + [(g, share) for g in mlp(spec.expert_ffn, rows / chunks, etp, spec.experts // ep * chunks)]
 
 
 COLUMN_GEMMS = (0, 2)
@@ -200,7 +202,7 @@ def micro_batch_seconds(
     elem: int = 2,
     fraction: float = GEMM_FRACTION,
     fp8: str | None = None,
-    experts: tuple[int, int] | None = None,
+    experts: tuple[int, ...] | None = None,
     scans: int = 1,
 ) -> dict[str, float]:
     """Forward + backward (+ recompute) seconds of one micro-batch through ``blocks`` blocks on one
@@ -210,9 +212,10 @@ def micro_batch_seconds(
     only the MLP's activation is recomputed), no GEMM. ``fp8`` (a ``train.fp8`` recipe): the blocks'
     linears at the device's FP8 GEMM ceiling with one-byte operands, plus their casts
     (``fp8_cast_seconds``, counted as elementwise work); the output layer stays 16-bit. ``experts``
-    (ep, etp): a mixture of experts' MLP GEMMs as its experts run them (``expert_gemms``). Gated DeltaNet
-    blocks (``model.linear_attention``) run the chunked scan instead of attention, ``scans`` times a pass
-    (3 under context parallelism: ``mt3d.model.gdn_context``), timed as attention's kernels are."""
+    (ep, etp[, chunks]): a mixture of experts' MLP GEMMs as its experts run them (``expert_gemms``).
+    Gated DeltaNet blocks (``model.linear_attention``) run the chunked scan instead of attention,
+    ``scans`` times a pass (3 under context parallelism: ``mt3d.model.gdn_context``), timed as
+    attention's kernels are."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     tokens = seq_len * micro_batch

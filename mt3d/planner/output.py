@@ -10,6 +10,7 @@ import re
 from ..config import Offload, overlap_conflict, p2p_conflict
 from ..config.rules import overlap_moe_conflict
 from ..errors import UserError
+from .choices import DISPATCH_CHUNKS
 from .search import recompute_mode
 
 TIME_PARTS = ("compute_s", "bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
@@ -37,7 +38,9 @@ def explain(row: dict) -> str:
         share = row[part] / row["step_time_s"] if row["step_time_s"] else 0.0
         lines.append(f"  {part[:-2].replace('_', ' '):<12} {row[part]:10.4g} s  {share:6.1%}")
         if part == "ep_comm_s" and row.get("ep_hidden_s"):
-            lines[-1] += f"  (after {row['ep_hidden_s']:.4g} s hidden behind the shared expert)"
+            chunks = row.get("dispatch_chunks", 1)
+            behind = f"the experts, {chunks} chunks a layer" if chunks > 1 else "the shared expert"
+            lines[-1] += f"  (after {row['ep_hidden_s']:.4g} s hidden behind {behind})"
         if part == "ep_comm_s" and row.get("ep_hosts"):
             lines.append(f"  {'':<12} expert_dispatch node: ep groups on {row['ep_hosts']} hosts x "
                          f"{row['ep_per_host']}, each token crossing to a host once")  # fmt: skip
@@ -336,6 +339,8 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
         and p2p_conflict(True, best["pp"], best["grad_accum"]) is None
     ):
         overlap["p2p"] = True
+    if "ep" in result.get("overlap", ()) and best.get("ep", 1) > 1 and getattr(cfg, "moe", None) is not None:
+        overlap["dispatch_chunks"] = DISPATCH_CHUNKS
     if overlap:
         conf["mt3d"]["train"]["overlap"] = overlap
     model_vocab = getattr(cfg, "vocab_size", None) if cfg is not None else None

@@ -10,6 +10,7 @@ import math
 from ..config.rules import overlap_moe_conflict
 from ..model.config import GATED_MLPS, ModelConfig
 from ..pipeline.zero_bubble import bubble_share
+from .choices import DISPATCH_CHUNKS
 from .layout import Layout, Precision, stage_expert_params, stage_params
 from .memory import posts_p2p, runs_bf16_optimizer
 from .muon import muon_seconds
@@ -71,12 +72,12 @@ def dispatch_hosts(bw: dict[str, float], ep_dispatch: str) -> tuple[int, int] | 
 
 def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, comm_bytes: int, blocks: int,
                 bw: dict[str, float], ep_dispatch: str, compute: float,
-                fp8_dispatch: str | None = None) -> tuple[float, float]:  # fmt: skip
+                fp8_dispatch: str | None = None, chunks: int = 1) -> tuple[float, float]:  # fmt: skip
     """(exposed, hidden) seconds of a step's expert all-to-all (``ep_bytes``; with Megatron-Core's
     "sequence-shard" dispatch each TP rank's shard and the expert-TP gather of the routed rows; mt3d's
     across hosts once per token and host, then within the host, where the ep groups cross hosts
-    evenly: ``bw["ep_hosts"]``), the hidden part what the shared expert covers
-    (``shared_expert_hidden``)."""
+    evenly: ``bw["ep_hosts"]``), the hidden part what the shared expert and, with ``chunks``, the routed
+    experts cover (``dispatch_hidden``)."""
     if lay.ep <= 1:
         return 0.0, 0.0
     t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
@@ -87,23 +88,28 @@ def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, 
     ep = (across / bw["ep"] + (within / bw["ep_within"] if within else 0.0)) / share / 1e9
     if ep_dispatch == "sequence-shard" and t > 1:  # the expert-TP gather of the routed rows
         ep += etp_bytes(cfg, tokens, m, t, comm_bytes, blocks, lay.recompute) / (bw["tp"] * 1e9)
-    hidden = shared_expert_hidden(cfg, compute, ep, seq_len, vocab)
+    hidden = dispatch_hidden(cfg, compute, ep, seq_len, vocab, chunks)
     return ep - hidden, hidden
 
 
-def shared_expert_hidden(cfg: ModelConfig, compute: float, ep_seconds: float, seq_len: int,
-                         vocab: int | None) -> float:  # fmt: skip
-    """Seconds of a step's expert all-to-all the shared expert hides: it computes while the routed rows
-    travel to their experts and its backward while their gradients travel back
-    (``mt3d.model.moe.SparseMoE._dispatch_once``), so at most the dispatch's half of the traffic (the
-    combine is not overlapped) and at most the shared experts' share of the compute (18 h s_ffn FLOPs
-    a token per sparse layer, forward and backward, over ``flops_per_token``)."""
+def dispatch_hidden(cfg: ModelConfig, compute: float, ep_seconds: float, seq_len: int, vocab: int | None,
+                    chunks: int = 1) -> float:  # fmt: skip
+    """Seconds of a step's expert all-to-all hidden behind compute (``mt3d.model.moe.SparseMoE._exchange``).
+    With ``chunks`` n (``train.overlap.dispatch_chunks``) each layer's tokens go in n chunks, chunk c+1's
+    dispatch and chunk c-1's combine travelling while chunk c's experts compute, forward and backward:
+    all but the first dispatch and the last combine (1/n of the traffic) hide, up to the routed experts'
+    compute (6 k h e_ffn x the MLP's matrices FLOPs a token per sparse layer, over ``flops_per_token``).
+    The shared expert computes while the first chunk's rows travel (and its backward while their
+    gradients travel back): at most that chunk's dispatch (1/(2n) of the traffic) and the shared experts'
+    share of the compute (``6 mats h s_ffn``). n = 1: the shared expert alone."""
     spec = cfg.moe_spec
-    if spec is None or not spec.shared_ffn or ep_seconds <= 0:
+    if spec is None or ep_seconds <= 0:
         return 0.0
     mats = 3 if cfg.mlp in GATED_MLPS else 2
-    shared = 6 * mats * cfg.hidden * spec.shared_ffn * cfg.sparse_layers / cfg.flops_per_token(seq_len, vocab)
-    return min(0.5 * ep_seconds, compute * shared)
+    per_token = 6 * mats * cfg.hidden * cfg.sparse_layers / cfg.flops_per_token(seq_len, vocab)
+    routed = min(ep_seconds * (1 - 1 / chunks), compute * per_token * spec.top_k * spec.expert_ffn)
+    shared = min(ep_seconds / (2 * chunks), compute * per_token * spec.shared_ffn)
+    return min(ep_seconds, routed + shared)
 
 
 def etp_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, t: int, elem: int, blocks: int,
@@ -210,7 +216,8 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     (Megatron-Core with SP), where mt3d's TP ranks each send the whole rows ("whole"). ``fsdp``:
     ZeRO-3 gathers 16-bit weights beside an fp32 shard (``memory_bytes``'s).
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
-    (``pp_posted_seconds``): each hides as much as the schedule allows; ``mt3d_engine`` as
+    (``pp_posted_seconds``), "ep" (``dispatch_hidden`` at ``DISPATCH_CHUNKS``): each hides as much as
+    the schedule allows; ``mt3d_engine`` as
     ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
     stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears in FP8 (``compute.micro_batch_seconds``;
     the shape model only); TFLOP/s and MFU still count model FLOPs against ``peak_tflops`` (bf16's).
@@ -223,10 +230,11 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     blocks = math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grad_dtype)
     grads = stage_params(cfg, vocab, t, lay.pp, lay.ep, lay.etp)
+    chunks = DISPATCH_CHUNKS if "ep" in overlap and lay.ep > 1 else 1  # train.overlap.dispatch_chunks
     compute, optimizer = _compute_seconds(
         cfg, vocab, seq_len, tokens, lay, blocks, grads, peak_tflops=peak_tflops, efficiency=efficiency,
         device=device, attention_fraction=attention_fraction, attention_kernel=attention_kernel,
-        gemm_fraction=gemm_fraction, fp8=fp8,
+        gemm_fraction=gemm_fraction, fp8=fp8, chunks=chunks,
     )  # fmt: skip
     optimizer += muon_seconds(cfg, vocab, lay, device, gemm_fraction, peak_tflops * (efficiency or 0.5)) \
         if optimizer_kind == "muon" else 0.0  # fmt: skip
@@ -242,7 +250,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
     split = pp_scatter_gather or mt3d_engine or (lay.sequence_parallel and t > 1)
     pp = _pp_seconds(lay, act / (t if split else 1), compute, bw, posted)
     ep, ep_hidden = _ep_seconds(cfg, lay, seq_len, vocab, comm_bytes, blocks, bw, ep_dispatch, compute,
-                                fp8 if fp8_dispatch else None)  # fmt: skip
+                                fp8 if fp8_dispatch else None, chunks)  # fmt: skip
     # mt3d does not run overlap.grad_reduce with a MoE at pipeline > 1 (rules.overlap_moe_conflict)
     moe_pp = mt3d_engine and cfg.moe is not None and overlap_moe_conflict(True, lay.pp)
     hide_dp = "dp" in overlap and not moe_pp
@@ -257,6 +265,7 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
         "cp_comm_s": cp,
         "ep_comm_s": ep,
         "ep_hidden_s": ep_hidden,
+        "dispatch_chunks": chunks,
         "pp_comm_s": pp,
         "dp_comm_s": dp,
         "offload_s": offload,
@@ -371,7 +380,8 @@ def _shape_model_fraction(device, efficiency, gemm_fraction) -> float | None:
 
 
 def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *, peak_tflops, efficiency,
-                     device, attention_fraction, attention_kernel, gemm_fraction, fp8=None):  # fmt: skip
+                     device, attention_fraction, attention_kernel, gemm_fraction, fp8=None,
+                     chunks: int = 1):  # fmt: skip
     """(compute, GPU optimizer step) seconds of one step: the GEMM shape model with a calibrated
     device, else the executed FLOPs at ``efficiency`` x peak (see ``step_time``)."""
     gpus = lay.gpus
@@ -387,7 +397,7 @@ def _compute_seconds(cfg, vocab, seq_len, tokens, lay: Layout, blocks, grads, *,
             keys=seq_len * attention_fraction,
             fraction=fraction,
             fp8=fp8,
-            experts=(lay.ep, lay.expert_tp),
+            experts=(lay.ep, lay.expert_tp, chunks),
             scans=3 if lay.cp > 1 else 1,
         )["total_s"]  # fmt: skip
         optimizer = 0.0
