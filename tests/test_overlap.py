@@ -3,11 +3,12 @@ in the pinned DeepSpeed's source (the parity runs are in test_training.py)."""
 
 import inspect
 
+import pytest
 from test_bench import bench
 
 
 def test_overlap_benchmark_hides_transfers_and_posts_buckets_in_the_backward():
-    """The smoke mode measures the TP, DP and PP rows; with buckets smaller than the model, buckets
+    """The smoke mode measures the TP, DP, PP and EP rows; with buckets smaller than the model, buckets
     are posted while the last backward still runs (every one of them: the last fills when the
     backward ends)."""
     rec, text = bench("overlap", "--smoke", "--reps", "2", "--bucket-elements", "60000")
@@ -21,6 +22,14 @@ def test_overlap_benchmark_hides_transfers_and_posts_buckets_in_the_backward():
     # pp 2, m = 4: waiting is measured both ways on each stage, beside the simulated schedule's saving
     assert [r["stage"] for r in rec["pp"]] == [0, 1] and all(0 < r["predicted"] <= 1 for r in rec["pp"])
     assert all(r["wait_ms"] > 0 and r["async_wait_ms"] >= 0 and r["step_ms"] > 0 for r in rec["pp"])
+    # ep 2: a MoE layer's all-to-all in 1, 2 and 4 chunks, blocked time measured pipelined and serial,
+    # beside the planner's min(1 - 1/n, compute / comm)
+    assert [r["chunks"] for r in rec["ep"]] == [1, 2, 4]
+    for r in rec["ep"]:
+        assert r["comm_ms"] > 0 and r["compute_ms"] > 0 and r["blocked_ms"] >= 0, r
+        cap = min(1 - 1 / r["chunks"], r["compute_ms"] / r["comm_ms"])
+        assert r["predicted"] == pytest.approx(cap), r
+    assert "hidden behind the routed experts" in text
 
 
 def test_deepspeed_still_needs_what_mt3d_ds_overlap_does():

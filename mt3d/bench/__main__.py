@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--bucket-elements", type=positive_int, default=2_000_000, help="gradient bucket of the dp rows"
     )
     ov.add_argument("--smoke", action="store_true", help="one shape, a small model (tests)")
+    ov.add_argument("--parts", type=choices_list(("tp", "dp", "pp", "ep"), "--parts"),
+                    default=("tp", "dp", "pp", "ep"), help="which rows to measure: tp,dp,pp,ep")  # fmt: skip
+    ov.add_argument("--ep-chunks", type=positive_ints, default=(1, 2, 4),
+                    help="chunk counts of the ep rows (train.overlap.dispatch_chunks): 1,2,4")  # fmt: skip
     mem = sub.add_parser("memory", help=BENCHES["memory"])
     mem.add_argument("--seq-len", type=positive_int, default=256)
     mem.add_argument("--micro", type=positive_int, default=4)

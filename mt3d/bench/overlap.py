@@ -1,6 +1,7 @@
 """``overlap``: how much communication is hidden behind compute: a column-parallel linear's backward
-transfers (tp 2), the data-parallel gradient reduction of a training step (dp 2), and pipeline
-transfers (pp 2).
+transfers (tp 2), the data-parallel gradient reduction of a training step (dp 2), pipeline
+transfers (pp 2), and a MoE layer's expert all-to-all pipelined in chunks (ep 2: ``overlap_ep``);
+``--parts`` picks among them.
 
 Under SP a column-parallel linear keeps its 1/tp input shard (``parallel/layers.py``); its backward
 all-gathers that shard while it computes the input gradient, then reduce-scatters the input gradient
@@ -256,26 +257,59 @@ def pp_predicted(r: dict, m: int) -> float:
 
 def run(args) -> dict:
     """Entry from ``python -m mt3d.bench overlap``."""
-    from ..parallel.spawn import spawn
-
     torch.set_num_threads(1)
     shapes = SHAPES[:1] if args.smoke else SHAPES
     model = dict(DP_MODEL, hidden=128, heads=4, kv_heads=2, ffn=256) if args.smoke else DP_MODEL
-    rows = [tp_row(r) for r in spawn(worker, 2, shapes, args.reps, timeout=900)[0]]
+    record = {"tp": 2}
+    if "ep" in args.parts:
+        record["ep"] = _ep_part(args)
+    if "tp" in args.parts:
+        record["rows"] = _tp_part(shapes, args.reps)
+    if "dp" in args.parts:
+        record["dp"] = _dp_part(model, args)
+    if "pp" in args.parts:
+        record["pp"] = _pp_part(model, args.reps)
+    return emit("overlap", record)
+
+
+def _ep_part(args) -> list[dict]:
+    from .overlap_ep import EP_COLUMNS, EP_SHAPE, ep_rows
+
+    shape = dict(EP_SHAPE, tokens=256, hidden=128) if args.smoke else EP_SHAPE
+    rows = ep_rows(args.ep_chunks, args.reps, shape)
+    print(f"MoE expert all-to-all at ep 2 ({shape}, rank 0), each layer's tokens in chunks pipelined "
+          "(mt3d.train.overlap.dispatch_chunks) vs the same chunks one after another: time blocked in "
+          "the all-to-alls, hidden behind the routed experts")  # fmt: skip
+    print(table(rows, EP_COLUMNS) + "\n")
+    return rows
+
+
+def _tp_part(shapes, reps: int) -> list[dict]:
+    from ..parallel.spawn import spawn
+
+    rows = [tp_row(r) for r in spawn(worker, 2, shapes, reps, timeout=900)[0]]
     print("column-parallel linear backward at tp 2 (rank 0), with sequence parallelism (sp True: the "
           "input re-gathered, its gradient reduce-scattered) and without (its gradient all-reduced): "
           "communication hidden behind the GEMMs")  # fmt: skip
     print(table(rows, ["sp", "rows", "in", "out", "comm_ms", "gemms_ms", "serial_ms", "overlapped_ms",
                        "hidden", "predicted"]))  # fmt: skip
+    return rows
+
+
+def _dp_part(model: dict, args) -> dict:
     dp = dp_row(model, args.reps, args.bucket_elements)
     print("\ndata-parallel gradient reduction at dp 2 (ZeRO-1, rank 0): during the last backward vs after it")
     columns = ["comm_ms", "last_backward_ms", "overlapped_last_backward_ms", "reduce_after_ms", "step_ms",
                "overlapped_step_ms", "buckets", "hidden", "hidden_by_step", "predicted"]  # fmt: skip
     print(table([dp], columns))
-    pp = pp_rows(model, args.reps)
+    return dp
+
+
+def _pp_part(model: dict, reps: int) -> list[dict]:
+    pp = pp_rows(model, reps)
     print("\npipeline transfers at pp 2 (mt3d's schedule, m = 4): time waiting for them per step, each "
           "exchange waited for vs posted ahead (mt3d.train.overlap.p2p)")  # fmt: skip
     columns = ["stage", "transfers_ms", "wait_ms", "async_wait_ms", "step_ms", "async_step_ms", "hidden",
                "predicted"]  # fmt: skip
     print(table(pp, columns))
-    return emit("overlap", {"tp": 2, "rows": rows, "dp": dp, "pp": pp})
+    return pp
