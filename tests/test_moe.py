@@ -419,19 +419,35 @@ def _overlap_worker():
         p.register_hook(lambda g, name=name: events.append(f"shared {name}"))
     shared = block.mlp.shared.forward
     block.mlp.shared.forward = lambda x: (events.append("shared forward"), shared(x))[1]
-    out = block(_ep_batch(me))
-    events.append("backward")
-    out.sum().backward()
-    return events
+    runs = []
+    for chunks in (1, 2):
+        block.mlp.chunks = chunks
+        out = block(_ep_batch(me))
+        events.append("backward")
+        out.sum().backward()
+        runs.append(list(events))
+        events.clear()
+    return runs
 
 
 def test_the_shared_expert_runs_while_the_dispatch_travels():
-    """The rows and their metadata are posted, the shared expert computes, then the rows are awaited;
-    in the backward their gradients are posted back before the shared expert's backward and awaited
-    after it (autograd runs the later-created of two ready nodes first)."""
-    for events in spawn(_overlap_worker, 2, timeout=120):
-        assert events == ["post", "post", "shared forward", "wait", "wait", "backward", "post", "post",
-                          "shared down.weight", "shared up.weight", "wait", "wait"], events  # fmt: skip
+    """The rows and their metadata are posted, the shared expert computes, then the rows are awaited
+    (and the combine posted and awaited: one chunk); in the backward (after the combine's gradient)
+    their gradients are posted back before the shared expert's backward and awaited after it (autograd
+    runs the later-created of two ready nodes first). With the tokens in two chunks, the transfers and
+    the experts interleave (``train.overlap.dispatch_chunks``)."""
+    rows, back = ["post", "post"], ["wait", "wait"]  # fp64 rows and their metadata: two transfers each
+    for events, chunked in spawn(_overlap_worker, 2, timeout=120):
+        # two chunks: chunk 1's rows leave before chunk 0's experts run, each combine is posted after its
+        # experts and both are awaited at the end; the backward mirrors it (chunk 0's combine gradient
+        # travels during chunk 1's experts' backward, chunk 1's dispatch gradient during chunk 0's)
+        forward = [*rows, "shared forward", *rows, *back, "post", *back, "post", "wait", "wait"]
+        backward = ["post", "post", "wait", *rows, "wait", *rows, *back, "shared down.weight",
+                    "shared up.weight", *back]  # fmt: skip
+        assert chunked == [*forward, "backward", *backward], chunked
+        forward = ["post", "post", "shared forward", "wait", "wait", "post", "wait"]  # ... then the combine
+        backward = ["post", "wait", "post", "post", "shared down.weight", "shared up.weight", "wait", "wait"]
+        assert events == [*forward, "backward", *backward], events
 
 
 LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)
