@@ -243,8 +243,9 @@ def _ep_worker(tp, ep, capacity, bias):
     block = _ep_block(tp, ep, t, e, (tp_groups[e], ep_groups[t]), capacity, bias).double()
     runs = []
     # each token once per rank, or once per (token, expert); then once per rank in 3 chunks of tokens,
-    # pipelined and one after another (train.overlap.dispatch_chunks)
-    for dedup, chunks, pipelined in ((True, 1, True), (False, 1, True), (True, 3, True), (True, 3, False)):
+    # pipelined and one after another (train.overlap.dispatch_chunks); and more chunks than the 16 tokens
+    variants = ((True, 1, True), (False, 1, True), (True, 3, True), (True, 3, False), (True, 20, True))
+    for dedup, chunks, pipelined in variants:
         block.zero_grad(set_to_none=True)
         block.mlp.dedup, block.mlp.chunks, block.mlp.pipelined = dedup, chunks, pipelined
         x = _ep_batch(e).requires_grad_()

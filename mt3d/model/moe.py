@@ -354,7 +354,7 @@ class SparseMoE(nn.Module):
         which mirrors each overlap in the backward); returns (combined rows like x, what ``during``
         returned)."""
         group, _ = self.hops[hop]
-        k, n = ids.shape[1], max(1, min(chunks, ids.shape[0]))
+        k, n = ids.shape[1], chunks  # the same on every rank (a chunk may be empty): the same collectives
         way = routes(w, ids, self._target(hop, x.device), group, n)
 
         def post(c: int):  # chunk c's rows and metadata on their way
