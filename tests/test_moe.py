@@ -600,6 +600,32 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
     _damaged_expert_files_are_refused_by_name(tmp_path, Path(step3))
 
 
+def test_folded_sources_with_expert_data_replicas_or_stages_reshard(tmp_path):
+    """Folded checkpoints whose experts span several ZeRO fragments (edp 2: tp 2 x dp 2, ep 2, etp 1,
+    ordered by the ranks each optimizer file records) or several stages (tp 2 x pp 2, ep 2, etp 1)
+    reshard to one process, continuing within RTOL of the run they leave (also checked by hand: cp 2
+    x tp 2 sources, and each source to tp 2 x ep 4 etp 1)."""
+    from helpers import run_grouped, tiny_config
+
+    def config(name, resume=None, **parallel):
+        raw = tiny_config(tmp_path / name, model={"preset": "tiny-mixtral"}, steps=6, save_interval=3,
+                          **({"resume": resume} if resume else {}))  # fmt: skip
+        raw["mt3d"]["parallel"].update(parallel)
+        return raw
+
+    sources = {"edp2": dict(tensor=2, expert=2, expert_tensor=1),
+               "pp2": dict(tensor=2, pipeline=2, expert=2, expert_tensor=1)}  # fmt: skip
+    runs = run_grouped([(4, config(n, **p)) for n, p in sources.items()]
+                       + [(1, config(f"{n}-to-one", str(tmp_path / n / "checkpoints" / "step_00000003")))
+                          for n in sources], timeout=600)  # fmt: skip
+    straight, moved = runs[: len(sources)], runs[len(sources) :]
+    for left, records in zip(straight, moved, strict=True):
+        for a, b in zip(records, left[3:], strict=True):
+            assert a["step"] == b["step"], (a, b)
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (key, a, b)
+
+
 def test_folded_checkpoints_resume_exactly_read_back_and_reshard(tmp_path):
     """tp 2 x ep 4 with whole experts (expert_tensor 1, ep over tp x dp) records etp in its manifest,
     resumes bit for bit, and mt3d's reader finds every weight (each expert in the file of its ep rank,
