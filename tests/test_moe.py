@@ -603,7 +603,7 @@ def test_moe_checkpoints_resume_exactly_and_reshard(tmp_path):
 def test_folded_sources_with_expert_data_replicas_or_stages_reshard(tmp_path):
     """Folded checkpoints whose experts span several ZeRO fragments (edp 2: tp 2 x dp 2, ep 2, etp 1,
     ordered by the ranks each optimizer file records) or several stages (tp 2 x pp 2, ep 2, etp 1)
-    reshard to one process, continuing within RTOL of the run they leave (also checked by hand: cp 2
+    reshard to one process, continuing within 1e-6 of the run they leave (also checked by hand: cp 2
     x tp 2 sources, and each source to tp 2 x ep 4 etp 1)."""
     from helpers import run_grouped, tiny_config
 
@@ -622,8 +622,8 @@ def test_folded_sources_with_expert_data_replicas_or_stages_reshard(tmp_path):
     for left, records in zip(straight, moved, strict=True):
         for a, b in zip(records, left[3:], strict=True):
             assert a["step"] == b["step"], (a, b)
-            for key in ("loss", "grad_norm"):
-                assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (key, a, b)
+            for key in ("loss", "grad_norm"):  # issue 46's bound for reshards: 1e-6 (1e-7 seen)
+                assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]), (key, a, b)
 
 
 def test_folded_checkpoints_resume_exactly_read_back_and_reshard(tmp_path):
