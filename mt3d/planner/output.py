@@ -266,6 +266,26 @@ def _check_written(conf: dict, gpus: int, cfg, cfg_section: dict) -> None:
         raise UserError(f"--write-config: mt3d train would refuse the best layout's config: {e}") from None
 
 
+def _overlaps(result: dict, best: dict, cfg) -> dict:
+    """``mt3d.train.overlap``'s keys for what the plan's step time assumed, where mt3d runs it (tp:
+    always)."""
+    overlap, asked = {}, result.get("overlap", ())
+    overlap_rule = overlap_conflict(True, best["zero_stage"], best.get("ep", 1),
+                                    Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
+    moe_rule = overlap_moe_conflict(True, best["pp"]) if cfg.moe is not None else None
+    if "dp" in asked and overlap_rule is None and moe_rule is None:
+        overlap["grad_reduce"] = True
+    if (
+        "pp" in asked
+        and best.get("schedule", "1f1b") == "1f1b"
+        and p2p_conflict(True, best["pp"], best["grad_accum"]) is None
+    ):
+        overlap["p2p"] = True
+    if "ep" in asked and best.get("ep", 1) > 1 and getattr(cfg, "moe", None) is not None:
+        overlap["dispatch_chunks"] = DISPATCH_CHUNKS
+    return overlap
+
+
 def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, cfg) -> dict:
     """The written config's dict (``write_config``)."""
     conf = {
@@ -313,8 +333,6 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
             },
         },
     }
-    overlap_rule = overlap_conflict(True, best["zero_stage"], best.get("ep", 1),
-                                    Offload.from_label(best["offload"]), result["precision"])  # fmt: skip
     if result.get("optimizer") == "muon":  # Muon's usual rates; AdamW's on the rest
         muon = {"lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": 0.1}
         conf["optimizer"] = {"type": "Muon", "params": muon}
@@ -327,20 +345,7 @@ def _config_of(result: dict, best: dict, cfg_section: dict, data: dict | None, c
         conf["mt3d"]["train"]["optimizer_states"] = states
     if result.get("grad_dtype") == "fp32" and result["precision"] != "fp32":  # DeepSpeed's BF16 optimizer
         conf["data_types"] = {"grad_accum_dtype": "fp32"}
-    # what the plan's step time assumed, where mt3d runs it (tp: always)
-    overlap = {}
-    schedule = best.get("schedule", "1f1b")
-    moe_rule = overlap_moe_conflict(True, best["pp"]) if cfg.moe is not None else None
-    if "dp" in result.get("overlap", ()) and overlap_rule is None and moe_rule is None:
-        overlap["grad_reduce"] = True
-    if (
-        "pp" in result.get("overlap", ())
-        and schedule == "1f1b"
-        and p2p_conflict(True, best["pp"], best["grad_accum"]) is None
-    ):
-        overlap["p2p"] = True
-    if "ep" in result.get("overlap", ()) and best.get("ep", 1) > 1 and getattr(cfg, "moe", None) is not None:
-        overlap["dispatch_chunks"] = DISPATCH_CHUNKS
+    overlap = _overlaps(result, best, cfg)
     if overlap:
         conf["mt3d"]["train"]["overlap"] = overlap
     model_vocab = getattr(cfg, "vocab_size", None) if cfg is not None else None

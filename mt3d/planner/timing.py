@@ -202,32 +202,29 @@ def step_time(cfg: ModelConfig, vocab: int, seq_len: int, global_batch: int, lay
 
     Compute: with ``efficiency`` None and a ``device`` that has a GEMM calibration, the shape model
     of ``compute.micro_batch_seconds`` (the heaviest stage's blocks, plus the output layer) and the
-    GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. TP and PP transfers
-    are overlapped with compute only as ``overlap`` says; ZeRO-3's parameter all-gathers and gradient
-    reduce-scatters are, partly (``ZERO3_OVERLAP``): only their excess counts.
+    GPU optimizer step; otherwise the executed FLOPs at ``efficiency`` x peak. Transfers overlap
+    compute as ``overlap`` says; ZeRO-3's partly (``ZERO3_OVERLAP``): only their excess counts.
     ``attention_fraction``: the share of dense causal attention tiles the layers visit, averaged
     over layers (``sparsity.attention_speedup``): local layers' attention time counts the tiles
     they visit, while TFLOP/s and MFU count model FLOPs (``ModelConfig.flops_per_token``).
-    ``gemm_fraction``: of the device's GEMM ceiling (default ``compute.GEMM_FRACTION``).
-    Stage-boundary transfers send 1/t of the activation at tp > 1: with SP its sequence shard, on
-    DeepSpeed's pipeline engine (mt3d's, ``mt3d_engine``) its TP partition, with ``pp_scatter_gather``
-    PTD-P's scatter (each then all-gathered over NVLink); another stack without either sends it whole.
+    ``gemm_fraction``: of the device's GEMM ceiling (``compute.GEMM_FRACTION``). Stage-boundary
+    transfers send 1/t of the activation at tp > 1: with SP its sequence shard, on DeepSpeed's
+    pipeline engine (mt3d's, ``mt3d_engine``) its TP partition, with ``pp_scatter_gather`` PTD-P's
+    scatter (each then all-gathered over NVLink); another stack without either sends it whole.
     ``ep_dispatch`` "sequence-shard": each TP rank dispatches its sequence shard to the experts
     (Megatron-Core with SP), where mt3d's TP ranks each send the whole rows ("whole"). ``fsdp``:
     ZeRO-3 gathers 16-bit weights beside an fp32 shard (``memory_bytes``'s).
     ``overlap`` (``choices.OVERLAPS``): "dp" (``dp_hidden``), "tp" (``tp_hidden``), "pp"
     (``pp_posted_seconds``), "ep" (``dispatch_hidden`` at ``DISPATCH_CHUNKS``): each hides as much as
-    the schedule allows; ``mt3d_engine`` as
-    ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the gradients' (``Precision.of``; what each
-    stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears in FP8 (``compute.micro_batch_seconds``;
-    the shape model only); TFLOP/s and MFU still count model FLOPs against ``peak_tflops`` (bf16's).
+    the schedule allows; ``mt3d_engine`` as ``memory_bytes``'s (``posts_p2p``). ``grad_dtype``: the
+    gradients' (``Precision.of``; what each stack sends: ``_dp_seconds``). ``fp8``: the blocks' linears
+    in FP8 (``compute.micro_batch_seconds``; the shape model only); TFLOP/s and MFU still count model
+    FLOPs against ``peak_tflops`` (bf16's).
     ``fp8_dispatch``: the dispatch in that FP8 (``ep_bytes``); ``optimizer_kind`` "muon": ``muon_seconds``.
     """
-    gpus = lay.gpus
-    tokens = global_batch * seq_len
+    gpus, tokens = lay.gpus, global_batch * seq_len
     flops = cfg.flops_per_token(seq_len, vocab) * tokens
-    v, m, t = lay.virtual_stages, lay.grad_accum, lay.tp
-    blocks = math.ceil(cfg.layers / lay.pp)
+    v, m, t, blocks = lay.virtual_stages, lay.grad_accum, lay.tp, math.ceil(cfg.layers / lay.pp)
     prec = Precision.of(precision, max(lay.zero_stage, 1), grads=grad_dtype)
     grads = stage_params(cfg, vocab, t, lay.pp, lay.ep, lay.etp)
     chunks = DISPATCH_CHUNKS if "ep" in overlap and lay.ep > 1 else 1  # train.overlap.dispatch_chunks

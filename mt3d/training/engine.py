@@ -50,9 +50,8 @@ def build_model(
     expert_dispatch: str = "rank",
     packed: bool = False,
 ):
-    """This rank's part of the model (pipeline stage or whole stacked model).
-
-    ``train`` gives the seed, recompute and compile choices; ``skip_init`` leaves the weights
+    """This rank's part of the model (pipeline stage or whole stacked model). ``train`` gives the seed,
+    recompute, compile, FP8 and dispatch choices; ``skip_init`` leaves the weights
     uninitialised because they are loaded right after; ``packed``: the inputs are packed documents
     (ids, document ids), which every stage passes on; ``expert_dispatch``: ``parallel.expert_dispatch``.
     """
