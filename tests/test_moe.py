@@ -323,8 +323,11 @@ def _node_dispatch_worker():
         with CollectiveLog() as log:
             out = block(x)
             out.backward(torch.ones_like(out))
+        # not the counts: one integer per member (one hop), or per member the rows and the second hop's 2
+        # members' counts (the first of two hops, unchunked)
+        counts = lambda c: c.numel in (len(c.ranks), 3 * len(c.ranks))  # noqa: E731
         crossing = sum(
-            n for c in log.calls if c.op == "all_to_all_single" and c.numel != len(c.ranks)  # not the counts
+            n for c in log.calls if c.op == "all_to_all_single" and not counts(c)
             for r, n in zip(c.ranks, c.sends) if r // 2 != host
         )  # fmt: skip
         logits = block.mlp.router(seen[0])
@@ -353,17 +356,16 @@ def test_node_dispatch_crosses_to_each_host_once_per_token():
     totals = {"node": [0, 0], "rank": [0, 0]}
     for rank, (node, one_hop, chunked) in enumerate(spawn(_node_dispatch_worker, 4, timeout=120)):
         w_out, w_dx, w_grads = want[rank]
-        # two chunks of tokens, each over both hops: the same rows cross, and the one counts exchange
-        # (2 chunks' integers to the other host's member, which the counts filter keeps at 2 chunks)
-        assert chunked[3] == node[3] + 2, (chunked[3], node[3])
+        # two chunks of tokens, each over both hops: the same rows cross, plus the first hop's one counts
+        # exchange, which the filter keeps at 2 chunks (2 x (1 + 2) integers to the other host's member)
+        assert chunked[3] == node[3] + 6, (chunked[3], node[3])
         for (out, dx, grads, crossing, experts), how in ((node, "node"), (one_hop, "rank"), (chunked, None)):
-            if how is None:  # the chunked node dispatch: its outputs and gradients are checked, not counted
-                torch.testing.assert_close(out, w_out), torch.testing.assert_close(dx, w_dx)
-                continue
             torch.testing.assert_close(out, w_out), torch.testing.assert_close(dx, w_dx)
             for name, g in grads.items():  # an expert's gradient: every rank's tokens it took
                 full = sum(w[2][name] for w in want) if ".experts." in name else w_grads[name]
                 torch.testing.assert_close(g, full, msg=name)
+            if how is None:  # the chunked node dispatch: checked, not counted
+                continue
             away = [{int(e) for e in row if int(e) // 2 != rank // 2} for row in experts]
             totals[how][0] += crossing
             totals[how][1] += sum(1 for a in away if a) if how == "node" else sum(len(a) for a in away)
@@ -496,8 +498,13 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     # Qwen3-Next: Gated DeltaNet blocks, gated attention, a gated shared expert, a dense block; tp 2 x pp 2 x
     # dp 2 with ep 2 and SP
     ("tiny-qwen3-next", 8, dict(tensor=2, pipeline=2, expert=2, sequence_parallel=True)),
-    # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once
-    ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2)),
+    # expert_dispatch "node": the ep group of 4 on two hosts (a hostfile), tokens cross to each host once;
+    # both hops pipelined in 2 chunks
+    (
+        "tiny-mixtral",
+        4,
+        dict(tensor=2, expert=4, expert_tensor=1, expert_dispatch="node", hosts=2, dispatch_chunks=2),
+    ),  # fmt: skip
     # capacity's "first come" over the runs of each sequence that cp x tp/etp ranks route, SP; the kept
     # assignments dispatched in 2 chunks
     (

@@ -57,7 +57,7 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: in
 
 
 DISPATCHES = ("rank", "node")
-"""``mt3d.parallel.expert_dispatch``'s values (``model.moe.SparseMoE._exchange``)."""
+"""``mt3d.parallel.expert_dispatch``'s values (``model.moe_exchange``)."""
 
 
 def dispatch_conflict(dispatch: str, ep: int, model=None) -> str | None:

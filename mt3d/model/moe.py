@@ -56,12 +56,12 @@ from ..parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_sequence,
-    start_all_to_all_rows,
 )
 from ..parallel.marks import mark_tp_partial_grad
 from ..parallel.random import recomputing
 from .grouped import grouped_gemm_works, grouped_linear
-from .moe_routing import earlier_in_sequence, hops, routes
+from .moe_exchange import exchange
+from .moe_routing import earlier_in_sequence, hops
 from .moe_spec import EXPERT_NAME, MoEConfigError, MoESpec, expert_index  # noqa: F401 - re-exported
 
 
@@ -181,8 +181,8 @@ class SparseMoE(nn.Module):
         False: once per (token, expert) assignment (``_run``; ``MoESpec.dispatch_once``), and the
         dispatch benchmark's comparison."""
         self.chunks, self.pipelined = ctx.dispatch_chunks, True
-        """``_exchange``'s chunks (``train.overlap.dispatch_chunks``), pipelined or (the benchmark's
-        serial baseline) not."""
+        """``moe_exchange.exchange``'s chunks (``train.overlap.dispatch_chunks``), pipelined or (the
+        benchmark's serial baseline) not."""
         self.cp = ctx.cp if ctx.cp_size > 1 else None
         ep, r = (self.ep.size, self.ep.rank) if self.ep else (1, 0)
         if spec.experts % ep:
@@ -192,7 +192,7 @@ class SparseMoE(nn.Module):
         self.hops = hops(self.ep, ctx.ep_hosts, spec.experts) if self.ep is not None else []
         """The dispatch's hops, each (group, the member of it each expert's rows go to): over the ep
         group, or with ``parallel.expert_dispatch`` "node" across hosts over the ep ranks at this
-        rank's place on each host, then within the host (``_exchange``)."""
+        rank's place on each host, then within the host (``moe_exchange``)."""
         self._targets: dict = {}
         self.experts = nn.ModuleDict(
             {
@@ -331,59 +331,12 @@ class SparseMoE(nn.Module):
                        during=None):  # fmt: skip
         """Expert parallelism with each token sent at most once to each rank (with ``self.hops`` of two:
         once to each host, then once to each rank there) that holds any of its kept assignments
-        (``order`` into ``flat``, the [T k] experts): ``_exchange`` from the token's k slots, the
+        (``order`` into ``flat``, the [T k] experts): ``moe_exchange.exchange`` from the token's k slots, the
         dropped ones -1. Returns (output, what ``during`` returned)."""
         t, k = weights.shape
         ids = torch.full((t * k,), -1, dtype=torch.long, device=x.device)
         ids[order] = flat[order]
-        return self._exchange(x, weights, ids.view(t, k), 0, during, self.chunks)
-
-    def _exchange(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, hop: int, during=None,
-                  chunks: int = 1):  # fmt: skip
-        """Rows x [R, h] whose slots name experts ``ids`` [R, k] (-1: none) with weights ``w``: each row
-        travels once to each member of hop ``hop``'s group that its experts' rows go to, with its k slots'
-        weights and experts in one [rows, 2k] fp32 tensor (``moe_routing.routes``; fp32 rows carry it as
-        columns: one transfer each way); there the next hop takes the rows on, or the rank runs every
-        local expert a row names and sums their weighted outputs; one row comes back per row sent, which
-        the source adds to its row. Elements per off-rank row of one hop: 4 h + 4 k over the forward and
-        backward (``planner.traffic.ep_layer_elements``). ``chunks`` (``train.overlap.dispatch_chunks``):
-        runs of rows pipelined, chunk c + 1's rows posted before chunk c's experts run and every combine
-        waited for at the end (``self.pipelined`` False: one chunk after another, the same work without
-        overlap, for the benchmark). ``during`` (the shared expert) runs while the first chunk's rows
-        travel, and its backward while their gradients travel back (``mappings.start_all_to_all_rows``,
-        which mirrors each overlap in the backward); returns (combined rows like x, what ``during``
-        returned)."""
-        group, _ = self.hops[hop]
-        k, n = ids.shape[1], chunks  # the same on every rank (a chunk may be empty): the same collectives
-        way = routes(w, ids, self._target(hop, x.device), group, n)
-
-        def post(c: int):  # chunk c's rows and metadata on their way
-            part, send, recv = slice(way.starts[c], way.starts[c + 1]), way.send[c], way.recv[c]
-            src, meta = way.src[part], way.meta[part]
-            if x.dtype == torch.float32 and self.codec is None:
-                return src, [start_all_to_all_rows(torch.cat([x[src], meta], dim=1), send, recv, group)]
-            return src, [start_all_to_all_rows(x[src], send, recv, group, self.codec),
-                         start_all_to_all_rows(meta, send, recv, group)]  # fmt: skip
-
-        def finish(c: int, src: torch.Tensor, posted: list):  # chunk c's experts; its combine posted
-            got = [wait() for wait in posted]
-            xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
-            wr, idr = meta[:, :k], meta[:, k:].detach().long()
-            last = hop + 1 == len(self.hops)
-            yr = self._at_experts(xr, wr, idr) if last else self._exchange(xr, wr, idr, hop + 1)[0]
-            back = start_all_to_all_rows(yr, way.recv[c], way.send[c], group)
-            return src, back if self.pipelined else (lambda y: lambda: y)(back())
-
-        pending, done = post(0), []
-        side = during() if during is not None else None  # the shared expert, while the rows travel
-        for c in range(n):
-            ahead = post(c + 1) if self.pipelined and c + 1 < n else None
-            done.append(finish(c, *pending))
-            pending = ahead if self.pipelined or c + 1 == n else post(c + 1)
-        out = torch.zeros_like(x)
-        for src, back in done:
-            out = out.index_add(0, src, back())
-        return out, side
+        return exchange(self, x, weights, ids.view(t, k), during, self.chunks)
 
     def _target(self, hop: int, device: torch.device) -> torch.Tensor:
         """Hop ``hop``'s member for each expert, on ``device`` (made once per device)."""

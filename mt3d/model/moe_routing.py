@@ -73,7 +73,7 @@ def earlier_in_sequence(flat: torch.Tensor, order: torch.Tensor, samples: int, e
 
 
 class Routes(NamedTuple):
-    """One hop of a deduplicated dispatch (``moe.SparseMoE._exchange``), cut into chunks of rows: the
+    """One hop of a deduplicated dispatch (``moe_exchange.exchange``), cut into chunks of rows: the
     pairs (member, row) are sorted by chunk, then member, then row."""
 
     src: torch.Tensor
@@ -86,25 +86,51 @@ class Routes(NamedTuple):
     """[chunk][member]: the pairs this rank sends."""
     recv: list[list[int]]
     """[chunk][member]: the pairs each member sends this rank."""
+    onward: tuple | None = None
+    """With a next hop (``routes``' ``then``): ([chunk][member], [chunk][member]) the pairs this rank, as
+    a relay, sends and receives on it."""
 
 
-def routes(w: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, group: AxisGroup, chunks: int) -> Routes:
+def routes(w: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, group: AxisGroup, chunks: int,
+           then: tuple | None = None, counts: tuple | None = None) -> Routes:  # fmt: skip
     """Rows whose slots name experts ``ids`` [R, k] (-1: none) with weights ``w``, going to the members
     ``target`` [experts] of ``group``, cut into ``chunks`` runs of consecutive rows: each row once to
     each member holding any of its experts; one counts exchange for every chunk (chunks x members
-    integers a rank)."""
+    integers a rank). ``then`` = (the next hop's member of each expert, its group): the sender also
+    counts each row's pairs there per (chunk, member here, member there), which travel with this hop's
+    counts, and one exchange over the next hop's group follows, so a relay knows the next hop's counts
+    of every chunk before any row reaches it (DeepEP's notify step). ``counts`` = ([send], [recv]) of a
+    one-chunk hop known already (a relay's ``onward``): no exchange."""
     r, k = ids.shape
     row, slot = (ids >= 0).nonzero(as_tuple=True)
     expert = ids[row, slot]
     of_row = torch.arange(r, device=ids.device) * chunks // max(r, 1)
     key = (of_row[row] * group.size + target[expert]) * r + row
     pairs, which = torch.unique(key, return_inverse=True)  # sorted: by chunk, member, then row
+    onward = None
     with torch.no_grad():
         names = torch.full((pairs.numel(), k), -1.0, device=ids.device)
         names[which, slot] = expert.float()
         send = torch.bincount(pairs // r, minlength=chunks * group.size).view(chunks, group.size)
-        recv = all_to_all_counts(send.t().contiguous(), group).t()
+        if counts is not None:
+            if send.tolist() != counts[0]:
+                raise RuntimeError(f"a relay got other rows than announced: {send.tolist()} vs {counts[0]}")
+            recv = counts[1]
+        else:
+            message = send.t().unsqueeze(-1)  # [member, chunk, 1 (+ the next hop's members)]
+            if then is not None:
+                nxt, next_group = then
+                q = next_group.size
+                ahead = torch.unique((key // r * q + nxt[expert]) * r + row) // r
+                ahead = torch.bincount(ahead, minlength=chunks * group.size * q).view(chunks, group.size, q)
+                message = torch.cat([message, ahead.transpose(0, 1)], dim=-1)
+            got = all_to_all_counts(message.reshape(group.size, -1).contiguous(), group)
+            got = got.view(group.size, chunks, -1)
+            recv = got[:, :, 0].t().tolist()
+            if then is not None:
+                relay = got[:, :, 1:].sum(0)  # [chunk, next member]: what this rank passes on
+                onward = (relay.tolist(), all_to_all_counts(relay.t().contiguous(), next_group).t().tolist())
     ws = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=ids.device)
     ws = ws.index_put((which, slot), w[row, slot].float())
     starts = [0, *send.sum(1).cumsum(0).tolist()]
-    return Routes(pairs % r, torch.cat([ws, names], dim=1), starts, send.tolist(), recv.tolist())
+    return Routes(pairs % r, torch.cat([ws, names], dim=1), starts, send.tolist(), recv, onward)

@@ -100,7 +100,8 @@ def add_plan_stack(p) -> None:
                    "(gradient reduction during the last backward: mt3d.train.overlap.grad_reduce), pp "
                    "(pipeline transfers posted ahead: mt3d.train.overlap.p2p), tp-comm (--other-stack: "
                    "every TP transfer of an SP layout behind the GEMM beside it, Megatron-Core's "
-                   "--tp-comm-overlap; without SP tp's)")  # fmt: skip
+                   "--tp-comm-overlap; without SP tp's), ep (the expert all-to-all pipelined behind the "
+                   "routed experts in 4 chunks: mt3d.train.overlap.dispatch_chunks)")  # fmt: skip
     p.add_argument("--lora", type=positive_int, default=0, metavar="R",
                    help="LoRA of rank R on every linear of the blocks (mt3d.lora): optimizer states and "
                    "gradients of the adapters only, beside the frozen base's weights")  # fmt: skip

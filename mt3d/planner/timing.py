@@ -94,14 +94,15 @@ def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, 
 
 def dispatch_hidden(cfg: ModelConfig, compute: float, ep_seconds: float, seq_len: int, vocab: int | None,
                     chunks: int = 1) -> float:  # fmt: skip
-    """Seconds of a step's expert all-to-all hidden behind compute (``mt3d.model.moe.SparseMoE._exchange``).
+    """Seconds of a step's expert all-to-all hidden behind compute (``mt3d.model.moe_exchange``).
     With ``chunks`` n (``train.overlap.dispatch_chunks``) each layer's tokens go in n chunks, chunk c+1's
     dispatch and chunk c-1's combine travelling while chunk c's experts compute, forward and backward:
     all but the first dispatch and the last combine (1/n of the traffic) hide, up to the routed experts'
     compute (6 k h e_ffn x the MLP's matrices FLOPs a token per sparse layer, over ``flops_per_token``).
     The shared expert computes while the first chunk's rows travel (and its backward while their
     gradients travel back): at most that chunk's dispatch (1/(2n) of the traffic) and the shared experts'
-    share of the compute (``6 mats h s_ffn``). n = 1: the shared expert alone."""
+    share of the compute (``6 mats h s_ffn``). n = 1: the shared expert alone. Both hops of "node"
+    pipeline: their counts are all exchanged before the first chunk's rows leave."""
     spec = cfg.moe_spec
     if spec is None or ep_seconds <= 0:
         return 0.0

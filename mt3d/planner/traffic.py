@@ -93,7 +93,7 @@ def ep_ranks_per_token(ep: int, experts: int, top_k: int, groups: int = 1, topk_
 
 def ep_node_traffic(hosts: int, per_host: int, tokens: int, top_k: int, hidden: int, experts: int,
                     groups: int = 1, topk_group: int = 1) -> tuple[tuple, tuple]:  # fmt: skip
-    """``parallel.expert_dispatch`` "node" (``model.moe.SparseMoE._exchange``): the elements one rank
+    """``parallel.expert_dispatch`` "node" (``model.moe_exchange``): the elements one rank
     sends per MoE layer and micro-batch as (across hosts, within the host), each like
     ``ep_layer_traffic``'s (rows, metadata, counts). Across: one row per token and other host holding
     any of its experts (``ep_layer_traffic`` with the hosts as the ranks). Within: the rows a rank
