@@ -338,14 +338,14 @@ class SparseMoE(nn.Module):
         ids[order] = flat[order]
         return exchange(self, x, weights, ids.view(t, k), during, self.chunks)
 
-    def _target(self, hop: int, device: torch.device) -> torch.Tensor:
+    def target(self, hop: int, device: torch.device) -> torch.Tensor:
         """Hop ``hop``'s member for each expert, on ``device`` (made once per device)."""
         key = (hop, device)
         if key not in self._targets:
             self._targets[key] = torch.tensor(self.hops[hop][1], dtype=torch.long, device=device)
         return self._targets[key]
 
-    def _at_experts(self, xr: torch.Tensor, wr: torch.Tensor, idr: torch.Tensor) -> torch.Tensor:
+    def at_experts(self, xr: torch.Tensor, wr: torch.Tensor, idr: torch.Tensor) -> torch.Tensor:
         """The rows that reached their experts' rank: every local expert a row names (``idr``, -1 none)
         runs on it, and the row's output is their sum weighted by ``wr``."""
         row, slot = (idr >= 0).nonzero(as_tuple=True)

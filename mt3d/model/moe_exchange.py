@@ -23,9 +23,10 @@ def exchange(layer, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, during=
     counts of every chunk, on both hops where there are two, exchanged before any row leaves): returns
     (combined rows like x, what ``during`` returned). ``during`` (the shared expert) runs while the
     first chunk's rows travel. ``layer.pipelined`` False: the chunks one after another, each transfer
-    waited for at once (the benchmark's serial baseline)."""
-    then = (layer._target(1, x.device), layer.hops[1][0]) if len(layer.hops) > 1 else None
-    way = routes(w, ids, layer._target(0, x.device), layer.hops[0][0], chunks, then)
+    waited for at once (the benchmark's serial baseline). Elements per off-rank row of one hop: 4 h +
+    4 k over the forward and backward (``planner.traffic.ep_layer_elements``)."""
+    then = (layer.target(1, x.device), layer.hops[1][0]) if len(layer.hops) > 1 else None
+    way = routes(w, ids, layer.target(0, x.device), layer.hops[0][0], chunks, then)
     flows = [_flow(layer, x, way, c, 0) for c in range(chunks)]
     done, live, side = [], [], None
     for r, flow in enumerate(flows):
@@ -61,7 +62,7 @@ def _flow(layer, x: torch.Tensor, way: Routes, c: int, hop: int):
     """Chunk ``c`` of ``way`` over hop ``hop``: its rows and their metadata posted (one transfer when
     fp32 rows carry the metadata as columns); there the next hop takes them on (a one-chunk ``routes``
     over its group, with the counts the first hop's exchange gave) or the rank runs its experts
-    (``SparseMoE._at_experts``); the combined rows posted back. Yields after each post; returns (the
+    (``SparseMoE.at_experts``); the combined rows posted back. Yields after each post; returns (the
     rows it sent, their combined rows)."""
     group, k = layer.hops[hop][0], way.meta.shape[1] // 2
     part, send, recv = slice(way.starts[c], way.starts[c + 1]), way.send[c], way.recv[c]
@@ -76,10 +77,10 @@ def _flow(layer, x: torch.Tensor, way: Routes, c: int, hop: int):
     xr, meta = got[0].split([x.shape[1], 2 * k], dim=1) if len(got) == 1 else got
     wr, idr = meta[:, :k], meta[:, k:].detach().long()
     if hop + 1 == len(layer.hops):
-        yr = layer._at_experts(xr, wr, idr)
+        yr = layer.at_experts(xr, wr, idr)
     else:
         counts = ([way.onward[0][c]], [way.onward[1][c]])  # known since the first hop's counts
-        inner = routes(wr, idr, layer._target(hop + 1, x.device), layer.hops[hop + 1][0], 1, counts=counts)
+        inner = routes(wr, idr, layer.target(hop + 1, x.device), layer.hops[hop + 1][0], 1, counts=counts)
         sent, rows = yield from _flow(layer, xr, inner, 0, hop + 1)
         yr = torch.zeros_like(xr).index_add(0, sent, rows)
     back = start_all_to_all_rows(yr, recv, send, group)

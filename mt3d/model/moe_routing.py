@@ -4,6 +4,7 @@ process's token order when several ranks route parts of the same sequences."""
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -112,9 +113,10 @@ def routes(w: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, group: Axis
         names = torch.full((pairs.numel(), k), -1.0, device=ids.device)
         names[which, slot] = expert.float()
         send = torch.bincount(pairs // r, minlength=chunks * group.size).view(chunks, group.size)
+        sent = send.tolist()
         if counts is not None:
-            if send.tolist() != counts[0]:
-                raise RuntimeError(f"a relay got other rows than announced: {send.tolist()} vs {counts[0]}")
+            if sent != counts[0]:
+                raise RuntimeError(f"a relay got other rows than announced: {sent} vs {counts[0]}")
             recv = counts[1]
         else:
             message = send.t().unsqueeze(-1)  # [member, chunk, 1 (+ the next hop's members)]
@@ -132,5 +134,5 @@ def routes(w: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, group: Axis
                 onward = (relay.tolist(), all_to_all_counts(relay.t().contiguous(), next_group).t().tolist())
     ws = torch.zeros(pairs.numel(), k, dtype=torch.float32, device=ids.device)
     ws = ws.index_put((which, slot), w[row, slot].float())
-    starts = [0, *send.sum(1).cumsum(0).tolist()]
-    return Routes(pairs % r, torch.cat([ws, names], dim=1), starts, send.tolist(), recv, onward)
+    starts = [0, *itertools.accumulate(sum(c) for c in sent)]
+    return Routes(pairs % r, torch.cat([ws, names], dim=1), starts, sent, recv, onward)

@@ -281,7 +281,7 @@ def _overlaps(result: dict, best: dict, cfg) -> dict:
         and p2p_conflict(True, best["pp"], best["grad_accum"]) is None
     ):
         overlap["p2p"] = True
-    if "ep" in asked and best.get("ep", 1) > 1 and getattr(cfg, "moe", None) is not None:
+    if "ep" in asked and best.get("ep", 1) > 1 and cfg.moe is not None:
         overlap["dispatch_chunks"] = DISPATCH_CHUNKS
     return overlap
 
