@@ -483,6 +483,10 @@ LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 
     ("tiny-mixtral", 2, dict(context=2, expert=2, expert_tensor=1)),
     ("tiny-qwen2-moe", 4, dict(tensor=2, expert=2, expert_tensor=1)),  # the shared expert under folding
     ("tiny-mixtral", 4, dict(tensor=2, expert=4, expert_tensor=1, zero=2)),  # folded on the regular engine
+    # folded without ZeRO (mt3d.ds.experts.reduce_folded): dense over dp 2, experts over their edp 2 replicas;
+    # then experts repeating on DeepSpeed's 'model' axis (lcm(tp 4, ep 2) = 4 ranks) at dp 1, edp 2
+    ("tiny-mixtral", 4, dict(tensor=2, expert=2, expert_tensor=1, zero=0)),
+    ("tiny-deepseek-v3", 4, dict(tensor=4, expert=2, expert_tensor=1, zero=0)),
     # SP, edp 1; the dispatch pipelined in 2 chunks of tokens (train.overlap.dispatch_chunks)
     (
         "tiny-qwen3-moe",
@@ -637,7 +641,8 @@ def test_folded_checkpoints_resume_exactly_read_back_and_reshard(tmp_path):
     """tp 2 x ep 4 with whole experts (expert_tensor 1, ep over tp x dp) records etp in its manifest,
     resumes bit for bit, and mt3d's reader finds every weight (each expert in the file of its ep rank,
     DeepSpeed's 'model' coordinate e x etp + r) equal to the one-process run's; the same at ZeRO-2 (the
-    regular engine: one module file per 'model' coordinate, written by its 'data' rank 0). Reshards,
+    regular engine: one module file per 'model' coordinate, written by its 'data' rank 0) and at ZeRO-0
+    (the optimizer's states in those files too). Reshards,
     weights and optimizer states through the universal form: folded -> one process, folded -> experts
     split over tp (tp 2 x ep 2), one process -> folded, folded ZeRO-2 -> folded ZeRO-1 at ep 2, each
     continuing as the run it left (or the one process) does; and a bf16 run (DeepSpeed's bf16_ file
@@ -656,18 +661,19 @@ def test_folded_checkpoints_resume_exactly_read_back_and_reshard(tmp_path):
         return raw
 
     folded = dict(tensor=2, expert=4, expert_tensor=1)
-    step3, z2 = (tmp_path / name / "checkpoints" / "step_00000003" for name in ("folded", "z2"))
+    step3, z2, z0 = (tmp_path / name / "checkpoints" / "step_00000003" for name in ("folded", "z2", "z0"))
     runs = run_grouped(
         [(1, config("one")), (4, config("folded", **folded)), (4, config("again", str(step3), **folded)),
          (4, config("z2", zero=2, **folded)), (4, config("z2again", str(z2), zero=2, **folded)),
-         (4, config("b16", bf16=True, **folded))],
+         (4, config("b16", bf16=True, **folded)), (4, config("z0", zero=0, **folded)),
+         (4, config("z0again", str(z0), zero=0, **folded))],
         timeout=600,
     )  # fmt: skip
-    one, got, again, two, two_again, b16 = [
+    one, got, again, two, two_again, b16, zero0, zero0_again = [
         [(r["step"], r["loss"], r["grad_norm"]) for r in rs] for rs in runs
     ]
-    assert again == got[3:] and two_again == two[3:]  # bit for bit
-    for a, b in [*zip(got, one, strict=True), *zip(two, one, strict=True)]:
+    assert again == got[3:] and two_again == two[3:] and zero0_again == zero0[3:]  # bit for bit
+    for a, b in [*zip(got, one, strict=True), *zip(two, one, strict=True), *zip(zero0, one, strict=True)]:
         assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a[1:], b[1:])), (a, b)
     one3 = str(tmp_path / "one" / "checkpoints" / "step_00000003")
     b16_3 = str(tmp_path / "b16" / "checkpoints" / "step_00000003")
@@ -688,7 +694,7 @@ def test_folded_checkpoints_resume_exactly_read_back_and_reshard(tmp_path):
     assert sorted(p.name for p in z2.glob("mp_rank_*_model_states.pt")) == [
         f"mp_rank_{m:02d}_model_states.pt" for m in range(4)
     ]  # one per 'model' coordinate: lcm(tp 2, ep 4) = 4
-    for path in (step3, z2):
+    for path in (step3, z2, z0):
         reader = CheckpointReader(path)
         assert reader.meta["layout"]["etp"] == 1 and reader.meta["layout"]["ep"] == 4
         for name in names:
@@ -795,7 +801,6 @@ def test_one_window_families_refuse_mixed_local_and_global_layers():
         (dict(expert=2), 1, 3, "expert_tensor x expert = 1 x 2 must divide tensor x context x data = 1 x 1"),
         (dict(expert=3), 1, 3, "model.moe.experts = 4 is not divisible by parallel.expert 3"),
         (dict(tensor=2, expert=2, expert_tensor=3), 1, 4, "expert_tensor = 3 must divide tensor = 2"),
-        (dict(tensor=2, expert=2, expert_tensor=1), 0, 4, "ZeRO stage 0 with a folded expert layout"),
         (dict(tensor=2, expert=4, expert_tensor=1, pipeline=2), 1, 4, "must divide tensor x context x data"),
     ],
 )

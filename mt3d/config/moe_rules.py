@@ -29,8 +29,9 @@ def expert_conflict(spec, ep: int) -> str | None:
 def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: int | None = None,
                      sp: bool = False) -> str | None:  # fmt: skip
     """Why a folded expert layout (``parallel.expert_layout``: expert_tensor below tensor, or ep not
-    dividing dp) cannot run here (None: it can, or the layout is not folded). Built so far: ZeRO-1 (the
-    pipeline engine) and ZeRO-2 (the regular engine, pp 1), with or without a capacity. Without SP the
+    dividing dp) cannot run here (None: it can, or the layout is not folded). Built: ZeRO-0 (the pipeline
+    engine, pp 1: ``mt3d.ds.experts.reduce_folded``), ZeRO-1 (the pipeline engine) and ZeRO-2 (the
+    regular engine, pp 1), with or without a capacity. Without SP the
     tp / etp ranks holding the same tokens share out a rank's ``seq_len`` / cp positions, which they must
     divide."""
     from ..parallel.axes import expert_layout
@@ -44,10 +45,10 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: in
     why = layout.fit_conflict(expert_ffn=spec.expert_ffn)
     if why:
         return why
-    if zero_stage not in (1, 2):
+    if zero_stage not in (0, 1, 2):
         return (f"ZeRO stage {zero_stage} with a folded expert layout is not supported yet (expert_tensor "
-                f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stages 1 and 2 "
-                "so far): set zero_optimization.stage 1 or 2")  # fmt: skip
+                f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stages 0-2): "
+                "set zero_optimization.stage 0, 1 or 2")  # fmt: skip
     share, local = degrees["tp"] // etp, (seq_len or 0) // degrees.get("cp", 1)
     if seq_len is not None and not sp and local % share:
         return (f"data.seq_len / context = {local} tokens are not divisible by tensor / expert_tensor = "

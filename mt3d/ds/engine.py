@@ -317,11 +317,13 @@ def initialize(
         experts.install(engine, state, layout.zero_stage)
     if layout.zero_stage == 0 and layout.precision == "fp32":
         guard_fp32_without_zero(engine)
-    if mpu is None and layout.degrees["dp"] * layout.degrees["cp"] == 1 and layout.zero_stage == 0:
+    alone = layout.degrees["dp"] * layout.degrees["cp"] == 1 and (state is None or state.edp.size == 1)
+    if mpu is None and alone and layout.zero_stage == 0:
         # Without ZeRO, DeepSpeed's pipeline engine flattens, all-reduces and copies back every
         # gradient each step even when no other rank holds the same dense weights: exact no-op work,
         # skipped. Not with cp ranks (they average their chunks' gradients in DeepSpeed's data axis),
-        # nor with ep ranks (within dp: mt3d.ds.experts sums dense gradients over them in that step).
+        # nor with ep ranks within dp (mt3d.ds.experts sums dense gradients over them in that step) or
+        # replicas of the experts (folded over tp: edp > 1 at dp 1).
         engine.pipeline_enable_backward_allreduce = False
     if alone_in_zero(layout, overlap is not None and overlap.grad_reduce):
         skip_reduction(engine)

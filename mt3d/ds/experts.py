@@ -24,7 +24,9 @@ Without ZeRO (``reduce_over_experts``, right before DeepSpeed's own reduction ov
 gradients are summed over the ep group and every gradient divided by ep, so DeepSpeed's average over
 dp / ep x cp becomes the average over dp x cp; dense weights on ep ranks > 0 carry DeepSpeed's
 ``ds_pipe_replicated`` mark (meant for tied weights held by several stages: "counted once"), which
-every DeepSpeed norm honours.
+every DeepSpeed norm honours. A folded layout (``parallel.expert_layout``) reduces in place of DeepSpeed
+(``reduce_folded``: dense over dp x cp, experts over edp) and marks the copies on DeepSpeed's 'model'
+axis the same way (``count_dense_once``).
 
 Either way experts are marked model-parallel so norms count them on every rank, except an expert
 tensor TP does not split (gpt-oss's down bias), counted on TP rank 0 (``tp_copy`` on the others);
@@ -61,15 +63,21 @@ EXPERT_GROUP = "mt3d_experts"
 expert-data-parallel group dictionary): one name at every ep, so a resharded run's groups match."""
 
 
-def count_dense_once(module: torch.nn.Module, ep_rank: int, partitioned: bool) -> None:
-    """Mark parameters so DeepSpeed's gradient norms count each once (see above); ``partitioned``:
-    ZeRO partitions dense weights over the ep ranks too, so each rank's share is distinct."""
+def count_dense_once(module: torch.nn.Module, model_rank: int, tp: int, expert_ranks: int,
+                     partitioned: bool) -> None:  # fmt: skip
+    """Mark parameters so DeepSpeed's gradient norms count each once (see above). ``model_rank``: the
+    rank's coordinate on DeepSpeed's 'model' axis (L = lcm(tp, etp x ep) ranks: ``ExpertLayout``), whose
+    ranks hold the same dense TP shard every ``tp`` places and the same experts every ``expert_ranks`` =
+    etp x ep places (before folding L = tp x ep, so dense weights repeat on ep ranks > 0 and experts
+    never); ``partitioned``: ZeRO partitions the states, so each rank's share is distinct."""
     for p in module.parameters():
         if is_expert(p) and getattr(p, "tp_copy", False):
             p.ds_pipe_replicated = True  # TP rank 0 holds the same tensor and counts it
         elif is_expert(p):
-            p.model_parallel = True  # distinct on every (tp, ep) rank: always counted
-        elif ep_rank > 0 and not partitioned:
+            p.model_parallel = True  # distinct on every (etp, ep) rank: counted once among them
+            if model_rank >= expert_ranks and not partitioned:
+                p.ds_pipe_replicated = True
+        elif model_rank >= tp and not partitioned:
             p.ds_pipe_replicated = True  # only set, never cleared: tied weights keep their mark
 
 
@@ -248,30 +256,49 @@ def gradient_pairs(engine) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     return [(p, p.grad) for p in engine.module.parameters() if p.requires_grad and p.grad is not None]
 
 
+def _sum_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum ``grads`` over ``group`` (an ``AxisGroup``) in one flat all-reduce, in place."""
+    if not grads or group.size == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 @torch.no_grad()
 def reduce_over_experts(pairs, ep) -> None:
     """Sum dense gradients over the ep group, divide every gradient by ep (see above)."""
-    dense = [g for p, g in pairs if not is_expert(p)]
-    if dense:
-        flat = torch.cat([g.reshape(-1) for g in dense])
-        dist.all_reduce(flat, group=ep.group)
-        offset = 0
-        for g in dense:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    _sum_flat([g for p, g in pairs if not is_expert(p)], ep)
     for _, g in pairs:
         g.div_(ep.size)
+
+
+@torch.no_grad()
+def reduce_folded(pairs, state) -> None:
+    """A folded layout's whole reduction without ZeRO (DeepSpeed's over its 'data' axis is skipped: those
+    ranks hold the same dense shard and experts, but dense weights repeat over more ranks than that):
+    dense gradients summed over dp x cp (``state.dense``), experts' over their replicas (``state.edp``),
+    all divided by dp x cp, DeepSpeed's mean over every rank's tokens (as with ZeRO, see above)."""
+    _sum_flat([g for p, g in pairs if not is_expert(p)], state.dense)
+    _sum_flat([g for p, g in pairs if is_expert(p)], state.edp)
+    for _, g in pairs:
+        g.div_(state.dense.size)
 
 
 def install(engine, state, zero_stage: int) -> None:
     """Make ``engine`` (DeepSpeed's pipeline engine, mt3d's interleaved one, or at ZeRO-2 the regular
     one, built inside ``zero_optimizer`` when ``zero_stage`` > 0) train expert-parallel over
     ``state.ep``: the norm marks, and with ZeRO its checkpoint names, else the reduction over ep run
-    right before the engine's own. The schedule's reduce step (``_exec_reduce_grads``) is dispatched
-    from a class-level table, so what is wrapped is what it calls on the instance:
-    ``allreduce_gradients``, or ``_bf16_reduce_grads`` with the BF16 optimizer."""
-    ep = state.ep
-    count_dense_once(engine.module, ep.rank, partitioned=zero_stage > 0)
+    right before the engine's own (folded: in place of it, ``reduce_folded``). The schedule's reduce
+    step (``_exec_reduce_grads``) is dispatched from a class-level table, so what is wrapped is what it
+    calls on the instance: ``allreduce_gradients``, or ``_bf16_reduce_grads`` with the BF16 optimizer."""
+    ep, layout = state.ep, state.placement.expert
+    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
+    model_rank = int((grid == state.global_rank).nonzero()[2][0])
+    count_dense_once(engine.module, model_rank, layout.tp, layout.etp * layout.ep, partitioned=zero_stage > 0)
     if zero_stage > 0:
         zero_checkpoint_names(engine, state)
         return
@@ -279,8 +306,11 @@ def install(engine, state, zero_stage: int) -> None:
         inner = getattr(engine, name)
 
         def wrapped(*args, _inner=inner, **kwargs):
-            if engine.is_gradient_accumulation_boundary():
-                reduce_over_experts(gradient_pairs(engine), ep)
+            if not engine.is_gradient_accumulation_boundary():
+                return _inner(*args, **kwargs)
+            if layout.folded:
+                return reduce_folded(gradient_pairs(engine), state)
+            reduce_over_experts(gradient_pairs(engine), ep)
             return _inner(*args, **kwargs)
 
         setattr(engine, name, wrapped)
@@ -313,5 +343,5 @@ def tp_slices(engine, tp):
 
 
 __all__ = ["EXPERT_GROUP", "count_dense_once", "expert_groups", "gradient_pairs", "install",
-           "is_expert", "loading", "reduce_over_experts", "tp_slices", "zero_checkpoint_names",
-           "zero_optimizer"]  # fmt: skip
+           "is_expert", "loading", "reduce_folded", "reduce_over_experts", "tp_slices",
+           "zero_checkpoint_names", "zero_optimizer"]  # fmt: skip
