@@ -9,9 +9,20 @@ planner, the metrics and the presets agree on them.
 
 from __future__ import annotations
 
+import copy
+import importlib
 from dataclasses import asdict, dataclass, field, fields
 
 from .options import BLOCK_OPTIONS, GATED_MLPS, ModelConfigError  # noqa: F401 - re-exported
+
+PARSED = {
+    "mla": (".mla_spec", "LatentSpec"),
+    "moe": (".moe_spec", "MoESpec"),
+    "linear_attention": (".gdn", "GdnSpec"),
+    "mtp": (".mtp_spec", "MtpSpec"),
+}
+"""The options ``ModelConfig`` parses into specs (``mla_spec``, ``moe_spec``, ``gdn_spec``, ``mtp_spec``):
+(module, class with a ``parse``), imported when first parsed."""
 
 
 @dataclass
@@ -221,20 +232,20 @@ class ModelConfig:
     @property
     def mla_spec(self):
         """The parsed ``mla`` option (``LatentSpec``), or None for standard attention."""
-        from .mla_spec import LatentSpec
+        return self._parsed("mla")
 
-        return self._parsed("mla", LatentSpec.parse)
-
-    def _parsed(self, option: str, parse):
-        """``parse`` of option ``option`` (None when unset), parsed once per value of it: the counting
-        helpers ask for it per block, RoPE per table, and the planner for every layout."""
+    def _parsed(self, option: str):
+        """Option ``option`` parsed by its class in ``PARSED`` (None when unset), once per value of it:
+        the counting helpers ask for it per block, RoPE per table, and the planner for every layout."""
         value = getattr(self, option)
         if value is None:
             return None
-        key = repr(value)
         cached = self.__dict__.get(f"_{option}_spec")
-        if cached is None or cached[0] != key:
-            cached = self.__dict__[f"_{option}_spec"] = (key, parse(value))
+        # kept with a copy of the value it was parsed from: a value changed in place parses again
+        if cached is None or cached[0] != value:
+            module, name = PARSED[option]
+            parse = getattr(importlib.import_module(module, __package__), name).parse
+            cached = self.__dict__[f"_{option}_spec"] = (copy.deepcopy(value), parse(value))
         return cached[1]
 
     @property
@@ -247,23 +258,17 @@ class ModelConfig:
     @property
     def moe_spec(self):
         """The parsed ``moe`` option (``MoESpec``), or None for a dense model."""
-        from .moe_spec import MoESpec
-
-        return self._parsed("moe", MoESpec.parse)
+        return self._parsed("moe")
 
     @property
     def gdn_spec(self):
         """The parsed ``linear_attention`` option (``GdnSpec``), or None."""
-        from .gdn import GdnSpec
-
-        return self._parsed("linear_attention", GdnSpec.parse)
+        return self._parsed("linear_attention")
 
     @property
     def mtp_spec(self):
         """The parsed ``mtp`` option (``mt3d.model.mtp_spec.MtpSpec``), or None."""
-        from .mtp_spec import MtpSpec
-
-        return self._parsed("mtp", MtpSpec.parse)
+        return self._parsed("mtp")
 
     def is_linear(self, layer: int) -> bool:
         """Whether block ``layer`` is a Gated DeltaNet layer (``linear_attention``; MTP's are not)."""
@@ -273,7 +278,8 @@ class ModelConfig:
     @property
     def linear_blocks(self) -> int:
         """How many blocks are Gated DeltaNet layers."""
-        return sum(map(self.is_linear, range(self.layers)))
+        spec = self.gdn_spec
+        return 0 if spec is None else sum(map(spec.linear, range(self.layers)))
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture-of-experts MLP."""

@@ -36,12 +36,12 @@ def flops_per_token(cfg, seq_len: int, vocab: int | None = None, attended: float
     full = cfg.layers - linear
     dense_all = full * dense + (linear and linear * cfg.gdn_spec.weight_flops(h))
     core_all = full * 2 * 2 * keys * core + (linear and linear * cfg.gdn_spec.core_flops())
-    mlp = sum(mlp_flops(cfg, i) for i in range(cfg.layers))
+    mlp = mlps_flops(cfg, range(cfg.layers))
     if cfg.mtp is not None:  # each depth: eh_proj, a full-attention block over the sequence, the head
         depths = cfg.mtp_spec.layers
         dense_all += depths * (dense + 2 * 2 * h * h)
         core_all += depths * 2 * 2 * (seq_len if attended is None else attended) * core
-        mlp += sum(mlp_flops(cfg, cfg.layers + k) for k in range(depths))
+        mlp += mlps_flops(cfg, range(cfg.layers, cfg.layers + depths))
         logits *= 1 + depths
     if adapters is not None:
         return 2.0 * (dense_all + mlp + logits) + 3.0 * core_all + 6.0 * adapters
@@ -51,9 +51,15 @@ def flops_per_token(cfg, seq_len: int, vocab: int | None = None, attended: float
 def mlp_flops(cfg, layer: int) -> float:
     """Forward FLOPs per token of block ``layer``'s MLP: dense, or the router, the k experts a token
     visits and the shared expert (with its gate)."""
+    return mlps_flops(cfg, (layer,))
+
+
+def mlps_flops(cfg, layers) -> float:
+    """``mlp_flops`` summed over ``layers``, the options parsed once (the planner counts every layout)."""
     h, mats = cfg.hidden, 3 if cfg.mlp in GATED_MLPS else 2
-    if not cfg.is_sparse(layer):
-        return 2 * mats * h * cfg.ffn
-    spec = cfg.moe_spec
-    return 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn)
-                    + bool(spec.shared_ffn and spec.shared_gate))  # fmt: skip
+    dense, spec = 2 * mats * h * cfg.ffn, cfg.moe_spec
+    if spec is None:
+        return float(dense * len(layers))
+    sparse = 2 * h * (spec.experts + mats * (spec.top_k * spec.expert_ffn + spec.shared_ffn)
+                      + bool(spec.shared_ffn and spec.shared_gate))  # fmt: skip
+    return float(sum(sparse if spec.sparse(i) else dense for i in layers))

@@ -24,6 +24,7 @@ scale-mask-softmax, scores written to HBM), which the fidelity table's published
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -80,13 +81,19 @@ def gemm_seconds(g: Gemm, dev, elem: int = 2, fraction: float = GEMM_FRACTION,
     """Time of ``g`` on ``dev``: the slower of the quantised compute (at ``fraction`` of the device's
     GEMM ceiling, or of ``ceiling`` TFLOP/s: FP8's) and the HBM traffic."""
     per_sm = (ceiling or dev.gemm_tflops) * fraction * 1e12 / dev.sms
+    return _gemm_seconds(g.m, g.n, g.k, g.batch, per_sm, dev.sms, elem / (dev.hbm_gbps * 1e9 * HBM_FRACTION))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _gemm_seconds(m: float, n: float, k: float, batch: float, per_sm: float, sms: int,
+                  seconds_per_byte: float) -> float:  # fmt: skip
+    """``gemm_seconds`` of one shape, remembered: the planner times the same GEMMs for many layouts."""
     best = math.inf
     for tm, tn in TILES:
-        tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.batch
-        waves = math.ceil(tiles / dev.sms)
-        best = min(best, waves * 2.0 * tm * tn * g.k / per_sm)
-    traffic = elem * g.batch * (g.m * g.k + g.k * g.n + g.m * g.n) / (dev.hbm_gbps * 1e9 * HBM_FRACTION)
-    return max(best, traffic)
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        waves = math.ceil(tiles / sms)
+        best = min(best, waves * 2.0 * tm * tn * k / per_sm)
+    return max(best, batch * (m * k + k * n + m * n) * seconds_per_byte)
 
 
 def block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:

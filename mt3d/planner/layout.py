@@ -108,6 +108,10 @@ class Layout:
         """The ranks splitting each expert's inner dimension (etp; tp unless folded)."""
         return self.tp if self.etp is None else self.etp
 
+    def as_row(self) -> dict:
+        """Its fields, as a plan row starts (``asdict`` without the deep copy: every field is a scalar)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @classmethod
     def of_row(cls, row: dict) -> Layout:
         """The layout of a plan row (``asdict`` of one, with its figures beside)."""

@@ -10,7 +10,7 @@ where the rank mapper puts its groups). Feasible layouts are ranked by step time
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import product
 
 from ..config import (
@@ -460,7 +460,7 @@ def _evaluate(cfg, cluster: Cluster, vocab: int, seq_len: int, global_batch: int
     mem = memory_bytes(cfg, vocab, seq_len, lay, prec, activation_model=stack.activation_model,
                        overlap=stack.overlap, attention_kernel=stack.attention_kernel,
                        mt3d_engine=stack.mt3d_rules, fsdp=fsdp, lora_rank=stack.lora)  # fmt: skip
-    row = {**asdict(lay), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
+    row = {**lay.as_row(), "memory_gb": mem["total"] / 1e9, "cpu_gb_per_node": mem["cpu"] * per_node / 1e9,
            "nvme_gb_per_node": mem["nvme"] * per_node / 1e9}  # fmt: skip
     why = tier_overflow(mem, per_node, (dev.memory_gb - dev.reserved_gb) * 1e9, dev)
     if stack.lora and lay.zero_stage == 3 and stack.mt3d_rules:
