@@ -934,6 +934,7 @@ def test_dispatch_chunks_hide_the_all_to_all_behind_the_routed_experts(tmp_path)
     from mt3d.planner.choices import DISPATCH_CHUNKS
     from mt3d.planner.compute import expert_gemms
     from mt3d.planner.search import bandwidths
+    from mt3d.planner.timing import ep_bytes
 
     n = DISPATCH_CHUNKS
     ds = resolve_model({"preset": "deepseek-v3"})
@@ -961,6 +962,12 @@ def test_dispatch_chunks_hide_the_all_to_all_behind_the_routed_experts(tmp_path)
     argv[argv.index("--expert") + 1] = "1"
     conf = write_config(_planned(moe, argv), str(tmp_path / "plan1.json"), moe)
     assert "overlap" not in conf["mt3d"]["train"]  # ep 1: nothing to pipeline, nothing written
+    # at top-1 chunks take the deduplicating exchange: the same rows, plus their metadata (4 k fp32 a row
+    # over the four crossings) and chunks x ep counts in place of one per expert
+    top1 = dataclasses.replace(resolve_model({"preset": "tiny-mixtral"}), moe={**moe["moe"], "top_k": 1})
+    one, two = (ep_bytes(top1, 1024, 1, 4, 2, top1.layers, False, chunks=c)[0] for c in (1, 2))
+    f, layers = 3 / 4, top1.sparse_layers
+    assert two - one == pytest.approx(layers * (f * 1024 * 4 * 4 + (f * 4 * 2 - f * 4) * 8))
 
 
 def test_the_planner_folds_whole_experts_over_tensor_and_data():

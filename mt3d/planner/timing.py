@@ -32,8 +32,8 @@ ZERO3_OVERLAP = 0.5
 
 
 def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: int, blocks: int,
-             recompute: bool, hosts: tuple[int, int] | None = None,
-             fp8_dispatch: str | None = None) -> tuple[float, float]:  # fmt: skip
+             recompute: bool, hosts: tuple[int, int] | None = None, fp8_dispatch: str | None = None,
+             chunks: int = 1) -> tuple[float, float]:  # fmt: skip
     """Bytes one rank sends per step for its expert dispatch, as (over the ep group, within the host):
     every sparse layer of the heaviest stage dispatches and combines each micro-batch's ``tokens``
     rows, each token once per rank holding any of its experts, with fp32 routing metadata, or at top-1
@@ -43,7 +43,8 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     ep group (``parallel.expert_dispatch`` "node"): once per token and host across hosts, then within
     the host (``traffic.ep_node_traffic``). ``fp8_dispatch`` (``train.fp8.dispatch``, the recipe): the
     forward's dispatch, one of the rows' four crossings, in e4m3 with its tiles' scales
-    (``fp8.DispatchRows``)."""
+    (``fp8.DispatchRows``). ``chunks`` (``train.overlap.dispatch_chunks``): the counts of each chunk,
+    and above 1 the deduplicating exchange at top-1 too (its metadata: what ``SparseMoE`` runs)."""
     from ..parallel.fp8 import DispatchRows
 
     spec = cfg.moe_spec
@@ -56,10 +57,12 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     size = lambda rows, meta, counts: (rows * row + meta * 4 + counts * 8) * scale  # noqa: E731
     shape = (tokens, spec.top_k, cfg.hidden, spec.experts)
     limit = (spec.n_group, spec.topk_group)
-    if hosts is None or not spec.dispatch_once:
-        return size(*ep_layer_traffic(ep, *shape, spec.dispatch_once, *limit)), 0.0
+    dedup = spec.dispatch_once or chunks > 1
+    if hosts is None or not dedup:
+        rows, meta, counts = ep_layer_traffic(ep, *shape, dedup, *limit)
+        return size(rows, meta, counts * chunks), 0.0
     across, within = ep_node_traffic(*hosts, *shape, *limit)
-    return size(*across), size(*within)
+    return size(*across[:2], across[2] * chunks), size(*within[:2], within[2] * chunks)
 
 
 def dispatch_hosts(bw: dict[str, float], ep_dispatch: str) -> tuple[int, int] | None:
@@ -82,7 +85,8 @@ def _ep_seconds(cfg: ModelConfig, lay: Layout, seq_len: int, vocab: int | None, 
         return 0.0, 0.0
     t, m, tokens = lay.tp, lay.grad_accum, seq_len // lay.cp * lay.micro_batch
     hosts = dispatch_hosts(bw, ep_dispatch)
-    across, within = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute, hosts, fp8_dispatch)
+    across, within = ep_bytes(cfg, tokens, m, lay.ep, comm_bytes, blocks, lay.recompute, hosts, fp8_dispatch,
+                              chunks)  # fmt: skip
     # mt3d's TP ranks each send whole rows, or 1/(tp / etp) of them when experts split over fewer ranks
     share = t if ep_dispatch == "sequence-shard" else t // lay.expert_tp
     ep = (across / bw["ep"] + (within / bw["ep_within"] if within else 0.0)) / share / 1e9
