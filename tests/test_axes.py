@@ -104,6 +104,24 @@ def test_any_order_of_five_axes_is_a_bijection():
     assert list(natural.groups("tp"))[0] == [0, 2]  # cp innermost: TP partners two apart
 
 
+def test_groups_whose_order_matters_must_ascend_as_torch_numbers_them():
+    """torch numbers a process group's members by ascending global rank, mt3d by coordinate: every order
+    of the axes and the islands of the tour agree; NVLink islands listed out of order, or whole experts
+    folded over islands that interleave the hosts' ranks, are refused in one line before any group."""
+    from mt3d.config.rules import order_conflict
+
+    for order in itertools.permutations(("cp", "ep", "dp", "pp")):
+        pl = place(32, 2, 2, gpus_per_node=32, order="-".join(("tp", *order)), cp=2, ep=2, warn=False)
+        assert order_conflict(pl) is None
+    islands = parse_islands("0,2;1,3;4,6;5,7")
+    assert order_conflict(place(32, 2, 2, gpus_per_node=8, islands=islands, cp=2, warn=False)) is None
+    for tour, kw, axis, group in (("2,3;0,1", dict(cp=2), "cp", [2, 0]),
+                                  ("1,3;0,2", dict(ep=2), "ep", [1, 0]),
+                                  ("0,2;1,3", dict(ep=4, expert_tensor=1), "ep", [0, 2, 1, 3])):  # fmt: skip
+        why = order_conflict(place(4, 2, 1, gpus_per_node=4, islands=parse_islands(tour), warn=False, **kw))
+        assert why.startswith(f"the rank placement lists the {axis} group {group} out of ascending"), why
+
+
 def test_deepspeed_sees_cp_in_its_data_axis_and_ep_in_its_model_axis():
     """cp ranks hold the same weights (DeepSpeed reduces and partitions over them); ep ranks hold
     different experts, so each writes its own files: they count in DeepSpeed's 'model' axis."""

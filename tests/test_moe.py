@@ -801,6 +801,7 @@ def test_one_window_families_refuse_mixed_local_and_global_layers():
         (dict(expert=2), 1, 3, "expert_tensor x expert = 1 x 2 must divide tensor x context x data = 1 x 1"),
         (dict(expert=3), 1, 3, "model.moe.experts = 4 is not divisible by parallel.expert 3"),
         (dict(tensor=2, expert=2, expert_tensor=3), 1, 4, "expert_tensor = 3 must divide tensor = 2"),
+        (dict(tensor=2, expert_tensor=1), 1, 2, "expert_tensor 1 below tensor 2 folds whole experts over an"),
         (dict(tensor=2, expert=4, expert_tensor=1, pipeline=2), 1, 4, "must divide tensor x context x data"),
     ],
 )

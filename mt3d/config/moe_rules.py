@@ -45,6 +45,9 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: in
     why = layout.fit_conflict(expert_ffn=spec.expert_ffn)
     if why:
         return why
+    if degrees["ep"] == 1:  # the TP ranks would share out the tokens with no expert group to sum over
+        return (f"parallel.expert_tensor {etp} below tensor {degrees['tp']} folds whole experts over an "
+                "expert-parallel group: set parallel.expert > 1, or leave expert_tensor unset")  # fmt: skip
     if zero_stage not in (0, 1, 2):
         return (f"ZeRO stage {zero_stage} with a folded expert layout is not supported yet (expert_tensor "
                 f"{etp}, expert {degrees['ep']} over tensor x context x data trains at ZeRO stages 0-2): "

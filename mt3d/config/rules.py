@@ -25,6 +25,7 @@ from .pipeline_rules import (  # noqa: F401 - the pipeline's rules, read from he
     virtual_stage_conflict,
     zero_pipeline_conflict,
 )
+from .placement_rules import order_conflict  # noqa: F401 - read from here too
 from .schema import DataConfig, ParallelConfig, TrainConfig
 
 

@@ -8,6 +8,8 @@ per-layer files and mt3d's experts (named by global index, split over TP) do not
 is also not transformers' (``mt3d.model.moe``). So mt3d counts the ep ranks in DeepSpeed's 'model'
 axis (``parallel.axes``): every (tp, ep) rank writes its own layer files and optimizer partitions,
 and the engine's 'data' axis is dp / ep x cp, the ranks holding the same experts (``state.edp``).
+Folded (``parallel.expert_layout``) the 'model' axis is lcm(tp, etp x ep) ranks and 'data' the rest of
+the stage: ranks holding the same dense shard and the same experts, fewer than ``state.edp``.
 
 With ZeRO 1-2 (``zero_optimizer``): DeepSpeed's ZeRO optimizer does have parameter groups with their
 own data-parallel group ('moe' groups); the engine hands it its MoE groups only on its MoE path, so
@@ -24,12 +26,14 @@ Without ZeRO (``reduce_over_experts``, right before DeepSpeed's own reduction ov
 gradients are summed over the ep group and every gradient divided by ep, so DeepSpeed's average over
 dp / ep x cp becomes the average over dp x cp; dense weights on ep ranks > 0 carry DeepSpeed's
 ``ds_pipe_replicated`` mark (meant for tied weights held by several stages: "counted once"), which
-every DeepSpeed norm honours. A folded layout (``parallel.expert_layout``) reduces in place of DeepSpeed
-(``reduce_folded``: dense over dp x cp, experts over edp) and marks the copies on DeepSpeed's 'model'
-axis the same way (``count_dense_once``).
+DeepSpeed's ZeRO and BF16 norms honour (its ``clip_grad_norm_``, which does not, gets only the
+unmarked ones: ``ds.engine.guard_fp32_without_zero``). A folded layout (``parallel.expert_layout``)
+reduces in place of DeepSpeed (``reduce_folded``: dense over dp x cp, experts over edp) and marks the
+copies on DeepSpeed's 'model' axis the same way (``count_dense_once``).
 
-Either way experts are marked model-parallel so norms count them on every rank, except an expert
-tensor TP does not split (gpt-oss's down bias), counted on TP rank 0 (``tp_copy`` on the others);
+Either way experts are marked model-parallel so norms count them on every rank (folded without ZeRO:
+on the first etp x ep ranks of the 'model' axis, the others hold copies), except an expert tensor TP
+does not split (gpt-oss's down bias), counted on TP rank 0 (``tp_copy`` on the others);
 the reported loss is averaged over ep in the training loop (DeepSpeed averages over its 'data'); and
 resharding (``tp_slices``): DeepSpeed's universal loader slices TP-split states by the grid's 'model'
 rank and size, which count ep ranks too; the load runs with mt3d's tp group instead.

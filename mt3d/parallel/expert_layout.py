@@ -8,9 +8,10 @@ mapper's ``Placement`` (its 'ep', 'edp', 'etp' and 'tpo' groups, the ep coordina
 (``mt3d.parallel.expert_tensor``, ``rules.folding_conflict``), the training loop's loss mean, the
 checkpoints (``model_rank``: where an expert's files are; ``ds.universal._convert_folded``) and the
 planner. Folded layouts train equal to one process at ZeRO 0-2 (ZeRO-0:
-``mt3d.ds.experts.reduce_folded``), with or without a capacity, resume exactly and reshard
-(tests/test_moe.py). Not yet: a reshard into experts split over part of the TP group (refused in one
-line: ``mt3d.checkpoint.reshard.folded_reshard_conflict``).
+``mt3d.ds.experts.reduce_folded``), with or without a capacity, resume exactly and reshard (ZeRO 1-2:
+no ZeRO-0 checkpoint reshards, folded or not) (tests/test_moe.py). Their ranks must ascend in each
+group (``config.placement_rules.order_conflict``). Not yet: a reshard into experts split over part of
+the TP group (refused in one line: ``mt3d.checkpoint.reshard.folded_reshard_conflict``).
 
 The ranks of a stage are listed innermost first in the attention grid's own nesting with the ep part
 of dp moved next to tp: tp, then ``g`` ranks of dp (the grid's 'ep' dimension: the ep ranks the

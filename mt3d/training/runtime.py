@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ParallelConfig
-from ..config.rules import dispatch_hosts_conflict
+from ..config.rules import dispatch_hosts_conflict, order_conflict
 from ..ds.topology import MappedTopology, map_ranks
 from ..errors import UserError
 from ..inputs import env_int
@@ -111,7 +111,7 @@ def setup(par: ParallelConfig, seed: int) -> Runtime:
         expert_tensor=par.expert_tensor,
         **par.degrees(),
     )
-    why = dispatch_hosts_conflict(par.expert_dispatch, topo.placement)
+    why = dispatch_hosts_conflict(par.expert_dispatch, topo.placement) or order_conflict(topo.placement)
     if why:
         raise TopologyError(why)
     state = ParallelState.build(topo)
