@@ -104,10 +104,12 @@ def test_any_order_of_five_axes_is_a_bijection():
     assert list(natural.groups("tp"))[0] == [0, 2]  # cp innermost: TP partners two apart
 
 
-def test_groups_whose_order_matters_must_ascend_as_torch_numbers_them():
+def test_groups_whose_order_matters_must_ascend_as_torch_numbers_them(capsys):
     """torch numbers a process group's members by ascending global rank, mt3d by coordinate: every order
     of the axes and the islands of the tour agree; NVLink islands listed out of order, or whole experts
-    folded over islands that interleave the hosts' ranks, are refused in one line before any group."""
+    folded over islands that interleave the hosts' ranks, are refused in one line before any group
+    (and ``mt3d topo`` says so)."""
+    from mt3d.cli import main
     from mt3d.config.rules import order_conflict
 
     for order in itertools.permutations(("cp", "ep", "dp", "pp")):
@@ -120,6 +122,12 @@ def test_groups_whose_order_matters_must_ascend_as_torch_numbers_them():
                                   ("0,2;1,3", dict(ep=4, expert_tensor=1), "ep", [0, 2, 1, 3])):  # fmt: skip
         why = order_conflict(place(4, 2, 1, gpus_per_node=4, islands=parse_islands(tour), warn=False, **kw))
         assert why.startswith(f"the rank placement lists the {axis} group {group} out of ascending"), why
+    capsys.readouterr()
+    argv = ["topo", "--world-size", "4", "--tp", "2", "--ep", "4", "--etp", "1", "--islands", "0,2;1,3"]
+    assert main(argv) == 0
+    assert "note: mt3d train refuses this placement: the rank placement lists the ep group [0, 2, 1, 3]" in (
+        capsys.readouterr().err
+    )
 
 
 def test_deepspeed_sees_cp_in_its_data_axis_and_ep_in_its_model_axis():

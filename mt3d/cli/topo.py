@@ -142,4 +142,9 @@ def cmd_topo(args: argparse.Namespace) -> int:
         R.write_report_json(topo, traffic, sys.stdout)
     else:
         print(R.format_report(topo, traffic))
+    from ..config.rules import order_conflict
+
+    why = order_conflict(topo)
+    if why:  # shown here, refused by a training run before its process groups
+        print(f"note: mt3d train refuses this placement: {why}", file=sys.stderr)
     return 0
