@@ -209,6 +209,14 @@ def expert_zero_optimizer():
     return ExpertZeroOptimizer
 
 
+def grid_coordinate(state) -> tuple[int, int, int]:
+    """This rank's (pipe, data, model) coordinate in DeepSpeed's pipeline grid
+    (``Placement.deepspeed_grid``)."""
+    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
+    pipe, data, model = (int(c[0]) for c in (grid == state.global_rank).nonzero())
+    return pipe, data, model
+
+
 def zero_checkpoint_names(engine, state) -> None:
     """With ``zero_optimizer``, every rank writes its optimizer file (DeepSpeed's engine lets only the
     ranks whose dp x cp rank equals their 'data' rank write), named by its dp x cp rank, and reads
@@ -235,8 +243,7 @@ def zero_checkpoint_names(engine, state) -> None:
     engine._get_all_zero_checkpoint_names = names
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
-    pipe, data, model = (int(c[0]) for c in (grid == state.global_rank).nonzero())
+    pipe, data, model = grid_coordinate(state)
     # what the optimizer file's number does not say under every rank order (the pipeline engine numbers
     # it by the rank's place among its 'data' coordinate's ranks): read by universal._convert_folded
     engine.optimizer.mt3d_coordinate = {"pipe": pipe, "model": model}
@@ -244,7 +251,8 @@ def zero_checkpoint_names(engine, state) -> None:
         return
     engine.checkpoint_mp_rank = model
     engine.save_non_zero_checkpoint = data == 0
-    engine.mp_world_size = grid.shape[2]  # the module files' count, which DeepSpeed's loader checks
+    # the module files' count (the grid's 'model' axis), which DeepSpeed's loader checks
+    engine.mp_world_size = state.placement.expert.model_ranks
 
 
 def gradient_pairs(engine) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -300,8 +308,7 @@ def install(engine, state, zero_stage: int) -> None:
     step (``_exec_reduce_grads``) is dispatched from a class-level table, so what is wrapped is what it
     calls on the instance: ``allreduce_gradients``, or ``_bf16_reduce_grads`` with the BF16 optimizer."""
     ep, layout = state.ep, state.placement.expert
-    grid = state.placement.deepspeed_grid()  # [pipe, data, model]: the global rank at each coordinate
-    model_rank = int((grid == state.global_rank).nonzero()[2][0])
+    model_rank = grid_coordinate(state)[2]
     count_dense_once(engine.module, model_rank, layout.tp, layout.etp * layout.ep, partitioned=zero_stage > 0)
     if zero_stage > 0:
         zero_checkpoint_names(engine, state)
@@ -347,5 +354,5 @@ def tp_slices(engine, tp):
 
 
 __all__ = ["EXPERT_GROUP", "count_dense_once", "expert_groups", "gradient_pairs", "install",
-           "is_expert", "loading", "reduce_folded", "reduce_over_experts", "tp_slices",
+           "grid_coordinate", "is_expert", "loading", "reduce_folded", "reduce_over_experts", "tp_slices",
            "zero_checkpoint_names", "zero_optimizer"]  # fmt: skip

@@ -54,15 +54,14 @@ def ep_bytes(cfg: ModelConfig, tokens: int, micro_batches: int, ep: int, elem: i
     row = elem
     if fp8_dispatch:  # bytes per row element, averaged over the four crossings
         row = (3 * elem + 1 + DispatchRows(fp8_dispatch).scale_bytes(cfg.hidden) / cfg.hidden) / 4
-    size = lambda rows, meta, counts: (rows * row + meta * 4 + counts * 8) * scale  # noqa: E731
+    size = lambda rows, meta, counts: (rows * row + meta * 4 + counts * chunks * 8) * scale  # noqa: E731
     shape = (tokens, spec.top_k, cfg.hidden, spec.experts)
     limit = (spec.n_group, spec.topk_group)
     dedup = spec.dispatch_once or chunks > 1
     if hosts is None or not dedup:
-        rows, meta, counts = ep_layer_traffic(ep, *shape, dedup, *limit)
-        return size(rows, meta, counts * chunks), 0.0
+        return size(*ep_layer_traffic(ep, *shape, dedup, *limit)), 0.0
     across, within = ep_node_traffic(*hosts, *shape, *limit)
-    return size(*across[:2], across[2] * chunks), size(*within[:2], within[2] * chunks)
+    return size(*across), size(*within)
 
 
 def dispatch_hosts(bw: dict[str, float], ep_dispatch: str) -> tuple[int, int] | None:
