@@ -276,6 +276,35 @@ def test_whole_vocabulary_cross_entropy_of_bf16_logits_is_fp32_and_keeps_no_fp32
     assert max(t.numel() * t.element_size() for t in saved) == logits.numel() * 2
 
 
+def test_whole_vocabulary_cross_entropy_paths_agree_in_fp32():
+    """tp 1 runs torch's fused cross entropy for fp32 logits off the GPU and mt3d's own function (saved
+    logits and log-sum-exp) on a GPU and for half logits: on the same fp32 logits, with padded columns
+    and ignored targets, both give the same loss and gradient."""
+    from mt3d.parallel.cross_entropy import _WholeVocabCrossEntropy
+
+    tp = AxisGroup.alone("tp")
+    g = torch.Generator().manual_seed(1)
+    real, padded = 40, 48
+    logits = torch.randn(2, 16, padded, generator=g) * 4
+    logits[..., real:] = 60.0
+    target = torch.randint(0, real, (2, 16), generator=g)
+    target[1, :4] = IGNORE_INDEX
+    weight = torch.rand(2, 16, generator=g)
+    paths = {
+        "fused": lambda x: vocab_parallel_cross_entropy(x, target, tp, real),
+        "own": lambda x: _WholeVocabCrossEntropy.apply(x, target, real, IGNORE_INDEX),
+    }
+    got = {}
+    for name, fn in paths.items():
+        x = logits.clone().requires_grad_()
+        loss = fn(x)
+        (loss * weight).sum().backward()
+        got[name] = (loss.detach(), x.grad)
+    torch.testing.assert_close(got["fused"][0], got["own"][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["fused"][1], got["own"][1], rtol=1e-6, atol=1e-7)
+    assert torch.all(got["fused"][1][..., real:] == 0) and torch.all(got["fused"][0][1, :4] == 0)
+
+
 def test_cross_entropy_is_stable_for_huge_logits():
     tp = AxisGroup.alone("tp")
     logits = torch.tensor([[[1e4, 0.0, -1e4]]], requires_grad=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -43,6 +44,17 @@ def table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         lines.append("  ".join(cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
     return "\n".join(lines)
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(low, high, coverage): the distribution-free interval for the median of ``values`` (order
+    statistics x_(k) and x_(n+1-k), k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2),
+    and the probability it holds the true median (at least ``confidence`` where n allows; with fewer
+    than 6 values the whole range, at its own coverage)."""
+    xs, n = sorted(values), len(values)
+    cdf = [sum(math.comb(n, j) for j in range(i + 1)) / 2**n for i in range(n)]  # P(B <= i)
+    k = max([1] + [i + 1 for i in range(n // 2) if cdf[i] <= (1 - confidence) / 2])
+    return xs[k - 1], xs[n - k], 1 - 2 * cdf[k - 1]
 
 
 def median_time(fn, reps: int) -> float:

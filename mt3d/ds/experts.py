@@ -190,12 +190,13 @@ def expert_zero_optimizer():
             squares = []
             for i in groups:
                 grads = [g for g in self.averaged_gradients[i] if not getattr(g, "_zero_padding", False)]
-                norms = [
-                    torch.linalg.vector_norm(g.detach().to(get_norm_dtype()), ord=2)
+                counted = [
+                    g.detach().to(get_norm_dtype())
                     for g, p in zip(grads, self.params_in_partition[i])
                     if not getattr(p, "ds_pipe_replicated", False)
                     and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)
                 ]
+                norms = torch._foreach_norm(counted, 2) if counted else []  # one call, as clip_grad_norm_'s
                 squares.append(torch.stack(norms).pow(2).sum().float() if norms else torch.zeros(()))
             total = torch.stack([s.to(squares[0].device) for s in squares])
             dist.all_reduce(total, group=self.dp_process_group)

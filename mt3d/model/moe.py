@@ -303,12 +303,15 @@ class SparseMoE(nn.Module):
         t, k = index.shape
         e = self.spec.experts
         flat = index.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=e)
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         parts = (self.cp.size if self.cp is not None else 1) * (self.tpo.size if self.tpo is not None else 1)
         # evaluation is dropless (transformers); ``parts``: the ranks routing disjoint parts of these samples
         cap = self.spec.capacity(t * parts) if self.training else None
+        once = self.ep is not None and (self.dedup or self.chunks > 1)
+        if once and cap is None:  # every slot travels as routed: nothing to sort or count here
+            return (*exchange(self, x, weights, index, during, self.chunks), dropped)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e)
         if cap is not None:  # position of each sorted assignment inside its expert; keep the first cap
             starts = counts.cumsum(0) - counts
             pos = torch.arange(t * k, device=x.device) - starts[flat[order]]
@@ -320,7 +323,7 @@ class SparseMoE(nn.Module):
             counts = torch.bincount(flat[order], minlength=e)
             if self.tpo is not None:  # each segment's drops once (an etp group's ranks drop alike)
                 dropped = all_reduce(dropped, self.tpo)
-        if self.ep is not None and (self.dedup or self.chunks > 1):
+        if once:
             return (*self._dispatch_once(x, flat, order, weights, during), dropped)
         rows = order // k
         ys = self._run(x[rows], counts) * weights.flatten()[order].unsqueeze(-1)
@@ -352,7 +355,7 @@ class SparseMoE(nn.Module):
         lexp = idr[row, slot] - self.local.start
         perm = torch.argsort(lexp, stable=True)
         row, slot = row[perm], slot[perm]
-        ye = self._run_local(xr[row], torch.bincount(lexp[perm], minlength=len(self.local)).tolist())
+        ye = self._run_local(xr[row], torch.bincount(lexp, minlength=len(self.local)).tolist())
         ye = (ye * wr[row, slot].unsqueeze(-1)).to(xr.dtype)
         return torch.zeros_like(xr).index_add(0, row, ye)
 

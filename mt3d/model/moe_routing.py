@@ -105,8 +105,9 @@ def routes(w: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, group: Axis
     r, k = ids.shape
     row, slot = (ids >= 0).nonzero(as_tuple=True)
     expert = ids[row, slot]
-    of_row = torch.arange(r, device=ids.device) * chunks // max(r, 1)
-    key = (of_row[row] * group.size + target[expert]) * r + row
+    key = target[expert] * r + row  # (chunk, member, row) in one integer
+    if chunks > 1:  # chunk c: rows [c r / chunks, (c + 1) r / chunks)
+        key = key + row * chunks // max(r, 1) * (group.size * r)
     pairs, which = torch.unique(key, return_inverse=True)  # sorted: by chunk, member, then row
     onward = None
     with torch.no_grad():
