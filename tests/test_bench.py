@@ -173,6 +173,8 @@ def test_activation_peak_counts_every_allocation_up_to_the_optimizer_step():
         (["autoep", "--steps", "3"], "--steps must exceed the 3 warm-up steps"),
         (["autoep", "--ep", "3"], "--ep 3 does not divide the benchmark Mixtral's 8 experts"),
         (["autoep", "--folded-pairs", "-1"], "--folded-pairs must be 0 (no folded row) or more"),
+        (["autoep", "--dispatch", "rank,node"], "--dispatch takes distinct values of rank, assignment"),
+        (["autoep", "--dispatch", "rank,rank"], "got rank,rank"),
     ],
 )  # fmt: skip
 def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys, monkeypatch):
@@ -206,6 +208,11 @@ def test_the_autoep_benchmarks_mt3d_half_trains_the_peer_model_alike_at_ep_1_and
     runs = [
         spawn(mt3d_worker, 2, model, tokens, str(tmp_path / f"ep{ep}"), ep, timeout=300)[0] for ep in (1, 2)
     ]
+    # expert_dispatch "assignment" (each token once per expert, no routing metadata) trains alike
+    each = spawn(mt3d_worker, 2, model, tokens, str(tmp_path / "each"), 2, 1, None, "assignment", timeout=300)
+    assert runs[1]["dispatch_once"] and not each[0]["dispatch_once"]
+    for a, b in zip(each[0]["steps"], runs[0]["steps"], strict=True):
+        assert all(abs(a[key] - b[key]) <= 1e-5 * abs(b[key]) for key in ("loss", "grad_norm")), (a, b)
     layouts = folded_layouts(2)
     whole = layouts["whole"]
     runs.append(spawn(mt3d_worker, 4, model, tokens, str(tmp_path / "whole"), whole["ep"], whole["tp"],

@@ -374,9 +374,9 @@ def test_node_dispatch_crosses_to_each_host_once_per_token():
 
 
 def test_bad_expert_dispatch_is_one_line(tmp_path):
-    """An unknown ``expert_dispatch``, "node" without expert parallelism (before any process group),
-    ``dispatch_chunks`` below 1 or without expert parallelism, and "node" where an ep group has
-    different numbers of ranks on its hosts (once the hosts are known)."""
+    """An unknown ``expert_dispatch``, "node" or "assignment" without expert parallelism (before any
+    process group), "assignment" in chunks, ``dispatch_chunks`` below 1 or without expert parallelism,
+    and "node" where an ep group has different numbers of ranks on its hosts (once the hosts are known)."""
     from mt3d.config import ConfigError, from_dict, resolve_model, validate
     from mt3d.config.rules import dispatch_hosts_conflict
     from mt3d.ds.topology import map_ranks
@@ -384,8 +384,10 @@ def test_bad_expert_dispatch_is_one_line(tmp_path):
 
     from helpers import tiny_config
 
-    bad = (("nodes", 2, 1, "expert_dispatch must be one of rank, node, got 'nodes'"),
+    bad = (("nodes", 2, 1, "expert_dispatch must be one of rank, node, assignment, got 'nodes'"),
            ("node", 1, 1, "it needs a model with experts and parallel.expert > 1"),
+           ("assignment", 1, 1, "'assignment' routes tokens to experts once per expert: it needs a model"),
+           ("assignment", 2, 2, "set expert_dispatch 'rank' or dispatch_chunks 1"),
            ("rank", 2, 0, "mt3d.train.overlap.dispatch_chunks must be >= 1, got 0"),
            ("rank", 1, 2, "dispatch_chunks 2 pipelines the expert-parallel all-to-all: it needs a model with "
                           "experts and parallel.expert > 1"))  # fmt: skip
@@ -456,7 +458,8 @@ def test_the_shared_expert_runs_while_the_dispatch_travels():
 LAYOUTS = [  # (preset, world, parallel keys, and zero: the ZeRO stage when not 1)
     ("tiny-mixtral", 2, dict(expert=2)),
     ("tiny-mixtral", 2, dict(expert=2, zero=0)),  # mt3d's fp32 norm without ZeRO (mt3d.ds.engine)
-    ("tiny-mixtral", 2, dict(expert=2, zero=2)),  # the regular engine, gradients partitioned too
+    # the regular engine, gradients partitioned too; each token sent once per expert it is routed to
+    ("tiny-mixtral", 2, dict(expert=2, zero=2, expert_dispatch="assignment")),
     ("tiny-mixtral", 4, dict(context=2, expert=2)),  # dense states over dp x cp = 4, experts' over cp 2
     ("tiny-mixtral", 4, dict(pipeline=2, expert=2, recompute=1)),  # aux statistics cross stages, recompute
     ("tiny-mixtral", 2, dict(context=2)),  # the aux statistics summed over the cp ranks' chunks

@@ -241,6 +241,9 @@ def _add_model_parsers(sub) -> None:
     ae.add_argument("--pairs", type=positive_int, default=4, help="A/B pairs of runs")
     ae.add_argument("--steps", type=positive_int, default=20, help="steps per run (3 are not timed)")
     ae.add_argument("--ep", type=positive_int, default=2, help="expert-parallel degree (= processes)")
+    ae.add_argument("--dispatch", type=lambda s: s.split(","), default=["rank", "assignment"],
+                    help="mt3d's parallel.expert_dispatch values, each run beside AutoEP in every round "
+                    "(the first one's losses are compared)")  # fmt: skip
     ae.add_argument("--folded-pairs", type=int, default=2,
                     help="A/B pairs of the folded row: mt3d at tp 2, experts split over tp (etp 2) against "
                     "whole experts folded over tp x dp (etp 1), world 2 x ep; 0 skips it")  # fmt: skip

@@ -68,11 +68,12 @@ def token_batches(steps: int, world: int, seed: int = 4321) -> torch.Tensor:
 
 
 def mt3d_worker(
-    model_dir: str, tokens: str, save_dir: str, ep: int, tp: int = 1, etp: int | None = None
-) -> dict:
+    model_dir: str, tokens: str, save_dir: str, ep: int, tp: int = 1, etp: int | None = None,
+    dispatch: str = "rank",
+) -> dict:  # fmt: skip
     """mt3d's run: ``model.from_hf`` at ``parallel.expert: ep`` (``tp``, ``etp``: the tensor and expert
-    tensor degrees of the folded comparison), the same optimizer and batches (each data-parallel rank
-    its own rows, its TP ranks the same)."""
+    tensor degrees of the folded comparison; ``dispatch``: ``parallel.expert_dispatch``), the same
+    optimizer and batches (each data-parallel rank its own rows, its TP ranks the same)."""
     import time
 
     import torch.distributed as dist
@@ -85,7 +86,7 @@ def mt3d_worker(
     raw = bench_run_config(model={"from_hf": model_dir}, tp=tp, global_batch=MICRO * dp, micro=MICRO,
                            seq_len=SEQ, save_dir=save_dir)  # fmt: skip
     raw.update(optimizer=OPTIMIZER, gradient_clipping=CLIP)
-    raw["mt3d"]["parallel"]["expert"] = ep
+    raw["mt3d"]["parallel"].update(expert=ep, expert_dispatch=dispatch)
     if etp is not None:
         raw["mt3d"]["parallel"]["expert_tensor"] = etp
     _, _, rt, engine, _, _ = build_engine(raw)
@@ -107,7 +108,8 @@ def mt3d_worker(
                 "step_s": seconds,
             }
         )
-    return {"steps": steps, "optimizer": type(engine.optimizer).__name__}
+    once = any(getattr(m, "dedup", False) for m in engine.module.modules())  # what the layers ran
+    return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "dispatch_once": once}
 
 
 def run_peer(py: Path, model_dir: str, tokens: str, out: str, ep: int, world: int) -> dict:
@@ -132,6 +134,18 @@ def run_peer(py: Path, model_dir: str, tokens: str, out: str, ep: int, world: in
     return json.loads(Path(out).read_text())
 
 
+def by_dispatch(pairs: list[dict], dispatch: str) -> dict:
+    """mt3d at one ``parallel.expert_dispatch`` against AutoEP over the rounds: step times, ratios, their
+    median and its interval."""
+    ratios = [step_time(p[dispatch]) / step_time(p["autoep"]) for p in pairs]
+    return {
+        "mt3d_step_ms": [round(step_time(p[dispatch]) * 1e3, 2) for p in pairs],
+        "ratios": [round(r, 4) for r in ratios],
+        "mt3d_over_autoep": round(statistics.median(ratios), 4),
+        **interval(ratios),
+    }
+
+
 def interval(ratios: list[float]) -> dict:
     """The median's distribution-free interval over the pairs (``common.median_interval``): a pair's
     ratio varies by about +-10% on 2 shared cores, so the median alone does not say which side of 1 the
@@ -152,6 +166,12 @@ def check_args(args) -> str | None:
         return f"--steps must exceed the {WARMUP} warm-up steps left out of the step time"
     if args.folded_pairs < 0:
         return "--folded-pairs must be 0 (no folded row) or more"
+    from ..config.moe_rules import DISPATCHES
+
+    wrong = [d for d in args.dispatch if d not in DISPATCHES or d == "node"]
+    if wrong or not args.dispatch or len(set(args.dispatch)) < len(args.dispatch):
+        given = ",".join(args.dispatch)
+        return f"--dispatch takes distinct values of rank, assignment (comma-separated), got {given}"
     from .autoep_peer import SHAPE
 
     if SHAPE["num_local_experts"] % args.ep:
@@ -177,24 +197,24 @@ def run(args) -> dict:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     torch.save(token_batches(args.steps, world), tokens)
-    pairs = []
+    runs, pairs = ["autoep", *args.dispatch], []
     for i in range(args.pairs):
-        order = ("autoep", "mt3d") if i % 2 == 0 else ("mt3d", "autoep")
         got = {}
-        for who in order:
+        for who in runs[i % len(runs) :] + runs[: i % len(runs)]:  # who goes first rotates
             if who == "autoep":
                 got[who] = run_peer(py, model_dir, tokens, str(work / f"peer{i}.json"), args.ep, world)
             else:
-                got[who] = spawn(
-                    mt3d_worker, world, model_dir, tokens, str(work / "mt3d"), args.ep, timeout=1800
-                )[0]
+                got[who] = spawn(mt3d_worker, world, model_dir, tokens, str(work / "mt3d"), args.ep, 1, None,
+                                 who, timeout=1800)[0]  # fmt: skip
         pairs.append(got)
-        a, m = step_time(got["autoep"]), step_time(got["mt3d"])
-        print(
-            f"pair {i + 1}: AutoEP {a * 1e3:.1f} ms, mt3d {m * 1e3:.1f} ms a step, mt3d / AutoEP {m / a:.3f}",
-            flush=True,
+        a = step_time(got["autoep"])
+        mine = ", ".join(
+            f"mt3d ({d}) {step_time(got[d]) * 1e3:.1f} ms, {step_time(got[d]) / a:.3f}" for d in runs[1:]
         )
-    first = pairs[0]
+        print(f"round {i + 1}: AutoEP {a * 1e3:.1f} ms a step; {mine} of it", flush=True)
+    first, main = pairs[0], args.dispatch[0]
+    for p in pairs:
+        p["mt3d"] = p[main]
     rows = [
         {
             "step": k + 1,
@@ -221,11 +241,13 @@ def run(args) -> dict:
         "max_relative_loss_gap": loss_gap,
         "optimizers": {"autoep": first["autoep"]["optimizer"], "mt3d": first["mt3d"]["optimizer"]},
         "peer": {"transformers": PEER_TRANSFORMERS},
+        "dispatch": main,
+        "dispatches": {d: by_dispatch(pairs, d) for d in args.dispatch},
     }
-    print(
-        f"mt3d / AutoEP step time: {result['mt3d_over_autoep']:.3f} (median of {args.pairs} A/B pairs, "
-        f"{describe(result)}; losses within {loss_gap:.1e} relative)"
-    )
+    for d, row in result["dispatches"].items():
+        print(f"mt3d ({d}) / AutoEP step time: {row['mt3d_over_autoep']:.3f} (median of {args.pairs} rounds, "
+              f"{describe(row)})")  # fmt: skip
+    print(f"losses (mt3d {main}) within {loss_gap:.1e} relative of AutoEP's")
     if args.folded_pairs:
         result["folded"] = folded_row(model_dir, work, args)
     return emit("autoep", result)

@@ -215,8 +215,9 @@ def validate(run: RunConfig, world_size: int, model: ModelConfig | None = None, 
     _check_schedule(run, degrees, stage)
     if model is not None:
         _check_model(model, par, degrees, data.seq_len)
-    why = rules.dispatch_conflict(par.expert_dispatch, degrees["ep"], model) or rules.chunks_conflict(
-        train.overlap.dispatch_chunks, degrees["ep"], model
+    chunks = train.overlap.dispatch_chunks
+    why = rules.chunks_conflict(chunks, degrees["ep"], model) or rules.dispatch_conflict(
+        par.expert_dispatch, degrees["ep"], model, chunks
     )
     if why:
         raise ConfigError(why)

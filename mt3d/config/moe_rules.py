@@ -60,18 +60,23 @@ def folding_conflict(spec, degrees: dict[str, int], zero_stage: int, seq_len: in
     return None
 
 
-DISPATCHES = ("rank", "node")
+DISPATCHES = ("rank", "node", "assignment")
 """``mt3d.parallel.expert_dispatch``'s values (``model.moe_exchange``)."""
 
 
-def dispatch_conflict(dispatch: str, ep: int, model=None) -> str | None:
+def dispatch_conflict(dispatch: str, ep: int, model=None, chunks: int = 1) -> str | None:
     """Why ``mt3d.parallel.expert_dispatch`` cannot run as configured (None: it can; whether the ep
     groups split evenly over the hosts is known once the hosts are, ``training.runtime.setup``)."""
     if dispatch not in DISPATCHES:
         return f"mt3d.parallel.expert_dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}"
-    if dispatch == "node" and (ep == 1 or (model is not None and model.moe is None)):
-        return ("mt3d.parallel.expert_dispatch 'node' routes tokens to experts over hosts: it needs a model "
-                "with experts and parallel.expert > 1; set it to 'rank' (or leave it out)")  # fmt: skip
+    if dispatch != "rank" and (ep == 1 or (model is not None and model.moe is None)):
+        how = "over hosts" if dispatch == "node" else "once per expert"
+        return (f"mt3d.parallel.expert_dispatch {dispatch!r} routes tokens to experts {how}: it needs a "
+                "model with experts and parallel.expert > 1; set it to 'rank' (or leave it out)")  # fmt: skip
+    if dispatch == "assignment" and chunks > 1:
+        return ("mt3d.parallel.expert_dispatch 'assignment' sends each token once per expert in one piece; "
+                f"mt3d.train.overlap.dispatch_chunks {chunks} pipelines the once-per-rank dispatch: set "
+                "expert_dispatch 'rank' or dispatch_chunks 1")  # fmt: skip
     return None
 
 

@@ -124,7 +124,10 @@ class ParallelConfig:
     token sent once to each rank holding any of its experts; 'node', two where the ep group spans hosts
     (DeepEP's inter-node route): once to each host holding any of its experts (to the ep rank at the
     sender's place there), then within that host to the experts' ranks, so a token crosses to another
-    host at most once per host. 'node' needs the same number of ep ranks on each host of a group."""
+    host at most once per host. 'node' needs the same number of ep ranks on each host of a group.
+    'assignment': one all-to-all, each token sent once per expert it is routed to (Megatron's alltoall
+    dispatcher, DeepSpeed AutoEP's): more rows, none of the routing metadata and bookkeeping the others
+    carry, which is cheaper where rows are narrow (tiny models); no dispatch_chunks."""
     pipeline: int = 1
     """Pipeline stages pp (DeepSpeed's 1F1B pipeline engine)."""
     order: str = "tp-cp-ep-dp-pp"

@@ -55,6 +55,8 @@ class BuildContext:
             dispatch's rows in FP8.
         dispatch_chunks: pipeline each MoE layer's expert all-to-all over this many chunks of its
             tokens (``train.overlap.dispatch_chunks``).
+        dispatch_once: under ep, send each token once to each rank holding any of its experts (False:
+            once per expert it is routed to, ``parallel.expert_dispatch`` "assignment").
     """
 
     tp: AxisGroup
@@ -80,6 +82,7 @@ class BuildContext:
     fp8_experts: bool = False
     fp8_dispatch: bool = False
     dispatch_chunks: int = 1
+    dispatch_once: bool = True
 
     def init(self, layer: int, name: str, std: float) -> NormalInit | NoInit:
         """The init of one parameter, independent of the layout."""

@@ -176,10 +176,11 @@ class SparseMoE(nn.Module):
         self.ep = ctx.ep if ctx.ep is not None and ctx.ep.size > 1 else None
         self.codec = ctx.dispatch_codec(layer)
         """The dispatch's rows in FP8 (``train.fp8.dispatch``: ``fp8.DispatchRows``), or None."""
-        self.dedup = spec.dispatch_once
+        self.dedup = spec.dispatch_once and ctx.dispatch_once
         """Under ep, send each token once per rank that holds any of its experts (``_dispatch_once``);
-        False: once per (token, expert) assignment (``_run``; ``MoESpec.dispatch_once``), and the
-        dispatch benchmark's comparison."""
+        False: once per (token, expert) assignment (``_run``: at top-1, where the two send the same rows
+        (``MoESpec.dispatch_once``), with ``parallel.expert_dispatch`` "assignment", and in the dispatch
+        benchmark's comparison)."""
         self.chunks, self.pipelined = ctx.dispatch_chunks, True
         """``moe_exchange.exchange``'s chunks (``train.overlap.dispatch_chunks``), pipelined or (the
         benchmark's serial baseline) not."""

@@ -37,6 +37,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
     return [g for g in groups if g["params"]]
 
 
+def dispatch_context(expert_dispatch: str, rt: Runtime) -> dict:
+    """The build context's share of ``parallel.expert_dispatch``: the hosts of a two-hop dispatch
+    ("node"), and whether tokens go once per rank ("rank", "node") or once per expert ("assignment")."""
+    return {
+        "ep_hosts": rt.state.ep_hosts() if expert_dispatch == "node" else None,
+        "dispatch_once": expert_dispatch != "assignment",
+    }
+
+
 def build_model(
     cfg: ModelConfig,
     layout: Layout,
@@ -70,7 +79,7 @@ def build_model(
         ep=rt.state.ep,
         etp=rt.state.etp,
         tpo=rt.state.tpo,
-        ep_hosts=rt.state.ep_hosts() if expert_dispatch == "node" else None,
+        **dispatch_context(expert_dispatch, rt),
         keep_gathered=rec.gathered_sp_inputs,
         selective=rec.granularity == "selective",
         dispatch_chunks=train.overlap.dispatch_chunks,
