@@ -175,6 +175,7 @@ def test_activation_peak_counts_every_allocation_up_to_the_optimizer_step():
         (["autoep", "--folded-pairs", "-1"], "--folded-pairs must be 0 (no folded row) or more"),
         (["autoep", "--dispatch", "rank,node"], "--dispatch takes distinct values of rank, assignment"),
         (["autoep", "--dispatch", "rank,rank"], "got rank,rank"),
+        (["autoep", "--ep", "1"], "--dispatch assignment needs --ep 2 or more"),
     ],
 )  # fmt: skip
 def test_benchmark_arguments_are_checked_before_any_process(argv, expect, capsys, monkeypatch):

@@ -172,6 +172,8 @@ def check_args(args) -> str | None:
     if wrong or not args.dispatch or len(set(args.dispatch)) < len(args.dispatch):
         given = ",".join(args.dispatch)
         return f"--dispatch takes distinct values of rank, assignment (comma-separated), got {given}"
+    if args.ep < 2 and "assignment" in args.dispatch:
+        return "--dispatch assignment needs --ep 2 or more (ep 1 dispatches nothing): use --dispatch rank"
     from .autoep_peer import SHAPE
 
     if SHAPE["num_local_experts"] % args.ep:

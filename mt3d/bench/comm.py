@@ -160,7 +160,7 @@ EP_MODEL = dict(hidden=32, expert_ffn=32)
 def ep_worker(ep: int, tokens: int, experts: int, top_k: int, dedup: bool) -> dict:
     """One MoE layer's forward and backward at ep ranks under the recorder, each token sent once per
     rank holding any of its experts (``dedup``) or once per assignment (``parallel.expert_dispatch``
-    "assignment": the build context's ``dispatch_once``). Token i chooses the i-th k-subset
+    "assignment"). Token i chooses the i-th k-subset
     of the experts (all C(E, k) in turn; ``tokens`` a multiple of their count) through a router that
     reads one dimension per expert, so every expert gets the same load and the mean number of ranks a
     token reaches is exactly ``ep_ranks_per_token``'s expectation."""
@@ -181,7 +181,8 @@ def ep_worker(ep: int, tokens: int, experts: int, top_k: int, dedup: bool) -> di
                                      mlp="swiglu", bias=False, moe=moe))  # fmt: skip
     rank = dist.get_rank()
     group = AxisGroup("ep", tuple(range(ep)), rank, dist.new_group(list(range(ep))))
-    layer = SparseMoE(cfg, BuildContext(tp=AxisGroup.alone("tp"), ep=group, dispatch_once=dedup), 0)
+    layer = SparseMoE(cfg, BuildContext(tp=AxisGroup.alone("tp"), ep=group), 0)
+    layer.dedup = dedup  # forced, top-1 included (a config's "rank" at top-1 sends per assignment)
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[:, :e] = 10 * torch.eye(e)
