@@ -160,10 +160,10 @@ EP_MODEL = dict(hidden=32, expert_ffn=32)
 def ep_worker(ep: int, tokens: int, experts: int, top_k: int, dedup: bool) -> dict:
     """One MoE layer's forward and backward at ep ranks under the recorder, each token sent once per
     rank holding any of its experts (``dedup``) or once per assignment (``parallel.expert_dispatch``
-    "assignment"). Token i chooses the i-th k-subset
-    of the experts (all C(E, k) in turn; ``tokens`` a multiple of their count) through a router that
-    reads one dimension per expert, so every expert gets the same load and the mean number of ranks a
-    token reaches is exactly ``ep_ranks_per_token``'s expectation."""
+    "assignment"). Token i chooses the i-th k-subset of the experts (all C(E, k) in turn; ``tokens`` a
+    multiple of their count) through a router that reads one dimension per expert, so every expert gets
+    the same load and the mean number of ranks a token reaches is exactly ``ep_ranks_per_token``'s
+    expectation."""
     import itertools
 
     import torch
